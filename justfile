@@ -1,0 +1,34 @@
+# Daily commands. `just setup` once, then the others.
+venv := ".venv"
+py := venv / "bin/python"
+
+# create the virtual environment and install LiveR with its development tools
+setup:
+    python3.11 -m venv {{venv}}
+    {{venv}}/bin/pip install -e '.[dev]'
+
+# run the whole test suite (what CI runs)
+test *args:
+    {{venv}}/bin/pytest -q {{args}}
+
+# lint and check formatting
+lint:
+    {{venv}}/bin/ruff check .
+    {{venv}}/bin/ruff format --check .
+
+# format the code
+fmt:
+    {{venv}}/bin/ruff check --fix .
+    {{venv}}/bin/ruff format .
+
+# the main job (until `liver demo` lands: the planning benchmark)
+demo:
+    {{venv}}/bin/liver bench plan
+
+# benchmarks: just bench plan [--json]
+bench name *args:
+    {{venv}}/bin/liver bench {{name}} {{args}}
+
+# plan one resize, e.g. just plan --model gpt3-175b --from 8,16,8 --to 8,12,10
+plan *args:
+    {{venv}}/bin/liver plan {{args}}

@@ -1,0 +1,155 @@
+"""Placement of new logical ranks on devices: ETC's cost matrix, solved as an assignment problem.
+
+``cost[j, d]`` estimates what it costs to run new rank ``j`` on device ``d``: the bytes of ``j``'s new
+state that ``d`` does not hold already, with bytes that must cross nodes weighted ``inter_node_weight``
+times more than bytes a neighbour on the same node can provide. The exact bytes a placement moves are
+computed by the planner afterwards; the matrix is only the objective.
+
+Data-parallel replicas hold the same data, so overlap depends only on (stage, TP rank) of the old rank
+on ``d`` and of ``j``: it is computed once per pair of those classes (a few hundred numbers for a
+1,024-rank job) and expanded with numpy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.model import ModelSpec
+from liver.shared.plan import WorldConfig
+from liver.shared.views import holding_stages
+
+from .geometry import overlap_bytes, shard_bytes
+
+DEFAULT_INTER_NODE_WEIGHT = 4.0
+
+
+def class_overlap(
+    model: ModelSpec, old: ParallelLayout, new: ParallelLayout, optimizer: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """``overlap[old stage, old tp, new stage, new tp]``: bytes already in place;
+    ``need_cls[new stage, new tp]``: bytes each new rank holds."""
+    groups: dict[tuple, int] = defaultdict(int)
+    rep = {}
+    for t in model.tensors(optimizer):
+        key = (holding_stages(t, model, old), holding_stages(t, model, new), t.rule, t.shape, t.itemsize)
+        groups[key] += 1
+        rep.setdefault(key, t)
+    overlap = np.zeros((old.pp, old.tp, new.pp, new.tp))
+    need_cls = np.zeros((new.pp, new.tp))
+    for key, count in groups.items():
+        so, sn = key[0], key[1]
+        t = rep[key]
+        m = np.asarray(overlap_bytes(t, model, old.tp, new.tp), dtype=np.float64) * count
+        need = np.array([shard_bytes(t, model, new.tp, q) for q in range(new.tp)], dtype=np.float64) * count
+        for s2 in sn:
+            need_cls[s2] += need
+            for s1 in so:
+                overlap[s1, :, s2, :] += m
+    return overlap, need_cls
+
+
+def rank_order_placement(old: WorldConfig, new_devices: Sequence[Device], new: ParallelLayout) -> Placement:
+    """What a plain restart does: surviving devices keep their old order, added devices follow."""
+    _check_devices(new_devices, new)
+    keep = set(new_devices)
+    ordered = [d for d in old.placement.devices if d in keep]
+    seen = set(ordered)
+    ordered += [d for d in new_devices if d not in seen]
+    return Placement(tuple(ordered))
+
+
+def optimized_placement(
+    model: ModelSpec,
+    old: WorldConfig,
+    new_devices: Sequence[Device],
+    new: ParallelLayout,
+    optimizer: bool = True,
+    inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+) -> Placement:
+    """The placement minimising weighted bytes moved (exact for the cost matrix, via the Hungarian
+    method in ``scipy.optimize.linear_sum_assignment``)."""
+    _check_devices(new_devices, new)
+    cost = cost_matrix(model, old, new_devices, new, optimizer, inter_node_weight)
+    rows, cols = linear_sum_assignment(cost)
+    devices = [None] * len(rows)
+    for j, d in zip(rows, cols):
+        devices[j] = new_devices[d]
+    return Placement(tuple(devices))  # type: ignore[arg-type]
+
+
+def cost_matrix(
+    model: ModelSpec,
+    old: WorldConfig,
+    new_devices: Sequence[Device],
+    new: ParallelLayout,
+    optimizer: bool = True,
+    inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+) -> np.ndarray:
+    """``cost[new rank, device index in new_devices]`` (see the module docstring)."""
+    ol = old.layout
+    overlap, need_cls = class_overlap(model, ol, new, optimizer)
+    n_cls = new.pp * new.tp
+    overlap = overlap.reshape(ol.pp * ol.tp, n_cls)
+    need = need_cls.reshape(n_cls)
+    old_rank = old.placement.rank_on()
+
+    def old_class(d: Device) -> int | None:
+        r = old_rank.get(d)
+        if r is None:
+            return None
+        c = ol.coords(r)
+        return c.pp * ol.tp + c.tp
+
+    node_classes: dict[str, set[int]] = defaultdict(set)
+    for d in old.placement.devices:
+        node_classes[d.node].add(old_class(d))  # type: ignore[arg-type]
+    node_cover = {
+        node: np.minimum(need, overlap[sorted(cls)].sum(axis=0)) for node, cls in node_classes.items()
+    }
+    zero = np.zeros(n_cls)
+    per_device = np.empty((len(new_devices), n_cls))
+    for i, d in enumerate(new_devices):
+        c = old_class(d)
+        local = overlap[c] if c is not None else zero
+        node = np.maximum(node_cover.get(d.node, zero), local)
+        per_device[i] = inter_node_weight * (need - node) + (node - local)
+    cls_of_rank = np.array(
+        [c.pp * new.tp + c.tp for c in (new.coords(r) for r in range(new.world_size))], dtype=np.intp
+    )
+    return per_device[:, cls_of_rank].T
+
+
+def local_lower_bound(
+    model: ModelSpec,
+    old: WorldConfig,
+    new_devices: Sequence[Device],
+    new: ParallelLayout,
+    optimizer: bool = True,
+) -> int:
+    """Bytes that must cross devices under any placement: all new state, less, for each surviving old
+    device, the most any one new rank could find already there (each device hosts one new rank)."""
+    ol = old.layout
+    overlap, need_cls = class_overlap(model, ol, new, optimizer)
+    per_class_best = overlap.reshape(ol.pp * ol.tp, -1).max(axis=1)
+    total_new = float(need_cls.sum()) * new.dp
+    keep = set(new_devices)
+    reusable = 0.0
+    for r, d in enumerate(old.placement.devices):
+        if d in keep:
+            c = ol.coords(r)
+            reusable += per_class_best[c.pp * ol.tp + c.tp]
+    return max(0, int(total_new - reusable))
+
+
+def _check_devices(new_devices: Sequence[Device], new: ParallelLayout) -> None:
+    if len(new_devices) != new.world_size:
+        raise LayoutError(
+            f"layout {new.describe()} needs {new.world_size} devices, {len(new_devices)} were given"
+        )
+    if len(set(new_devices)) != len(new_devices):
+        raise LayoutError("the new device list names a device twice")

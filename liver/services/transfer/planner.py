@@ -1,0 +1,330 @@
+"""The transfer planner: old world + new world -> a verified, coalesced, layer-streamed plan.
+
+Pure computation on metadata (no I/O). The steps:
+
+1. For each layer and each group of its tensors held by the same pipeline stages, and for each new TP
+   rank, the pieces of the new shard with the old TP rank that holds each (``geometry``: once per
+   distinct geometry, not per tensor).
+2. For each new rank that holds the group, one source per piece key: the old rank on the same device
+   if it holds the piece (locality, a copy instead of a send), else a holder on the same node, else the
+   holder that has sent the fewest bytes so far (balance across DP replicas).
+3. Coalescing: all slices one source sends one destination for a layer become one task.
+4. Streaming: per layer, a destination receives at most ``budget_bytes`` over the network per round;
+   bigger layers take several rounds, and a slice bigger than the budget is cut into boxes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from liver.shared.boxes import split, volume
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.model import ModelSpec, TensorSpec
+from liver.shared.plan import Plan, Slice, Task, WorldConfig
+from liver.shared.views import holding_stages
+
+from .geometry import ANY, new_shard_pieces
+from .placement import DEFAULT_INTER_NODE_WEIGHT, local_lower_bound, optimized_placement, rank_order_placement
+
+DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
+
+
+class PlanStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Numbers that describe a plan (all bytes exclude vocabulary padding)."""
+
+    tensors: int
+    slices: int  # non-empty (tensor, source, destination) intersections: tasks before coalescing
+    tasks: int  # coalesced tasks, local ones included
+    messages: int  # coalesced tasks that cross devices
+    rounds: int  # streaming steps (layer, round)
+    bytes_total: int  # the whole new state
+    bytes_local: int  # copied on the same device
+    bytes_moved: int  # sent between devices
+    bytes_inter_node: int  # of which between nodes
+    max_recv_bytes: int  # the most one new rank receives over the whole plan
+    max_round_recv_bytes: int  # the most one new rank receives in one round (<= budget)
+    max_send_bytes: int  # the most one old rank sends
+
+
+def build_plan(
+    model: ModelSpec,
+    old: WorldConfig,
+    new: WorldConfig,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    optimizer: bool = True,
+) -> Plan:
+    """The plan that moves the training state of ``model`` from ``old`` to ``new``."""
+    model.check_layout(old.layout)
+    model.check_layout(new.layout)
+    tensors = model.tensors(optimizer)
+    if budget_bytes < max(t.itemsize for t in tensors):
+        raise ValueError(f"budget_bytes ({budget_bytes}) is smaller than one element")
+    coalesced = _choose_sources(model, tensors, old, new)
+    tasks = _stream(coalesced, tensors, old, new, budget_bytes)
+    return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
+
+
+class _Sources:
+    """Source choice for pieces of one new rank's shard (step 2 of the module docstring)."""
+
+    def __init__(self, old: WorldConfig) -> None:
+        self.layout = old.layout
+        self.coords = [old.layout.coords(r) for r in range(old.layout.world_size)]
+        self.rank_on = old.placement.rank_on()
+        self.on_node: dict[str, list[int]] = defaultdict(list)
+        for r, d in enumerate(old.placement.devices):
+            self.on_node[d.node].append(r)
+        self.sent = [0] * old.layout.world_size
+
+    def choose(self, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int) -> int:
+        r = self.rank_on.get(dev)
+        if r is not None:
+            c = self.coords[r]
+            if c.pp in stages and (key == ANY or c.tp == key):
+                return r
+        best = -1
+        for r in self.on_node.get(dev.node, ()):
+            c = self.coords[r]
+            if (
+                c.pp in stages
+                and (key == ANY or c.tp == key)
+                and (best < 0 or self.sent[r] < self.sent[best])
+            ):
+                best = r
+        if best >= 0:
+            return best
+        lay = self.layout
+        tp = fallback_tp if key == ANY else key
+        for pp in stages:
+            for dp in range(lay.dp):
+                r = lay.rank_of(tp, dp, pp)
+                if best < 0 or self.sent[r] < self.sent[best]:
+                    best = r
+        return best
+
+
+class _Chunk(NamedTuple):
+    """Slices of one new shard that come from one old TP rank (or any), shared by every DP replica and
+    stage that needs them, so the planner never copies or re-measures them."""
+
+    slices: tuple[Slice, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+
+
+def _choose_sources(
+    model: ModelSpec, tensors: tuple[TensorSpec, ...], old: WorldConfig, new: WorldConfig
+) -> dict[tuple[int, int, int], list[_Chunk]]:
+    """``(layer, src, dst) -> chunks``: steps 1-3 of the module docstring."""
+    ol, nl = old.layout, new.layout
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.layer, t.home), []).append(i)
+    sources = _Sources(old)
+    old_dev, new_dev = old.placement.devices, new.placement.devices
+    out: dict[tuple[int, int, int], list[_Chunk]] = defaultdict(list)
+    for (layer, _home), idxs in groups.items():
+        t0 = tensors[idxs[0]]
+        s_old = holding_stages(t0, model, ol)
+        s_new = holding_stages(t0, model, nl)
+        for q in range(nl.tp):
+            parts: dict[int, tuple[list[Slice], list[int]]] = {}
+            for ti in idxs:
+                t = tensors[ti]
+                for key, box in new_shard_pieces(t, model, ol.tp, nl.tp, q):
+                    slices, sizes = parts.setdefault(key, ([], []))
+                    slices.append((ti, box))
+                    sizes.append(volume(box) * t.itemsize)
+            chunks = [(key, _Chunk(tuple(sl), tuple(sz), sum(sz))) for key, (sl, sz) in parts.items()]
+            fallback_tp = q % ol.tp
+            for sp in s_new:
+                for dp in range(nl.dp):
+                    dst = nl.rank_of(q, dp, sp)
+                    dev = new_dev[dst]
+                    for key, chunk in chunks:
+                        src = sources.choose(key, s_old, dev, fallback_tp)
+                        if old_dev[src] != dev:
+                            sources.sent[src] += chunk.nbytes
+                        out[(layer, src, dst)].append(chunk)
+    return out
+
+
+def _flatten(chunks: list[_Chunk]) -> tuple[Slice, ...]:
+    return chunks[0].slices if len(chunks) == 1 else tuple(s for c in chunks for s in c.slices)
+
+
+def _split_rounds(
+    entries: list[list[_Chunk]], budget: int, tensors: tuple[TensorSpec, ...]
+) -> list[list[list[Slice]]]:
+    """For one destination and layer: ``[round][entry] -> slices`` with at most ``budget`` per round."""
+    rounds: list[list[list[Slice]]] = [[[] for _ in entries]]
+    room = budget
+    for e, chunks in enumerate(entries):
+        for chunk in chunks:
+            if chunk.nbytes <= room:
+                rounds[-1][e].extend(chunk.slices)
+                room -= chunk.nbytes
+                continue
+            for (ti, box), size in zip(chunk.slices, chunk.sizes):
+                if size <= budget:
+                    pieces, piece_sizes = [box], [size]
+                else:
+                    item = tensors[ti].itemsize
+                    pieces = split(box, budget // item)
+                    piece_sizes = [volume(p) * item for p in pieces]
+                for piece, psize in zip(pieces, piece_sizes):
+                    if psize > room:
+                        rounds.append([[] for _ in entries])
+                        room = budget
+                    rounds[-1][e].append((ti, piece))
+                    room -= psize
+    return rounds
+
+
+def _stream(
+    coalesced: dict[tuple[int, int, int], list[_Chunk]],
+    tensors: tuple[TensorSpec, ...],
+    old: WorldConfig,
+    new: WorldConfig,
+    budget: int,
+) -> tuple[Task, ...]:
+    """Step 4: split each layer into rounds so no destination receives more than ``budget`` per round.
+
+    Destinations whose incoming chunks are the same objects in the same order (DP replicas of one new
+    stage) share one split, computed once.
+    """
+    old_dev, new_dev = old.placement.devices, new.placement.devices
+    tasks: list[Task] = []
+    remote: dict[tuple[int, int], list[tuple[int, list[_Chunk]]]] = defaultdict(list)
+    for (layer, src, dst), chunks in coalesced.items():
+        if old_dev[src] == new_dev[dst]:
+            tasks.append(Task(layer, 0, src, dst, True, _flatten(chunks), sum(c.nbytes for c in chunks)))
+        else:
+            remote[(layer, dst)].append((src, chunks))
+    split_cache: dict[tuple[tuple[int, ...], ...], list[list[tuple[tuple[Slice, ...], int]]]] = {}
+    for (layer, dst), entries in remote.items():
+        entries.sort(key=lambda e: e[0])
+        if sum(c.nbytes for _src, chunks in entries for c in chunks) <= budget:
+            tasks.extend(
+                Task(layer, 0, src, dst, False, _flatten(ch), sum(c.nbytes for c in ch))
+                for src, ch in entries
+            )
+            continue
+        key = tuple(tuple(id(c) for c in ch) for _src, ch in entries)
+        rounds = split_cache.get(key)
+        if rounds is None:
+            rounds = [
+                [(tuple(sl), sum(volume(b) * tensors[ti].itemsize for ti, b in sl)) for sl in per_entry]
+                for per_entry in _split_rounds([ch for _src, ch in entries], budget, tensors)
+            ]
+            split_cache[key] = rounds
+        for r, per_entry in enumerate(rounds):
+            for (src, _ch), (sl, nb) in zip(entries, per_entry):
+                if sl:
+                    tasks.append(Task(layer, r, src, dst, False, sl, nb))
+    tasks.sort(key=lambda t: (t.layer, t.round, t.src, t.dst))
+    return tuple(tasks)
+
+
+def plan_stats(plan: Plan) -> PlanStats:
+    """Summary numbers of ``plan``."""
+    old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
+    recv: dict[int, int] = defaultdict(int)
+    sent: dict[int, int] = defaultdict(int)
+    round_recv: dict[tuple[int, int, int], int] = defaultdict(int)
+    local = moved = inter = slices = messages = 0
+    rounds = set()
+    for t in plan.tasks:
+        slices += len(t.slices)
+        rounds.add((t.layer, t.round))
+        if t.local:
+            local += t.nbytes
+            continue
+        messages += 1
+        moved += t.nbytes
+        recv[t.dst] += t.nbytes
+        sent[t.src] += t.nbytes
+        round_recv[(t.layer, t.round, t.dst)] += t.nbytes
+        if old_dev[t.src].node != new_dev[t.dst].node:
+            inter += t.nbytes
+    return PlanStats(
+        tensors=len(plan.tensors),
+        slices=slices,
+        tasks=len(plan.tasks),
+        messages=messages,
+        rounds=len(rounds),
+        bytes_total=local + moved,
+        bytes_local=local,
+        bytes_moved=moved,
+        bytes_inter_node=inter,
+        max_recv_bytes=max(recv.values(), default=0),
+        max_round_recv_bytes=max(round_recv.values(), default=0),
+        max_send_bytes=max(sent.values(), default=0),
+    )
+
+
+class ResizePlan(msgspec.Struct, frozen=True, kw_only=True):
+    """A plan with its placement chosen, and what the rank-order placement would have moved."""
+
+    plan: Plan
+    stats: PlanStats
+    rank_order_bytes_moved: int
+    lower_bound_bytes: int
+    plan_seconds: float
+    placement_seconds: float
+
+
+def plan_resize(
+    model: ModelSpec,
+    old: WorldConfig,
+    new_layout: ParallelLayout,
+    new_devices: Sequence[Device],
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    optimizer: bool = True,
+    optimize: bool = True,
+    inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+    compare_rank_order: bool = True,
+) -> ResizePlan:
+    """Place ``new_layout`` on ``new_devices`` and plan the transfer (the transfer service's core)."""
+    model.check_layout(new_layout)
+    if len(new_devices) != new_layout.world_size:
+        raise LayoutError(
+            f"layout {new_layout.describe()} needs {new_layout.world_size} devices, {len(new_devices)} given"
+        )
+    t0 = time.perf_counter()
+    if optimize:
+        placement = optimized_placement(model, old, new_devices, new_layout, optimizer, inter_node_weight)
+    else:
+        placement = rank_order_placement(old, new_devices, new_layout)
+    t1 = time.perf_counter()
+    plan = build_plan(model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer)
+    t2 = time.perf_counter()
+    stats = plan_stats(plan)
+    rank_order_bytes = stats.bytes_moved
+    if optimize and compare_rank_order:
+        baseline = rank_order_placement(old, new_devices, new_layout)
+        if baseline != placement:
+            rank_order_bytes = plan_stats(
+                build_plan(model, old, WorldConfig(new_layout, baseline), budget_bytes, optimizer)
+            ).bytes_moved
+    return ResizePlan(
+        plan=plan,
+        stats=stats,
+        rank_order_bytes_moved=rank_order_bytes,
+        lower_bound_bytes=local_lower_bound(model, old, new_devices, new_layout, optimizer),
+        plan_seconds=t2 - t0,
+        placement_seconds=t1 - t0,
+    )
+
+
+def default_world(layout: ParallelLayout, devices_per_node: int = 8) -> WorldConfig:
+    """A world in rank order on ``ceil(world / devices_per_node)`` nodes named ``node000``..."""
+    from liver.shared.layout import grid_devices
+
+    nodes = -(-layout.world_size // devices_per_node)
+    return WorldConfig(layout, Placement(grid_devices(nodes, devices_per_node)[: layout.world_size]))

@@ -1,0 +1,87 @@
+"""The transfer plan: a contract between the transfer planner (which makes it) and the worker runtime
+(which executes it). See ``docs/plan-format.md`` for the file format.
+
+Ranks in a plan are logical ranks of their own world: ``src`` an old rank, ``dst`` a new rank. The
+placements say which device each one runs on; a task whose source and destination share a device is
+``local`` (a copy, no network).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+
+from liver.shared.boxes import Box, volume
+from liver.shared.layout import ParallelLayout, Placement, check_placement
+from liver.shared.model import ModelSpec, TensorSpec
+
+PLAN_SCHEMA_VERSION = 1
+
+Slice = tuple[int, Box]
+"""``(tensor index into Plan.tensors, global box)``: one hyper-rectangle of one tensor."""
+
+
+class WorldConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A layout and where its ranks run."""
+
+    layout: ParallelLayout
+    placement: Placement
+
+    def __post_init__(self) -> None:
+        check_placement(self.layout, self.placement)
+
+
+class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One coalesced message: everything ``src`` sends ``dst`` for one layer in one streaming round.
+
+    ``nbytes`` is the payload size (sum over slices of elements times item size).
+    """
+
+    layer: int
+    round: int
+    src: int
+    dst: int
+    local: bool
+    slices: tuple[Slice, ...]
+    nbytes: int
+
+
+class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A complete transfer plan. Tasks are sorted by (layer, round, src, dst)."""
+
+    schema_version: int = PLAN_SCHEMA_VERSION
+    model: ModelSpec
+    old: WorldConfig
+    new: WorldConfig
+    tensors: tuple[TensorSpec, ...]
+    budget_bytes: int
+    tasks: tuple[Task, ...]
+
+    def steps(self) -> Iterator[tuple[int, int, list[Task]]]:
+        """``(layer, round, tasks)`` in streaming order."""
+        current: tuple[int, int] | None = None
+        batch: list[Task] = []
+        for task in self.tasks:
+            key = (task.layer, task.round)
+            if key != current:
+                if batch:
+                    assert current is not None
+                    yield current[0], current[1], batch
+                current, batch = key, []
+            batch.append(task)
+        if batch:
+            assert current is not None
+            yield current[0], current[1], batch
+
+    def tasks_of(self, rank_src: int | None = None, rank_dst: int | None = None) -> list[Task]:
+        """The tasks one old rank sends and/or one new rank receives (a worker's part of the plan)."""
+        return [
+            t
+            for t in self.tasks
+            if (rank_src is None or t.src == rank_src) and (rank_dst is None or t.dst == rank_dst)
+        ]
+
+
+def slice_bytes(tensors: tuple[TensorSpec, ...], s: Slice) -> int:
+    return volume(s[1]) * tensors[s[0]].itemsize

@@ -1,0 +1,146 @@
+"""Reading and writing plan files (format: ``docs/plan-format.md``).
+
+The file repeats each rank's old and new box per tensor so that a reader in any language can execute or
+audit a plan without reimplementing the view function. On read those boxes are recomputed and must
+agree: a plan file for a different model or layout is rejected with the tensor and rank named.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from liver.shared.boxes import Box
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import ModelSpec, TensorSpec
+from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, Task, WorldConfig
+from liver.shared.views import view
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be read or does not describe a consistent plan."""
+
+
+class ShardEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """``[tensor index, box or null (padding only), local shape]``."""
+
+    tensor: int
+    box: Box | None
+    local_shape: tuple[int, ...]
+
+
+class RankEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    rank: int
+    device: Device
+    shards: tuple[ShardEntry, ...]
+
+
+class WorldEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    layout: ParallelLayout
+    ranks: tuple[RankEntry, ...]
+
+
+class PlanFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    schema_version: int
+    model: ModelSpec
+    budget_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    old: WorldEntry
+    new: WorldEntry
+    tasks: tuple[Task, ...]
+
+
+def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
+    ranks = tuple(
+        RankEntry(r, dev, _rank_shards(plan, world, r)) for r, dev in enumerate(world.placement.devices)
+    )
+    return WorldEntry(world.layout, ranks)
+
+
+def to_file(plan: Plan) -> PlanFile:
+    return PlanFile(
+        schema_version=plan.schema_version,
+        model=plan.model,
+        budget_bytes=plan.budget_bytes,
+        tensors=plan.tensors,
+        old=_world_entry(plan, plan.old),
+        new=_world_entry(plan, plan.new),
+        tasks=plan.tasks,
+    )
+
+
+def encode_plan(plan: Plan) -> bytes:
+    return msgspec.json.encode(to_file(plan))
+
+
+def write_plan(plan: Plan, path: str) -> None:
+    with open(path, "wb") as fh:
+        fh.write(encode_plan(plan))
+
+
+def decode_plan(data: bytes, source: str = "plan") -> Plan:
+    """Decode and cross-check a plan file; errors name the field or the inconsistent shard."""
+    try:
+        f = msgspec.json.decode(data, type=PlanFile, strict=True)
+    except msgspec.ValidationError as exc:
+        raise PlanFileError(f"{source}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise PlanFileError(f"{source}: not valid JSON ({exc})") from None
+    if f.schema_version != PLAN_SCHEMA_VERSION:
+        raise PlanFileError(
+            f"{source}: schema_version {f.schema_version} is not supported (expected {PLAN_SCHEMA_VERSION})"
+        )
+    try:
+        worlds = []
+        for name, entry in (("old", f.old), ("new", f.new)):
+            f.model.check_layout(entry.layout)
+            placement = Placement(tuple(r.device for r in entry.ranks))
+            world = WorldConfig(entry.layout, placement)
+            for expect, r in enumerate(entry.ranks):
+                if r.rank != expect:
+                    raise PlanFileError(
+                        f"{source}: {name}.ranks[{expect}].rank is {r.rank}, expected {expect}"
+                    )
+            worlds.append(world)
+    except ValueError as exc:
+        if isinstance(exc, PlanFileError):
+            raise
+        raise PlanFileError(f"{source}: {exc}") from None
+    tensors = f.model.tensors(optimizer=any(t.role != "param" for t in f.tensors))
+    if f.tensors != tensors:
+        raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
+    plan = Plan(
+        schema_version=f.schema_version,
+        model=f.model,
+        old=worlds[0],
+        new=worlds[1],
+        tensors=f.tensors,
+        budget_bytes=f.budget_bytes,
+        tasks=f.tasks,
+    )
+    for name, entry, world in (("old", f.old, plan.old), ("new", f.new, plan.new)):
+        for r in entry.ranks:
+            expected = _rank_shards(plan, world, r.rank)
+            if r.shards != expected:
+                raise PlanFileError(
+                    f"{source}: $.{name}.ranks[{r.rank}].shards disagree with the view function "
+                    f"for layout {world.layout.describe()}"
+                )
+    return plan
+
+
+def _rank_shards(plan: Plan, world: WorldConfig, rank: int) -> tuple[ShardEntry, ...]:
+    out = []
+    for ti, t in enumerate(plan.tensors):
+        s = view(t, plan.model, world.layout, rank)
+        if s is not None:
+            out.append(ShardEntry(ti, s.box, s.local_shape))
+    return tuple(out)
+
+
+def read_plan(path: str) -> Plan:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise PlanFileError(f"cannot read plan file {path}: {exc.strerror}") from None
+    return decode_plan(data, source=path)

@@ -1,0 +1,78 @@
+"""The view function: which part of a logical tensor a rank holds, following Megatron-core exactly.
+
+* pipeline: a stage holds whole decoder layers; the embeddings sit on the first stage, the final norm
+  and the output layer on the last; with tied embeddings the last stage holds a replica of the word
+  embeddings (Megatron's ``output_layer`` shares it and checkpoints it under the embedding's key).
+* tensor parallelism: column-parallel weights (QKV, fc1) split dimension 0, row-parallel weights (proj,
+  fc2) dimension 1, SwiGLU's fc1 dimension 1 of its ``[2, ffn, ...]`` view, vocabulary tensors split the
+  padded vocabulary into equal row ranges (rows past the real vocabulary are padding and hold no state);
+  norms and the biases of row-parallel layers are replicated.
+* data parallelism replicates.
+
+A rank's local tensor stores its box starting at local index 0 in every dimension; ``local_shape`` can
+be larger than the box (vocabulary padding) and the box can be empty (a rank holding only padding).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from liver.shared.boxes import Box
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import ModelSpec, TensorSpec
+
+
+class Shard(NamedTuple):
+    """What a rank holds of one tensor: its box of global indices (``None``: padding only)."""
+
+    box: Box | None
+    local_shape: tuple[int, ...]
+
+
+def tp_shard(tensor: TensorSpec, model: ModelSpec, tp: int, tp_rank: int) -> Shard:
+    """The shard of ``tensor`` held by TP rank ``tp_rank`` of ``tp`` (any stage, any DP replica)."""
+    shape = tensor.shape
+    rule = tensor.rule
+    if rule == "replicated" or (tp == 1 and rule != "vocab"):
+        return Shard(tuple((0, n) for n in shape), shape)
+    if rule == "vocab":
+        per = model.padded_vocab(tp) // tp
+        lo = tp_rank * per
+        hi = min(lo + per, shape[0])
+        local = (per, *shape[1:])
+        if lo >= hi:
+            return Shard(None, local)
+        return Shard(((lo, hi), *((0, n) for n in shape[1:])), local)
+    dim = 0 if rule == "column" else 1
+    size = shape[dim] // tp
+    box = tuple((tp_rank * size, (tp_rank + 1) * size) if d == dim else (0, n) for d, n in enumerate(shape))
+    return Shard(box, tuple(hi - lo for lo, hi in box))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_of_layers(layout: ParallelLayout, num_layers: int) -> tuple[int, ...]:
+    return layout.stage_of_layers(num_layers)
+
+
+def holding_stages(tensor: TensorSpec, model: ModelSpec, layout: ParallelLayout) -> tuple[int, ...]:
+    """The pipeline stages whose ranks hold ``tensor``."""
+    last = layout.pp - 1
+    home = tensor.home
+    if home == "layer":
+        return (_stage_of_layers(layout, model.num_layers)[tensor.layer - 1],)
+    if home == "first":
+        return (0,)
+    if home == "last":
+        return (last,)
+    if home == "first+last":
+        return (0,) if last == 0 else (0, last)
+    return tuple(range(layout.pp))
+
+
+def view(tensor: TensorSpec, model: ModelSpec, layout: ParallelLayout, rank: int) -> Shard | None:
+    """The shard ``rank`` holds of ``tensor`` under ``layout``, or ``None`` when its stage holds none."""
+    tp, _dp, pp = layout.coords(rank)
+    if pp not in holding_stages(tensor, model, layout):
+        return None
+    return tp_shard(tensor, model, layout.tp, tp)

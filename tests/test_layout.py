@@ -1,0 +1,76 @@
+"""Layouts: Megatron's rank order, pipeline splits, device specs."""
+
+import pytest
+
+from liver.shared.layout import (
+    Device,
+    LayoutError,
+    ParallelLayout,
+    Placement,
+    default_devices,
+    parse_devices,
+)
+
+
+def test_rank_order_is_tp_fastest_then_dp_then_pp():
+    lay = ParallelLayout(tp=2, pp=2, dp=3)
+    assert lay.rank_of(tp=1, dp=0, pp=0) == 1
+    assert lay.rank_of(tp=0, dp=1, pp=0) == 2
+    assert lay.rank_of(tp=0, dp=0, pp=1) == 6
+
+
+def test_coords_invert_rank_of():
+    lay = ParallelLayout(tp=2, pp=3, dp=2)
+    for r in range(lay.world_size):
+        c = lay.coords(r)
+        assert lay.rank_of(c.tp, c.dp, c.pp) == r
+
+
+def test_even_pipeline_split():
+    assert ParallelLayout(1, 2, 1).stage_of_layers(4) == (0, 0, 1, 1)
+
+
+def test_uneven_pipeline_split_follows_stage_layers():
+    lay = ParallelLayout(1, 3, 1, stage_layers=(1, 3, 2))
+    assert lay.stage_of_layers(6) == (0, 1, 1, 1, 2, 2)
+
+
+def test_uneven_split_without_stage_layers_is_an_error():
+    with pytest.raises(LayoutError, match="do not split evenly"):
+        ParallelLayout(1, 3, 1).layers_per_stage(4)
+
+
+def test_stage_layers_must_sum_to_the_model_layers():
+    with pytest.raises(LayoutError, match="sum to"):
+        ParallelLayout(1, 2, 1, stage_layers=(1, 2)).layers_per_stage(4)
+
+
+@pytest.mark.parametrize("text", ["2,2", "a,b,c", "0,1,1", "2,2,1:1/x"])
+def test_bad_layout_text_is_a_layout_error(text):
+    with pytest.raises(LayoutError):
+        ParallelLayout.parse(text)
+
+
+def test_layout_text_with_uneven_stages():
+    assert ParallelLayout.parse("tp2,pp2,dp1:3/1") == ParallelLayout(2, 2, 1, (3, 1))
+
+
+def test_placement_rejects_a_device_used_twice():
+    with pytest.raises(LayoutError, match="twice"):
+        Placement((Device("n", 0), Device("n", 0)))
+
+
+def test_drop_removes_whole_nodes():
+    devs = default_devices(16, 8)
+    assert parse_devices("drop:node001", devs) == devs[:8]
+
+
+def test_add_appends_new_nodes_with_fresh_names():
+    devs = default_devices(8, 8)
+    new = parse_devices("add:1x8", devs)
+    assert len(new) == 16 and new[8].node == "node001"
+
+
+def test_unknown_node_in_drop_is_named():
+    with pytest.raises(LayoutError, match="node042"):
+        parse_devices("drop:node042", default_devices(8))
