@@ -13,6 +13,14 @@ Logical shapes differ from Megatron's in two documented places:
 * Vocabulary tensors have the real vocabulary size as dimension 0. Megatron pads the vocabulary to a
   multiple of ``make_vocab_size_divisible_by * tp``; the padding rows carry no state, so they are not
   part of the logical tensor (the padding size changes with TP, the logical shape does not).
+
+Decoder-layer names carry the *global* layer index (``decoder.layers.{i}.…``). Megatron's module on a
+later pipeline stage numbers its own layers from 0 in ``named_parameters()``, and its checkpoint keys
+stack all layers under ``decoder.layers.…`` with a leading layer axis (the local layer spec also files
+``input_layernorm``/``pre_mlp_layernorm`` under ``self_attention.linear_qkv.layer_norm_*`` and
+``mlp.linear_fc1.layer_norm_*`` there). Half-precision models hold every parameter in ``params_dtype``,
+as after Megatron's ``Float16Module`` cast (the raw GPTModel creates norms and position embeddings in
+fp32). ``tests/test_views_megatron.py`` checks all of this against ``sharded_state_dict()``.
 """
 
 from __future__ import annotations

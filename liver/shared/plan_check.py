@@ -13,7 +13,6 @@ The worker runtime can run it on its own part of a plan before executing it.
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -22,7 +21,7 @@ import msgspec
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
-from liver.shared.plan import Plan
+from liver.shared.plan import Plan, Slice, Task
 from liver.shared.views import Shard, holding_stages, tp_shard
 
 
@@ -34,30 +33,36 @@ class VerifyReport(msgspec.Struct, frozen=True):
 
 
 class _Views:
-    """Memoised views: many tensors share a geometry, so each distinct one is computed once."""
+    """Every tensor's holding stages and per-TP-rank box, computed up front: tensors that share a
+    geometry share one computation, and lookups in the hot loop are list indexing."""
 
-    def __init__(self, model: ModelSpec, layout: ParallelLayout) -> None:
-        self.model = model
+    def __init__(self, model: ModelSpec, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
         self.layout = layout
-        self._shard = functools.lru_cache(maxsize=None)(self._shard_uncached)
-        self._stages = functools.lru_cache(maxsize=None)(self._stages_uncached)
+        self.coords = [layout.coords(r) for r in range(layout.world_size)]
+        geometry: dict[tuple, list[Shard]] = {}
+        self.stages: list[frozenset[int]] = []
+        self.shards: list[list[Shard]] = []
+        for t in tensors:
+            self.stages.append(frozenset(holding_stages(t, model, layout)))
+            key = (t.rule, t.shape)
+            if key not in geometry:
+                geometry[key] = [tp_shard(t, model, layout.tp, r) for r in range(layout.tp)]
+            self.shards.append(geometry[key])
 
-    def _shard_uncached(self, rule: str, shape: tuple[int, ...], tp_rank: int, t: TensorSpec) -> Shard:
-        return tp_shard(t, self.model, self.layout.tp, tp_rank)
-
-    def _stages_uncached(self, home: str, layer: int, t: TensorSpec) -> tuple[int, ...]:
-        return holding_stages(t, self.model, self.layout)
-
-    def of(self, t: TensorSpec, rank: int) -> Shard | None:
-        tp, _dp, pp = self.layout.coords(rank)
-        if pp not in self._stages(t.home, t.layer if t.home == "layer" else -1, t):
+    def of(self, ti: int, rank: int) -> Shard | None:
+        tp, _dp, pp = self.coords[rank]
+        if pp not in self.stages[ti]:
             return None
-        return self._shard(t.rule, t.shape, tp, t)
+        return self.shards[ti][tp]
 
-    def holders(self, t: TensorSpec) -> list[int]:
+    def holders(self, ti: int) -> list[int]:
         lay = self.layout
-        stages = self._stages(t.home, t.layer if t.home == "layer" else -1, t)
-        return [lay.rank_of(tp, dp, pp) for pp in stages for dp in range(lay.dp) for tp in range(lay.tp)]
+        return [
+            lay.rank_of(tp, dp, pp)
+            for pp in sorted(self.stages[ti])
+            for dp in range(lay.dp)
+            for tp in range(lay.tp)
+        ]
 
 
 class _Enough(Exception):
@@ -90,10 +95,13 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int]) -> None:
     if plan.tensors != model.tensors(optimizer=any(t.role != "param" for t in plan.tensors)):
         fail("the plan's tensor list does not match its model")
         return
-    old_v, new_v = _Views(model, plan.old.layout), _Views(model, plan.new.layout)
+    old_v = _Views(model, plan.old.layout, plan.tensors)
+    new_v = _Views(model, plan.new.layout, plan.tensors)
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
-    tensors = plan.tensors
-    received: dict[tuple[int, int], list[Box]] = defaultdict(list)
+    # Plans share slice tuples between DP replicas and layers of the same shape; a check of the same
+    # tuple between ranks of the same (TP rank, stage) classes gives the same answer, so it runs once.
+    memo: dict[tuple[int, int, int, int, int], int | None] = {}
+    incoming: dict[int, list[tuple[Slice, ...]]] = defaultdict(list)
     round_bytes: dict[tuple[int, int, int], int] = defaultdict(int)
     for task in plan.tasks:
         where = f"task layer {task.layer} round {task.round} {task.src}->{task.dst}"
@@ -102,44 +110,87 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int]) -> None:
             continue
         if task.local != (old_dev[task.src] == new_dev[task.dst]):
             fail(f"{where}: local={task.local} does not match the devices")
-        nbytes = 0
-        for ti, box in task.slices:
-            counts[1] += 1
-            if not 0 <= ti < len(tensors):
-                fail(f"{where}: tensor index {ti} out of range")
-                continue
-            t = tensors[ti]
-            if t.layer != task.layer:
-                fail(f"{where}: {t.name} belongs to layer {t.layer}")
-            src_shard = old_v.of(t, task.src)
-            if src_shard is None or src_shard.box is None or not contains(src_shard.box, box):
-                fail(f"{t.name}: old rank {task.src} does not hold {box}")
-                continue
-            dst_shard = new_v.of(t, task.dst)
-            if dst_shard is None or dst_shard.box is None or not contains(dst_shard.box, box):
-                fail(f"{t.name}: new rank {task.dst} does not need {box}")
-                continue
-            received[(task.dst, ti)].append(box)
-            nbytes += volume(box) * t.itemsize
+        sc, dc = old_v.coords[task.src], new_v.coords[task.dst]
+        key = (id(task.slices), sc.tp, sc.pp, dc.tp, dc.pp)
+        nbytes = memo.get(key, -1)
+        if nbytes is None or nbytes < 0:
+            nbytes = memo[key] = _check_slices(plan, task, old_v, new_v, where, fail)
+        counts[1] += len(task.slices)
+        if nbytes is None:
+            continue
         if nbytes != task.nbytes:
             fail(f"{where}: nbytes is {task.nbytes} but the slices hold {nbytes}")
+        incoming[task.dst].append(task.slices)
         if not task.local:
             round_bytes[(task.layer, task.round, task.dst)] += nbytes
-    cover_cache: dict[tuple[Box, tuple[Box, ...]], str | None] = {}
-    for ti, t in enumerate(tensors):
-        for rank in new_v.holders(t):
-            shard = new_v.of(t, rank)
-            if shard is None or shard.box is None:
-                continue
-            counts[0] += 1
-            key = (shard.box, tuple(received.get((rank, ti), ())))
-            if key not in cover_cache:
-                cover_cache[key] = disjoint_cover(*key)
-            if cover_cache[key] is not None:
-                fail(f"{t.name} on new rank {rank}: {cover_cache[key]}")
+    covered: dict[tuple, list[str]] = {}
+    for rank in range(len(new_dev)):
+        c = new_v.coords[rank]
+        parts = incoming.get(rank, [])
+        key = (c.tp, c.pp, tuple(sorted(map(id, parts))))
+        if key not in covered:
+            covered[key] = _check_cover(plan, new_v, rank, parts, counts)
+        else:
+            counts[0] += covered[key].count("")
+        for reason in covered[key]:
+            if reason:
+                fail(f"new rank {rank}: {reason}")
     for (layer, rnd, dst), nbytes in round_bytes.items():
         if nbytes > plan.budget_bytes:
             fail(
                 f"new rank {dst} receives {nbytes} bytes in layer {layer} round {rnd}, "
                 f"over the staging budget {plan.budget_bytes}"
             )
+
+
+def _check_slices(
+    plan: Plan, task: Task, old_v: _Views, new_v: _Views, where: str, fail: Callable[[str], None]
+) -> int | None:
+    """Bytes of ``task``'s slices when each is held by the source and needed by the destination."""
+    tensors = plan.tensors
+    nbytes = 0
+    ok = True
+    for ti, box in task.slices:
+        if not 0 <= ti < len(tensors):
+            fail(f"{where}: tensor index {ti} out of range")
+            ok = False
+            continue
+        t = tensors[ti]
+        if t.layer != task.layer:
+            fail(f"{where}: {t.name} belongs to layer {t.layer}")
+            ok = False
+        src_shard = old_v.of(ti, task.src)
+        if src_shard is None or src_shard.box is None or not contains(src_shard.box, box):
+            fail(f"{t.name}: old rank {task.src} does not hold {box}")
+            ok = False
+            continue
+        dst_shard = new_v.of(ti, task.dst)
+        if dst_shard is None or dst_shard.box is None or not contains(dst_shard.box, box):
+            fail(f"{t.name}: new rank {task.dst} does not need {box}")
+            ok = False
+            continue
+        nbytes += volume(box) * t.itemsize
+    return nbytes if ok else None
+
+
+def _check_cover(
+    plan: Plan, new_v: _Views, rank: int, parts: list[tuple[Slice, ...]], counts: list[int]
+) -> list[str]:
+    """One entry per shard of ``rank``: ``""`` when covered exactly once, else the reason."""
+    received: dict[int, list[Box]] = defaultdict(list)
+    for slices in parts:
+        for ti, box in slices:
+            received[ti].append(box)
+    out = []
+    for ti, t in enumerate(plan.tensors):
+        shard = new_v.of(ti, rank)
+        if shard is None or shard.box is None:
+            continue
+        counts[0] += 1
+        got = received.get(ti, ())
+        if len(got) == 1 and got[0] == shard.box:
+            out.append("")
+            continue
+        reason = disjoint_cover(shard.box, got)
+        out.append("" if reason is None else f"{t.name}: {reason}")
+    return out

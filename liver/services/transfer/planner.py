@@ -18,11 +18,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import msgspec
 
-from liver.shared.boxes import split, volume
+from liver.shared.boxes import Box, split, volume
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, Slice, Task, WorldConfig
@@ -117,6 +119,24 @@ class _Chunk(NamedTuple):
     nbytes: int
 
 
+def _relative_templates(
+    model: ModelSpec, tensors: tuple[TensorSpec, ...], idxs: list[int], tp_old: int, tp_new: int
+) -> list[list[tuple[int, list[tuple[int, Box]], tuple[int, ...]]]]:
+    """Per new TP rank: ``(piece key, [(tensor offset in group, box)], sizes)``, independent of which
+    layer the group is, so every decoder layer reuses the first one's."""
+    out = []
+    for q in range(tp_new):
+        parts: dict[int, tuple[list[tuple[int, Box]], list[int]]] = {}
+        for off, ti in enumerate(idxs):
+            t = tensors[ti]
+            for key, box in new_shard_pieces(t, model, tp_old, tp_new, q):
+                slices, sizes = parts.setdefault(key, ([], []))
+                slices.append((off, box))
+                sizes.append(volume(box) * t.itemsize)
+        out.append([(key, sl, tuple(sz)) for key, (sl, sz) in parts.items()])
+    return out
+
+
 def _choose_sources(
     model: ModelSpec, tensors: tuple[TensorSpec, ...], old: WorldConfig, new: WorldConfig
 ) -> dict[tuple[int, int, int], list[_Chunk]]:
@@ -127,20 +147,32 @@ def _choose_sources(
         groups.setdefault((t.layer, t.home), []).append(i)
     sources = _Sources(old)
     old_dev, new_dev = old.placement.devices, new.placement.devices
+    templates: dict[tuple, list] = {}
     out: dict[tuple[int, int, int], list[_Chunk]] = defaultdict(list)
     for (layer, _home), idxs in groups.items():
         t0 = tensors[idxs[0]]
         s_old = holding_stages(t0, model, ol)
         s_new = holding_stages(t0, model, nl)
+        signature = tuple((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in idxs)
+        rel = templates.get(signature)
+        if rel is None:
+            rel = templates[signature] = _relative_templates(model, tensors, idxs, ol.tp, nl.tp)
+        base = idxs[0]
+        contiguous = idxs[-1] - base == len(idxs) - 1
         for q in range(nl.tp):
-            parts: dict[int, tuple[list[Slice], list[int]]] = {}
-            for ti in idxs:
-                t = tensors[ti]
-                for key, box in new_shard_pieces(t, model, ol.tp, nl.tp, q):
-                    slices, sizes = parts.setdefault(key, ([], []))
-                    slices.append((ti, box))
-                    sizes.append(volume(box) * t.itemsize)
-            chunks = [(key, _Chunk(tuple(sl), tuple(sz), sum(sz))) for key, (sl, sz) in parts.items()]
+            chunks = [
+                (
+                    key,
+                    _Chunk(
+                        tuple((base + off, box) for off, box in sl)
+                        if contiguous
+                        else tuple((idxs[off], box) for off, box in sl),
+                        sizes,
+                        sum(sizes),
+                    ),
+                )
+                for key, sl, sizes in rel[q]
+            ]
             fallback_tp = q % ol.tp
             for sp in s_new:
                 for dp in range(nl.dp):
@@ -155,35 +187,38 @@ def _choose_sources(
 
 
 def _flatten(chunks: list[_Chunk]) -> tuple[Slice, ...]:
-    return chunks[0].slices if len(chunks) == 1 else tuple(s for c in chunks for s in c.slices)
+    return chunks[0].slices if len(chunks) == 1 else tuple(chain.from_iterable(c.slices for c in chunks))
 
 
 def _split_rounds(
     entries: list[list[_Chunk]], budget: int, tensors: tuple[TensorSpec, ...]
-) -> list[list[list[Slice]]]:
-    """For one destination and layer: ``[round][entry] -> slices`` with at most ``budget`` per round."""
-    rounds: list[list[list[Slice]]] = [[[] for _ in entries]]
+) -> list[list[tuple[tuple[Slice, ...], int]]]:
+    """For one destination and layer: ``[round][entry] -> (slices, bytes)``, at most ``budget`` a round."""
+    rounds: list[list[tuple[list[Slice], list[int]]]] = [[([], [0]) for _ in entries]]
     room = budget
     for e, chunks in enumerate(entries):
         for chunk in chunks:
             if chunk.nbytes <= room:
-                rounds[-1][e].extend(chunk.slices)
+                sl, nb = rounds[-1][e]
+                sl.extend(chunk.slices)
+                nb[0] += chunk.nbytes
                 room -= chunk.nbytes
                 continue
             for (ti, box), size in zip(chunk.slices, chunk.sizes):
                 if size <= budget:
-                    pieces, piece_sizes = [box], [size]
+                    pieces: list[tuple[Box, int]] = [(box, size)]
                 else:
                     item = tensors[ti].itemsize
-                    pieces = split(box, budget // item)
-                    piece_sizes = [volume(p) * item for p in pieces]
-                for piece, psize in zip(pieces, piece_sizes):
+                    pieces = [(p, volume(p) * item) for p in split(box, budget // item)]
+                for piece, psize in pieces:
                     if psize > room:
-                        rounds.append([[] for _ in entries])
+                        rounds.append([([], [0]) for _ in entries])
                         room = budget
-                    rounds[-1][e].append((ti, piece))
+                    sl, nb = rounds[-1][e]
+                    sl.append((ti, piece))
+                    nb[0] += psize
                     room -= psize
-    return rounds
+    return [[(tuple(sl), nb[0]) for sl, nb in per_entry] for per_entry in rounds]
 
 
 def _stream(
@@ -208,26 +243,22 @@ def _stream(
             remote[(layer, dst)].append((src, chunks))
     split_cache: dict[tuple[tuple[int, ...], ...], list[list[tuple[tuple[Slice, ...], int]]]] = {}
     for (layer, dst), entries in remote.items():
-        entries.sort(key=lambda e: e[0])
+        entries.sort(key=itemgetter(0))
         if sum(c.nbytes for _src, chunks in entries for c in chunks) <= budget:
             tasks.extend(
                 Task(layer, 0, src, dst, False, _flatten(ch), sum(c.nbytes for c in ch))
                 for src, ch in entries
             )
             continue
-        key = tuple(tuple(id(c) for c in ch) for _src, ch in entries)
+        key = tuple(tuple(map(id, ch)) for _src, ch in entries)
         rounds = split_cache.get(key)
         if rounds is None:
-            rounds = [
-                [(tuple(sl), sum(volume(b) * tensors[ti].itemsize for ti, b in sl)) for sl in per_entry]
-                for per_entry in _split_rounds([ch for _src, ch in entries], budget, tensors)
-            ]
-            split_cache[key] = rounds
+            rounds = split_cache[key] = _split_rounds([ch for _src, ch in entries], budget, tensors)
         for r, per_entry in enumerate(rounds):
             for (src, _ch), (sl, nb) in zip(entries, per_entry):
                 if sl:
                     tasks.append(Task(layer, r, src, dst, False, sl, nb))
-    tasks.sort(key=lambda t: (t.layer, t.round, t.src, t.dst))
+    tasks.sort(key=attrgetter("layer", "round", "src", "dst"))
     return tuple(tasks)
 
 

@@ -1,0 +1,552 @@
+"""Every message on LiveR's bus, as msgspec Structs encoded as JSON.
+
+Each message names who publishes it and who consumes it. All of them carry ``kind`` (the tag that lets
+one subject carry several kinds and makes a captured message self-describing), ``schema_version``
+(:data:`SCHEMA_VERSION`; a decoder refuses any other), the ``job_id``, and the event id of the trigger
+and/or a generation id.
+
+Field types carry their constraints (msgspec ``Meta``), so decoding with :func:`liver.shared.codec.decode`
+checks ids, counts and durations; checks that involve several fields run in ``_validate`` and raise
+``ValueError("`field`: reason")`` so that the codec can name the field. Constructing a message in Python
+runs only the cross-field checks; the per-field constraints are enforced where input crosses a trust
+boundary, which is the decoder.
+
+Generations are integers: 0 is the world the job started with and every commit adds one, so "newer"
+is a comparison and a stale ack is recognisable at a glance.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from typing import Annotated, Final, Literal
+
+import msgspec
+from msgspec import Meta
+
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
+from liver.shared.model import ModelSpec
+from liver.shared.subjects import TOKEN_PATTERN
+
+SCHEMA_VERSION: Final = 1
+"""The bus contract's version. Bump it on any incompatible change to any message."""
+
+NODE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,252}$"
+"""Node ids only travel in bodies, never in subjects, so they may be DNS names or provider ids
+(``ip-10-0-1-7.ec2.internal``, ``aws:///us-east-1a/i-0abc``)."""
+
+_NODE = re.compile(NODE_PATTERN)
+
+JobId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe job id")]
+EventId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe id of the triggering event")]
+WorkerId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe id of a worker process")]
+Token = Annotated[str, Meta(pattern=TOKEN_PATTERN)]
+NodeId = Annotated[str, Meta(pattern=NODE_PATTERN, description="provider's node id")]
+Generation = Annotated[int, Meta(ge=0, description="0 = the initial world; +1 per commit")]
+DeviceIndex = Annotated[int, Meta(ge=0)]
+Count = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[int, Meta(ge=0)]
+Bytes = Annotated[int, Meta(ge=0)]
+Iteration = Annotated[int, Meta(ge=0)]
+Seconds = Annotated[float, Meta(ge=0)]
+Timestamp = Annotated[datetime, Meta(tz=True, description="RFC 3339 with a timezone")]
+Reason = Annotated[str, Meta(min_length=1, max_length=2000)]
+Explanation = Annotated[str, Meta(min_length=1, max_length=20000)]
+Provider = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,64}$", description="aws, gcp, azure, manual, ...")]
+Address = Annotated[str, Meta(pattern=r"^\S{1,250}:[0-9]{1,5}$", description="host:port")]
+ObjectName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_=/.-]{1,255}$")]
+
+TriggerKind = Literal["spot_warning", "scale_request"]
+WorkerPhase = Literal["preparing", "ready", "switched", "aborted", "failed"]
+HandoffPhase = Literal["prepare", "ready", "switch"]
+AbortOutcome = Literal["kept_old_world", "checkpoint_fallback"]
+
+
+def _invalid(field: str, reason: str) -> ValueError:
+    """The error cross-field checks raise; the codec turns the backquoted field into a path."""
+    return ValueError(f"`{field}`: {reason}")
+
+
+def _check_devices(devices: tuple[Device, ...], field: str) -> None:
+    """Layout's Device is a plain contract type; bus input must also have sane node ids and indices."""
+    seen: set[Device] = set()
+    for i, device in enumerate(devices):
+        if device.index < 0:
+            raise _invalid(f"{field}[{i}].index", f"must be >= 0, got {device.index}")
+        if not isinstance(device.node, str) or _NODE.match(device.node) is None:
+            raise _invalid(f"{field}[{i}].node", f"{str(device.node)[:100]!r} is not a valid node id")
+        if device in seen:
+            raise _invalid(f"{field}[{i}]", f"device {device} appears twice")
+        seen.add(device)
+
+
+def _check_world(layout: ParallelLayout, placement: Placement, field: str) -> None:
+    _check_devices(placement.devices, f"{field}.devices")
+    try:
+        check_placement(layout, placement)
+    except LayoutError as exc:
+        raise _invalid(field, str(exc)) from None
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+    """Base of every bus message: the schema version check and the cross-field validation hook."""
+
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.schema_version != SCHEMA_VERSION:
+            raise _invalid("schema_version", f"expected {SCHEMA_VERSION}, got {self.schema_version}")
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-field checks; raise :func:`_invalid` naming the field."""
+
+
+class Part(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A value nested inside messages (no tag, no version of its own)."""
+
+
+# -- public: resize events from outside -----------------------------------------------------------
+
+
+class SpotWarning(Message, kw_only=True, tag="spot_warning"):
+    """A node of the job will be reclaimed.
+
+    Published on ``spot.warning`` by a cloud-provider bridge (or an operator, or a test); consumed by
+    the ingester. ``notice_s`` counts from publication (the stream's timestamp); give ``deadline``
+    instead (or as well) when the provider states an absolute time: the earlier of the two counts.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    node: NodeId
+    provider: Provider
+    notice_s: Seconds | None = None
+    deadline: Timestamp | None = None
+
+    def _validate(self) -> None:
+        if self.notice_s is None and self.deadline is None:
+            raise _invalid("notice_s", "give notice_s or deadline (or both)")
+
+    def effective_deadline(self, published_at: datetime) -> datetime:
+        """The moment the node is gone, given when the warning was published."""
+        candidates = [d for d in (self.deadline,) if d is not None]
+        if self.notice_s is not None:
+            candidates.append(published_at + timedelta(seconds=self.notice_s))
+        return min(candidates)
+
+
+class NodeDevices(Part):
+    """A node and the device indices on it that the job may use."""
+
+    node: NodeId
+    devices: Annotated[tuple[DeviceIndex, ...], Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        if len(set(self.devices)) != len(self.devices):
+            raise _invalid("devices", f"indices repeat: {list(self.devices)}")
+
+    def as_devices(self) -> tuple[Device, ...]:
+        return tuple(Device(self.node, i) for i in self.devices)
+
+
+class ScaleRequest(Message, kw_only=True, tag="scale_request"):
+    """A planned change: nodes to add and/or remove, or a target device count (not both).
+
+    Published on ``scale.request`` by an operator or autoscaler; consumed by the ingester. Removal is
+    per node because capacity is returned per machine; additions name the usable devices because a
+    node may come with a device held back.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    reason: Reason
+    add: tuple[NodeDevices, ...] = ()
+    remove: tuple[NodeId, ...] = ()
+    target_devices: Count | None = None
+
+    def _validate(self) -> None:
+        by_nodes = bool(self.add or self.remove)
+        if by_nodes == (self.target_devices is not None):
+            raise _invalid(
+                "target_devices", "give either nodes to add/remove or target_devices, exactly one of them"
+            )
+        added: set[str] = set()
+        for i, entry in enumerate(self.add):
+            if entry.node in added:
+                raise _invalid(f"add[{i}].node", f"node {entry.node!r} listed twice")
+            added.add(entry.node)
+        removed: set[str] = set()
+        for i, node in enumerate(self.remove):
+            if node in removed:
+                raise _invalid(f"remove[{i}]", f"node {node!r} listed twice")
+            if node in added:
+                raise _invalid(f"remove[{i}]", f"node {node!r} is both added and removed")
+            removed.add(node)
+
+
+# -- internal: control-plane pipeline ---------------------------------------------------------------
+
+
+class ResizeRequested(Message, kw_only=True, tag="resize_requested"):
+    """A validated, de-duplicated resize of one job, resolved to devices.
+
+    Published on ``liver.resize.requested.<job>`` by the ingester (after mapping nodes to the job's
+    workers through the coordinator's membership); consumed by the topology planner and the
+    coordinator (which queues it while a handoff runs). ``keep`` are the current world's devices that
+    stay, ``remove`` those that go, ``add`` new ones; with ``target_devices`` the planner chooses.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    trigger: TriggerKind
+    generation: Generation
+    reason: Reason
+    keep: tuple[Device, ...] = ()
+    remove: tuple[Device, ...] = ()
+    add: tuple[Device, ...] = ()
+    target_devices: Count | None = None
+    deadline: Timestamp | None = None
+
+    def _validate(self) -> None:
+        for field in ("keep", "remove", "add"):
+            _check_devices(getattr(self, field), field)
+        if not (self.remove or self.add or self.target_devices is not None):
+            raise _invalid("remove", "nothing to change: no device removed or added and no target")
+        owner: dict[Device, str] = {}
+        for field in ("keep", "remove", "add"):
+            for i, device in enumerate(getattr(self, field)):
+                if device in owner:
+                    raise _invalid(f"{field}[{i}]", f"device {device} is also in {owner[device]}")
+                owner[device] = field
+
+
+class Candidate(Part):
+    """One layout the topology planner considered, with its score under the planner's cost model."""
+
+    layout: ParallelLayout
+    score: Annotated[float, Meta(ge=0)]
+    """Estimated throughput (higher is better); 0 for a layout that does not fit."""
+    fits: bool
+    bytes_moved: Bytes | None = None
+    memory_bytes: Bytes | None = None
+    """Estimated peak memory per device."""
+    note: Annotated[str, Meta(max_length=500)] = ""
+
+
+class TopologyPlanned(Message, kw_only=True, tag="topology_planned"):
+    """The target world of a resize: layout, placement of ranks on devices, and why.
+
+    Published on ``liver.topology.planned.<job>`` by the topology planner; consumed by the transfer
+    planner and the coordinator. It carries the model and the current world too, so the transfer
+    planner can plan from this message alone (and a replay of the stream can re-plan).
+    """
+
+    job_id: JobId
+    event_id: EventId
+    from_generation: Generation
+    generation: Generation
+    model: ModelSpec
+    from_layout: ParallelLayout
+    from_placement: Placement
+    layout: ParallelLayout
+    placement: Placement
+    candidates: Annotated[tuple[Candidate, ...], Meta(min_length=1)]
+    explanation: Explanation
+    deadline: Timestamp | None = None
+
+    def _validate(self) -> None:
+        if self.generation <= self.from_generation:
+            raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
+        _check_world(self.from_layout, self.from_placement, "from_placement")
+        _check_world(self.layout, self.placement, "placement")
+
+
+class ObjectRef(Part):
+    """Where a payload too large for a message lives in the JetStream object store."""
+
+    bucket: Token
+    name: ObjectName
+    size: Bytes
+    digest: Annotated[str, Meta(min_length=1, max_length=200)] | None = None
+    """The object store's digest (``SHA-256=...``), checked by the reader."""
+
+
+class WorkerPlanRef(Part):
+    """One device's part of a plan (what it sends as an old rank, what it receives as a new rank)."""
+
+    device: Device
+    ref: ObjectRef
+
+
+class PlanSummary(Part):
+    """The numbers that say what a plan costs, for logs, the coordinator's deadline check and benches."""
+
+    tasks: NonNegative
+    tasks_coalesced: NonNegative
+    rounds: NonNegative
+    bytes_moved: Bytes
+    bytes_local: Bytes
+    bytes_rank_order: Bytes
+    """What a plain rank-order placement would have moved: the placement optimisation's baseline."""
+    lower_bound_bytes: Bytes
+    max_receive_bytes: Bytes
+    verified: bool
+    plan_seconds: Seconds
+
+
+class TransferPlanned(Message, kw_only=True, tag="transfer_planned"):
+    """A verified transfer plan is stored; here is where each device finds its part.
+
+    Published on ``liver.transfer.planned.<job>`` by the transfer planner; consumed by the coordinator,
+    which hands each worker its reference in :class:`Prepare`.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    from_generation: Generation
+    generation: Generation
+    plan: ObjectRef
+    workers: tuple[WorkerPlanRef, ...]
+    summary: PlanSummary
+    deadline: Timestamp | None = None
+
+    def _validate(self) -> None:
+        if self.generation <= self.from_generation:
+            raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
+        _check_devices(tuple(w.device for w in self.workers), "workers")
+
+
+# -- internal: workers ------------------------------------------------------------------------------
+
+
+class WorkerPresence(Message, kw_only=True):
+    """Fields shared by Hello and Heartbeat: enough for a restarted coordinator to rebuild membership."""
+
+    job_id: JobId
+    worker_id: WorkerId
+    device: Device
+    address: Address
+    """Where the worker's data plane listens (``host:port``)."""
+    generation: Generation | None = None
+    """The generation whose world the worker is in; ``None`` for a new worker not yet in any world."""
+    rank: NonNegative | None = None
+    """The worker's rank in that generation's world."""
+
+    def _validate(self) -> None:
+        _check_devices((self.device,), "device")
+        if (self.generation is None) != (self.rank is None):
+            raise _invalid("rank", "rank and generation are given together or not at all")
+
+
+class Hello(WorkerPresence, kw_only=True, tag="worker_hello"):
+    """A worker process started (or reconnected) and can be given work.
+
+    Published on ``liver.worker.hello.<job>`` by the worker companion; consumed by the coordinator
+    (membership) and, through it, the ingester (node -> workers).
+    """
+
+    memory_bytes: Bytes | None = None
+    """Device memory the worker may use; the topology planner's memory model needs it."""
+
+
+class Heartbeat(WorkerPresence, kw_only=True, tag="worker_heartbeat"):
+    """The worker is alive; where it is in training.
+
+    Published on ``liver.worker.heartbeat.<job>`` by the worker companion every few seconds; consumed by
+    the coordinator. ``seq`` restarts at 0 with the process, which tells a restart from a lost beat.
+    """
+
+    seq: NonNegative
+    iteration: Iteration | None = None
+
+
+class Prepare(Message, kw_only=True, tag="prepare"):
+    """Build the shadow world of ``generation`` and fetch your part of the plan; then report ready.
+
+    Published on ``liver.worker.cmd.<job>.<worker>`` by the coordinator (each worker gets its own
+    plan reference); consumed by the worker companion. Nothing of the active world may change (I4).
+    """
+
+    job_id: JobId
+    event_id: EventId
+    from_generation: Generation
+    generation: Generation
+    layout: ParallelLayout
+    placement: Placement
+    plan: ObjectRef
+    staging_bytes: Count
+    deadline: Timestamp
+
+    def _validate(self) -> None:
+        if self.generation <= self.from_generation:
+            raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
+        _check_world(self.layout, self.placement, "placement")
+
+
+class Switch(Message, kw_only=True, tag="switch"):
+    """Every worker is ready: at the next agreed iteration boundary, move the state and switch.
+
+    Published on ``liver.worker.cmd.<job>`` (all workers at once) by the coordinator; consumed by the
+    worker companion.
+    """
+
+    job_id: JobId
+    generation: Generation
+    deadline: Timestamp
+
+
+class Abort(Message, kw_only=True, tag="abort"):
+    """Drop the shadow world of ``generation`` and keep training on the active one.
+
+    Published on ``liver.worker.cmd.<job>`` or a worker's own command subject by the coordinator;
+    consumed by the worker companion. Aborting a generation the worker never prepared is a no-op.
+    """
+
+    job_id: JobId
+    generation: Generation
+    reason: Reason
+
+
+WorkerCommand = Prepare | Switch | Abort
+"""What may arrive on a worker's command subjects; decode with ``decode(data, WorkerCommand)``."""
+
+
+class WorkerStatus(Message, kw_only=True, tag="worker_status"):
+    """A worker's ack of a command: which generation, which phase it reached, or what failed.
+
+    Published on ``liver.worker.status.<job>`` by the worker companion; consumed by the coordinator,
+    which ignores acks of any generation but the pending one (a stale ack cannot advance a handoff).
+    ``iteration`` is the cut the switch happened at; the byte and pause figures feed
+    ``GenerationCommitted``.
+    """
+
+    job_id: JobId
+    worker_id: WorkerId
+    generation: Generation
+    phase: WorkerPhase
+    error: Reason | None = None
+    iteration: Iteration | None = None
+    bytes_sent: Bytes | None = None
+    bytes_received: Bytes | None = None
+    pause_s: Seconds | None = None
+
+    def _validate(self) -> None:
+        if self.phase == "failed" and self.error is None:
+            raise _invalid("error", "a failed phase must say what failed")
+        if self.error is not None and self.phase not in ("failed", "aborted"):
+            raise _invalid("error", f"phase {self.phase!r} cannot carry an error")
+
+
+# -- public: outcomes -------------------------------------------------------------------------------
+
+
+class GenerationCommitted(Message, kw_only=True, tag="generation_committed"):
+    """A new generation is live.
+
+    Published on ``generation.committed`` by the coordinator after its compare-and-set on the job's
+    generation record won (with ``Nats-Msg-Id`` = job and generation, so a retry is harmless); consumed
+    by users, dashboards, the workers (leaving workers exit) and the benchmarks.
+    ``placement.devices[r]`` is the device of rank ``r``.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    """The event that triggered this handoff."""
+    previous_generation: Generation
+    generation: Generation
+    layout: ParallelLayout
+    placement: Placement
+    started_at_iteration: Iteration
+    downtime_s: Seconds
+    bytes_moved: Bytes
+    committed_at: Timestamp
+
+    def _validate(self) -> None:
+        if self.generation <= self.previous_generation:
+            raise _invalid("generation", f"{self.generation} must be after {self.previous_generation}")
+        _check_world(self.layout, self.placement, "placement")
+
+    def rank_to_device(self) -> dict[int, Device]:
+        return dict(enumerate(self.placement.devices))
+
+
+class GenerationAborted(Message, kw_only=True, tag="generation_aborted"):
+    """A handoff did not commit: why, in which phase, and what the job does instead.
+
+    Published on ``generation.aborted`` by the coordinator; consumed by users, dashboards and the
+    benchmarks. With ``kept_old_world`` training continues on ``active_generation`` untouched (I4);
+    with ``checkpoint_fallback`` ranks of the old world were lost and the job restarts from
+    ``checkpoint``.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    generation: Generation
+    """The generation that did not commit."""
+    active_generation: Generation
+    phase: HandoffPhase
+    reason: Reason
+    outcome: AbortOutcome
+    aborted_at: Timestamp
+    checkpoint: Annotated[str, Meta(min_length=1, max_length=1000)] | None = None
+
+    def _validate(self) -> None:
+        if self.outcome == "kept_old_world":
+            if self.active_generation >= self.generation:
+                raise _invalid(
+                    "active_generation",
+                    f"the kept world {self.active_generation} must be older than {self.generation}",
+                )
+            if self.checkpoint is not None:
+                raise _invalid("checkpoint", "only a checkpoint fallback names a checkpoint")
+
+
+# -- internal: errors --------------------------------------------------------------------------------
+
+PayloadEncoding = Literal["utf-8", "base64"]
+
+
+class ErrorEvent(Message, kw_only=True, tag="error"):
+    """A service rejected a message: where, which field, why, and the payload as received.
+
+    Published on ``liver.errors.<service>`` by any service that rejects input (the raw message also
+    goes to ``liver.dlq.<service>``); consumed by operators and tests. ``job_id`` and ``event_id`` are
+    filled when they could be read from the payload. The payload is kept as text when it is UTF-8,
+    otherwise base64, cut to a bounded size (the dead-letter copy is complete).
+    """
+
+    source: Token
+    subject: Annotated[str, Meta(min_length=1, max_length=1000)]
+    field: Annotated[str, Meta(min_length=1, max_length=1000)]
+    """``$`` for the whole message, ``$.add[0].node`` for a nested field."""
+    message: Reason
+    payload: str
+    payload_encoding: PayloadEncoding
+    payload_size: Bytes
+    payload_truncated: bool
+    at: Timestamp
+    job_id: JobId | None = None
+    event_id: EventId | None = None
+    stream_sequence: Count | None = None
+
+
+BusMessage = (
+    SpotWarning
+    | ScaleRequest
+    | ResizeRequested
+    | TopologyPlanned
+    | TransferPlanned
+    | Hello
+    | Heartbeat
+    | Prepare
+    | Switch
+    | Abort
+    | WorkerStatus
+    | GenerationCommitted
+    | GenerationAborted
+    | ErrorEvent
+)
+"""Any message, told apart by ``kind``: for tools that read several subjects."""
+
+MESSAGE_TYPES: Final = BusMessage.__args__
