@@ -1,0 +1,477 @@
+"""Bus messages: every type survives encode/decode, and every kind of bad input is named by field."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from liver.shared import messages as m
+from liver.shared.codec import ERROR_PAYLOAD_LIMIT, MessageError, decode, encode, error_event
+from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
+from liver.shared.model import PRESETS
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+OLD = ParallelLayout(tp=2, pp=2, dp=2)
+NEW = ParallelLayout(tp=2, pp=3, dp=1)
+OLD_PLACEMENT = Placement(grid_devices(2, 4))
+NEW_PLACEMENT = Placement(grid_devices(2, 4)[:6])
+REF = m.ObjectRef(bucket="liver-plans", name="job-1/1/plan", size=12345, digest="SHA-256=abc")
+
+
+def samples() -> dict[type, m.Message]:
+    """One fully populated instance of every bus message type."""
+    return {
+        m.SpotWarning: m.SpotWarning(
+            job_id="job-1",
+            event_id="evt-1",
+            node="ip-10-0-1-7.ec2.internal",
+            provider="aws",
+            notice_s=120.0,
+            deadline=NOW,
+        ),
+        m.ScaleRequest: m.ScaleRequest(
+            job_id="job-1",
+            event_id="evt-2",
+            reason="nightly scale-out",
+            add=(m.NodeDevices(node="node002", devices=(0, 1, 2, 3)),),
+            remove=("node001",),
+        ),
+        m.ResizeRequested: m.ResizeRequested(
+            job_id="job-1",
+            event_id="evt-1",
+            trigger="spot_warning",
+            generation=0,
+            reason="node001 reclaimed by aws",
+            keep=OLD_PLACEMENT.devices[:4],
+            remove=OLD_PLACEMENT.devices[4:],
+            add=(Device("node002", 0),),
+            deadline=NOW,
+        ),
+        m.TopologyPlanned: m.TopologyPlanned(
+            job_id="job-1",
+            event_id="evt-1",
+            from_generation=0,
+            generation=1,
+            model=PRESETS["gpt3-175b"],
+            from_layout=OLD,
+            from_placement=OLD_PLACEMENT,
+            layout=NEW,
+            placement=NEW_PLACEMENT,
+            candidates=(
+                m.Candidate(layout=NEW, score=10.5, fits=True, bytes_moved=10**9, memory_bytes=8 * 2**30),
+                m.Candidate(layout=ParallelLayout(6, 1, 1), score=0.0, fits=False, note="heads % 6 != 0"),
+            ),
+            explanation="TP2,PP3,DP1 keeps TP inside a node and moves the fewest bytes",
+            deadline=NOW,
+        ),
+        m.TransferPlanned: m.TransferPlanned(
+            job_id="job-1",
+            event_id="evt-1",
+            from_generation=0,
+            generation=1,
+            plan=REF,
+            workers=(m.WorkerPlanRef(device=Device("node000", 0), ref=REF),),
+            summary=m.PlanSummary(
+                tasks=120,
+                tasks_coalesced=40,
+                rounds=3,
+                bytes_moved=10**9,
+                bytes_local=5 * 10**8,
+                bytes_rank_order=2 * 10**9,
+                lower_bound_bytes=9 * 10**8,
+                max_receive_bytes=10**8,
+                verified=True,
+                plan_seconds=0.04,
+            ),
+        ),
+        m.Hello: m.Hello(
+            job_id="job-1",
+            worker_id="w-0",
+            device=Device("node000", 0),
+            address="10.0.0.1:29500",
+            generation=0,
+            rank=0,
+            memory_bytes=80 * 2**30,
+        ),
+        m.Heartbeat: m.Heartbeat(
+            job_id="job-1",
+            worker_id="w-0",
+            device=Device("node000", 0),
+            address="[::1]:29500",
+            seq=7,
+            iteration=1234,
+        ),
+        m.Prepare: m.Prepare(
+            job_id="job-1",
+            event_id="evt-1",
+            from_generation=0,
+            generation=1,
+            layout=NEW,
+            placement=NEW_PLACEMENT,
+            plan=REF,
+            staging_bytes=256 * 2**20,
+            deadline=NOW,
+        ),
+        m.Switch: m.Switch(job_id="job-1", generation=1, deadline=NOW),
+        m.Abort: m.Abort(job_id="job-1", generation=1, reason="node002 reclaimed during prepare"),
+        m.WorkerStatus: m.WorkerStatus(
+            job_id="job-1",
+            worker_id="w-0",
+            generation=1,
+            phase="switched",
+            iteration=1235,
+            bytes_sent=10**6,
+            bytes_received=2 * 10**6,
+            pause_s=0.8,
+        ),
+        m.GenerationCommitted: m.GenerationCommitted(
+            job_id="job-1",
+            event_id="evt-1",
+            previous_generation=0,
+            generation=1,
+            layout=NEW,
+            placement=NEW_PLACEMENT,
+            started_at_iteration=1235,
+            downtime_s=0.8,
+            bytes_moved=10**9,
+            committed_at=NOW,
+        ),
+        m.GenerationAborted: m.GenerationAborted(
+            job_id="job-1",
+            event_id="evt-1",
+            generation=1,
+            active_generation=0,
+            phase="prepare",
+            reason="deadline passed before every worker was ready",
+            outcome="kept_old_world",
+            aborted_at=NOW,
+        ),
+        m.ErrorEvent: m.ErrorEvent(
+            source="ingester",
+            subject="spot.warning",
+            field="$.notice_s",
+            message="Expected `float` >= 0.0",
+            payload='{"notice_s": -1}',
+            payload_encoding="utf-8",
+            payload_size=16,
+            payload_truncated=False,
+            at=NOW,
+            job_id="job-1",
+            stream_sequence=42,
+        ),
+    }
+
+
+def payload(msg: m.Message, **changes: Any) -> bytes:
+    """The message's JSON with fields replaced (``None`` deletes a field): a hand-made bad publisher."""
+    obj = json.loads(encode(msg))
+    for key, value in changes.items():
+        if value is None:
+            obj.pop(key)
+        else:
+            obj[key] = value
+    return json.dumps(obj).encode()
+
+
+def rejected(data: bytes | str, into: Any) -> MessageError:
+    with pytest.raises(MessageError) as info:
+        decode(data, into)
+    return info.value
+
+
+def rejection_event(data: bytes) -> m.ErrorEvent:
+    """What the ingester would publish for ``data`` arriving on ``spot.warning``."""
+    return error_event(
+        source="ingester", subject="spot.warning", data=data, error=rejected(data, m.SpotWarning)
+    )
+
+
+SPOT = samples()[m.SpotWarning]
+SCALE = samples()[m.ScaleRequest]
+
+
+# -- round trips --------------------------------------------------------------------------------------
+
+
+def test_every_message_type_has_a_sample() -> None:
+    assert set(samples()) == set(m.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("kind", m.MESSAGE_TYPES, ids=lambda t: t.__name__)
+def test_every_message_survives_encode_then_decode(kind: type[m.Message]) -> None:
+    msg = samples()[kind]
+    assert decode(encode(msg), kind) == msg
+
+
+@pytest.mark.parametrize("kind", m.MESSAGE_TYPES, ids=lambda t: t.__name__)
+def test_every_message_is_told_apart_by_its_kind_in_the_bus_union(kind: type[m.Message]) -> None:
+    msg = samples()[kind]
+    assert decode(encode(msg), m.BusMessage) == msg
+
+
+@pytest.mark.parametrize("kind", m.MESSAGE_TYPES, ids=lambda t: t.__name__)
+def test_every_message_carries_its_schema_version_and_job(kind: type[m.Message]) -> None:
+    obj = json.loads(encode(samples()[kind]))
+    assert obj["schema_version"] == m.SCHEMA_VERSION
+    assert "job_id" in obj
+    assert "event_id" in obj or "generation" in obj
+
+
+def test_worker_commands_decode_to_their_own_kind() -> None:
+    for kind in (m.Prepare, m.Switch, m.Abort):
+        assert type(decode(encode(samples()[kind]), m.WorkerCommand)) is kind
+
+
+def test_a_publisher_outside_liver_may_leave_out_the_kind_of_a_single_type_subject() -> None:
+    assert decode(payload(SPOT, kind=None), m.SpotWarning) == SPOT
+
+
+def test_a_deadline_in_another_timezone_means_the_same_instant() -> None:
+    data = payload(SPOT, deadline="2026-01-02T05:04:05+02:00")
+    assert decode(data, m.SpotWarning).deadline == NOW
+
+
+# -- each kind of bad input names its field -------------------------------------------------------------
+
+
+def test_malformed_json_is_rejected_at_the_root() -> None:
+    error = rejected(b'{"job_id": "job-1",', m.SpotWarning)
+    assert error.path == "$"
+    assert "malformed JSON" in error.reason
+
+
+def test_a_payload_that_is_not_an_object_is_rejected_at_the_root() -> None:
+    error = rejected(b"[1, 2]", m.SpotWarning)
+    assert (error.path, error.reason) == ("$", "Expected `object`, got `array`")
+
+
+def test_a_wrong_type_names_the_field() -> None:
+    error = rejected(payload(SPOT, node=7), m.SpotWarning)
+    assert (error.path, error.reason) == ("$.node", "Expected `str`, got `int`")
+    assert "$.node" in str(error)
+
+
+def test_a_missing_field_names_the_field() -> None:
+    error = rejected(payload(SPOT, node=None), m.SpotWarning)
+    assert error.path == "$.node"
+    assert "missing required field" in error.reason
+
+
+def test_an_unknown_field_names_the_field() -> None:
+    error = rejected(payload(SPOT, zone="us-east-1a"), m.SpotWarning)
+    assert error.path == "$.zone"
+    assert "unknown field" in error.reason
+
+
+def test_an_unknown_field_inside_a_nested_value_names_its_full_path() -> None:
+    data = payload(SCALE, add=[{"node": "node002", "devices": [0], "zone": "b"}])
+    assert rejected(data, m.ScaleRequest).path == "$.add[0].zone"
+
+
+def test_another_schema_version_is_refused_before_any_other_field() -> None:
+    data = payload(SPOT, schema_version=2, brand_new_field=True)
+    error = rejected(data, m.SpotWarning)
+    assert error.path == "$.schema_version"
+    assert "unsupported schema version 2" in error.reason
+
+
+def test_a_missing_schema_version_is_refused() -> None:
+    assert rejected(payload(SPOT, schema_version=None), m.SpotWarning).path == "$.schema_version"
+
+
+@pytest.mark.parametrize("bad", ["", "job 1", "job.1", "job*", "job>", "jöb", "j" * 129])
+def test_an_id_that_is_not_token_safe_is_refused(bad: str) -> None:
+    error = rejected(payload(SPOT, job_id=bad), m.SpotWarning)
+    assert error.path == "$.job_id"
+    assert "token-safe id" in error.reason
+
+
+def test_a_negative_notice_is_refused() -> None:
+    error = rejected(payload(SPOT, notice_s=-1), m.SpotWarning)
+    assert (error.path, error.reason) == ("$.notice_s", "Expected `float` >= 0.0")
+
+
+def test_a_target_of_zero_devices_is_refused() -> None:
+    data = payload(SCALE, add=[], remove=[], target_devices=0)
+    assert rejected(data, m.ScaleRequest).path == "$.target_devices"
+
+
+def test_a_deadline_without_a_timezone_is_refused() -> None:
+    error = rejected(payload(SPOT, deadline="2026-01-02T03:04:05"), m.SpotWarning)
+    assert error.path == "$.deadline"
+    assert "timezone" in error.reason
+
+
+def test_a_message_of_another_kind_is_refused_by_its_kind() -> None:
+    assert rejected(encode(SCALE), m.SpotWarning).path == "$.kind"
+
+
+def test_an_unknown_worker_command_is_refused_by_its_kind() -> None:
+    data = payload(samples()[m.Switch], kind="reboot")
+    error = rejected(data, m.WorkerCommand)
+    assert error.path == "$.kind"
+    assert error.expected == "Prepare | Switch | Abort"
+
+
+def test_a_worker_command_without_its_kind_is_refused() -> None:
+    assert rejected(payload(samples()[m.Switch], kind=None), m.WorkerCommand).path == "$.kind"
+
+
+def test_an_impossible_nested_layout_names_the_layout() -> None:
+    data = payload(samples()[m.Prepare], layout={"tp": 0, "pp": 1, "dp": 1})
+    error = rejected(data, m.Prepare)
+    assert error.path == "$.layout"
+    assert "tp must be at least 1" in error.reason
+
+
+# -- checks across fields ---------------------------------------------------------------------------
+
+
+def test_a_spot_warning_needs_a_notice_or_a_deadline() -> None:
+    error = rejected(payload(SPOT, notice_s=None, deadline=None), m.SpotWarning)
+    assert error.path == "$.notice_s"
+
+
+def test_a_scale_request_gives_nodes_or_a_target_not_both() -> None:
+    error = rejected(payload(SCALE, target_devices=8), m.ScaleRequest)
+    assert error.path == "$.target_devices"
+    assert "exactly one" in error.reason
+
+
+def test_a_node_cannot_be_added_and_removed_at_once() -> None:
+    data = payload(SCALE, remove=["node002"])
+    assert rejected(data, m.ScaleRequest).path == "$.remove[0]"
+
+
+def test_an_added_node_cannot_list_a_device_twice() -> None:
+    data = payload(SCALE, add=[{"node": "node002", "devices": [0, 0]}])
+    assert rejected(data, m.ScaleRequest).path == "$.add[0].devices"
+
+
+def test_a_device_with_a_bad_node_id_names_its_position() -> None:
+    resize = samples()[m.ResizeRequested]
+    data = payload(resize, add=[{"node": "node 2", "index": 0}])
+    error = rejected(data, m.ResizeRequested)
+    assert error.path == "$.add[0].node"
+
+
+def test_a_device_cannot_both_stay_and_go() -> None:
+    resize = samples()[m.ResizeRequested]
+    data = payload(resize, remove=[{"node": "node000", "index": 0}])
+    assert rejected(data, m.ResizeRequested).path == "$.remove[0]"
+
+
+def test_a_placement_must_fit_its_layout() -> None:
+    committed = samples()[m.GenerationCommitted]
+    data = payload(committed, placement={"devices": [{"node": "node000", "index": 0}]})
+    error = rejected(data, m.GenerationCommitted)
+    assert error.path == "$.placement"
+    assert "needs 6 devices" in error.reason
+
+
+def test_a_new_generation_must_come_after_the_old_one() -> None:
+    data = payload(samples()[m.GenerationCommitted], generation=0)
+    assert rejected(data, m.GenerationCommitted).path == "$.generation"
+
+
+def test_a_failed_worker_must_say_what_failed() -> None:
+    data = payload(samples()[m.WorkerStatus], phase="failed")
+    assert rejected(data, m.WorkerStatus).path == "$.error"
+
+
+def test_keeping_the_old_world_names_no_checkpoint() -> None:
+    data = payload(samples()[m.GenerationAborted], checkpoint="/ckpt/step-1000")
+    assert rejected(data, m.GenerationAborted).path == "$.checkpoint"
+
+
+def test_a_checkpoint_fallback_may_name_its_checkpoint() -> None:
+    data = payload(
+        samples()[m.GenerationAborted], outcome="checkpoint_fallback", checkpoint="/ckpt/step-1000"
+    )
+    assert decode(data, m.GenerationAborted).checkpoint == "/ckpt/step-1000"
+
+
+def test_cross_field_checks_also_guard_construction_in_python() -> None:
+    with pytest.raises(ValueError, match="notice_s"):
+        m.SpotWarning(job_id="job-1", event_id="evt-1", node="n", provider="aws")
+
+
+def test_decode_refuses_a_type_that_is_not_a_bus_message() -> None:
+    with pytest.raises(TypeError):
+        decode(b"{}", ParallelLayout)
+
+
+# -- behaviour of individual messages -------------------------------------------------------------------
+
+
+def test_the_earlier_of_notice_and_deadline_is_the_effective_deadline() -> None:
+    warning = m.SpotWarning(
+        job_id="job-1", event_id="evt-1", node="n", provider="gcp", notice_s=30, deadline=NOW
+    )
+    assert warning.effective_deadline(NOW - timedelta(seconds=60)) == NOW - timedelta(seconds=30)
+    assert warning.effective_deadline(NOW) == NOW
+
+
+def test_an_added_node_expands_to_its_devices() -> None:
+    entry = m.NodeDevices(node="node002", devices=(0, 3))
+    assert entry.as_devices() == (Device("node002", 0), Device("node002", 3))
+
+
+def test_the_committed_generation_maps_ranks_to_devices() -> None:
+    committed = samples()[m.GenerationCommitted]
+    assert committed.rank_to_device()[5] == NEW_PLACEMENT.devices[5]
+
+
+# -- error events for rejected input ----------------------------------------------------------------------
+
+
+def test_an_error_event_names_the_field_and_keeps_a_text_payload_as_text() -> None:
+    data = payload(SPOT, notice_s=-5)
+    event = error_event(
+        source="ingester", subject="spot.warning", data=data, error=rejected(data, m.SpotWarning)
+    )
+    assert (event.field, event.payload_encoding, event.payload) == ("$.notice_s", "utf-8", data.decode())
+    assert (event.job_id, event.event_id) == ("job-1", "evt-1")
+    assert decode(encode(event), m.ErrorEvent) == event
+
+
+def test_an_error_event_keeps_a_binary_payload_as_base64() -> None:
+    data = b"\xff\xfe\x00garbage"
+    event = error_event(
+        source="ingester", subject="spot.warning", data=data, error=rejected(data, m.SpotWarning)
+    )
+    assert event.payload_encoding == "base64"
+    assert base64.b64decode(event.payload) == data
+    assert event.job_id is None
+
+
+def test_an_error_event_cuts_a_large_payload_and_says_so() -> None:
+    data = b'{"job_id": "' + b"x" * (2 * ERROR_PAYLOAD_LIMIT) + b'"}'
+    event = error_event(
+        source="ingester", subject="spot.warning", data=data, error=rejected(data, m.SpotWarning)
+    )
+    assert event.payload_truncated
+    assert event.payload_size == len(data)
+    assert len(event.payload) == ERROR_PAYLOAD_LIMIT
+
+
+def test_an_error_event_leaves_out_ids_that_are_not_token_safe() -> None:
+    data = payload(SPOT, job_id="job 1")
+    event = error_event(
+        source="ingester", subject="spot.warning", data=data, error=rejected(data, m.SpotWarning)
+    )
+    assert event.job_id is None
+    assert event.event_id == "evt-1"
+
+
+def test_an_error_event_for_a_huge_unknown_field_name_stays_decodable() -> None:
+    data = payload(SPOT, **{"z" * 5000: 1})
+    event = error_event(
+        source="ingester", subject="spot.warning", data=data, error=rejected(data, m.SpotWarning)
+    )
+    assert event.field.startswith("$.zzz")
+    assert decode(encode(event), m.ErrorEvent) == event
