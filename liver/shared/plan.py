@@ -32,7 +32,7 @@ class WorldConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         check_placement(self.layout, self.placement)
 
 
-class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, order=True):
     """One coalesced message: everything ``src`` sends ``dst`` for one layer in one streaming round.
 
     ``nbytes`` is the payload size (sum over slices of elements times item size).

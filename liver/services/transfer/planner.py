@@ -15,11 +15,12 @@ Pure computation on metadata (no I/O). The steps:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import NamedTuple
 
 import msgspec
@@ -190,35 +191,89 @@ def _flatten(chunks: list[_Chunk]) -> tuple[Slice, ...]:
     return chunks[0].slices if len(chunks) == 1 else tuple(chain.from_iterable(c.slices for c in chunks))
 
 
-def _split_rounds(
+Segment = tuple[int, int, int, int]
+"""``(chunk, first slice, end slice, -1)`` for whole slices, or ``(chunk, slice, first piece, end piece)``
+for pieces of a slice bigger than the budget."""
+
+
+def _split_pattern(
     entries: list[list[_Chunk]], budget: int, tensors: tuple[TensorSpec, ...]
-) -> list[list[tuple[tuple[Slice, ...], int]]]:
-    """For one destination and layer: ``[round][entry] -> (slices, bytes)``, at most ``budget`` a round."""
-    rounds: list[list[tuple[list[Slice], list[int]]]] = [[([], [0]) for _ in entries]]
+) -> list[list[list[Segment]]]:
+    """For one destination and layer: ``[round][entry] -> segments``, at most ``budget`` bytes a round.
+
+    The pattern depends only on the slices' sizes and shapes, which every decoder layer of the same
+    shape shares, so it is computed once per distinct layer shape and stamped onto the others.
+    """
+    rounds: list[list[list[Segment]]] = [[[] for _ in entries]]
     room = budget
     for e, chunks in enumerate(entries):
-        for chunk in chunks:
+        for c, chunk in enumerate(chunks):
             if chunk.nbytes <= room:
-                sl, nb = rounds[-1][e]
-                sl.extend(chunk.slices)
-                nb[0] += chunk.nbytes
+                rounds[-1][e].append((c, 0, len(chunk.sizes), -1))
                 room -= chunk.nbytes
                 continue
-            for (ti, box), size in zip(chunk.slices, chunk.sizes):
+            for i, size in enumerate(chunk.sizes):
                 if size <= budget:
-                    pieces: list[tuple[Box, int]] = [(box, size)]
-                else:
-                    item = tensors[ti].itemsize
-                    pieces = [(p, volume(p) * item) for p in split(box, budget // item)]
-                for piece, psize in pieces:
-                    if psize > room:
-                        rounds.append([([], [0]) for _ in entries])
+                    if size > room:
+                        rounds.append([[] for _ in entries])
                         room = budget
-                    sl, nb = rounds[-1][e]
-                    sl.append((ti, piece))
-                    nb[0] += psize
+                    segs = rounds[-1][e]
+                    if segs and segs[-1][0] == c and segs[-1][3] == -1 and segs[-1][2] == i:
+                        segs[-1] = (c, segs[-1][1], i + 1, -1)
+                    else:
+                        segs.append((c, i, i + 1, -1))
+                    room -= size
+                    continue
+                ti, box = chunk.slices[i]
+                for k, psize in enumerate(_piece_sizes(box, tensors[ti].itemsize, budget)):
+                    if psize > room:
+                        rounds.append([[] for _ in entries])
+                        room = budget
+                    segs = rounds[-1][e]
+                    if segs and segs[-1][:2] == (c, i) and segs[-1][3] == k:
+                        segs[-1] = (c, i, segs[-1][2], k + 1)
+                    else:
+                        segs.append((c, i, k, k + 1))
                     room -= psize
-    return [[(tuple(sl), nb[0]) for sl, nb in per_entry] for per_entry in rounds]
+    return rounds
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(box: Box, itemsize: int, budget: int) -> tuple[Box, ...]:
+    return tuple(split(box, budget // itemsize))
+
+
+def _piece_sizes(box: Box, itemsize: int, budget: int) -> list[int]:
+    return [volume(p) * itemsize for p in _pieces(box, itemsize, budget)]
+
+
+def _materialise(
+    pattern: list[list[list[Segment]]],
+    entries: list[list[_Chunk]],
+    tensors: tuple[TensorSpec, ...],
+    budget: int,
+) -> list[list[tuple[tuple[Slice, ...], int]]]:
+    """Turn a split pattern into ``[round][entry] -> (slices, bytes)`` for these chunks."""
+    out = []
+    for per_entry in pattern:
+        row = []
+        for e, segs in enumerate(per_entry):
+            slices: list[Slice] = []
+            nbytes = 0
+            for c, a, b, k in segs:
+                chunk = entries[e][c]
+                if k == -1:
+                    slices.extend(chunk.slices[a:b])
+                    nbytes += sum(chunk.sizes[a:b])
+                else:
+                    ti, box = chunk.slices[a]
+                    item = tensors[ti].itemsize
+                    pieces = _pieces(box, item, budget)[b:k]
+                    slices.extend((ti, p) for p in pieces)
+                    nbytes += sum(volume(p) for p in pieces) * item
+            row.append((tuple(slices), nbytes))
+        out.append(row)
+    return out
 
 
 def _stream(
@@ -231,7 +286,7 @@ def _stream(
     """Step 4: split each layer into rounds so no destination receives more than ``budget`` per round.
 
     Destinations whose incoming chunks are the same objects in the same order (DP replicas of one new
-    stage) share one split, computed once.
+    stage) share one split; layers of the same shape share one split pattern.
     """
     old_dev, new_dev = old.placement.devices, new.placement.devices
     tasks: list[Task] = []
@@ -241,7 +296,8 @@ def _stream(
             tasks.append(Task(layer, 0, src, dst, True, _flatten(chunks), sum(c.nbytes for c in chunks)))
         else:
             remote[(layer, dst)].append((src, chunks))
-    split_cache: dict[tuple[tuple[int, ...], ...], list[list[tuple[tuple[Slice, ...], int]]]] = {}
+    patterns: dict[tuple, list[list[list[Segment]]]] = {}
+    splits: dict[tuple, list[list[tuple[tuple[Slice, ...], int]]]] = {}
     for (layer, dst), entries in remote.items():
         entries.sort(key=itemgetter(0))
         if sum(c.nbytes for _src, chunks in entries for c in chunks) <= budget:
@@ -250,15 +306,21 @@ def _stream(
                 for src, ch in entries
             )
             continue
-        key = tuple(tuple(map(id, ch)) for _src, ch in entries)
-        rounds = split_cache.get(key)
+        chunk_lists = [ch for _src, ch in entries]
+        key = tuple(tuple(map(id, ch)) for ch in chunk_lists)
+        rounds = splits.get(key)
         if rounds is None:
-            rounds = split_cache[key] = _split_rounds([ch for _src, ch in entries], budget, tensors)
+            # Chunks of equal shape share their sizes tuple (it comes from the layer-independent template).
+            shape_key = tuple(tuple(id(c.sizes) for c in ch) for ch in chunk_lists)
+            pattern = patterns.get(shape_key)
+            if pattern is None:
+                pattern = patterns[shape_key] = _split_pattern(chunk_lists, budget, tensors)
+            rounds = splits[key] = _materialise(pattern, chunk_lists, tensors, budget)
         for r, per_entry in enumerate(rounds):
             for (src, _ch), (sl, nb) in zip(entries, per_entry):
                 if sl:
                     tasks.append(Task(layer, r, src, dst, False, sl, nb))
-    tasks.sort(key=attrgetter("layer", "round", "src", "dst"))
+    tasks.sort()  # Task orders by (layer, round, src, dst): unique per plan, so slices never compare
     return tuple(tasks)
 
 

@@ -1,0 +1,122 @@
+"""The topology planner's throughput model: seconds per training step of a layout, and tokens/s.
+
+Deliberately simple (``docs/topology-model.md`` has the derivation and what it leaves out): it only has
+to rank layouts of one job against each other, not predict wall-clock time.
+
+* **compute**: ``6 N`` FLOPs per token (``8 N`` with full recomputation), spread over every device, at
+  ``peak_flops * achievable_fraction``; an uneven pipeline split runs at the pace of its largest stage.
+* **tensor parallelism**: four all-reduces of a micro-batch's activations per layer (two forward, two
+  backward; six with full recomputation), ring cost ``2 (t-1)/t`` of the bytes, over NVLink when a TP
+  group sits on one node and over the network otherwise. Not overlapped with compute.
+* **pipeline**: one activation forward and one gradient backward per micro-batch and stage boundary;
+  the 1F1B bubble stretches the pipelined work by ``(m + pp - 1) / m`` with ``m`` micro-batches per DP
+  rank, i.e. the bubble is ``(pp - 1) / (m + pp - 1)`` of the step.
+* **data parallelism**: a ring all-reduce of the largest rank's gradients, ``2 (dp-1)/dp`` of the bytes
+  over the slowest link of the group (the network as soon as the job spans nodes). Not overlapped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import DTYPE_BYTES, ModelSpec
+
+from .memory import HardwareProfile, TrainingSetup, grad_bytes_per_rank
+
+
+class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Seconds per step, by term, for one layout."""
+
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float
+    micro_batches: int
+    tokens_per_step: int
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.bubble_s + self.dp_comm_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    @functools.lru_cache(maxsize=64)
+def _parameter_count(model: ModelSpec) -> int:
+    return model.parameter_count()
+
+
+def bubble_fraction(self) -> float:
+        return self.bubble_s / self.step_s
+
+
+@functools.lru_cache(maxsize=64)
+def _parameter_count(model: ModelSpec) -> int:
+    return model.parameter_count()
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The share of 1F1B's pipelined time spent idle: ``(pp - 1) / (m + pp - 1)``."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def ring_all_reduce_s(nbytes: float, ranks: int, bandwidth: float) -> float:
+    """A bandwidth-bound ring all-reduce: each rank sends and receives ``2 (n-1)/n`` of the data."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def step_cost(
+    model: ModelSpec,
+    setup: TrainingSetup,
+    hardware: HardwareProfile,
+    layout: ParallelLayout,
+    *,
+    tp_within_node: bool,
+    single_node: bool,
+) -> StepCost:
+    """The estimated step time of ``layout`` (see the module docstring).
+
+    ``tp_within_node``: every TP group runs on one node; ``single_node``: the whole world does (then
+    data- and pipeline-parallel traffic stays on the node's links too).
+    """
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    micro_batches = setup.global_batch_size // (dp * setup.micro_batch_size)
+    tokens = setup.tokens_per_step
+    flops_per_token = (8 if setup.recompute == "full" else 6) * _parameter_count(model)
+    stage_layers = layout.layers_per_stage(model.num_layers)
+    imbalance = max(stage_layers) * pp / model.num_layers
+    rate = hardware.peak_flops * hardware.achievable_fraction
+    compute = flops_per_token * tokens / layout.world_size / rate * imbalance
+
+    e = DTYPE_BYTES[model.params_dtype]
+    act_bytes = setup.tokens_per_micro_batch * model.hidden_size * e
+    tp_bw = hardware.intra_node_bandwidth if tp_within_node else hardware.inter_node_bandwidth
+    net_bw = hardware.intra_node_bandwidth if single_node else hardware.inter_node_bandwidth
+    reductions = 6 if setup.recompute == "full" else 4
+    tp_comm = max(stage_layers) * micro_batches * reductions * ring_all_reduce_s(act_bytes, tp, tp_bw)
+
+    pp_comm = 0.0
+    if pp > 1:
+        boundary = act_bytes / (tp if setup.sequence_parallel else 1)
+        pp_comm = 2 * micro_batches * boundary / net_bw
+
+    pipelined = compute + tp_comm + pp_comm
+    bubble = pipelined * (pp - 1) / micro_batches
+    dp_comm = ring_all_reduce_s(grad_bytes_per_rank(model, setup, layout), dp, net_bw)
+    return StepCost(
+        compute_s=compute,
+        tp_comm_s=tp_comm,
+        pp_comm_s=pp_comm,
+        bubble_s=bubble,
+        dp_comm_s=dp_comm,
+        micro_batches=micro_batches,
+        tokens_per_step=tokens,
+    )

@@ -1,0 +1,317 @@
+"""The topology planner's memory model: what one device holds at the peak of a training step.
+
+The numbers follow what Megatron-core allocates with the layout's view function, so they agree with
+the transfer planner about which rank holds what (``docs/topology-model.md`` derives every term):
+
+* **training state** per rank: every tensor of :meth:`ModelSpec.tensors` (parameters, fp32 master
+  weights when the parameters are 16-bit, both Adam moments, the step counter) that the rank's pipeline
+  stage holds, at its *allocated* TP shard size (vocabulary tensors include Megatron's padding rows);
+* **gradients**: one buffer per parameter (Megatron's ``main_grad``), fp32 by default;
+* **activations** of 1F1B: pipeline stage ``s`` of ``pp`` keeps ``min(pp - s, m)`` micro-batches
+  in flight (the first stage the most), each holding its layers' saved activations; the last stage
+  also holds one micro-batch's logits (16-bit) and their fp32 softmax for the loss;
+* a **safety margin**: a fraction of device memory plus a fixed reserve (CUDA context, NCCL buffers,
+  allocator fragmentation) and LiveR's transfer staging buffer are not available to training.
+
+Data parallelism replicates everything (no distributed optimizer), as the view function does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Annotated, Literal, NamedTuple
+
+import msgspec
+from msgspec import Meta
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import DTYPE_BYTES, ModelSpec
+from liver.shared.views import tp_shard
+
+GiB = 1024**3
+
+Recompute = Literal["none", "selective", "full"]
+
+
+class SetupError(ValueError):
+    """A training setup or hardware profile that the planner cannot reason about."""
+
+
+class TrainingSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How the job trains: batch geometry and the memory-saving options that change activations.
+
+    The optimizer is Adam; its precision follows ``ModelSpec.params_dtype`` (16-bit parameters carry an
+    fp32 master copy, fp32 parameters do not), exactly as :meth:`ModelSpec.tensors` lists the state.
+    """
+
+    global_batch_size: Annotated[int, Meta(ge=1)]
+    micro_batch_size: Annotated[int, Meta(ge=1)] = 1
+    sequence_length: Annotated[int, Meta(ge=1)]
+    sequence_parallel: bool = True
+    """Megatron's sequence parallelism: activations outside the TP-split matmuls are split over TP too."""
+    recompute: Recompute = "selective"
+    """``selective`` (or flash attention): no ``s x s`` attention scores are kept; ``full``: only each
+    layer's input is kept and the layer is recomputed in the backward pass."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron keeps and all-reduces gradients of 16-bit parameters in fp32 (``main_grad``)."""
+
+    def __post_init__(self) -> None:
+        for field in ("global_batch_size", "micro_batch_size", "sequence_length"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise SetupError(f"{field} must be an integer of at least 1, got {value!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise SetupError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise SetupError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
+
+    def check_model(self, model: ModelSpec) -> None:
+        """Raise :class:`SetupError` when ``model`` cannot train on sequences of this length."""
+        if (
+            model.position_embedding == "learned_absolute"
+            and self.sequence_length > model.max_sequence_length
+        ):
+            raise SetupError(
+                f"sequence_length ({self.sequence_length}) exceeds the model's learned position "
+                f"embeddings (max_sequence_length={model.max_sequence_length})"
+            )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.sequence_length
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.sequence_length
+
+
+class HardwareProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One device type and its links. Bandwidths are effective bytes/s per device, per direction."""
+
+    name: str
+    memory_bytes: Annotated[int, Meta(ge=1)]
+    peak_flops: Annotated[float, Meta(gt=0)]
+    """Dense peak of the training dtype (bf16 tensor cores on a GPU)."""
+    achievable_fraction: Annotated[float, Meta(gt=0, le=1)]
+    """Model FLOP utilisation a well-tuned job reaches; compute time uses ``peak * fraction``."""
+    intra_node_bandwidth: Annotated[float, Meta(gt=0)]
+    inter_node_bandwidth: Annotated[float, Meta(gt=0)]
+    memory_margin: Annotated[float, Meta(ge=0, lt=1)] = 0.1
+    """Fraction of device memory kept free for allocator fragmentation and temporary buffers."""
+    reserved_bytes: Annotated[int, Meta(ge=0)] = 0
+    """Fixed memory training cannot use: CUDA context, NCCL communicators and workspaces."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("memory_bytes", self.memory_bytes > 0),
+            ("peak_flops", self.peak_flops > 0),
+            ("achievable_fraction", 0 < self.achievable_fraction <= 1),
+            ("intra_node_bandwidth", self.intra_node_bandwidth > 0),
+            ("inter_node_bandwidth", self.inter_node_bandwidth > 0),
+            ("memory_margin", 0 <= self.memory_margin < 1),
+            ("reserved_bytes", self.reserved_bytes >= 0),
+        )
+        for field, ok in checks:
+            if not ok:
+                raise SetupError(f"{field} is out of range: {getattr(self, field)!r}")
+
+    def usable_bytes(self, staging_bytes: int = 0) -> int:
+        """Memory left for training state and activations after the margin, the reserve and LiveR's
+        transfer staging buffer (I2: the one extra allocation a handoff makes)."""
+        return int(self.memory_bytes * (1 - self.memory_margin)) - self.reserved_bytes - staging_bytes
+
+
+H100_80GB = HardwareProfile(
+    name="h100-80gb",
+    memory_bytes=80 * GiB,
+    peak_flops=989e12,  # H100 SXM dense BF16
+    achievable_fraction=0.4,  # typical Megatron MFU for large GPT models
+    intra_node_bandwidth=360e9,  # NVLink 4: 450 GB/s per direction, ~80% as NCCL bus bandwidth
+    inter_node_bandwidth=45e9,  # one 400 Gb/s NDR port per GPU (50 GB/s), ~90% achieved
+    memory_margin=0.1,
+    reserved_bytes=2 * GiB,
+)
+"""A DGX-H100-like node: 8 GPUs on NVLink, one InfiniBand NIC per GPU."""
+
+CPU_SMALL = HardwareProfile(
+    name="cpu-small",
+    memory_bytes=4 * GiB,
+    peak_flops=50e9,  # a few AVX2 cores in fp32
+    achievable_fraction=0.5,
+    intra_node_bandwidth=5e9,  # gloo over loopback / shared memory
+    inter_node_bandwidth=1.25e9,  # 10 GbE
+    memory_margin=0.1,
+    reserved_bytes=256 * 1024**2,
+)
+"""A gloo worker process on a CPU host: for tests and the demo."""
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100_80GB, CPU_SMALL)}
+
+
+class StageMemory(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Peak bytes on one device of one pipeline stage (every TP rank and DP replica is alike)."""
+
+    stage: int
+    layers: int
+    state_bytes: int  # parameters, master weights, Adam moments, step counter
+    grad_bytes: int
+    activation_bytes: int
+    in_flight: int  # micro-batches whose activations are alive at the peak
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.grad_bytes + self.activation_bytes
+
+
+class MemoryEstimate(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    stages: tuple[StageMemory, ...]
+    usable_bytes: int
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: (s.total_bytes, -s.stage))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+
+class _StateByHome(NamedTuple):
+    """State and gradient bytes of one TP rank, split by where the pipeline keeps them."""
+
+    layer_state: tuple[int, ...]  # per decoder layer
+    layer_grad: tuple[int, ...]
+    home_state: dict[str, int]  # "first", "last", "first+last", "all"
+    home_grad: dict[str, int]
+
+
+@functools.lru_cache(maxsize=256)
+def _state_by_home(model: ModelSpec, tp: int, grad_reduce_in_fp32: bool) -> _StateByHome:
+    """Bytes of every tensor at its allocated TP shard size (every TP rank allocates the same shape:
+    vocabulary shards are padded, the others split evenly)."""
+    grad_item = 4 if grad_reduce_in_fp32 else DTYPE_BYTES[model.params_dtype]
+    layer_state = [0] * model.num_layers
+    layer_grad = [0] * model.num_layers
+    home_state = dict.fromkeys(("first", "last", "first+last", "all"), 0)
+    home_grad = dict(home_state)
+    for t in model.tensors(optimizer=True):
+        elems = math.prod(tp_shard(t, model, tp, 0).local_shape)
+        grad = elems * grad_item if t.role == "param" else 0
+        if t.home == "layer":
+            layer_state[t.layer - 1] += elems * t.itemsize
+            layer_grad[t.layer - 1] += grad
+        else:
+            home_state[t.home] += elems * t.itemsize
+            home_grad[t.home] += grad
+    return _StateByHome(tuple(layer_state), tuple(layer_grad), home_state, home_grad)
+
+
+def _homes(stage: int, pp: int) -> tuple[str, ...]:
+    """The non-layer homes a stage keeps (mirrors :func:`liver.shared.views.holding_stages`)."""
+    homes = ["all"]
+    if stage == 0:
+        homes.append("first")
+    if stage == pp - 1:
+        homes.append("last")
+    if stage in (0, pp - 1):
+        homes.append("first+last")
+    return tuple(homes)
+
+
+def stage_state_bytes(
+    model: ModelSpec, setup: TrainingSetup, layout: ParallelLayout
+) -> tuple[tuple[int, int], ...]:
+    """``(state bytes, gradient bytes)`` of one rank of each pipeline stage."""
+    by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32)
+    out = []
+    start = 0
+    for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
+        homes = _homes(s, layout.pp)
+        state = sum(by_home.layer_state[start : start + n]) + sum(by_home.home_state[h] for h in homes)
+        grad = sum(by_home.layer_grad[start : start + n]) + sum(by_home.home_grad[h] for h in homes)
+        out.append((state, grad))
+        start += n
+    return tuple(out)
+
+
+def activation_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) -> int:
+    """Saved activations of one decoder layer for one token of one micro-batch, on one TP rank.
+
+    Elements kept for the backward pass (Korthikanti et al. 2022, generalised to GQA and SwiGLU, without
+    dropout masks): the inputs of the two norms and of the QKV and fc1 matmuls (``4h``, split over TP
+    only with sequence parallelism), Q, K and V, the attention output, fc1's output and the activation's
+    output. ``none`` also keeps the softmax output, its dropout output and the 1-byte dropout mask of the
+    ``heads x s`` attention scores; ``full`` keeps only the layer's input.
+    """
+    e = DTYPE_BYTES[model.params_dtype]
+    h, d = model.hidden_size, model.head_dim
+    nq, nkv = model.num_attention_heads, model.query_groups
+    sp_div = tp if setup.sequence_parallel else 1
+    if setup.recompute == "full":
+        return h * e // sp_div
+    fc1_out = (2 if model.swiglu else 1) * model.ffn_hidden_size
+    elems_split = (nq + 2 * nkv) * d + nq * d + fc1_out + model.ffn_hidden_size
+    per_token = (4 * h // sp_div + elems_split // tp) * e
+    if setup.recompute == "none":
+        per_token += (nq // tp) * setup.sequence_length * (2 * e + 1)
+    return per_token
+
+
+def _selective_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) -> int:
+    return activation_bytes_per_token(
+        model, msgspec.structs.replace(setup, recompute="selective"), tp
+    )
+
+
+def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:
+    """1F1B: stage ``s`` runs ``pp - s`` forward passes before its first backward."""
+    return min(pp - stage, micro_batches)
+
+
+def memory_estimate(
+    model: ModelSpec,
+    setup: TrainingSetup,
+    hardware: HardwareProfile,
+    layout: ParallelLayout,
+    staging_bytes: int = 0,
+) -> MemoryEstimate:
+    """Peak memory of each pipeline stage of ``layout`` (see the module docstring)."""
+    tp, pp = layout.tp, layout.pp
+    micro_batches = setup.global_batch_size // (layout.dp * setup.micro_batch_size)
+    tokens = setup.tokens_per_micro_batch
+    per_layer_act = activation_bytes_per_token(model, setup, tp) * tokens
+    # Full recomputation rebuilds one layer's activations at a time during the backward pass.
+    recompute_work = _selective_bytes_per_token(model, setup, tp) * tokens if setup.recompute == "full" else 0
+    e = DTYPE_BYTES[model.params_dtype]
+    logits = tokens * (model.padded_vocab(tp) // tp) * (e + 4)
+    stages: list[StageMemory] = []
+    per_stage = stage_state_bytes(model, setup, layout)
+    for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
+        in_flight = in_flight_micro_batches(s, pp, micro_batches)
+        act = in_flight * n * per_layer_act + (recompute_work if n else 0)
+        if s == pp - 1:
+            act += logits
+        stages.append(
+            StageMemory(
+                stage=s,
+                layers=n,
+                state_bytes=per_stage[s][0],
+                grad_bytes=per_stage[s][1],
+                activation_bytes=act,
+                in_flight=in_flight,
+            )
+        )
+    return MemoryEstimate(stages=tuple(stages), usable_bytes=hardware.usable_bytes(staging_bytes))
+
+
+def grad_bytes_per_rank(model: ModelSpec, setup: TrainingSetup, layout: ParallelLayout) -> int:
+    """The largest gradient buffer of any rank: what its data-parallel all-reduce carries."""
+    return max(grad for _state, grad in stage_state_bytes(model, setup, layout))
