@@ -1,0 +1,604 @@
+"""The layer-streaming executor: one process's part of a transfer plan, run over a process group.
+
+Every process that runs an old rank, a new rank or both (one device can host one of each) calls
+:func:`stream_plan` with the same plan and options. The executor walks the plan's steps ``(layer,
+round)`` in order. In each step it first posts every receive (so a peer's send can always complete),
+then its sends, then copies the slices that stay on this device, then waits. Receives land in place in
+the new shard when the destination region is contiguous, otherwise in one staging buffer allocated once
+and reused; staged pieces are then copied into the new shards. Sends go straight from the old storage
+unless the slice is not contiguous there; such slices are cut into pieces of ``message_bytes`` and sent
+from contiguous copies, at most ``send_copy_bytes`` of them alive at once. The same code drives gloo on
+CPU and NCCL on GPU: it only needs ``send``/``recv`` on a process group. There is no barrier between
+layers: completion is tracked per message, so a process only ever waits for the peers it exchanges with,
+and because every process posts a step's receives before anything that could block, the step order
+alone rules out deadlock.
+
+Memory (invariant I2). The extra memory the executor allocates is the staging buffer (sized to the
+largest step this process stages, never more than ``plan.budget_bytes``), the live send copies, and the
+new shards of the layer being assembled (earlier layers' shards are the new state, not extra), so::
+
+    peak_extra_bytes <= staging_bytes + send_copy_bytes + largest_new_layer_bytes
+    staging_bytes   <= plan.budget_bytes
+
+The send-copy term is separate from the staging buffer on purpose: it cannot share it without letting
+two processes that both stage a full budget wait on each other's sends. Callers that want one total
+figure build the plan with ``budget_bytes = total - send_copy_bytes``.
+
+Old state versus invariant I4. Freeing each old layer as soon as no later step reads it keeps the
+footprint near ``max(old, new)`` plus the extra, but a failure after the first free leaves a state that
+can no longer train. The executor therefore never frees by default (``release_old=False``): it only
+reads the old state, which stays intact and usable whatever happens, and the caller drops it after the
+switch commits; the footprint then peaks at ``old + new + extra``. A caller whose switch is already
+agreed and whose fallback on failure is the checkpoint (I4's fail-stop branch) may pass
+``release_old=True``: old tensors are then popped from ``old_state`` after their last read and their
+storage returned (when a tensor owns all of its storage), and a :class:`StreamError` says
+``old_state_intact=False`` once that has begun. :class:`StreamStats` reports the peak footprint either way,
+so the two modes can be measured against each other.
+
+Failure. Every wait has the step's deadline (``timeout_s`` from the moment the step's messages were
+posted). A dead peer (the transport reports a closed connection) or a silent one (the deadline passes)
+stops the stream with a :class:`StreamError` naming the peer process, its plan rank, the layer and the
+round. ``timeout_s`` must cover one step's transfer plus the skew between peers. The process group is
+not usable afterwards (gloo closes the pair on a timeout): destroy it. ``on_step`` may raise to cancel a
+stream; the same holds then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, MutableMapping
+from datetime import timedelta
+from typing import Literal, NamedTuple, Protocol
+
+import msgspec
+import structlog
+import torch
+
+from liver.shared.plan import Plan
+from liver.shared.views import Shard
+from liver.worker_runtime.executor_memory import MemoryLedger
+from liver.worker_runtime.executor_schedule import (
+    GroupRanks,
+    LayerWork,
+    PeerMessage,
+    PlanMismatch,
+    Region,
+    Schedule,
+    Step,
+    build_schedule,
+    devices_in_stream_order,
+    ranks_on_device,
+)
+
+__all__ = [
+    "TORCH_DTYPES",
+    "GroupRanks",
+    "LayerStats",
+    "P2PGroup",
+    "PlanMismatch",
+    "StreamError",
+    "StreamOptions",
+    "StreamResult",
+    "StreamStats",
+    "devices_in_stream_order",
+    "ranks_on_device",
+    "stream_plan",
+]
+
+log = structlog.get_logger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+}
+
+MIB = 1024 * 1024
+
+
+class Work(Protocol):
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+
+class P2PGroup(Protocol):
+    """What the executor needs of a process group (``torch.distributed.ProcessGroup`` or a backend such
+    as ``ProcessGroupGloo``/``ProcessGroupNCCL`` built directly on a store): group-local ranks."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work: ...
+
+
+class StreamError(RuntimeError):
+    """The stream stopped because a peer failed or fell silent; names the peer and where it happened."""
+
+    def __init__(
+        self,
+        *,
+        layer: int,
+        round: int,
+        peer: int,
+        peer_rank: int,
+        peer_world: Literal["old", "new"],
+        direction: Literal["send", "recv"],
+        reason: str,
+        old_state_intact: bool,
+    ) -> None:
+        self.layer = layer
+        self.round = round
+        self.peer = peer
+        self.peer_rank = peer_rank
+        self.peer_world = peer_world
+        self.direction = direction
+        self.reason = reason
+        self.old_state_intact = old_state_intact
+        way = "sending to" if direction == "send" else "receiving from"
+        state = "old state intact" if old_state_intact else "old state partly released"
+        super().__init__(
+            f"stream failed in layer {layer} round {round} {way} process {peer} "
+            f"({peer_world} rank {peer_rank}): {reason} ({state})"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only construction: rebuild from the fields so the error survives a process boundary.
+        fields = (
+            "layer",
+            "round",
+            "peer",
+            "peer_rank",
+            "peer_world",
+            "direction",
+            "reason",
+            "old_state_intact",
+        )
+        return (_rebuild_stream_error, ({f: getattr(self, f) for f in fields},))
+
+
+def _rebuild_stream_error(fields: dict[str, object]) -> StreamError:
+    return StreamError(**fields)  # type: ignore[arg-type]
+
+
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How to run a plan. ``message_bytes`` must be the same in every process of the stream (both sides
+    cut non-contiguous slices with it); the rest is local to each process."""
+
+    timeout_s: float = 60.0
+    """Longest wait for one step's messages before the peer counts as failed."""
+    max_bytes_per_s: float | None = None
+    """Cap on this process's network bytes (sent + received) per second; ``None``: as fast as it goes.
+    It is enforced between steps, so a small plan budget gives a smoother rate."""
+    message_bytes: int = 32 * MIB
+    """Piece size for slices that are not contiguous in their source shard."""
+    send_copy_bytes: int | None = None
+    """Most bytes of contiguous send copies alive at once; ``None``: two pieces (copy one while the
+    other is on the wire)."""
+    direct_receive: bool = True
+    """Receive a piece straight into the new shard when its region there is contiguous."""
+    release_old: bool = False
+    """Free old tensors after their last read (see the module docstring: gives up invariant I4)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.max_bytes_per_s is not None and not self.max_bytes_per_s > 0:
+            raise ValueError(f"max_bytes_per_s must be positive or None, got {self.max_bytes_per_s}")
+        if self.message_bytes < 8:
+            raise ValueError(f"message_bytes must be at least 8 (one element), got {self.message_bytes}")
+        if self.send_copy_bytes is not None and self.send_copy_bytes < self.message_bytes:
+            raise ValueError(
+                f"send_copy_bytes ({self.send_copy_bytes}) must hold one piece of message_bytes "
+                f"({self.message_bytes})"
+            )
+
+    @property
+    def copy_budget(self) -> int:
+        return self.send_copy_bytes if self.send_copy_bytes is not None else 2 * self.message_bytes
+
+
+class LayerStats(msgspec.Struct, frozen=True, kw_only=True):
+    layer: int
+    rounds: int
+    seconds: float
+    wait_seconds: float  # blocked on the network
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    messages_sent: int
+    messages_received: int
+    new_bytes: int  # this process's new shards of the layer (padding included)
+
+
+class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What one process did. Bytes are payload (vocabulary padding is never sent)."""
+
+    old_rank: int | None
+    new_rank: int | None
+    group_rank: int
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    budget_bytes: int  # the plan's staging budget B
+    staging_bytes: int  # the staging buffer this process allocated (<= B)
+    send_copy_budget: int
+    peak_send_copy_bytes: int
+    largest_new_layer_bytes: int
+    peak_extra_bytes: int  # staging + live send copies + the layer under assembly
+    peak_footprint_bytes: int  # old state still held + new state + extra
+    old_bytes: int
+    old_bytes_released: int
+    throttle_seconds: float
+    layers: tuple[LayerStats, ...]
+
+
+class StreamResult(NamedTuple):
+    new_state: dict[int, torch.Tensor]
+    """Tensor index -> this process's new shard (``local_shape`` of the new view, padding zeroed)."""
+    stats: StreamStats
+
+
+def stream_plan(
+    plan: Plan,
+    *,
+    old_rank: int | None,
+    new_rank: int | None,
+    group: P2PGroup,
+    group_ranks: GroupRanks,
+    old_state: MutableMapping[int, torch.Tensor],
+    into: Mapping[int, torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    options: StreamOptions | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> StreamResult:
+    """Run this process's part of ``plan``; see the module docstring.
+
+    ``old_state`` maps tensor index -> this process's old shard (``local_shape`` of the old view) for
+    every tensor its old rank holds; empty when ``old_rank`` is None. ``into`` optionally gives
+    preallocated new shards (e.g. the new model's storage) to write into instead of allocating.
+    ``device`` is where new shards and buffers live (default: the old state's device, else the CPU).
+    ``on_step(layer, round)`` is called before each of this process's steps (progress, cancellation).
+    Raises :class:`PlanMismatch` (or ``ValueError``) before any message is sent when the inputs do not
+    fit the plan, and :class:`StreamError` when a peer fails.
+    """
+    opts = options or StreamOptions()
+    schedule = build_schedule(
+        plan,
+        old_rank,
+        new_rank,
+        group_ranks,
+        group.rank(),
+        group.size(),
+        opts.message_bytes,
+        opts.direct_receive,
+    )
+    dev = _pick_device(device, old_state)
+    _check_state(plan, schedule.old_shards, old_state, "old_state", dev, exact=True)
+    if into is not None:
+        _check_state(plan, schedule.new_shards, into, "into", dev, exact=False)
+    return _Stream(plan, schedule, group, old_state, into, dev, opts, on_step).run()
+
+
+def _pick_device(device: torch.device | str | None, old_state: Mapping[int, torch.Tensor]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in old_state.values():
+        return t.device
+    return torch.device("cpu")
+
+
+def _check_state(
+    plan: Plan,
+    shards: Mapping[int, Shard],
+    state: Mapping[int, torch.Tensor],
+    field: str,
+    device: torch.device,
+    exact: bool,
+) -> None:
+    for ti in state:
+        if ti not in shards:
+            what = plan.tensors[ti].name if isinstance(ti, int) and 0 <= ti < len(plan.tensors) else repr(ti)
+            raise ValueError(f"{field}[{ti!r}] ({what}): this rank holds no such tensor in that world")
+    for ti, shard in shards.items():
+        spec = plan.tensors[ti]
+        t = state.get(ti)
+        if t is None:
+            if exact:
+                raise ValueError(f"{field}[{ti}] ({spec.name}) is missing: the rank holds it")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{field}[{ti}] ({spec.name}) is a {type(t).__name__}, not a tensor")
+        want_shape = shard.local_shape
+        if tuple(t.shape) != tuple(want_shape):
+            raise ValueError(
+                f"{field}[{ti}] ({spec.name}) has shape {tuple(t.shape)}, the view says {want_shape}"
+            )
+        if t.dtype != TORCH_DTYPES[spec.dtype]:
+            raise ValueError(f"{field}[{ti}] ({spec.name}) has dtype {t.dtype}, the model says {spec.dtype}")
+        if t.device != device:
+            raise ValueError(f"{field}[{ti}] ({spec.name}) is on {t.device}, the stream runs on {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{field}[{ti}] ({spec.name}) is not contiguous")
+
+
+def _view(t: torch.Tensor, region: Region) -> torch.Tensor:
+    return t[tuple(slice(lo, hi) for lo, hi in region)]
+
+
+def _extent(region: Region) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in region)
+
+
+class _Pending(NamedTuple):
+    work: Work
+    msg: PeerMessage
+    direction: Literal["send", "recv"]
+    copy_bytes: int  # >0: the send goes from a copy of that size, freed when it completes
+    buffer: torch.Tensor  # keeps the message's memory alive until the work is done
+
+
+class _Stream:
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        group: P2PGroup,
+        old_state: MutableMapping[int, torch.Tensor],
+        into: Mapping[int, torch.Tensor] | None,
+        device: torch.device,
+        opts: StreamOptions,
+        on_step: Callable[[int, int], None] | None,
+    ) -> None:
+        self.plan = plan
+        self.s = schedule
+        self.group = group
+        self.old = old_state
+        self.into = into
+        self.device = device
+        self.opts = opts
+        self.on_step = on_step
+        self.mem = MemoryLedger()
+        self.new: dict[int, torch.Tensor] = {}
+        self.staging = torch.empty(0, dtype=torch.uint8, device=device)
+        self.released = False
+        self.released_bytes = 0
+        self.sent = self.received = self.local = 0
+        self.throttle_s = 0.0
+        self.log = log.bind(
+            old_rank=schedule.old_rank, new_rank=schedule.new_rank, group_rank=schedule.group_rank
+        )
+
+    def run(self) -> StreamResult:
+        t0 = time.perf_counter()
+        self.t0 = t0
+        old_bytes = sum(t.numel() * t.element_size() for t in self.old.values())
+        self.mem.add("old", old_bytes)
+        if self.s.staging_bytes:
+            self.staging = torch.empty(self.s.staging_bytes, dtype=torch.uint8, device=self.device)
+            self.mem.add("staging", self.s.staging_bytes)
+        self.log.info(
+            "stream.start",
+            steps=sum(len(lw.steps) for lw in self.s.layers),
+            staging_bytes=self.s.staging_bytes,
+            release_old=self.opts.release_old,
+        )
+        if self.opts.release_old:
+            for ti in self.s.unread_old:
+                self._release(ti)
+        layers = [self._layer(lw) for lw in self.s.layers]
+        self.staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        stats = StreamStats(
+            old_rank=self.s.old_rank,
+            new_rank=self.s.new_rank,
+            group_rank=self.s.group_rank,
+            seconds=time.perf_counter() - t0,
+            bytes_sent=self.sent,
+            bytes_received=self.received,
+            bytes_local=self.local,
+            budget_bytes=self.plan.budget_bytes,
+            staging_bytes=self.s.staging_bytes,
+            send_copy_budget=self.opts.copy_budget,
+            peak_send_copy_bytes=self.mem.peak["send_copies"],
+            largest_new_layer_bytes=max((lw.new_bytes for lw in self.s.layers), default=0),
+            peak_extra_bytes=self.mem.peak_extra,
+            peak_footprint_bytes=self.mem.peak_footprint,
+            old_bytes=old_bytes,
+            old_bytes_released=self.released_bytes,
+            throttle_seconds=self.throttle_s,
+            layers=tuple(layers),
+        )
+        self.log.info(
+            "stream.done",
+            seconds=round(stats.seconds, 4),
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            peak_extra_bytes=stats.peak_extra_bytes,
+        )
+        return StreamResult(dict(sorted(self.new.items())), stats)
+
+    # -- one layer ---------------------------------------------------------------------------------
+
+    def _layer(self, lw: LayerWork) -> LayerStats:
+        t0 = time.perf_counter()
+        sent, received, local = self.sent, self.received, self.local
+        n_sent = n_recv = 0
+        owned = self._allocate(lw)
+        wait_s = 0.0
+        for step in lw.steps:
+            wait_s += self._step(step)
+            n_sent += len(step.sends)
+            n_recv += len(step.recvs)
+        self.mem.move("assembly", "new", owned)
+        stats = LayerStats(
+            layer=lw.layer,
+            rounds=len(lw.steps),
+            seconds=time.perf_counter() - t0,
+            wait_seconds=wait_s,
+            bytes_sent=self.sent - sent,
+            bytes_received=self.received - received,
+            bytes_local=self.local - local,
+            messages_sent=n_sent,
+            messages_received=n_recv,
+            new_bytes=lw.new_bytes,
+        )
+        self.log.debug("stream.layer", layer=lw.layer, seconds=round(stats.seconds, 5), rounds=stats.rounds)
+        return stats
+
+    def _allocate(self, lw: LayerWork) -> int:
+        """The layer's new shards, padding rows zeroed; returns the bytes this executor allocated."""
+        owned = 0
+        for ti in lw.new_tensors:
+            shard = self.s.new_shards[ti]
+            spec = self.plan.tensors[ti]
+            given = self.into.get(ti) if self.into is not None else None
+            if given is None:
+                t = torch.empty(shard.local_shape, dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                owned += t.numel() * t.element_size()
+            else:
+                t = given
+                self.mem.add("new", t.numel() * t.element_size())
+            if shard.box is None:
+                t.zero_()
+            elif shard.box and shard.box[0][1] - shard.box[0][0] < shard.local_shape[0]:
+                t[shard.box[0][1] - shard.box[0][0] :].zero_()
+            self.new[ti] = t
+        self.mem.add("assembly", owned)
+        return owned
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def _step(self, step: Step) -> float:
+        """Post, copy, wait, assemble; returns the seconds spent blocked on the network."""
+        if self.on_step is not None:
+            self.on_step(step.layer, step.round)
+        self._throttle()
+        deadline = time.monotonic() + self.opts.timeout_s
+        recvs: list[_Pending] = []
+        for msg in step.recvs:
+            buf = self._recv_buffer(msg)
+            work = self._post(step, msg, "recv", lambda b=buf, m=msg: self.group.recv([b], m.peer, step.tag))
+            recvs.append(_Pending(work, msg, "recv", 0, buf))
+        sends: list[_Pending] = []
+        copied: deque[int] = deque()  # indices into sends of those holding a copy
+        wait_s = 0.0
+        for msg in step.sends:
+            src = _view(self.old[msg.tensor], msg.region)
+            copy_bytes = 0
+            if msg.copy:
+                while copied and self.mem.now["send_copies"] + msg.nbytes > self.opts.copy_budget:
+                    wait_s += self._wait(step, sends[copied.popleft()], deadline)
+                src = src.contiguous()
+                copy_bytes = msg.nbytes
+                self.mem.add("send_copies", copy_bytes)
+                copied.append(len(sends))
+            elif not src.is_contiguous():
+                raise AssertionError(
+                    f"schedule marked {self.plan.tensors[msg.tensor].name}{msg.box} contiguous"
+                )
+            work = self._post(step, msg, "send", lambda b=src, m=msg: self.group.send([b], m.peer, step.tag))
+            sends.append(_Pending(work, msg, "send", copy_bytes, src))
+        for c in step.copies:
+            _view(self.new[c.tensor], c.dst).copy_(_view(self.old[c.tensor], c.src))
+            self.local += c.nbytes
+        for p in recvs:
+            wait_s += self._wait(step, p, deadline)
+            if p.msg.staging_offset >= 0:
+                _view(self.new[p.msg.tensor], p.msg.region).copy_(p.buffer)
+            self.received += p.msg.nbytes
+        for i in copied:
+            wait_s += self._wait(step, sends[i], deadline)
+        for p in sends:
+            if p.copy_bytes == 0:
+                wait_s += self._wait(step, p, deadline)
+            self.sent += p.msg.nbytes
+        if self.opts.release_old:
+            for ti in step.release_after:
+                self._release(ti)
+        return wait_s
+
+    def _recv_buffer(self, msg: PeerMessage) -> torch.Tensor:
+        if msg.staging_offset < 0:
+            buf = _view(self.new[msg.tensor], msg.region)
+            if not buf.is_contiguous():
+                raise AssertionError(
+                    f"schedule marked {self.plan.tensors[msg.tensor].name}{msg.box} contiguous"
+                )
+            return buf
+        dtype = TORCH_DTYPES[self.plan.tensors[msg.tensor].dtype]
+        raw = self.staging[msg.staging_offset : msg.staging_offset + msg.nbytes]
+        return raw.view(dtype).view(_extent(msg.region))
+
+    def _post(
+        self, step: Step, msg: PeerMessage, direction: Literal["send", "recv"], call: Callable[[], Work]
+    ) -> Work:
+        try:
+            return call()
+        except RuntimeError as exc:
+            raise self._error(step, msg, direction, str(exc)) from exc
+
+    def _wait(self, step: Step, p: _Pending, deadline: float) -> float:
+        """Wait for one message until the step's deadline; frees its send copy. Returns seconds waited."""
+        t0 = time.perf_counter()
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            done = p.work.wait(timedelta(seconds=left))
+        except RuntimeError as exc:
+            raise self._error(step, p.msg, p.direction, str(exc)) from exc
+        if done is False:
+            raise self._error(step, p.msg, p.direction, f"no completion within {self.opts.timeout_s} s")
+        if p.copy_bytes:
+            self.mem.sub("send_copies", p.copy_bytes)
+        return time.perf_counter() - t0
+
+    def _error(
+        self, step: Step, msg: PeerMessage, direction: Literal["send", "recv"], reason: str
+    ) -> StreamError:
+        err = StreamError(
+            layer=step.layer,
+            round=step.round,
+            peer=msg.peer,
+            peer_rank=msg.peer_rank,
+            peer_world="new" if direction == "send" else "old",
+            direction=direction,
+            reason=reason.splitlines()[0] if reason else "unknown transport error",
+            old_state_intact=not self.released,
+        )
+        self.log.warning(
+            "stream.failed",
+            layer=step.layer,
+            round=step.round,
+            peer=msg.peer,
+            direction=direction,
+            reason=err.reason,
+            old_state_intact=err.old_state_intact,
+        )
+        self.new.clear()
+        self.staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return err
+
+    def _release(self, ti: int) -> None:
+        t = self.old.pop(ti, None)
+        if t is None:
+            return
+        self.released = True
+        nbytes = t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if t.storage_offset() == 0 and storage.nbytes() == nbytes:
+            storage.resize_(0)
+        self.mem.sub("old", nbytes)
+        self.released_bytes += nbytes
+
+    def _throttle(self) -> None:
+        rate = self.opts.max_bytes_per_s
+        if rate is None:
+            return
+        ready_at = self.t0 + (self.sent + self.received) / rate
+        wait = ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+            self.throttle_s += wait

@@ -1,0 +1,373 @@
+"""One process's part of a transfer plan, turned into the exact messages it posts (pure, no torch).
+
+Sender and receiver never exchange metadata: each side derives the same message sequence from the plan
+alone. For every task the slices go in the task's order; a slice that is contiguous in its source's
+local tensor is one message (sent straight from the old storage), a slice that is not is cut with
+:func:`liver.shared.boxes.split` into pieces of at most ``message_bytes`` so the sender's contiguous
+copies stay bounded. Both sides therefore must use the same ``message_bytes``.
+
+On the receiving side a piece whose destination region is contiguous in the new local tensor can be
+received in place (``direct_receive``); every other piece gets an offset in the staging buffer. Offsets
+are assigned in decreasing item size, so every offset is a multiple of its element size without padding
+and the staging need of a step is exactly the bytes it stages, which the planner keeps within the budget.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from liver.shared.boxes import Box, contains, split, volume
+from liver.shared.layout import Device
+from liver.shared.model import TensorSpec
+from liver.shared.plan import Plan, Task
+from liver.shared.views import Shard, view
+
+Region = tuple[tuple[int, int], ...]
+"""A box in a local tensor's own indices (0-based), as ``(lo, hi)`` per dimension."""
+
+
+class PlanMismatch(ValueError):
+    """The plan, this process's identity and its group numbering do not fit together."""
+
+
+class GroupRanks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where each plan rank lives in the process group that carries the stream.
+
+    ``old[r]`` is the group rank of the process running old rank ``r``, ``new[r]`` the same for new rank
+    ``r``. A process that runs an old and a new rank (one device, both worlds) appears in both.
+    """
+
+    old: tuple[int, ...]
+    new: tuple[int, ...]
+
+    @classmethod
+    def by_device(cls, plan: Plan) -> GroupRanks:
+        """The default numbering: one process per device, old devices in old rank order first, then the
+        devices only the new world uses in new rank order."""
+        order = devices_in_stream_order(plan)
+        index = {d: i for i, d in enumerate(order)}
+        return cls(
+            old=tuple(index[d] for d in plan.old.placement.devices),
+            new=tuple(index[d] for d in plan.new.placement.devices),
+        )
+
+
+def devices_in_stream_order(plan: Plan) -> tuple[Device, ...]:
+    """Every device of either world once: the group numbering :meth:`GroupRanks.by_device` uses."""
+    seen = dict.fromkeys(plan.old.placement.devices)
+    for d in plan.new.placement.devices:
+        seen.setdefault(d)
+    return tuple(seen)
+
+
+def ranks_on_device(plan: Plan, device: Device) -> tuple[int | None, int | None]:
+    """``(old rank, new rank)`` that run on ``device``; ``None`` where a world does not use it."""
+    return plan.old.placement.rank_on().get(device), plan.new.placement.rank_on().get(device)
+
+
+class PeerMessage(NamedTuple):
+    """One point-to-point message: a piece of one slice of one task."""
+
+    peer: int  # group rank of the other process
+    peer_rank: int  # the other side's plan rank (an old rank when receiving, a new rank when sending)
+    tensor: int
+    box: Box  # global indices of the piece
+    nbytes: int
+    region: Region  # in this side's local tensor: the old shard when sending, the new one when receiving
+    copy: bool  # sender: the region is not contiguous, so the piece goes from a contiguous copy
+    staging_offset: int  # receiver: offset in the staging buffer, -1 when received in place
+
+
+class LocalCopy(NamedTuple):
+    """A slice moving from this process's old shard to its new shard without the network."""
+
+    tensor: int
+    src: Region
+    dst: Region
+    nbytes: int
+
+
+class Step(NamedTuple):
+    """This process's share of one streaming step ``(layer, round)``.
+
+    Sends are ordered by destination, receives by source, each in task and slice order, which is the
+    order the other side posts them in.
+    """
+
+    layer: int
+    round: int
+    tag: int
+    recvs: tuple[PeerMessage, ...]
+    sends: tuple[PeerMessage, ...]
+    copies: tuple[LocalCopy, ...]
+    staging_bytes: int
+    release_after: tuple[int, ...]  # old tensors this process reads for the last time in this step
+
+
+class LayerWork(NamedTuple):
+    """A layer's new shards (allocated when the layer starts) and its steps."""
+
+    layer: int
+    new_tensors: tuple[int, ...]
+    new_bytes: int
+    steps: tuple[Step, ...]
+
+
+class Schedule(NamedTuple):
+    old_rank: int | None
+    new_rank: int | None
+    group_rank: int
+    old_shards: dict[int, Shard]  # every tensor this process's old rank holds
+    new_shards: dict[int, Shard]  # every tensor its new rank holds
+    layers: tuple[LayerWork, ...]
+    unread_old: tuple[int, ...]  # old tensors no task of this plan reads from this process
+    staging_bytes: int  # the largest staging need of any step (at most the plan's budget)
+
+    def steps(self) -> Iterator[Step]:
+        for lw in self.layers:
+            yield from lw.steps
+
+
+def step_tag(layer: int, rnd: int) -> int:
+    """A message tag both sides derive from the step, so a message can never match another step's."""
+    return (layer * 65536 + rnd) % 2_147_483_647
+
+
+def region_is_contiguous(region: Region, shape: Sequence[int]) -> bool:
+    """Whether ``region`` of a row-major tensor of ``shape`` is one contiguous run of memory.
+
+    It is when, after the first dimension it spans more than one index of, it spans every later
+    dimension in full.
+    """
+    spread = False
+    for (lo, hi), n in zip(region, shape):
+        if spread and hi - lo != n:
+            return False
+        if hi - lo > 1:
+            spread = True
+    return True
+
+
+def _local(box: Box, origin: Box) -> Region:
+    return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
+
+
+def _pieces(
+    box: Box, src_region: Region, src_shape: tuple[int, ...], t: TensorSpec, message_bytes: int
+) -> list[Box]:
+    if region_is_contiguous(src_region, src_shape):
+        return [box]
+    return split(box, max(1, message_bytes // t.itemsize))
+
+
+def _shards(plan: Plan, rank: int | None, old: bool) -> dict[int, Shard]:
+    if rank is None:
+        return {}
+    world = plan.old if old else plan.new
+    out: dict[int, Shard] = {}
+    for ti, t in enumerate(plan.tensors):
+        s = view(t, plan.model, world.layout, rank)
+        if s is not None:
+            out[ti] = s
+    return out
+
+
+def _check_identity(
+    plan: Plan,
+    old_rank: int | None,
+    new_rank: int | None,
+    ranks: GroupRanks,
+    group_rank: int,
+    group_size: int,
+) -> None:
+    n_old, n_new = plan.old.layout.world_size, plan.new.layout.world_size
+    if old_rank is None and new_rank is None:
+        raise PlanMismatch("old_rank and new_rank are both None: this process takes no part in the plan")
+    if old_rank is not None and not 0 <= old_rank < n_old:
+        raise PlanMismatch(f"old_rank {old_rank} outside the old world of {n_old} ranks")
+    if new_rank is not None and not 0 <= new_rank < n_new:
+        raise PlanMismatch(f"new_rank {new_rank} outside the new world of {n_new} ranks")
+    for field, got, want in (("group_ranks.old", ranks.old, n_old), ("group_ranks.new", ranks.new, n_new)):
+        if len(got) != want:
+            raise PlanMismatch(f"{field} has {len(got)} entries, the world has {want} ranks")
+        if len(set(got)) != len(got):
+            raise PlanMismatch(f"{field} maps two ranks to one process: {list(got)}")
+        bad = [g for g in got if not 0 <= g < group_size]
+        if bad:
+            raise PlanMismatch(f"{field} names group ranks {bad} outside a group of {group_size}")
+    for field, table, rank in (("old_rank", ranks.old, old_rank), ("new_rank", ranks.new, new_rank)):
+        here = [r for r, g in enumerate(table) if g == group_rank]
+        if here != ([] if rank is None else [rank]):
+            raise PlanMismatch(
+                f"{field} is {rank}, but group_ranks put {here or 'no rank'} of that world in this process "
+                f"(group rank {group_rank})"
+            )
+
+
+def build_schedule(
+    plan: Plan,
+    old_rank: int | None,
+    new_rank: int | None,
+    ranks: GroupRanks,
+    group_rank: int,
+    group_size: int,
+    message_bytes: int,
+    direct_receive: bool = True,
+) -> Schedule:
+    """The messages, copies and staging offsets of one process; raises :class:`PlanMismatch`."""
+    _check_identity(plan, old_rank, new_rank, ranks, group_rank, group_size)
+    if message_bytes < 8:
+        raise PlanMismatch(f"message_bytes must be at least 8 (one element), got {message_bytes}")
+    tensors = plan.tensors
+    old_shards = _shards(plan, old_rank, old=True)
+    new_shards = _shards(plan, new_rank, old=False)
+    old_layout, new_layout = plan.old.layout, plan.new.layout
+    src_cache: dict[tuple[int, int], Shard | None] = {}
+
+    def src_shard(ti: int, src: int) -> Shard | None:
+        if src == old_rank:
+            return old_shards.get(ti)
+        key = (ti, src)
+        if key not in src_cache:
+            src_cache[key] = view(tensors[ti], plan.model, old_layout, src)
+        return src_cache[key]
+
+    dst_cache: dict[tuple[int, int], Shard | None] = {}
+
+    def dst_shard(ti: int, dst: int) -> Shard | None:
+        if dst == new_rank:
+            return new_shards.get(ti)
+        key = (ti, dst)
+        if key not in dst_cache:
+            dst_cache[key] = view(tensors[ti], plan.model, new_layout, dst)
+        return dst_cache[key]
+
+    def where(task: Task, ti: int, box: Box) -> tuple[Shard, Shard]:
+        t = tensors[ti]
+        s, d = src_shard(ti, task.src), dst_shard(ti, task.dst)
+        if s is None or s.box is None or not contains(s.box, box):
+            raise PlanMismatch(
+                f"task layer {task.layer} round {task.round}: old rank {task.src} does not hold {t.name}{box}"
+            )
+        if d is None or d.box is None or not contains(d.box, box):
+            raise PlanMismatch(
+                f"task layer {task.layer} round {task.round}: new rank {task.dst} does not need {t.name}{box}"
+            )
+        return s, d
+
+    received: dict[int, int] = defaultdict(int)
+    last_read: dict[int, tuple[int, int]] = {}
+    by_step: dict[tuple[int, int], tuple[list[PeerMessage], list[PeerMessage], list[LocalCopy]]] = {}
+    for task in plan.tasks:
+        sending = task.src == old_rank
+        receiving = task.dst == new_rank
+        if not (sending or receiving):
+            continue
+        if not 0 <= task.src < len(ranks.old) or not 0 <= task.dst < len(ranks.new):
+            raise PlanMismatch(f"task layer {task.layer}: ranks {task.src}->{task.dst} outside the worlds")
+        src_g, dst_g = ranks.old[task.src], ranks.new[task.dst]
+        if task.local != (src_g == dst_g):
+            raise PlanMismatch(
+                f"task layer {task.layer} {task.src}->{task.dst}: the plan says local={task.local}, "
+                f"but group_ranks put them in processes {src_g} and {dst_g}"
+            )
+        recvs, sends, copies = by_step.setdefault((task.layer, task.round), ([], [], []))
+        if sending:
+            for ti, _box in task.slices:
+                last_read[ti] = (task.layer, task.round)
+        for ti, box in task.slices:
+            t = tensors[ti]
+            s, d = where(task, ti, box)
+            assert s.box is not None and d.box is not None
+            if receiving:
+                received[ti] += volume(box)
+            if task.local:
+                copies.append(LocalCopy(ti, _local(box, s.box), _local(box, d.box), volume(box) * t.itemsize))
+                continue
+            for piece in _pieces(box, _local(box, s.box), s.local_shape, t, message_bytes):
+                nbytes = volume(piece) * t.itemsize
+                if sending:
+                    src_region = _local(piece, s.box)
+                    copy = not region_is_contiguous(src_region, s.local_shape)
+                    sends.append(PeerMessage(dst_g, task.dst, ti, piece, nbytes, src_region, copy, -1))
+                else:
+                    dst_region = _local(piece, d.box)
+                    staged = not (direct_receive and region_is_contiguous(dst_region, d.local_shape))
+                    recvs.append(
+                        PeerMessage(
+                            src_g, task.src, ti, piece, nbytes, dst_region, False, 0 if staged else -1
+                        )
+                    )
+    for ti, shard in new_shards.items():
+        if shard.box is not None and received[ti] != volume(shard.box):
+            raise PlanMismatch(
+                f"new rank {new_rank} receives {received[ti]} of the {volume(shard.box)} elements of "
+                f"{tensors[ti].name}: the plan does not cover its shard"
+            )
+    release: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for ti, key in last_read.items():
+        release[key].append(ti)
+    unread = tuple(ti for ti in old_shards if ti not in last_read)
+
+    new_by_layer: dict[int, list[int]] = defaultdict(list)
+    for ti in new_shards:
+        new_by_layer[tensors[ti].layer].append(ti)
+    steps_by_layer: dict[int, list[Step]] = defaultdict(list)
+    staging_max = 0
+    for (layer, rnd), (recvs, sends, copies) in sorted(by_step.items()):
+        recvs_placed, need = _place_staging(recvs, tensors)
+        if need > plan.budget_bytes:
+            raise PlanMismatch(
+                f"layer {layer} round {rnd}: new rank {new_rank} stages {need} bytes, over the plan's "
+                f"budget of {plan.budget_bytes}"
+            )
+        staging_max = max(staging_max, need)
+        recvs_placed.sort(key=lambda m: m.peer_rank)
+        sends.sort(key=lambda m: m.peer_rank)
+        steps_by_layer[layer].append(
+            Step(
+                layer,
+                rnd,
+                step_tag(layer, rnd),
+                tuple(recvs_placed),
+                tuple(sends),
+                tuple(copies),
+                need,
+                tuple(release[(layer, rnd)]),
+            )
+        )
+    layers = []
+    for layer in sorted(set(new_by_layer) | set(steps_by_layer)):
+        idx = tuple(new_by_layer.get(layer, ()))
+        nbytes = sum(_numel(new_shards[ti].local_shape) * tensors[ti].itemsize for ti in idx)
+        layers.append(LayerWork(layer, idx, nbytes, tuple(steps_by_layer.get(layer, ()))))
+    return Schedule(
+        old_rank, new_rank, group_rank, old_shards, new_shards, tuple(layers), unread, staging_max
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _place_staging(
+    recvs: list[PeerMessage], tensors: tuple[TensorSpec, ...]
+) -> tuple[list[PeerMessage], int]:
+    """Give every staged piece an offset, widest elements first, so each offset is aligned."""
+    staged = sorted(
+        (i for i, m in enumerate(recvs) if m.staging_offset >= 0),
+        key=lambda i: -tensors[recvs[i].tensor].itemsize,
+    )
+    out = list(recvs)
+    offset = 0
+    for i in staged:
+        out[i] = recvs[i]._replace(staging_offset=offset)
+        offset += recvs[i].nbytes
+    return out, offset

@@ -1,0 +1,440 @@
+"""The layer-streaming executor, run for real: 2-4 processes, gloo on loopback, tiny models.
+
+Each process builds the same synthetic training state (random global tensors from a seed), keeps only
+its old shards per the view function, streams the plan, and checks its new shards against the global
+tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import signal
+import time
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from mp_helpers import World, run_world
+
+from liver.services.transfer.planner import build_plan
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import PRESETS, TensorSpec
+from liver.shared.plan import Plan, WorldConfig
+from liver.shared.views import view
+from liver.worker_runtime.executor import (
+    TORCH_DTYPES,
+    GroupRanks,
+    StreamError,
+    StreamOptions,
+    StreamStats,
+    devices_in_stream_order,
+    ranks_on_device,
+    stream_plan,
+)
+from liver.worker_runtime.executor_schedule import build_schedule
+
+pytestmark = pytest.mark.slow
+
+SEED = 1234
+KIB = 1024
+# Small budget and pieces, so layers take several rounds and non-contiguous slices several messages.
+BUDGET = 64 * KIB
+OPTIONS = StreamOptions(timeout_s=20.0, message_bytes=8 * KIB)
+
+
+def world(layout: str, devices: range) -> WorldConfig:
+    return WorldConfig(ParallelLayout.parse(layout), Placement(tuple(Device("node000", i) for i in devices)))
+
+
+def plan_for(model: str, old: WorldConfig, new: WorldConfig, budget: int = BUDGET) -> Plan:
+    return build_plan(PRESETS[model], old, new, budget_bytes=budget)
+
+
+# -- synthetic state ---------------------------------------------------------------------------------
+
+
+def global_tensor(t: TensorSpec, index: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100_003 + index)
+    if t.dtype == "int64":
+        return torch.randint(0, 1 << 40, t.shape, generator=g, dtype=torch.int64)
+    return torch.randn(t.shape, generator=g, dtype=torch.float32).to(TORCH_DTYPES[t.dtype])
+
+
+def shard_of(plan: Plan, ti: int, rank: int, old: bool, seed: int) -> torch.Tensor | None:
+    """What ``rank`` should hold of tensor ``ti``: its box of the global tensor, zero padding after."""
+    t = plan.tensors[ti]
+    layout = plan.old.layout if old else plan.new.layout
+    shard = view(t, plan.model, layout, rank)
+    if shard is None:
+        return None
+    out = torch.zeros(shard.local_shape, dtype=TORCH_DTYPES[t.dtype])
+    if shard.box is not None:
+        part = global_tensor(t, ti, seed)[tuple(slice(lo, hi) for lo, hi in shard.box)]
+        out[tuple(slice(0, hi - lo) for lo, hi in shard.box)] = part
+    return out
+
+
+def state_of(plan: Plan, rank: int | None, old: bool, seed: int = SEED) -> dict[int, torch.Tensor]:
+    if rank is None:
+        return {}
+    out = {}
+    for ti in range(len(plan.tensors)):
+        s = shard_of(plan, ti, rank, old, seed)
+        if s is not None:
+            out[ti] = s
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(width)
+
+
+def checksum(state: dict[int, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for ti in sorted(state):
+        h.update(str(ti).encode())
+        h.update(bits(state[ti]).numpy().tobytes())
+    return h.hexdigest()
+
+
+def largest_new_layer_bytes(plan: Plan, new_rank: int | None) -> int:
+    """Independent of the executor: the biggest layer of ``new_rank``'s new shards, padding included."""
+    if new_rank is None:
+        return 0
+    per_layer: dict[int, int] = defaultdict(int)
+    for t in plan.tensors:
+        s = view(t, plan.model, plan.new.layout, new_rank)
+        if s is not None:
+            per_layer[t.layer] += math.prod(s.local_shape) * t.itemsize
+    return max(per_layer.values(), default=0)
+
+
+# -- what every process runs -------------------------------------------------------------------------
+
+
+class Report(NamedTuple):
+    old_rank: int | None
+    new_rank: int | None
+    expected_tensors: list[int]
+    got_tensors: list[int]
+    mismatched: list[str]
+    old_intact: bool
+    stats: StreamStats
+    bound: int  # B + largest new layer + send-copy budget, computed without the executor
+
+
+def identity(plan: Plan, rank: int) -> tuple[int | None, int | None]:
+    return ranks_on_device(plan, devices_in_stream_order(plan)[rank])
+
+
+def reshard(w: World, plan: Plan, options: StreamOptions) -> Report:
+    old_rank, new_rank = identity(plan, w.rank)
+    old_state = state_of(plan, old_rank, old=True)
+    before = checksum(old_state)
+    result = stream_plan(
+        plan,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        group=w.group,
+        group_ranks=GroupRanks.by_device(plan),
+        old_state=old_state,
+        options=options,
+    )
+    expected = state_of(plan, new_rank, old=False)
+    mismatched = [
+        plan.tensors[ti].name
+        for ti, want in expected.items()
+        if ti not in result.new_state
+        or result.new_state[ti].shape != want.shape
+        or result.new_state[ti].dtype != want.dtype
+        or not torch.equal(bits(result.new_state[ti]), bits(want))
+    ]
+    bound = plan.budget_bytes + largest_new_layer_bytes(plan, new_rank) + options.copy_budget
+    return Report(
+        old_rank,
+        new_rank,
+        sorted(expected),
+        sorted(result.new_state),
+        mismatched,
+        checksum(old_state) == before,
+        result.stats,
+        bound,
+    )
+
+
+def run_reshard(plan: Plan, options: StreamOptions = OPTIONS) -> list[Report]:
+    size = len(devices_in_stream_order(plan))
+    return [o.unwrap() for o in run_world(reshard, size, (plan, options), timeout_s=45)]
+
+
+def assert_resharded(reports: list[Report]) -> None:
+    """Bit-exact new shards, old state untouched, extra memory within its bound, traffic accounted."""
+    for r in reports:
+        who = f"process with old rank {r.old_rank} / new rank {r.new_rank}"
+        assert r.mismatched == [], f"{who}: {r.mismatched}"
+        assert r.got_tensors == r.expected_tensors, who
+        assert r.old_intact, who
+        assert r.stats.staging_bytes <= r.stats.budget_bytes, who
+        assert r.stats.peak_send_copy_bytes <= r.stats.send_copy_budget, who
+        assert r.stats.peak_extra_bytes <= r.bound, f"{who}: {r.stats.peak_extra_bytes} > {r.bound}"
+    sent = sum(r.stats.bytes_sent for r in reports)
+    received = sum(r.stats.bytes_received for r in reports)
+    assert sent == received > 0, "every byte sent is received, and the scenario crosses the network"
+
+
+# -- resharding scenarios ----------------------------------------------------------------------------
+
+
+def test_tp_change_on_the_same_devices_is_bit_exact() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,2", range(4)), world("4,1,1", range(4)))
+    assert_resharded(run_reshard(plan))
+
+
+def test_pp_change_on_the_same_devices_is_bit_exact() -> None:
+    # PP4 -> PP2 x DP2: every process keeps one of its new layers and receives the other.
+    plan = plan_for("tiny-llama", world("1,4,1", range(4)), world("1,2,2", range(4)))
+    reports = run_reshard(plan)
+    assert_resharded(reports)
+    assert all(r.stats.bytes_received > 0 and r.stats.bytes_local > 0 for r in reports)
+
+
+def test_dp_growth_copies_whole_shards_to_the_new_replica() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("2,1,2", range(4)))
+    reports = run_reshard(plan)
+    assert_resharded(reports)
+    replica = [r for r in reports if r.old_rank is None]
+    assert len(replica) == 2 and all(r.stats.bytes_received > 0 for r in replica)
+
+
+def test_scale_in_processes_that_leave_send_and_receive_nothing() -> None:
+    plan = plan_for("tiny-gpt", world("2,2,1", range(4)), world("2,1,1", range(2)))
+    reports = run_reshard(plan)
+    assert_resharded(reports)
+    leaving = [r for r in reports if r.new_rank is None]
+    assert len(leaving) == 2
+    assert all(r.stats.bytes_sent > 0 and r.stats.bytes_received == 0 for r in leaving)
+
+
+def test_scale_out_processes_that_join_receive_their_whole_shards() -> None:
+    plan = plan_for("tiny-llama", world("2,1,1", range(2)), world("4,1,1", range(4)))
+    reports = run_reshard(plan)
+    assert_resharded(reports)
+    joining = [r for r in reports if r.old_rank is None]
+    assert len(joining) == 2
+    assert all(r.stats.bytes_sent == 0 and r.stats.bytes_received > 0 for r in joining)
+
+
+def test_same_size_reshape_tp_to_pp_is_bit_exact() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,2,1", range(2)))
+    reports = run_reshard(plan)
+    assert_resharded(reports)
+    assert max(ls.rounds for r in reports for ls in r.stats.layers) > 1, "the budget should force rounds"
+
+
+def test_staged_receives_give_the_same_shards_as_receiving_in_place() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,2,1", range(2)))
+    reports = run_reshard(plan, StreamOptions(timeout_s=20.0, message_bytes=8 * KIB, direct_receive=False))
+    assert_resharded(reports)
+    assert all(r.stats.staging_bytes > 0 for r in reports if r.stats.bytes_received)
+
+
+def test_combined_change_tp_pp_dp_and_devices_is_bit_exact() -> None:
+    # TP2 PP2 on devices 0-3 -> DP3 on devices 1-3: device 0 leaves, every dimension changes.
+    plan = plan_for("tiny-llama", world("2,2,1", range(4)), world("1,1,3", range(1, 4)))
+    reports = run_reshard(plan)
+    assert_resharded(reports)
+    assert reports[0].new_rank is None and reports[0].stats.bytes_sent > 0
+
+
+# -- old state: kept (I4) or released ----------------------------------------------------------------
+
+
+def keep_then_release(w: World, plan: Plan) -> tuple[StreamStats, StreamStats, int, bool]:
+    old_rank, new_rank = identity(plan, w.rank)
+    stats = []
+    for release in (False, True):
+        old_state = state_of(plan, old_rank, old=True)
+        options = StreamOptions(timeout_s=20.0, message_bytes=8 * KIB, release_old=release)
+        result = stream_plan(
+            plan,
+            old_rank=old_rank,
+            new_rank=new_rank,
+            group=w.group,
+            group_ranks=GroupRanks.by_device(plan),
+            old_state=old_state,
+            options=options,
+        )
+        expected = state_of(plan, new_rank, old=False)
+        exact = all(torch.equal(bits(result.new_state[ti]), bits(t)) for ti, t in expected.items())
+        stats.append(result.stats)
+    return stats[0], stats[1], len(old_state), exact
+
+
+def test_release_mode_frees_old_layers_and_lowers_the_footprint() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,2,1", range(2)))
+    for outcome in run_world(keep_then_release, 2, (plan,), timeout_s=45):
+        kept, released, old_left, exact = outcome.unwrap()
+        assert exact
+        assert kept.old_bytes_released == 0
+        assert released.old_bytes_released == released.old_bytes > 0
+        assert old_left == 0
+        assert released.peak_footprint_bytes < kept.peak_footprint_bytes
+
+
+# -- throttling --------------------------------------------------------------------------------------
+
+
+def test_throttle_holds_the_byte_rate_under_the_cap() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)), budget=32 * KIB)
+    rate = 3e6
+    reports = run_reshard(plan, StreamOptions(timeout_s=20.0, message_bytes=8 * KIB, max_bytes_per_s=rate))
+    assert_resharded(reports)
+    for r in reports:
+        moved = r.stats.bytes_sent + r.stats.bytes_received
+        last_step = 2 * 32 * KIB  # the cap is checked between steps; one step may run ahead of it
+        assert moved > 1e6
+        assert r.stats.seconds >= (moved - last_step) / rate
+        assert r.stats.throttle_seconds > 0
+
+
+# -- failures ----------------------------------------------------------------------------------------
+
+FAIL_LAYER = 2
+FAIL_TIMEOUT_S = 3.0
+
+
+class Failure(NamedTuple):
+    error: StreamError | None
+    seconds: float  # from the failing step until the error
+    old_intact: bool
+
+
+def stream_until_peer_fails(w: World, plan: Plan, victim: int, how: str) -> Failure:
+    old_rank, new_rank = identity(plan, w.rank)
+    old_state = state_of(plan, old_rank, old=True)
+    before = checksum(old_state)
+    started: list[float] = []
+
+    def on_step(layer: int, rnd: int) -> None:
+        if layer >= FAIL_LAYER and not started:
+            started.append(time.monotonic())
+            if w.rank == victim and how == "dies":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if w.rank == victim and how == "hangs":
+                time.sleep(120)
+
+    error = None
+    try:
+        stream_plan(
+            plan,
+            old_rank=old_rank,
+            new_rank=new_rank,
+            group=w.group,
+            group_ranks=GroupRanks.by_device(plan),
+            old_state=old_state,
+            options=StreamOptions(timeout_s=FAIL_TIMEOUT_S, message_bytes=8 * KIB),
+            on_step=on_step,
+        )
+    except StreamError as exc:
+        error = exc
+    return Failure(error, time.monotonic() - started[0], checksum(old_state) == before)
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_failed_peer_stops_the_stream_with_an_error_naming_it(how: str) -> None:
+    # TP2 -> DP2 on two devices: in every layer each process needs half of its shard from the other.
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)))
+    victim = 1
+    outcomes = run_world(
+        stream_until_peer_fails, 2, (plan, victim, how), timeout_s=30, wait_for=[0], group_timeout_s=60
+    )
+    assert outcomes[victim].status in {"died", "hung"}
+    survivor: Failure = outcomes[0].unwrap()
+    assert survivor.error is not None, "the survivor finished a stream its peer never sent"
+    assert (survivor.error.peer, survivor.error.peer_rank, survivor.error.layer) == (1, 1, FAIL_LAYER)
+    assert survivor.error.old_state_intact and survivor.old_intact
+    assert survivor.seconds < FAIL_TIMEOUT_S + 1.0
+    assert f"layer {FAIL_LAYER}" in str(survivor.error) and "process 1" in str(survivor.error)
+
+
+def stream_with_a_killed_peer(w: World, plan: Plan, victim: int) -> Failure:
+    return stream_until_peer_fails(w, plan, victim, "dies")
+
+
+def test_every_survivor_of_a_killed_process_fails_within_the_timeout() -> None:
+    # TP4 -> TP2 x DP2: process 3 dies; some survivors depend on it directly, others on those.
+    plan = plan_for("tiny-gpt", world("4,1,1", range(4)), world("2,1,2", range(4)))
+    outcomes = run_world(stream_with_a_killed_peer, 4, (plan, 3), timeout_s=30, wait_for=[0, 1, 2])
+    assert outcomes[3].status == "died"
+    failures: list[Failure] = [outcomes[r].unwrap() for r in (0, 1, 2)]
+    assert all(f.error is not None for f in failures)
+    assert all(f.old_intact and f.error.old_state_intact for f in failures if f.error)
+    assert all(f.seconds < 2 * FAIL_TIMEOUT_S + 1.0 for f in failures)
+    assert any(f.error.peer == 3 for f in failures if f.error)
+
+
+# -- the schedule both sides derive ------------------------------------------------------------------
+
+SCENARIOS: dict[str, Plan] = {}
+
+
+def _scenarios() -> dict[str, Plan]:
+    if not SCENARIOS:
+        SCENARIOS.update(
+            tp=plan_for("tiny-gpt", world("2,1,2", range(4)), world("4,1,1", range(4))),
+            swiglu=plan_for(
+                "tiny-llama", world("2,1,1", range(2)), world("4,1,1", range(4)), budget=16 * KIB
+            ),
+            combined=plan_for("tiny-llama", world("2,2,1", range(4)), world("1,1,3", range(1, 4))),
+        )
+    return SCENARIOS
+
+
+@pytest.mark.parametrize("name", ["tp", "swiglu", "combined"])
+@pytest.mark.parametrize("message_bytes", [64, 8 * KIB])
+def test_sender_and_receiver_derive_the_same_messages_in_the_same_order(
+    name: str, message_bytes: int
+) -> None:
+    plan = _scenarios()[name]
+    ranks = GroupRanks.by_device(plan)
+    n = len(devices_in_stream_order(plan))
+    sent: dict[tuple[int, int, int, int], list[Any]] = defaultdict(list)
+    received: dict[tuple[int, int, int, int], list[Any]] = defaultdict(list)
+    for g in range(n):
+        old_rank, new_rank = identity(plan, g)
+        sched = build_schedule(plan, old_rank, new_rank, ranks, g, n, message_bytes)
+        for step in sched.steps():
+            for m in step.sends:
+                sent[(step.tag, g, m.peer, m.peer_rank)].append((m.tensor, m.box, m.nbytes))
+                assert m.nbytes <= max(message_bytes, plan.budget_bytes)
+            for m in step.recvs:
+                received[(step.tag, m.peer, g, new_rank)].append((m.tensor, m.box, m.nbytes))
+    assert sent
+    # Sends are keyed by the destination's new rank, receives by this process's new rank: the same key.
+    assert sent == received
+
+
+def stage_offsets_are_aligned(plan: Plan) -> bool:
+    ranks = GroupRanks.by_device(plan)
+    n = len(devices_in_stream_order(plan))
+    for g in range(n):
+        old_rank, new_rank = identity(plan, g)
+        sched = build_schedule(plan, old_rank, new_rank, ranks, g, n, 64, direct_receive=False)
+        for step in sched.steps():
+            for m in step.recvs:
+                if m.staging_offset % plan.tensors[m.tensor].itemsize:
+                    return False
+                if m.staging_offset + m.nbytes > step.staging_bytes:
+                    return False
+            if step.staging_bytes > plan.budget_bytes:
+                return False
+    return True
+
+
+def test_staging_offsets_are_aligned_and_within_the_budget() -> None:
+    # The int64 step counter and float32 state share layer 0's staging buffer.
+    assert stage_offsets_are_aligned(_scenarios()["combined"])

@@ -1,0 +1,173 @@
+"""The executor's pure parts and its input checks: no process group is ever used here."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from liver.services.transfer.planner import build_plan, default_world
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import PRESETS
+from liver.shared.plan import Plan, WorldConfig
+from liver.worker_runtime.executor import (
+    GroupRanks,
+    PlanMismatch,
+    StreamError,
+    StreamOptions,
+    devices_in_stream_order,
+    ranks_on_device,
+    stream_plan,
+)
+from liver.worker_runtime.executor_schedule import build_schedule, region_is_contiguous
+
+
+class NoNetwork:
+    """A group that refuses to move data: input checks must fail before any message."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        raise AssertionError("sent a message")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> None:
+        raise AssertionError("posted a receive")
+
+
+def tp2_to_dp2() -> Plan:
+    return build_plan(
+        PRESETS["tiny-gpt"], default_world(ParallelLayout(2, 1, 1)), default_world(ParallelLayout(1, 1, 2))
+    )
+
+
+@st.composite
+def shapes_and_regions(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=0, max_size=4)))
+    region = []
+    for n in shape:
+        lo = draw(st.integers(0, n - 1))
+        region.append((lo, draw(st.integers(lo + 1, n))))
+    return shape, tuple(region)
+
+
+@given(shapes_and_regions())
+def test_region_contiguity_agrees_with_torch(
+    case: tuple[tuple[int, ...], tuple[tuple[int, int], ...]],
+) -> None:
+    shape, region = case
+    t = torch.empty(shape)
+    assert region_is_contiguous(region, shape) == t[tuple(slice(lo, hi) for lo, hi in region)].is_contiguous()
+
+
+def test_group_ranks_by_device_numbers_old_devices_first_then_new_only_ones() -> None:
+    devs = [Device("n", i) for i in range(4)]
+    plan = build_plan(
+        PRESETS["tiny-gpt"],
+        WorldConfig(ParallelLayout(2, 1, 1), Placement((devs[2], devs[0]))),
+        WorldConfig(ParallelLayout(1, 1, 3), Placement((devs[1], devs[0], devs[3]))),
+    )
+    assert devices_in_stream_order(plan) == (devs[2], devs[0], devs[1], devs[3])
+    assert GroupRanks.by_device(plan) == GroupRanks(old=(0, 1), new=(2, 1, 3))
+    assert ranks_on_device(plan, devs[0]) == (1, 1)
+    assert ranks_on_device(plan, devs[3]) == (None, 2)
+
+
+def test_a_process_in_neither_world_is_refused() -> None:
+    plan = tp2_to_dp2()
+    with pytest.raises(PlanMismatch, match="both None"):
+        build_schedule(plan, None, None, GroupRanks.by_device(plan), 0, 2, 1024)
+
+
+def test_ranks_that_group_ranks_put_in_another_process_are_refused() -> None:
+    plan = tp2_to_dp2()
+    with pytest.raises(PlanMismatch, match="new_rank is 1"):
+        build_schedule(plan, 0, 1, GroupRanks.by_device(plan), 0, 2, 1024)
+
+
+def test_group_ranks_that_disagree_with_local_tasks_are_refused() -> None:
+    plan = tp2_to_dp2()  # old rank r and new rank r share device r: their tasks are local
+    crossed = GroupRanks(old=(0, 1), new=(1, 0))
+    with pytest.raises(PlanMismatch, match="local=True"):
+        build_schedule(plan, 0, 1, crossed, 0, 2, 1024)
+
+
+def test_group_ranks_outside_the_group_are_refused() -> None:
+    plan = tp2_to_dp2()
+    with pytest.raises(PlanMismatch, match=r"group_ranks.new names group ranks \[5\]"):
+        build_schedule(plan, 0, 0, GroupRanks(old=(0, 1), new=(0, 5)), 0, 2, 1024)
+
+
+def test_old_state_of_the_wrong_shape_is_refused_naming_the_tensor() -> None:
+    plan = tp2_to_dp2()
+    sched = build_schedule(plan, 0, 0, GroupRanks.by_device(plan), 0, 2, 1024)
+    state = {ti: torch.zeros(s.local_shape) for ti, s in sched.old_shards.items()}
+    state[0] = torch.zeros((), dtype=torch.int64)  # the step counter
+    qkv = next(
+        ti for ti, t in enumerate(plan.tensors) if t.name.endswith("0.self_attention.linear_qkv.weight")
+    )
+    state[qkv] = torch.zeros(3, 3)
+    with pytest.raises(
+        ValueError, match=r"old_state\[\d+\] \(decoder.layers.0.self_attention.linear_qkv.weight\)"
+    ):
+        stream_plan(
+            plan,
+            old_rank=0,
+            new_rank=0,
+            group=NoNetwork(0, 2),
+            group_ranks=GroupRanks.by_device(plan),
+            old_state=state,
+        )
+
+
+def test_missing_old_state_is_refused_before_any_message() -> None:
+    plan = tp2_to_dp2()
+    with pytest.raises(ValueError, match=r"old_state\[0\] \(optimizer.state.step\) is missing"):
+        stream_plan(
+            plan,
+            old_rank=0,
+            new_rank=0,
+            group=NoNetwork(0, 2),
+            group_ranks=GroupRanks.by_device(plan),
+            old_state={},
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("timeout_s", 0.0, "timeout_s must be positive"),
+        ("max_bytes_per_s", -1.0, "max_bytes_per_s must be positive"),
+        ("message_bytes", 4, "message_bytes must be at least 8"),
+        ("send_copy_bytes", 100, r"send_copy_bytes \(100\) must hold one piece"),
+    ],
+)
+def test_stream_options_name_the_bad_field(field: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StreamOptions(**{field: value})
+
+
+def test_stream_error_survives_a_process_boundary() -> None:
+    err = StreamError(
+        layer=3,
+        round=1,
+        peer=2,
+        peer_rank=5,
+        peer_world="old",
+        direction="recv",
+        reason="reset",
+        old_state_intact=True,
+    )
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.layer, back.round, back.peer, back.peer_rank, back.old_state_intact) == (3, 1, 2, 5, True)
+    assert str(back) == str(err)
+    assert "layer 3 round 1 receiving from process 2 (old rank 5)" in str(err)
