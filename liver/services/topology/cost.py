@@ -47,12 +47,8 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         return self.tokens_per_step / self.step_s
 
     @property
-    @functools.lru_cache(maxsize=64)
-def _parameter_count(model: ModelSpec) -> int:
-    return model.parameter_count()
-
-
-def bubble_fraction(self) -> float:
+    def bubble_share(self) -> float:
+        """The share of the step the pipeline idles."""
         return self.bubble_s / self.step_s
 
 

@@ -266,9 +266,7 @@ def activation_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) 
 
 
 def _selective_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) -> int:
-    return activation_bytes_per_token(
-        model, msgspec.structs.replace(setup, recompute="selective"), tp
-    )
+    return activation_bytes_per_token(model, msgspec.structs.replace(setup, recompute="selective"), tp)
 
 
 def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:

@@ -36,10 +36,14 @@ def node_local_placement(
     layout: ParallelLayout,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
 ) -> Placement:
-    """The cheapest placement of ``layout`` on ``devices`` under the transfer planner's cost matrix,
-    with every TP group on one node (see the module docstring). Each node must hold a multiple of
+    """A cheap placement of ``layout`` on ``devices`` under the transfer planner's cost matrix with
+    every TP group on one node (see the module docstring). Each node must hold a multiple of
     ``layout.tp`` of the devices."""
     tp = layout.tp
+    if len(devices) != layout.world_size or len(set(devices)) != len(devices):
+        raise LayoutError(
+            f"{layout.describe()} needs {layout.world_size} distinct devices, got {len(devices)}"
+        )
     nodes: dict[str, list[int]] = {}
     for i, d in enumerate(devices):
         nodes.setdefault(d.node, []).append(i)
@@ -51,45 +55,110 @@ def node_local_placement(
         )
     cost = cost_matrix(model, old, devices, layout, True, inter_node_weight)
     rows, cols = linear_sum_assignment(cost)
-    placed = [devices[0]] * layout.world_size
-    for j, d in zip(rows, cols):
-        placed[j] = devices[d]
-    free = Placement(tuple(placed))
-    if tp == 1 or tp_groups_within_nodes(layout, free):
-        return free
+    free = np.empty(layout.world_size, dtype=np.intp)
+    free[rows] = cols
+    if tp == 1 or _groups_local(free, devices, tp):
+        return Placement(tuple(devices[d] for d in free))
+    ranks = np.arange(layout.world_size)
+    tries = [_by_node(cost, list(nodes.values()), tp), _by_slot(cost, old, devices, list(nodes.values()), tp)]
+    best = min(tries, key=lambda a: cost[ranks, a].sum())
+    return Placement(tuple(devices[d] for d in best))
 
-    node_devs = list(nodes.values())
+
+def _groups_local(assign: np.ndarray, devices: Sequence[Device], tp: int) -> bool:
+    return all(len({devices[d].node for d in assign[g : g + tp]}) == 1 for g in range(0, len(assign), tp))
+
+
+def _by_node(cost: np.ndarray, node_devs: list[list[int]], tp: int) -> np.ndarray:
+    """Groups to nodes, costing each rank at its node's cheapest device (blind to groups competing for
+    the same device), then the exact assignment within each node."""
+    world = cost.shape[0]
     order = np.concatenate([np.asarray(idx) for idx in node_devs])
     starts = np.cumsum([0] + [len(idx) for idx in node_devs[:-1]])
     cheapest = np.minimum.reduceat(cost[:, order], starts, axis=1)  # [rank, node]
-    group_cost = cheapest.reshape(layout.world_size // tp, tp, len(node_devs)).sum(axis=1)
+    group_cost = cheapest.reshape(world // tp, tp, len(node_devs)).sum(axis=1)
     slot_node = np.repeat(np.arange(len(node_devs)), [len(idx) // tp for idx in node_devs])
     groups, slots = linear_sum_assignment(group_cost[:, slot_node])
     ranks_on: list[list[int]] = [[] for _ in node_devs]
     for g, s in zip(groups, slots):
         ranks_on[slot_node[s]].extend(range(g * tp, (g + 1) * tp))
+    assign = np.empty(world, dtype=np.intp)
     for n, ranks in enumerate(ranks_on):
-        if not ranks:
-            continue
-        local = node_devs[n]
-        r, c = linear_sum_assignment(cost[np.ix_(ranks, local)])
-        for a, b in zip(r, c):
-            placed[ranks[a]] = devices[local[b]]
-    return Placement(tuple(placed))
+        if ranks:
+            local = node_devs[n]
+            r, c = linear_sum_assignment(cost[np.ix_(ranks, local)])
+            assign[np.asarray(ranks)[r]] = np.asarray(local)[c]
+    return assign
 
 
-def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig) -> int:
+def _by_slot(
+    cost: np.ndarray, old: WorldConfig, devices: Sequence[Device], node_devs: list[list[int]], tp: int
+) -> np.ndarray:
+    """Each node cut into slots of ``tp`` devices in old rank order (an old TP group, or neighbouring
+    ones, stays one slot), then groups to slots with the exact cost of each pair. Groups of one stage
+    and slots holding the same old classes cost alike, so each distinct pair is solved once."""
+    world = cost.shape[0]
+    old_rank = old.placement.rank_on()
+    slots: list[np.ndarray] = []
+    for idx in node_devs:
+        ordered = sorted(idx, key=lambda i: (old_rank.get(devices[i], world + 1), devices[i].index))
+        slots.extend(np.asarray(ordered[k : k + tp]) for k in range(0, len(ordered), tp))
+    group_ranks = [np.arange(g * tp, (g + 1) * tp) for g in range(world // tp)]
+    group_type: dict[bytes, int] = {}
+    g_of = [group_type.setdefault(cost[r].tobytes(), len(group_type)) for r in group_ranks]
+    reps = [group_ranks[g_of.index(t)] for t in range(len(group_type))]
+    rep_rows = np.concatenate(reps)
+    slot_type: dict[bytes, int] = {}
+    s_of = [slot_type.setdefault(cost[np.ix_(rep_rows, s)].tobytes(), len(slot_type)) for s in slots]
+    rep_slots = [slots[s_of.index(t)] for t in range(len(slot_type))]
+    pair_cost = np.empty((len(reps), len(rep_slots)))
+    pair_cols: dict[tuple[int, int], np.ndarray] = {}
+    for gt, rows in enumerate(reps):
+        for st, cols in enumerate(rep_slots):
+            sub = cost[np.ix_(rows, cols)]
+            r, c = linear_sum_assignment(sub)
+            pair_cost[gt, st] = sub[r, c].sum()
+            pair_cols[(gt, st)] = c[np.argsort(r)]
+    groups, chosen = linear_sum_assignment(pair_cost[np.ix_(g_of, s_of)])
+    assign = np.empty(world, dtype=np.intp)
+    for g, s in zip(groups, chosen):
+        assign[group_ranks[g]] = slots[s][pair_cols[(g_of[g], s_of[s])]]
+    return assign
+
+
+Overlap = tuple[np.ndarray, np.ndarray]
+"""``class_overlap``'s result: bytes already in place per (old stage, old tp, new stage, new tp), and
+bytes each new (stage, tp) class holds."""
+
+
+def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, overlap: Overlap | None = None) -> int:
     """Bytes the transfer plan will send between devices: all new state less what each new rank finds
     in the old rank on its own device (the planner's only saving; exact, padding excluded)."""
     ol, nl = old.layout, new.layout
-    overlap, need = class_overlap(model, ol, nl)
+    common, need = overlap if overlap is not None else class_overlap(model, ol, nl)
     old_rank = old.placement.rank_on()
-    total = 0.0
+    total = float(need.sum()) * nl.dp
     for j, device in enumerate(new.placement.devices):
-        c = nl.coords(j)
-        total += need[c.pp, c.tp]
         r = old_rank.get(device)
         if r is not None:
-            o = ol.coords(r)
-            total -= overlap[o.pp, o.tp, c.pp, c.tp]
+            o, c = ol.coords(r), nl.coords(j)
+            total -= common[o.pp, o.tp, c.pp, c.tp]
     return round(total)
+
+
+def lower_bound_bytes(
+    old: WorldConfig, devices: Sequence[Device], new: ParallelLayout, overlap: Overlap
+) -> int:
+    """What any placement of ``new`` on ``devices`` must move (the bound of
+    :func:`liver.services.transfer.placement.local_lower_bound`, from an overlap already computed):
+    each surviving device keeps at most the largest overlap of its old shard with any new shard."""
+    ol = old.layout
+    common, need = overlap
+    best = common.reshape(ol.pp * ol.tp, -1).max(axis=1)
+    keep = set(devices)
+    kept = 0.0
+    for r, d in enumerate(old.placement.devices):
+        if d in keep:
+            c = ol.coords(r)
+            kept += best[c.pp * ol.tp + c.tp]
+    return max(0, round(float(need.sum()) * new.dp - kept))

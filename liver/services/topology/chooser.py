@@ -1,0 +1,535 @@
+"""The topology planner's core: enumerate the layouts a device set allows, keep those that are valid
+and fit, score them, and choose one that is nearly the fastest while moving the fewest bytes.
+
+Rules of validity (each rejection names its rule in :attr:`CandidateScore.rule`):
+
+* ``tp_divisibility``: attention heads, query groups and the FFN width must divide by TP (Megatron's
+  column/row split; the vocabulary is padded per TP, so it never blocks a layout);
+* ``pp_layers``: at most one pipeline stage per decoder layer; layers that do not divide go to a
+  balanced uneven split (:func:`balanced_split`);
+* ``batch``: the global batch must divide into ``dp`` replicas of whole micro-batches;
+* ``tp_across_nodes``: every TP group must fit on one node (required unless ``tp_across_nodes=True``,
+  then such layouts are scored with TP traffic over the network); TP's per-layer all-reduces sit on the
+  critical path and the network is ~8x slower than NVLink;
+* ``memory``: the memory model's peak (:mod:`.memory`) must fit the usable device memory.
+
+All devices are used when any layout allows it; otherwise the largest count that has a valid, fitting
+layout (a prime count of devices often has none), leaving the fewest devices idle, and the explanation
+says so. Among layouts within ``tolerance`` of the best estimated throughput the one whose placement
+moves the fewest bytes wins (the current layout on unchanged devices moves none), then the current
+layout, then the faster: a lower bound ranks them so only a few are placed, and each placement's bytes
+are exact (:func:`.placement.bytes_moved`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from liver.services.transfer.placement import (
+    DEFAULT_INTER_NODE_WEIGHT,
+    class_overlap,
+    optimized_placement,
+)
+from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.messages import Candidate
+from liver.shared.model import ModelSpec
+from liver.shared.plan import WorldConfig
+
+from .cost import StepCost, step_cost
+from .memory import HardwareProfile, SetupError, TrainingSetup, memory_estimate
+from .placement import Overlap, bytes_moved, lower_bound_bytes, node_local_placement
+
+Rule = Literal["ok", "tp_divisibility", "pp_layers", "batch", "tp_across_nodes", "memory"]
+
+_RULE_WORDS: dict[str, str] = {
+    "tp_divisibility": "TP does not divide the heads, query groups or FFN",
+    "pp_layers": "more stages than layers",
+    "batch": "global batch does not divide over DP",
+    "tp_across_nodes": "TP groups would span nodes",
+    "memory": "out of memory",
+}
+
+
+class TopologyError(ValueError):
+    """No layout of the device set is valid and fits; ``candidates`` says why for each."""
+
+    def __init__(self, message: str, candidates: tuple[CandidateScore, ...] = ()) -> None:
+        super().__init__(message)
+        self.candidates = candidates
+
+
+class CandidateScore(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One layout the planner considered, with its scores or the rule that rejected it."""
+
+    layout: ParallelLayout
+    devices: int
+    rule: Rule
+    reason: str = ""
+    tokens_per_s: float = 0.0
+    """Estimated throughput; also filled in for layouts rejected only for memory."""
+    cost: StepCost | None = None
+    memory_peak_bytes: int | None = None
+    memory_peak_stage: int | None = None
+    memory_usable_bytes: int | None = None
+    bytes_moved: int | None = None
+    """Exact for placed candidates; ``None`` where the planner did not place it."""
+    tp_within_node: bool = True
+
+    @property
+    def feasible(self) -> bool:
+        return self.rule == "ok"
+
+
+class TopologyDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The chosen target world of a resize and why."""
+
+    layout: ParallelLayout
+    placement: Placement
+    tokens_per_s: float
+    bytes_moved: int
+    memory_peak_bytes: int
+    memory_usable_bytes: int
+    devices_idle: tuple[Device, ...]
+    """Devices of the new set the layout leaves unused (only when no layout uses them all)."""
+    candidates: tuple[CandidateScore, ...]
+    """The fastest valid layouts (best first), then the most instructive rejected ones."""
+    considered: int
+    feasible: int
+    explanation: str
+    planning_seconds: float
+
+    @property
+    def world(self) -> WorldConfig:
+        return WorldConfig(self.layout, self.placement)
+
+    def message_candidates(self) -> tuple[Candidate, ...]:
+        """The candidates as the ``TopologyPlanned`` message carries them."""
+        return tuple(
+            Candidate(
+                layout=c.layout,
+                score=c.tokens_per_s if c.feasible else 0.0,
+                fits=c.feasible,
+                bytes_moved=c.bytes_moved,
+                memory_bytes=c.memory_peak_bytes,
+                note=(c.reason if not c.feasible else _cost_note(c))[:500],
+            )
+            for c in self.candidates
+        )
+
+
+def balanced_split(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage for ``pp`` stages: ``()`` (even) when they divide; otherwise the spare layers go
+    to the middle stages, then the last, never the first (it already holds the embeddings and the most
+    micro-batches in flight)."""
+    if pp < 1 or pp > num_layers:
+        raise LayoutError(f"cannot split {num_layers} layers over pp={pp}")
+    base, extra = divmod(num_layers, pp)
+    if not extra:
+        return ()
+    split = [base] * pp
+    for stage in [*range(1, pp - 1), pp - 1][:extra]:
+        split[stage] += 1
+    return tuple(split)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _cost_note(c: CandidateScore) -> str:
+    if c.cost is None:
+        return ""
+    k = c.cost
+    return (
+        f"{c.tokens_per_s:.4g} tokens/s; step {k.step_s:.3g} s = compute {k.compute_s:.3g} + TP "
+        f"{k.tp_comm_s:.3g} + PP {k.pp_comm_s:.3g} + bubble {k.bubble_s:.3g} + DP {k.dp_comm_s:.3g}; "
+        f"peak memory {_size(c.memory_peak_bytes or 0)} (stage {c.memory_peak_stage})"
+    )
+
+
+@dataclass(eq=False)
+class _Scored:
+    score: CandidateScore
+    devices: tuple[Device, ...] = ()
+
+
+class _Chooser:
+    """One planning call: its inputs and the caches its candidates share."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        setup: TrainingSetup,
+        hardware: HardwareProfile,
+        current: WorldConfig,
+        devices: tuple[Device, ...],
+        tp_across_nodes: bool,
+        staging_bytes: int,
+        inter_node_weight: float,
+    ) -> None:
+        self.model = model
+        self.setup = setup
+        self.hardware = hardware
+        self.current = current
+        self.devices = devices
+        self.tp_across_nodes = tp_across_nodes
+        self.staging_bytes = staging_bytes
+        self.inter_node_weight = inter_node_weight
+        self.nodes: dict[str, list[Device]] = {}
+        for d in devices:
+            self.nodes.setdefault(d.node, []).append(d)
+        self.surviving = set(current.placement.devices)
+        self._selections: dict[tuple[int, int], tuple[Device, ...] | None] = {}
+        self._overlaps: dict[ParallelLayout, Overlap] = {}
+
+    def select(self, count: int, group: int) -> tuple[Device, ...] | None:
+        """``count`` devices in whole groups of ``group`` per node, or ``None`` when the nodes cannot
+        hold that many; prefers nodes and devices that hold state already, so fresh ones stay idle."""
+        key = (count, group)
+        if key in self._selections:
+            return self._selections[key]
+        order = sorted(
+            self.nodes.items(),
+            key=lambda kv: (-sum(d in self.surviving for d in kv[1]), -len(kv[1])),
+        )
+        chosen: set[Device] = set()
+        left = count
+        for _node, devs in order:
+            take = min(len(devs) // group * group, left // group * group)
+            ranked = sorted(devs, key=lambda d: (d not in self.surviving, d.index))
+            chosen.update(ranked[:take])
+            left -= take
+        result = None if left else tuple(d for d in self.devices if d in chosen)
+        self._selections[key] = result
+        return result
+
+    def layouts(self, count: int) -> list[ParallelLayout]:
+        """Every (TP, PP, DP) with ``count`` ranks, balanced splits, and the current layout if it fits."""
+        out = []
+        for tp in _divisors(count):
+            for pp in _divisors(count // tp):
+                split = balanced_split(self.model.num_layers, pp) if pp <= self.model.num_layers else ()
+                out.append(ParallelLayout(tp, pp, count // (tp * pp), split))
+        cur = self.current.layout
+        if cur.world_size == count and cur not in out:
+            out.append(cur)
+        return out
+
+    def evaluate(self, layout: ParallelLayout) -> _Scored:
+        model, setup = self.model, self.setup
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
+        n = layout.world_size
+
+        def reject(rule: Rule, reason: str) -> _Scored:
+            return _Scored(CandidateScore(layout=layout, devices=n, rule=rule, reason=reason))
+
+        for what, value in (
+            ("num_attention_heads", model.num_attention_heads),
+            ("num_query_groups", model.query_groups),
+            ("ffn_hidden_size", model.ffn_hidden_size),
+        ):
+            if value % tp:
+                return reject("tp_divisibility", f"{what} ({value}) is not divisible by tp={tp}")
+        if pp > model.num_layers:
+            return reject("pp_layers", f"pp={pp} exceeds the {model.num_layers} layers")
+        try:
+            layout.layers_per_stage(model.num_layers)
+        except LayoutError as exc:
+            return reject("pp_layers", str(exc))
+        if setup.global_batch_size % (dp * setup.micro_batch_size):
+            return reject(
+                "batch",
+                f"global batch {setup.global_batch_size} is not a multiple of "
+                f"dp * micro_batch = {dp} * {setup.micro_batch_size}",
+            )
+        devices = self.select(n, tp)
+        within = devices is not None
+        if devices is None:
+            sizes = sorted({len(v) for v in self.nodes.values()})
+            reason = f"TP groups of {tp} cannot stay within nodes of {'/'.join(map(str, sizes))} devices"
+            if not self.tp_across_nodes:
+                return reject("tp_across_nodes", reason)
+            devices = self.select(n, 1)
+            assert devices is not None  # n <= len(self.devices)
+        single_node = len({d.node for d in devices}) == 1
+        mem = memory_estimate(model, setup, self.hardware, layout, self.staging_bytes)
+        cost = step_cost(
+            model, setup, self.hardware, layout, tp_within_node=within or single_node, single_node=single_node
+        )
+        peak = mem.peak
+        fields = {
+            "tokens_per_s": cost.tokens_per_s,
+            "cost": cost,
+            "memory_peak_bytes": peak.total_bytes,
+            "memory_peak_stage": peak.stage,
+            "memory_usable_bytes": mem.usable_bytes,
+            "tp_within_node": within or single_node,
+        }
+        if not mem.fits:
+            reason = (
+                f"needs {_size(peak.total_bytes)} per device on stage {peak.stage} (state "
+                f"{_size(peak.state_bytes)}, grads {_size(peak.grad_bytes)}, activations "
+                f"{_size(peak.activation_bytes)} for {peak.in_flight} micro-batches), "
+                f"{_size(mem.usable_bytes)} usable"
+            )
+            return _Scored(CandidateScore(layout=layout, devices=n, rule="memory", reason=reason, **fields))
+        return _Scored(CandidateScore(layout=layout, devices=n, rule="ok", **fields), devices)
+
+    def evaluate_count(self, count: int) -> list[_Scored]:
+        return [self.evaluate(layout) for layout in self.layouts(count)]
+
+    def place(self, scored: _Scored) -> tuple[Placement, int]:
+        layout = scored.score.layout
+        if scored.score.tp_within_node and len({d.node for d in scored.devices}) > 1:
+            placement = node_local_placement(
+                self.model, self.current, scored.devices, layout, self.inter_node_weight
+            )
+        else:
+            placement = optimized_placement(
+                self.model, self.current, scored.devices, layout, True, self.inter_node_weight
+            )
+        world = WorldConfig(layout, placement)
+        return placement, bytes_moved(self.model, self.current, world, self.overlap(layout))
+
+    def overlap(self, layout: ParallelLayout) -> Overlap:
+        """The transfer planner's class overlap with the current layout, once per layout."""
+        if layout not in self._overlaps:
+            self._overlaps[layout] = class_overlap(self.model, self.current.layout, layout)
+        return self._overlaps[layout]
+
+    def lower_bound(self, scored: _Scored) -> int:
+        layout = scored.score.layout
+        return lower_bound_bytes(self.current, scored.devices, layout, self.overlap(layout))
+
+
+def choose_topology(
+    model: ModelSpec,
+    setup: TrainingSetup,
+    hardware: HardwareProfile,
+    current: WorldConfig,
+    devices: Sequence[Device],
+    *,
+    tolerance: float = 0.02,
+    top: int = 5,
+    tp_across_nodes: bool = False,
+    staging_bytes: int = DEFAULT_BUDGET_BYTES,
+    inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+) -> TopologyDecision:
+    """The target layout and placement for ``model`` on ``devices`` (surviving and added devices),
+    coming from ``current`` (see the module docstring). Raises :class:`TopologyError` naming the reason
+    when no layout of any number of the devices is valid and fits."""
+    started = time.perf_counter()
+    devices = tuple(devices)
+    _validate(model, setup, current, devices, tolerance, top, staging_bytes)
+    chooser = _Chooser(
+        model, setup, hardware, current, devices, tp_across_nodes, staging_bytes, inter_node_weight
+    )
+    everything = chooser.evaluate_count(len(devices))
+    scored = everything
+    count = len(devices)
+    while not any(s.score.feasible for s in scored):
+        count -= 1
+        if count == 0:
+            raise TopologyError(_nothing_fits(model, devices, everything), tuple(s.score for s in everything))
+        scored = chooser.evaluate_count(count)
+
+    feasible = sorted(
+        (s for s in scored if s.score.feasible),
+        key=lambda s: (-s.score.tokens_per_s, s.score.layout.tp, s.score.layout.pp),
+    )
+    best = feasible[0].score.tokens_per_s
+    near = [s for s in feasible if s.score.tokens_per_s >= best * (1 - tolerance)]
+    placed: dict[int, tuple[Placement, int]] = {}
+    bounded = sorted(((chooser.lower_bound(s), i) for i, s in enumerate(near)))
+    fewest = math.inf
+    for bound, i in bounded:
+        if bound > fewest:
+            break  # sorted by bound: no later candidate can move fewer bytes
+        placed[id(near[i])] = chooser.place(near[i])
+        fewest = min(fewest, placed[id(near[i])][1])
+
+    def preference(s: _Scored) -> tuple:
+        lay = s.score.layout
+        return (placed[id(s)][1], lay != current.layout, -s.score.tokens_per_s, lay.tp, lay.pp)
+
+    winner = min((s for s in near if id(s) in placed), key=preference)
+    shown = feasible[:top] if any(s is winner for s in feasible[:top]) else [*feasible[: top - 1], winner]
+    for s in shown:
+        if id(s) not in placed:
+            placed[id(s)] = chooser.place(s)
+    shown_scores = [msgspec.structs.replace(s.score, bytes_moved=placed[id(s)][1]) for s in shown]
+    rejected = _most_instructive(scored, top)
+    placement, moved = placed[id(winner)]
+    chosen = msgspec.structs.replace(winner.score, bytes_moved=moved)
+    used = set(placement.devices)
+    idle = tuple(d for d in devices if d not in used)
+    fastest_bytes = placed[id(feasible[0])][1] if id(feasible[0]) in placed else None
+    explanation = _explain(
+        chooser, chosen, feasible[0].score, fastest_bytes, shown_scores, everything, scored, idle, tolerance
+    )
+    return TopologyDecision(
+        layout=chosen.layout,
+        placement=placement,
+        tokens_per_s=chosen.tokens_per_s,
+        bytes_moved=moved,
+        memory_peak_bytes=chosen.memory_peak_bytes or 0,
+        memory_usable_bytes=chosen.memory_usable_bytes or 0,
+        devices_idle=idle,
+        candidates=(*shown_scores, *rejected),
+        considered=len(scored),
+        feasible=len(feasible),
+        explanation=explanation,
+        planning_seconds=time.perf_counter() - started,
+    )
+
+
+def assess_layout(
+    model: ModelSpec,
+    setup: TrainingSetup,
+    hardware: HardwareProfile,
+    current: WorldConfig,
+    devices: Sequence[Device],
+    layout: ParallelLayout,
+    *,
+    tp_across_nodes: bool = False,
+    staging_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> CandidateScore:
+    """One layout judged as :func:`choose_topology` judges it (its rule, reason and scores), on
+    ``layout.world_size`` of ``devices``; for the CLI's ``--explain`` and for tests of each rule."""
+    devices = tuple(devices)
+    _validate(model, setup, current, devices, 0.0, 1, staging_bytes)
+    if layout.world_size > len(devices):
+        raise TopologyError(
+            f"layout: {layout.describe()} needs {layout.world_size} devices, {len(devices)} given"
+        )
+    chooser = _Chooser(
+        model, setup, hardware, current, devices, tp_across_nodes, staging_bytes, DEFAULT_INTER_NODE_WEIGHT
+    )
+    return chooser.evaluate(layout).score
+
+
+def _validate(
+    model: ModelSpec,
+    setup: TrainingSetup,
+    current: WorldConfig,
+    devices: tuple[Device, ...],
+    tolerance: float,
+    top: int,
+    staging_bytes: int,
+) -> None:
+    if not devices:
+        raise TopologyError("devices: the new device set is empty")
+    if len(set(devices)) != len(devices):
+        dup = next(d for d, k in Counter(devices).items() if k > 1)
+        raise TopologyError(f"devices: device {dup} appears twice")
+    if not 0 <= tolerance < 1:
+        raise TopologyError(f"tolerance must be in [0, 1), got {tolerance}")
+    if top < 1:
+        raise TopologyError(f"top must be at least 1, got {top}")
+    if staging_bytes < 0:
+        raise TopologyError(f"staging_bytes must not be negative, got {staging_bytes}")
+    try:
+        setup.check_model(model)
+    except SetupError as exc:
+        raise TopologyError(f"setup: {exc}") from None
+    try:
+        model.check_layout(current.layout)
+    except LayoutError as exc:
+        raise TopologyError(f"current.layout: {exc}") from None
+
+
+_REJECTION_ORDER = {"memory": 0, "tp_across_nodes": 1, "batch": 2, "pp_layers": 3, "tp_divisibility": 4}
+
+
+def _most_instructive(scored: list[_Scored], top: int) -> list[CandidateScore]:
+    """Rejected layouts worth showing: near misses on memory first (fastest first), then the rest."""
+    rejected = [s.score for s in scored if not s.score.feasible]
+    rejected.sort(key=lambda c: (_REJECTION_ORDER[c.rule], -c.tokens_per_s, c.layout.tp, c.layout.pp))
+    return rejected[:top]
+
+
+def _rule_counts(scored: list[_Scored]) -> str:
+    counts = Counter(s.score.rule for s in scored if not s.score.feasible)
+    return ", ".join(f"{k} {_RULE_WORDS[rule]}" for rule, k in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _nothing_fits(model: ModelSpec, devices: tuple[Device, ...], everything: list[_Scored]) -> str:
+    n = len(devices)
+    text = f"no layout of {model.name} fits {n} devices or any fewer: with all {n}, " + _rule_counts(
+        everything
+    )
+    misses = [s.score for s in everything if s.score.rule == "memory"]
+    if misses:
+        closest = min(misses, key=lambda c: c.memory_peak_bytes or 0)
+        text += f"; the closest, {closest.layout.describe()}, {closest.reason}"
+    elif everything:
+        text += f"; e.g. {everything[0].score.layout.describe()}: {everything[0].score.reason}"
+    return text
+
+
+def _explain(
+    chooser: _Chooser,
+    chosen: CandidateScore,
+    fastest: CandidateScore,
+    fastest_bytes: int | None,
+    shown: list[CandidateScore],
+    everything: list[_Scored],
+    scored: list[_Scored],
+    idle: tuple[Device, ...],
+    tolerance: float,
+) -> str:
+    n = len(chooser.devices)
+    fresh = sum(d not in chooser.surviving for d in chooser.devices)
+    k = chosen.cost
+    assert k is not None
+    parts = [
+        f"{n} devices on {len(chooser.nodes)} nodes ({n - fresh} with state, {fresh} new).",
+    ]
+    if idle:
+        parts.append(
+            f"No layout uses all {n} devices ({_rule_counts(everything)}), so the plan uses "
+            f"{chosen.devices} and leaves {len(idle)} idle ({', '.join(map(str, idle[:8]))}"
+            f"{', ...' if len(idle) > 8 else ''})."
+        )
+    parts.append(
+        f"Of {len(scored)} layouts of {chosen.devices} devices, {sum(s.score.feasible for s in scored)} "
+        f"are valid and fit" + (f" (rejected: {_rule_counts(scored)})." if _rule_counts(scored) else ".")
+    )
+    keeps = chosen.layout == chooser.current.layout
+    parts.append(
+        f"Chose {chosen.layout.describe()}{' (the current layout)' if keeps else ''}: an estimated "
+        f"{chosen.tokens_per_s:.4g} tokens/s (step {k.step_s:.3g} s: compute {k.compute_s:.3g}, TP "
+        f"{k.tp_comm_s:.3g}, PP {k.pp_comm_s:.3g}, bubble {k.bubble_s:.3g}, DP {k.dp_comm_s:.3g}), peak "
+        f"memory {_size(chosen.memory_peak_bytes or 0)} of {_size(chosen.memory_usable_bytes or 0)} usable "
+        f"(stage {chosen.memory_peak_stage}), moving {_size(chosen.bytes_moved or 0)} between devices."
+    )
+    if fastest.layout != chosen.layout:
+        gain = fastest.tokens_per_s / chosen.tokens_per_s - 1
+        moved = f" but would move {_size(fastest_bytes)}" if fastest_bytes is not None else ""
+        parts.append(
+            f"The fastest, {fastest.layout.describe()}, is {gain:.1%} faster under the cost model{moved}; "
+            f"within the {tolerance:.0%} tolerance the planner prefers moving fewer bytes."
+        )
+    elif len(shown) > 1:
+        runner = shown[1]
+        parts.append(
+            f"It is the fastest; the runner-up {runner.layout.describe()} reaches "
+            f"{runner.tokens_per_s:.4g} tokens/s and would move {_size(runner.bytes_moved or 0)}."
+        )
+    return " ".join(parts)
