@@ -12,6 +12,7 @@ on ``d`` and of ``j``: it is computed once per pair of those classes (a few hund
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -28,6 +29,7 @@ from .geometry import overlap_bytes, shard_bytes
 DEFAULT_INTER_NODE_WEIGHT = 4.0
 
 
+@functools.lru_cache(maxsize=256)
 def class_overlap(
     model: ModelSpec, old: ParallelLayout, new: ParallelLayout, optimizer: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -50,6 +52,8 @@ def class_overlap(
             need_cls[s2] += need
             for s1 in so:
                 overlap[s1, :, s2, :] += m
+    overlap.setflags(write=False)  # cached and shared: callers only read
+    need_cls.setflags(write=False)
     return overlap, need_cls
 
 
