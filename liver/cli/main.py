@@ -9,7 +9,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from liver.cli import plan_cmd
+from liver.cli import plan_cmd, serve_cmd
+from liver.sim import cli as sim_cli
 
 
 class CliError(Exception):
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liver", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
+    sim_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a baseline run alongside)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _bench_plan(bench_sub)

@@ -502,6 +502,37 @@ class GenerationAborted(Message, kw_only=True, tag="generation_aborted"):
                 raise _invalid("checkpoint", "only a checkpoint fallback names a checkpoint")
 
 
+# -- internal: membership record -----------------------------------------------------------------
+
+
+class WorkerDevice(Part):
+    """One worker of a job's current world and the device it runs on."""
+
+    worker_id: WorkerId
+    device: Device
+
+
+class JobMembership(Message, kw_only=True, tag="job_membership"):
+    """Which workers (and devices) make up a job's current world, in the coordinator's view.
+
+    Written by the coordinator as the value of key ``<job>`` in the ``liver-membership`` key-value
+    bucket (a record, not a message on a subject, so it is not part of :data:`BusMessage`); read by
+    the ingester to map a node in a warning or request to the job's devices.
+    """
+
+    job_id: JobId
+    generation: Generation
+    workers: tuple[WorkerDevice, ...]
+
+    def _validate(self) -> None:
+        _check_devices(tuple(w.device for w in self.workers), "workers")
+        seen: set[str] = set()
+        for i, worker in enumerate(self.workers):
+            if worker.worker_id in seen:
+                raise _invalid(f"workers[{i}].worker_id", f"worker {worker.worker_id!r} appears twice")
+            seen.add(worker.worker_id)
+
+
 # -- internal: errors --------------------------------------------------------------------------------
 
 PayloadEncoding = Literal["utf-8", "base64"]

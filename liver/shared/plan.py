@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import msgspec
 
 from liver.shared.boxes import Box, volume
-from liver.shared.layout import ParallelLayout, Placement, check_placement
+from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 from liver.shared.model import ModelSpec, TensorSpec
 
 PLAN_SCHEMA_VERSION = 1
@@ -81,6 +81,35 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             for t in self.tasks
             if (rank_src is None or t.src == rank_src) and (rank_dst is None or t.dst == rank_dst)
         ]
+
+
+class PlanSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One device's part of a plan: the tasks it sends as an old rank and receives as a new rank.
+
+    What a worker fetches instead of the whole plan. The tensor list is not repeated (a large model has
+    thousands of tensors, and a job has thousands of devices): it is ``model.tensors(optimizer)``, which
+    is what a plan's ``tensors`` are. :meth:`to_plan` gives the executor a plan with only these tasks.
+    """
+
+    schema_version: int = PLAN_SCHEMA_VERSION
+    model: ModelSpec
+    optimizer: bool
+    old: WorldConfig
+    new: WorldConfig
+    budget_bytes: int
+    device: Device
+    tasks: tuple[Task, ...]
+
+    def to_plan(self) -> Plan:
+        return Plan(
+            schema_version=self.schema_version,
+            model=self.model,
+            old=self.old,
+            new=self.new,
+            tensors=self.model.tensors(self.optimizer),
+            budget_bytes=self.budget_bytes,
+            tasks=self.tasks,
+        )
 
 
 def slice_bytes(tensors: tuple[TensorSpec, ...], s: Slice) -> int:

@@ -195,8 +195,13 @@ STREAMS: Final = (STREAM_INGEST, STREAM_CONTROL, STREAM_GENERATIONS, STREAM_ERRO
 KV_GENERATIONS: Final = "liver-generations"
 """Key = job id, value = the job's current generation record; commit is a compare-and-set on it."""
 
+KV_MEMBERSHIP: Final = "liver-membership"
+"""Key = job id, value = the job's ``JobMembership`` (its current world's workers and their devices),
+written by the coordinator; the ingester reads it to map a reclaimed node to the job's devices."""
+
 KV_EVENTS_SEEN: Final = "liver-events-seen"
-"""Key = event id; lets the ingester drop a re-sent event after JetStream's dedup window has passed."""
+"""Key = ``<job id>.<event id>``; lets the ingester drop a re-sent event after JetStream's dedup window
+has passed."""
 
 OBJECT_STORE_PLANS: Final = "liver-plans"
 """Transfer plans and per-worker slices: a large job's plan exceeds the 1 MiB message limit."""

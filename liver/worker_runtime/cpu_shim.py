@@ -1,20 +1,22 @@
 """Make megatron-core 0.16.1 run on a machine without CUDA.
 
-Megatron-core assumes a GPU in a few places (``torch.cuda.current_device()``, ``Tensor.cuda()``, the
-CUDA RNG). On a CPU-only torch each of them raises "Torch not compiled with CUDA enabled", so LiveR's
-tests and its CPU demo could not build or train a model at all. This module is the one place that
-bridges that gap. Its rules:
+Megatron-core assumes a GPU in a few places (``torch.cuda.current_device()``, ``device="cuda"``,
+``Tensor.cuda()``, ``torch.cuda.synchronize()``, the CUDA RNG, ``'torch.cuda.FloatTensor'`` type
+strings). On a CPU-only torch each of them raises "Torch not compiled with CUDA enabled" or fails a
+device check, so LiveR's tests and its CPU demo could not build or train a model at all. This module is
+the one place that bridges that gap; with it, GPTModel, 1F1B pipelining, Megatron DDP, its optimizers
+(FP32, mixed precision and distributed) and gradient clipping run on CPU processes over gloo. Its rules:
 
 * :func:`apply_cpu_shim` does nothing when ``torch.cuda.is_available()``: on a GPU machine Megatron runs
   unmodified.
-* Every patch only turns a call that would raise on a CPU-only torch into its CPU meaning. Nothing that
-  already works changes behaviour.
+* Every patch only turns a call that would raise (or a check that would reject a CPU tensor) on a
+  CPU-only torch into its CPU meaning. Nothing that already works changes behaviour, and the arithmetic
+  is untouched: a patched run computes bit for bit what the unpatched code computes on the CPU.
 * Patches are narrow: a megatron module gets its own view of ``torch`` (its global name ``torch`` is
   rebound; the real ``torch`` module is never modified), or one megatron function runs under a
   thread-local torch function mode. Nothing outside megatron sees a difference.
-* Each patch is listed in :data:`PATCHES` with the reason it exists. Later work (training steps, DDP
-  grad buffers, the optimizer, pipeline p2p; see ``shared/notes/megatron-on-cpu.md``) adds entries here
-  with the same two tools rather than patching elsewhere.
+* Each patch is listed in :data:`PATCHES` with the reason it exists; new ones are added here with the
+  same two tools rather than patching elsewhere (see ``shared/notes/megatron-on-cpu.md``).
 """
 
 from __future__ import annotations
@@ -60,22 +62,63 @@ class _CudaAsCpu(types.ModuleType):
 
 
 class _TorchWithCpuCuda(types.ModuleType):
-    """``torch`` as one megatron module sees it: the real module with a CPU-backed ``cuda``."""
+    """``torch`` as one megatron module sees it: the real module with a CPU-backed ``cuda``.
 
-    def __init__(self, cuda: _CudaAsCpu) -> None:
+    ``overrides`` replace top-level names too (the tensor factories that take ``device="cuda"``).
+    """
+
+    def __init__(self, cuda: _CudaAsCpu, overrides: dict[str, Any] | None = None) -> None:
         super().__init__("torch")
         self.cuda = cuda
+        self.__dict__.update(overrides or {})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
 
-def _give_module_cpu_cuda(module_name: str, **cuda_overrides: Any) -> None:
-    """Rebind ``torch`` inside ``module_name`` to a view whose ``torch.cuda`` has ``cuda_overrides``."""
+def _give_module_cpu_cuda(
+    module_name: str, torch_overrides: dict[str, Any] | None = None, **cuda_overrides: Any
+) -> None:
+    """Rebind ``torch`` inside ``module_name`` to a view whose ``torch.cuda`` has ``cuda_overrides``
+    (and whose top-level names have ``torch_overrides``)."""
     module = importlib.import_module(module_name)
     if module.__dict__.get("torch") is not torch:
         raise RuntimeError(f"{module_name} does not hold the torch module as `torch`; the shim is stale")
-    module.torch = _TorchWithCpuCuda(_CudaAsCpu(cuda_overrides))
+    module.torch = _TorchWithCpuCuda(_CudaAsCpu(cuda_overrides), torch_overrides)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _factory_on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``factory`` with a ``device="cuda"`` keyword turned into the CPU (any other device untouched)."""
+
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+# The factories megatron's training modules call with a literal ``device="cuda"``.
+_CPU_FACTORIES: dict[str, Any] = {
+    name: _factory_on_cpu(getattr(torch, name)) for name in ("tensor", "zeros", "ones", "empty", "full")
+}
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    """``torch.cuda.synchronize`` on a CPU: every CPU op (gloo's included) has finished when it returns."""
+
+
+def _give_module_cpu_device(module_name: str) -> None:
+    """The module's ``torch.cuda.current_device()`` is the CPU, ``torch.cuda.synchronize()`` returns at
+    once, and its tensor factories place ``device="cuda"`` tensors on the CPU."""
+    _give_module_cpu_cuda(module_name, _CPU_FACTORIES, current_device=_current_device, synchronize=_no_op)
 
 
 class _CudaCallsOnCpu(TorchFunctionMode):
@@ -96,25 +139,71 @@ class _CudaCallsOnCpu(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run_method_with_cuda_calls_on_cpu(owner: type, name: str) -> None:
-    """Wrap ``owner.name`` so its body runs under :class:`_CudaCallsOnCpu`."""
-    original = getattr(owner, name)
+class _CpuTensorsReportCudaTypes(TorchFunctionMode):
+    """Inside this mode ``Tensor.type()`` spells a CPU tensor's type as its CUDA twin
+    (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), for megatron's string checks of the device.
 
+    Only the no-argument form (the type query) changes; ``Tensor.type(dtype)`` casts as before.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if (
+            func is torch.Tensor.type
+            and len(args) == 1
+            and not kwargs
+            and isinstance(result, str)
+            and result.startswith("torch.")
+            and not result.startswith("torch.cuda.")
+        ):
+            return "torch.cuda." + result.removeprefix("torch.")
+        return result
+
+
+def _under_mode(original: Callable[..., Any], mode: type[TorchFunctionMode]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _CudaCallsOnCpu():
+        with mode():
             return original(*args, **kwargs)
 
     wrapper.__liver_cpu_shim__ = original  # type: ignore[attr-defined]
-    setattr(owner, name, wrapper)
+    return wrapper
+
+
+def _run_method_under_mode(owner: type, name: str, mode: type[TorchFunctionMode]) -> None:
+    """Wrap ``owner.name`` so its body runs under the thread-local torch function ``mode``."""
+    setattr(owner, name, _under_mode(getattr(owner, name), mode))
+
+
+def _run_method_with_cuda_calls_on_cpu(owner: type, name: str) -> None:
+    """Wrap ``owner.name`` so its body runs under :class:`_CudaCallsOnCpu`."""
+    _run_method_under_mode(owner, name, _CudaCallsOnCpu)
+
+
+def _run_function_under_mode(module_names: tuple[str, ...], name: str, mode: type[TorchFunctionMode]) -> None:
+    """Rebind the function ``name`` to one that runs under ``mode``, in every module that imported it
+    by name (the first module defines it; the others hold a reference made at import time)."""
+    modules = [importlib.import_module(m) for m in module_names]
+    original = getattr(modules[0], name)
+    wrapper = _under_mode(original, mode)
+    for module in modules:
+        if getattr(module, name) is not original:
+            raise RuntimeError(f"{module.__name__}.{name} is not {module_names[0]}.{name}; the shim is stale")
+        setattr(module, name, wrapper)
 
 
 def _current_device() -> torch.device:
     return _CPU
 
 
-def _patch_global_memory_buffer() -> None:
-    _give_module_cpu_cuda("megatron.core.utils", current_device=_current_device)
+def _patch_megatron_utils() -> None:
+    _give_module_cpu_device("megatron.core.utils")
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -147,6 +236,36 @@ def _patch_rng_tracker() -> None:
     logging.getLogger(module_name).addFilter(_DropCpuRngWarning())
 
 
+_DEVICE_MODULES = (
+    "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+)
+
+
+def _patch_training_devices() -> None:
+    for module_name in _DEVICE_MODULES:
+        _give_module_cpu_device(module_name)
+
+
+def _patch_device_type_checks() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    _run_function_under_mode(
+        ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"),
+        "clip_grad_by_total_norm_fp32",
+        _CpuTensorsReportCudaTypes,
+    )
+    _run_method_under_mode(Float16OptimizerWithFloat16Params, "__init__", _CpuTensorsReportCudaTypes)
+    _run_method_under_mode(DistributedOptimizer, "__init__", _CpuTensorsReportCudaTypes)
+
+
 def _patch_tied_embedding_sync() -> None:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
@@ -169,11 +288,14 @@ _REGISTRY: tuple[tuple[ShimPatch, Callable[[], None]], ...] = (
     ),
     (
         ShimPatch(
-            target="megatron.core.utils (module view of torch.cuda.current_device)",
+            target="megatron.core.utils (module view of torch: torch.cuda.current_device is the CPU, "
+            "device='cuda' factories allocate on the CPU)",
             why="GlobalMemoryBuffer.get_tensor allocates with device=torch.cuda.current_device(); "
-            "sequence-parallel gathers and some fused paths draw their scratch tensors from it.",
+            "the local attention and sequence-parallel gathers draw their scratch tensors from it. "
+            "Without apex or Transformer Engine, the grad-norm fallback local_multi_tensor_l2_norm "
+            "returns its result on device='cuda'.",
         ),
-        _patch_global_memory_buffer,
+        _patch_megatron_utils,
     ),
     (
         ShimPatch(
@@ -183,6 +305,38 @@ _REGISTRY: tuple[tuple[ShimPatch, Callable[[], None]], ...] = (
             "the weight is already where the gloo all-reduce needs it.",
         ),
         _patch_tied_embedding_sync,
+    ),
+    (
+        ShimPatch(
+            target="megatron.core.transformer.utils, "
+            "megatron.core.models.common.embeddings.rotary_pos_embedding, "
+            "megatron.core.pipeline_parallel.{p2p_communication,schedules}, "
+            "megatron.core.distributed.param_and_grad_buffer, megatron.core.optimizer.{optimizer,"
+            "clip_grads,distrib_optimizer} (module view of torch: torch.cuda.current_device is the "
+            "CPU, torch.cuda.synchronize returns at once, tensor factories put device='cuda' on the CPU)",
+            why="A training step allocates on the GPU by name: the default causal attention mask "
+            "(device='cuda', used when no mask is passed), RoPE's frequencies (moved to "
+            "current_device on first use), pipeline receive buffers and shape "
+            "messages (current_device), the schedules' token counter (device='cuda'), DDP's "
+            "contiguous grad (and distributed-optimizer param) buffers (current_device), the "
+            "optimizers' loss scale and found-inf flags and clip_grads' norm accumulators "
+            "(device='cuda'). p2p calls torch.cuda.synchronize after batch_isend_irecv to guard a NCCL "
+            "race; gloo's waits have already completed every CPU transfer when they return.",
+        ),
+        _patch_training_devices,
+    ),
+    (
+        ShimPatch(
+            target="clip_grad_by_total_norm_fp32 (in clip_grads and optimizer), "
+            "Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer.__init__ "
+            "(Tensor.type() spells CPU types as torch.cuda.* inside)",
+            why="These check the device with type strings: clipping asserts every grad is a "
+            "'torch.cuda.FloatTensor', and the mixed-precision and distributed optimizers accept only "
+            "'torch.cuda.{Float,Half,BFloat16}Tensor' parameters. The dtype half of each check still "
+            "applies; only the device half, which is the CPU by construction here, is answered as "
+            "Megatron expects.",
+        ),
+        _patch_device_type_checks,
     ),
 )
 

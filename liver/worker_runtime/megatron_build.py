@@ -5,13 +5,24 @@ the real model. Every ``ModelSpec`` field maps to exactly one Megatron setting, 
 checked against the views: if Megatron silently built something else (a TP=1 model because
 ``parallel_state`` was not initialised for the layout, a different pipeline split), the local parameter
 count differs from what the views promise and the build fails instead of training the wrong shards.
+
+Process groups are explicit: a build takes a :class:`ParallelGroups` (one world's TP, PP, DP, ...
+groups) and hands Megatron a ``ProcessGroupCollection`` made from it, so a second world's model can be
+built in a process whose ``parallel_state`` still describes the first. :func:`groups_from_world` makes
+one from a LiveR :class:`~liver.worker_runtime.world.World`; :func:`groups_from_parallel_state` is the
+one place that reads ``parallel_state`` (a plain ``torchrun`` job). Two things still come from
+``torch.distributed``'s *default* world, whatever groups are passed (Megatron's ``get_pg_size`` answers 1
+without one, the tied-embedding sync compares ``dist.get_rank()`` with group members, the optimizer
+gathers its parameter-group keys over it): the world being built must be the default one when its
+model is built. :func:`build_gpt_model` checks that instead of building a TP=1 model.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -20,12 +31,16 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.views import view
 from liver.worker_runtime.cpu_shim import apply_cpu_shim
+
+if TYPE_CHECKING:
+    from liver.worker_runtime.world import World
 
 log = structlog.get_logger(__name__)
 
@@ -84,11 +99,158 @@ def initialize_parallel_state(layout: ParallelLayout, *, gloo_groups: bool = Tru
     apply_cpu_shim()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # A build on explicit groups may have created the memory buffer; initialisation insists on making it.
+    parallel_state.destroy_global_memory_buffer()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         create_gloo_process_groups=gloo_groups,
     )
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """One world's process groups as Megatron-core uses them (context and expert parallelism are 1).
+
+    ``embd`` (first and last stage of this rank's pipeline) is ``None`` on middle stages and
+    ``pos_embd`` (first stage) on every later stage, as in ``parallel_state``. ``single`` is a group of
+    this rank alone: Megatron's context-parallel group.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    tp_dp: dist.ProcessGroup
+    embd: dist.ProcessGroup | None
+    pos_embd: dist.ProcessGroup | None
+    single: dist.ProcessGroup
+
+    def __post_init__(self) -> None:
+        layout = self.layout
+        coords = layout.coords(self.rank)
+        for name, group, size, index in (
+            ("tp", self.tp, layout.tp, coords.tp),
+            ("pp", self.pp, layout.pp, coords.pp),
+            ("dp", self.dp, layout.dp, coords.dp),
+            ("mp", self.mp, layout.tp * layout.pp, coords.tp + layout.tp * coords.pp),
+            ("tp_dp", self.tp_dp, layout.tp * layout.dp, coords.tp + layout.tp * coords.dp),
+            ("single", self.single, 1, 0),
+        ):
+            if group.size() != size or group.rank() != index:
+                raise MegatronBuildError(
+                    f"rank {self.rank} of {layout.describe()}: its {name} group is rank {group.rank()} of "
+                    f"{group.size()}, the layout says rank {index} of {size}"
+                )
+        in_embd = coords.pp in (0, layout.pp - 1)
+        if (self.embd is not None) != in_embd:
+            raise MegatronBuildError(
+                f"rank {self.rank} of {layout.describe()}: stage {coords.pp} "
+                f"{'needs' if in_embd else 'has no place in'} an embedding group"
+            )
+        if (self.pos_embd is not None) != (coords.pp == 0):
+            raise MegatronBuildError(
+                f"rank {self.rank} of {layout.describe()}: only the first stage has a position-embedding "
+                "group"
+            )
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank() == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank() == self.pp.size() - 1
+
+    def collection(self) -> ProcessGroupCollection:
+        """Megatron's ``ProcessGroupCollection`` for the model, DDP, optimizer and schedules."""
+        return ProcessGroupCollection(
+            tp=self.tp,
+            pp=self.pp,
+            mp=self.mp,
+            embd=self.embd,
+            pos_embd=self.pos_embd,
+            cp=self.single,
+            tp_cp=self.tp,
+            hcp=[self.single],
+            ep=self.single,
+            expt_tp=self.single,
+            tp_ep=self.tp,
+            tp_ep_pp=self.mp,
+            tp_dp_cp=self.tp_dp,
+            dp=self.dp,
+            dp_cp=self.dp,
+            expt_dp=self.dp,
+            intra_dp_cp=self.dp,
+            intra_expt_dp=self.dp,
+            intra_dist_opt=self.dp,
+        )
+
+
+def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
+    """The groups ``parallel_state`` holds, checked against ``layout`` (the one place that reads it)."""
+    _check_parallel_state(layout)
+    return ParallelGroups(
+        layout=layout,
+        rank=dist.get_rank(),
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        dp=parallel_state.get_data_parallel_group(),
+        mp=parallel_state.get_model_parallel_group(),
+        tp_dp=parallel_state.get_tensor_and_data_parallel_group(),
+        embd=parallel_state.get_embedding_group(check_initialized=False),
+        pos_embd=parallel_state.get_position_embedding_group(check_initialized=False),
+        single=parallel_state.get_context_parallel_group(),
+    )
+
+
+def groups_from_world(world: World) -> ParallelGroups:
+    """The groups of a LiveR ``World`` (see :mod:`liver.worker_runtime.world`)."""
+    from liver.worker_runtime.world import GroupKind
+
+    def optional(kind: GroupKind) -> dist.ProcessGroup | None:
+        return world.group(kind) if world.member_of(kind) else None
+
+    return ParallelGroups(
+        layout=world.layout,
+        rank=world.rank,
+        tp=world.group(GroupKind.TP),
+        pp=world.group(GroupKind.PP),
+        dp=world.group(GroupKind.DP),
+        mp=world.group(GroupKind.MP),
+        tp_dp=world.group(GroupKind.TP_DP),
+        embd=optional(GroupKind.EMBD),
+        pos_embd=optional(GroupKind.POS_EMBD),
+        single=world.group(GroupKind.SELF),
+    )
+
+
+def ensure_global_memory_buffer() -> None:
+    """Megatron's attention draws scratch tensors from ``parallel_state``'s buffer even when it is
+    given explicit groups; ``destroy_model_parallel`` drops the buffer, so check before each use."""
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def check_default_world(groups: ParallelGroups) -> None:
+    """The default world must be the one ``groups`` belong to (see the module docstring)."""
+    if not dist.is_initialized():
+        raise MegatronBuildError(
+            f"rank {groups.rank}: torch.distributed has no default world; Megatron would build a TP=1 "
+            "model. Adopt the world as the default before building (World.adopt_as_default)"
+        )
+    size, rank = dist.get_world_size(), dist.get_rank()
+    if (size, rank) != (groups.layout.world_size, groups.rank):
+        raise MegatronBuildError(
+            f"the default world is rank {rank} of {size}, but the model is built for rank {groups.rank} "
+            f"of {groups.layout.describe()}; adopt that world as the default first"
+        )
 
 
 def pipeline_split(spec: ModelSpec, layout: ParallelLayout) -> dict[str, Any]:
@@ -172,12 +334,14 @@ def build_gpt_model(
     spec: ModelSpec,
     layout: ParallelLayout,
     *,
+    groups: ParallelGroups | None = None,
     seed: int = 1234,
     config_overrides: Mapping[str, Any] | None = None,
 ) -> GPTModel:
     """Build this rank's part of ``spec`` at ``layout`` (local layer spec, CPU initialisation).
 
-    ``parallel_state`` must already be initialised for ``layout`` (:func:`initialize_parallel_state`).
+    ``groups`` are the world's process groups; without them ``parallel_state`` must be initialised for
+    ``layout`` (:func:`initialize_parallel_state`) and its groups are used.
     Half-precision models come back cast as Megatron's ``Float16Module`` casts them (all parameters in
     ``params_dtype``) but unwrapped, so parameter names and ``sharded_state_dict()`` keys are the views'.
     Seeds follow Megatron's training loop (``seed + 100 * pp_rank``; TP ranks of a stage build the same
@@ -185,29 +349,30 @@ def build_gpt_model(
     """
     spec.check_layout(layout)
     apply_cpu_shim()
-    _check_parallel_state(layout)
-    rank = dist.get_rank()
-    coords = layout.coords(rank)
-    if coords.tp != parallel_state.get_tensor_model_parallel_rank() or (
-        coords.pp != parallel_state.get_pipeline_model_parallel_rank()
-    ):
+    if groups is None:
+        groups = groups_from_parallel_state(layout)
+    if groups.layout != layout:
         raise MegatronBuildError(
-            f"rank {rank}: parallel_state places it at tp={parallel_state.get_tensor_model_parallel_rank()}"
-            f", pp={parallel_state.get_pipeline_model_parallel_rank()}; the layout says {coords}"
+            f"the groups are for {groups.layout.describe()}, the build is for {layout.describe()}"
         )
+    check_default_world(groups)
+    ensure_global_memory_buffer()
+    rank = groups.rank
+    coords = layout.coords(rank)
     config = transformer_config(spec, layout, config_overrides)
     stage_seed = seed + 100 * coords.pp
     torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
         vocab_size=spec.padded_vocab(layout.tp),
         max_sequence_length=spec.max_sequence_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
         share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type=spec.position_embedding,
+        pg_collection=groups.collection(),
     )
     # The torch norms and the position embeddings are created in fp32 whatever params_dtype says;
     # Megatron's training loop casts the whole module when it wraps it in Float16Module. Cast here so

@@ -1,0 +1,514 @@
+"""``liver bench plan``: the transfer planner at 1,024-device scale, against DCP's load-time resharding.
+
+Each scenario plans one resize with :func:`plan_resize` (placement optimisation included in the plan
+time; the placement part is also shown apart), verifies the plan once, and, on the same metadata (the
+same logical tensors, old shards and new shards), times what torch.distributed.checkpoint computes when
+the new world loads a checkpoint of the old one (:mod:`liver.bench.dcp_baseline`).
+
+The two sides do not compute the same amount: DCP finds every overlap of a saved chunk with a local
+chunk (one ``ReadItem`` each); the planner finds the same overlaps and also chooses a source among
+data-parallel replicas (locality first, then same node, then balance), places the new ranks on devices,
+coalesces slices into one message per (source, destination, layer) and splits layers into streaming
+rounds under the staging budget. Both report the bytes their overlaps cover, which must be equal.
+
+DCP's time is the sum over all new ranks, run one after another in this process, which is the work
+DCP does. In a real load every rank plans its own part in parallel, so the busiest rank's time is also
+shown: that is DCP's wall time, while the planner's figure is the whole world's plan on one core.
+
+Plan time is the median of ``--repeat`` runs; the first run starts with the planner's per-geometry
+caches cold, the others warm. The machine this runs on may be shared, so the fastest run is shown too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from liver.bench.dcp_baseline import build_workload, time_load_planning
+from liver.services.transfer.planner import ResizePlan, plan_resize
+from liver.shared.layout import ParallelLayout, Placement, grid_devices, parse_devices
+from liver.shared.model import PRESETS
+from liver.shared.plan import WorldConfig
+from liver.shared.plan_check import verify_plan
+
+MUST_PLAN_SECONDS = 1.0
+AIM_PLAN_SECONDS = 0.1
+AIM_DCP_RATIO = 10.0
+DEFAULT_DCP_BUDGET_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One resize: a model, the old world on whole nodes in rank order, and the new layout and devices."""
+
+    name: str
+    description: str
+    model: str
+    old: str  # TP,PP,DP
+    new: str
+    per_node: int
+    devices: str  # the new device set relative to the old one (``parse_devices``); "" keeps it
+
+
+def _every_16th_node(count: int) -> str:
+    return "drop:" + ",".join(f"node{n:03d}" for n in range(15, 16 * count, 16))
+
+
+FULL: tuple[Scenario, ...] = (
+    Scenario(
+        "scale-in",
+        "gpt3-175b + fp32 master + Adam: 128 nodes -> 120 (spot reclaims nodes 15, 31, ..., 127)",
+        "gpt3-175b",
+        "8,16,8",
+        "8,12,10",
+        8,
+        _every_16th_node(8),
+    ),
+    Scenario(
+        "scale-out",
+        "gpt3-175b + optimizer: the 8 reclaimed nodes come back, 120 nodes -> 128",
+        "gpt3-175b",
+        "8,12,10",
+        "8,16,8",
+        8,
+        "add:8x8",
+    ),
+    Scenario(
+        "tp-change",
+        "gpt3-175b + optimizer: TP8 -> TP4 on the same 1,024 devices",
+        "gpt3-175b",
+        "8,16,8",
+        "4,16,16",
+        8,
+        "",
+    ),
+    Scenario(
+        "pp-change",
+        "gpt3-175b + optimizer: PP16 -> PP8 on the same 1,024 devices",
+        "gpt3-175b",
+        "8,16,8",
+        "8,8,16",
+        8,
+        "",
+    ),
+    Scenario(
+        "llama-gqa",
+        "llama2-70b (GQA, SwiGLU, untied) + optimizer: TP, PP and DP change, 128 nodes -> 120",
+        "llama2-70b",
+        "8,8,16",
+        "4,10,24",
+        8,
+        _every_16th_node(8),
+    ),
+)
+
+QUICK: tuple[Scenario, ...] = (
+    Scenario(
+        "scale-in",
+        "tiny-gpt + optimizer: 4 nodes of 4 -> 3 (node001 reclaimed)",
+        "tiny-gpt",
+        "2,4,2",
+        "2,2,3",
+        4,
+        "drop:node001",
+    ),
+    Scenario(
+        "scale-out", "tiny-gpt + optimizer: 3 nodes of 4 -> 4", "tiny-gpt", "2,2,3", "2,4,2", 4, "add:1x4"
+    ),
+    Scenario(
+        "tp-change",
+        "tiny-gpt + optimizer: TP2 -> TP4 on the same 8 devices",
+        "tiny-gpt",
+        "2,2,2",
+        "4,2,1",
+        4,
+        "",
+    ),
+    Scenario(
+        "pp-change",
+        "tiny-gpt + optimizer: PP2 -> PP4 on the same 8 devices",
+        "tiny-gpt",
+        "2,2,2",
+        "2,4,1",
+        4,
+        "",
+    ),
+    Scenario(
+        "llama-gqa",
+        "tiny-llama (GQA, SwiGLU) + optimizer: 4 nodes of 4 -> 3",
+        "tiny-llama",
+        "2,2,4",
+        "4,1,3",
+        4,
+        "drop:node001",
+    ),
+)
+
+SCENARIO_NAMES = tuple(s.name for s in FULL)
+
+
+class DcpReport(msgspec.Struct, kw_only=True):
+    """DCP's load planning on the scenario's metadata (see :mod:`liver.bench.dcp_baseline`)."""
+
+    seconds: float  # every new rank's load planning, one after another
+    busiest_rank_seconds: float  # the busiest rank (median over its DP replicas): DCP's wall time when ranks
+    # plan in parallel
+    mean_rank_seconds: float
+    read_items: int
+    read_bytes: int
+    saved_chunks: int
+    local_chunks: int
+    ranks_total: int
+    ranks_timed: int
+    extrapolated: bool
+    setup_seconds: float  # building the metadata and state dicts (not timed against the planner)
+
+
+class ScenarioReport(msgspec.Struct, kw_only=True):
+    """One scenario's numbers: the planner's side, its verification and DCP's side."""
+
+    name: str
+    description: str
+    model: str
+    old_layout: str
+    new_layout: str
+    old_devices: int
+    new_devices: int
+    tensors: int
+    plan_seconds: float  # median over runs, placement included
+    plan_seconds_best: float  # the fastest run: closest to an idle machine
+    plan_seconds_runs: list[float]
+    placement_seconds: float  # median over runs
+    slices: int  # tasks before coalescing
+    tasks: int  # after coalescing, local copies included
+    messages: int  # tasks that cross devices
+    rounds: int
+    bytes_total: int
+    bytes_local: int
+    bytes_moved: int
+    bytes_moved_rank_order: int
+    rank_order_over_optimized: float | None  # null when the optimized plan moves nothing
+    bytes_inter_node: int
+    lower_bound_bytes: int
+    max_recv_bytes: int
+    max_round_recv_bytes: int
+    budget_bytes: int
+    verified: bool
+    verify_errors: list[str]
+    verify_seconds: float
+    dcp: DcpReport
+    dcp_over_liver: float  # DCP's summed planning time / the planner's median plan time
+    same_overlaps: bool  # DCP's read items cover exactly the bytes of the planner's new state
+
+
+class Check(msgspec.Struct, kw_only=True):
+    """One of the issue's targets, judged on this run's numbers."""
+
+    scenario: str
+    level: str  # "must" or "aim"
+    what: str
+    passed: bool
+    detail: str
+
+
+class BenchReport(msgspec.Struct, kw_only=True):
+    """What ``liver bench plan --json`` prints."""
+
+    quick: bool
+    repeat: int
+    python: str
+    torch: str
+    machine: str
+    cpus: int
+    load_average: tuple[float, float]  # 1-minute load before and after: timings are wall-clock, so a busy
+    # shared machine inflates them (both sides alike)
+    scenarios: list[ScenarioReport]
+    checks: list[Check]
+    ok: bool  # every plan verified and DCP found the same overlaps
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``liver bench plan``."""
+    parser.add_argument("--scenario", choices=SCENARIO_NAMES, help="run only this scenario")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI-sized variants: tiny models on a few devices"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="plan runs per scenario; the median is reported"
+    )
+    parser.add_argument(
+        "--dcp-budget",
+        type=float,
+        default=DEFAULT_DCP_BUDGET_SECONDS,
+        metavar="SECONDS",
+        help="time DCP on whole DP replicas until this much has run, then extrapolate (default 60)",
+    )
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a must check fails")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 when every plan verified (and, with ``--strict``, every must held)."""
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    if not args.dcp_budget > 0:
+        raise ValueError(f"--dcp-budget must be positive, got {args.dcp_budget}")
+    scenarios = [s for s in (QUICK if args.quick else FULL) if args.scenario in (None, s.name)]
+    # torch (imported for the baseline) leaves millions of objects that every full collection would walk,
+    # in the middle of whichever side happens to be timed; the transfer service never imports torch.
+    # Freezing the heap as it is now keeps the collector to what the benchmark itself allocates.
+    load_before = os.getloadavg()[0]
+    gc.collect()
+    gc.freeze()
+    try:
+        reports = [_run_scenario(s, args.repeat, args.dcp_budget) for s in scenarios]
+    finally:
+        gc.unfreeze()
+    checks = [c for r in reports for c in checks_for(r)]
+    report = BenchReport(
+        quick=args.quick,
+        repeat=args.repeat,
+        python=platform.python_version(),
+        torch=str(torch.__version__),
+        machine=f"{platform.machine()} {platform.processor() or platform.system()}",
+        cpus=os.cpu_count() or 1,
+        load_average=(load_before, os.getloadavg()[0]),
+        scenarios=reports,
+        checks=checks,
+        ok=all(r.verified and r.same_overlaps for r in reports),
+    )
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+    else:
+        _print_report(report)
+    if not report.ok:
+        return 1
+    if args.strict and any(c.level == "must" and not c.passed for c in checks):
+        return 1
+    return 0
+
+
+def _progress(scenario: str, step: str) -> None:
+    print(f"[bench plan] {scenario}: {step}", file=sys.stderr, flush=True)
+
+
+def _run_scenario(s: Scenario, repeat: int, dcp_budget: float) -> ScenarioReport:
+    """Plan, verify and time DCP for one scenario (see the module docstring)."""
+    model = PRESETS[s.model]
+    old_layout, new_layout = ParallelLayout.parse(s.old), ParallelLayout.parse(s.new)
+    old_devices = grid_devices(-(-old_layout.world_size // s.per_node), s.per_node)[: old_layout.world_size]
+    new_devices = parse_devices(s.devices, old_devices) if s.devices else old_devices
+    old = WorldConfig(old_layout, Placement(old_devices))
+
+    _progress(s.name, f"planning {repeat}x")
+    plan_times: list[float] = []
+    placement_times: list[float] = []
+    last: ResizePlan | None = None
+    for i in range(repeat):
+        last = None  # every run starts from the same heap: no earlier plan left for the collector to walk
+        gc.collect()
+        # The rank-order comparison runs after the clock stops; only the last run pays for it.
+        last = plan_resize(model, old, new_layout, new_devices, compare_rank_order=i == repeat - 1)
+        plan_times.append(last.plan_seconds)
+        placement_times.append(last.placement_seconds)
+    assert last is not None
+    stats, new, tensors = last.stats, last.plan.new, last.plan.tensors
+    rank_order_bytes, lower_bound, budget = (
+        last.rank_order_bytes_moved,
+        last.lower_bound_bytes,
+        last.plan.budget_bytes,
+    )
+
+    _progress(s.name, "verifying")
+    t0 = time.perf_counter()
+    verdict = verify_plan(last.plan)
+    verify_seconds = time.perf_counter() - t0
+    del last  # DCP is timed on a heap without the plan, as the planner was timed without DCP's
+
+    _progress(s.name, "building DCP metadata")
+    t0 = time.perf_counter()
+    workload = build_workload(model, tensors, old, new)
+    setup_seconds = time.perf_counter() - t0
+    _progress(s.name, f"timing DCP load planning on {new_layout.world_size} ranks")
+    # A real rank holds only its own state dict; without this, every full collection during the timing
+    # would walk all 1,024 ranks' stand-ins. Unfrozen with the rest when the benchmark ends.
+    gc.collect()
+    gc.freeze()
+    dcp = time_load_planning(workload, new, dcp_budget)
+    del workload
+
+    plan_median = statistics.median(plan_times)
+    return ScenarioReport(
+        name=s.name,
+        description=s.description,
+        model=model.name,
+        old_layout=old_layout.describe(),
+        new_layout=new_layout.describe(),
+        old_devices=len(old_devices),
+        new_devices=len(new_devices),
+        tensors=stats.tensors,
+        plan_seconds=plan_median,
+        plan_seconds_best=min(plan_times),
+        plan_seconds_runs=plan_times,
+        placement_seconds=statistics.median(placement_times),
+        slices=stats.slices,
+        tasks=stats.tasks,
+        messages=stats.messages,
+        rounds=stats.rounds,
+        bytes_total=stats.bytes_total,
+        bytes_local=stats.bytes_local,
+        bytes_moved=stats.bytes_moved,
+        bytes_moved_rank_order=rank_order_bytes,
+        rank_order_over_optimized=_bytes_ratio(rank_order_bytes, stats.bytes_moved),
+        bytes_inter_node=stats.bytes_inter_node,
+        lower_bound_bytes=lower_bound,
+        max_recv_bytes=stats.max_recv_bytes,
+        max_round_recv_bytes=stats.max_round_recv_bytes,
+        budget_bytes=budget,
+        verified=verdict.ok,
+        verify_errors=list(verdict.errors),
+        verify_seconds=verify_seconds,
+        dcp=DcpReport(
+            seconds=dcp.seconds,
+            busiest_rank_seconds=dcp.busiest_rank_seconds,
+            mean_rank_seconds=dcp.seconds / dcp.ranks_total,
+            read_items=dcp.read_items,
+            read_bytes=dcp.read_bytes,
+            saved_chunks=dcp.saved_chunks,
+            local_chunks=dcp.local_chunks,
+            ranks_total=dcp.ranks_total,
+            ranks_timed=dcp.ranks_timed,
+            extrapolated=dcp.extrapolated,
+            setup_seconds=setup_seconds,
+        ),
+        dcp_over_liver=dcp.seconds / plan_median,
+        same_overlaps=dcp.read_bytes == stats.bytes_total,
+    )
+
+
+def _bytes_ratio(rank_order: int, optimized: int) -> float | None:
+    """How many times the bytes the optimisation saves; 1 when neither moves anything, ``None`` (no finite
+    ratio) when only the rank-order placement moves bytes."""
+    if optimized:
+        return rank_order / optimized
+    return 1.0 if not rank_order else None
+
+
+def checks_for(r: ScenarioReport) -> list[Check]:
+    """The issue's must and aims, judged on this machine's numbers."""
+    ms, best = r.plan_seconds * 1000, r.plan_seconds_best * 1000
+    return [
+        Check(
+            scenario=r.name,
+            level="must",
+            what=f"plan < {MUST_PLAN_SECONDS:g} s",
+            passed=r.plan_seconds < MUST_PLAN_SECONDS,
+            detail=f"median {ms:,.1f} ms, best {best:,.1f} ms",
+        ),
+        Check(
+            scenario=r.name,
+            level="aim",
+            what=f"plan < {AIM_PLAN_SECONDS:g} s",
+            passed=r.plan_seconds < AIM_PLAN_SECONDS,
+            detail=f"median {ms:,.1f} ms, best {best:,.1f} ms",
+        ),
+        Check(
+            scenario=r.name,
+            level="aim",
+            what=f">= {AIM_DCP_RATIO:g}x faster than DCP",
+            passed=r.dcp_over_liver >= AIM_DCP_RATIO,
+            detail=f"{r.dcp_over_liver:,.1f}x (DCP {r.dcp.seconds:,.2f} s over {r.dcp.ranks_total} ranks"
+            + (f", extrapolated from {r.dcp.ranks_timed}" if r.dcp.extrapolated else "")
+            + f"; per rank: mean {r.dcp.mean_rank_seconds * 1000:,.1f} ms, "
+            f"busiest {r.dcp.busiest_rank_seconds * 1000:,.1f} ms)",
+        ),
+    ]
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _print_report(report: BenchReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    scen = report.scenarios
+    console = Console(width=max(120, 34 + 24 * len(scen)), highlight=False)
+    table = Table(title="liver bench plan" + (" (quick)" if report.quick else ""), show_lines=False)
+    table.add_column("")
+    for r in scen:
+        table.add_column(r.name, justify="right")
+
+    def row(label: str, fn: Callable[[ScenarioReport], str]) -> None:
+        table.add_row(label, *(fn(r) for r in scen))
+
+    row("model", lambda r: r.model)
+    row("old layout / devices", lambda r: f"{r.old_layout} / {r.old_devices}")
+    row("new layout / devices", lambda r: f"{r.new_layout} / {r.new_devices}")
+    row("tensors", lambda r: f"{r.tensors:,}")
+    row(f"plan time (median of {report.repeat})", lambda r: f"{r.plan_seconds * 1000:,.1f} ms")
+    row("  of which placement", lambda r: f"{r.placement_seconds * 1000:,.1f} ms")
+    row(
+        "  slowest / fastest run",
+        lambda r: f"{max(r.plan_seconds_runs) * 1000:,.0f} / {min(r.plan_seconds_runs) * 1000:,.0f} ms",
+    )
+    row("new state", lambda r: _size(r.bytes_total))
+    row("copied locally", lambda r: _size(r.bytes_local))
+    row("bytes moved (optimized)", lambda r: _size(r.bytes_moved))
+    row("bytes moved (rank order)", lambda r: _size(r.bytes_moved_rank_order))
+    row(
+        "  rank order / optimized",
+        lambda r: (
+            "optimized moves 0"
+            if r.rank_order_over_optimized is None
+            else f"{r.rank_order_over_optimized:.2f}x"
+        ),
+    )
+    row("lower bound", lambda r: _size(r.lower_bound_bytes))
+    row("inter-node bytes", lambda r: _size(r.bytes_inter_node))
+    row("slices (before coalescing)", lambda r: f"{r.slices:,}")
+    row("tasks (after) / messages", lambda r: f"{r.tasks:,} / {r.messages:,}")
+    row("streaming rounds", lambda r: f"{r.rounds:,}")
+    row("max receive per rank", lambda r: _size(r.max_recv_bytes))
+    row("max receive per round", lambda r: _size(r.max_round_recv_bytes))
+    row("verification", lambda r: ("ok" if r.verified else "FAILED") + f" ({r.verify_seconds:,.1f} s)")
+    row("DCP read items", lambda r: f"{r.dcp.read_items:,}")
+    row("DCP covers the same bytes", lambda r: "yes" if r.same_overlaps else "NO")
+    row(
+        "DCP planning, all ranks",
+        lambda r: f"{r.dcp.seconds:,.2f} s" + (" (extrap.)" if r.dcp.extrapolated else ""),
+    )
+    row("DCP busiest rank (parallel)", lambda r: f"{r.dcp.busiest_rank_seconds * 1000:,.1f} ms")
+    row("DCP mean per rank", lambda r: f"{r.dcp.mean_rank_seconds * 1000:,.1f} ms")
+    row("DCP / planner", lambda r: f"{r.dcp_over_liver:,.1f}x")
+    console.print(table)
+    for r in scen:
+        console.print(f"{r.name}: {r.description}")
+        for e in r.verify_errors:
+            console.print(f"  verification error: {e}")
+    console.print(
+        "DCP computes only the overlaps (read items); the planner's time also covers placement, source "
+        "choice among DP replicas, coalescing and streaming rounds. DCP's total is every new rank's "
+        "load planning run one after another; in a real load ranks plan in parallel (the busiest rank shown)."
+    )
+    console.print(
+        f"host: {report.cpus} CPUs, load average {report.load_average[0]:.1f} before, "
+        f"{report.load_average[1]:.1f} after (wall-clock timings include any contention)"
+    )
+    for c in report.checks:
+        verdict = "PASS" if c.passed else "FAIL"
+        console.print(f"{c.level.upper():<4} {verdict}  {c.scenario}: {c.what}  ({c.detail})")

@@ -1,0 +1,74 @@
+"""The generation coordinator: a pure state machine (:mod:`.machine`) fed by a bus adapter.
+
+The core takes events (bus messages, key-value write results, ticks) with the current time and returns
+actions (commands, publishes, compare-and-set writes, notes); it reads no clock and does no I/O, so
+every path through it is a unit test.
+"""
+
+from .actions import (
+    Action,
+    Note,
+    Publish,
+    ReleasePlan,
+    RequestTopology,
+    RequestTransfer,
+    SendCommand,
+    Settle,
+    TopologyRequest,
+    WriteMembership,
+    WriteRecord,
+)
+from .config import CoordinatorConfig
+from .events import (
+    Event,
+    PlanningFailed,
+    RecordConflict,
+    RecordObserved,
+    RecordWriteFailed,
+    RecordWritten,
+    Tick,
+    WorkerLost,
+    WorldStarted,
+)
+from .machine import TRANSITIONS, Coordinator, CoordinatorError, IllegalTransition, Phase, Wait
+from .membership import Change, Expired, Member, Membership, MembershipError
+from .record import GenerationRecord, Participant, PendingHandoff, Trigger
+
+__all__ = [
+    "TRANSITIONS",
+    "Action",
+    "Change",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorError",
+    "Event",
+    "Expired",
+    "GenerationRecord",
+    "IllegalTransition",
+    "Member",
+    "Membership",
+    "MembershipError",
+    "Note",
+    "Participant",
+    "PendingHandoff",
+    "Phase",
+    "PlanningFailed",
+    "Publish",
+    "RecordConflict",
+    "RecordObserved",
+    "RecordWriteFailed",
+    "RecordWritten",
+    "ReleasePlan",
+    "RequestTopology",
+    "RequestTransfer",
+    "SendCommand",
+    "Settle",
+    "Tick",
+    "TopologyRequest",
+    "Trigger",
+    "Wait",
+    "WorkerLost",
+    "WorldStarted",
+    "WriteMembership",
+    "WriteRecord",
+]

@@ -1,0 +1,130 @@
+"""What the coordinator's core asks its adapter to do, in the order the list gives.
+
+The core never touches the bus or the clock; every effect is one of these. The adapter carries them out
+in order and reports back the ones that have a result (a key-value write answers with
+``RecordWritten``, ``RecordConflict`` or ``RecordWriteFailed``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.messages import (
+    Abort,
+    Count,
+    EventId,
+    Generation,
+    GenerationAborted,
+    GenerationCommitted,
+    JobId,
+    JobMembership,
+    Message,
+    Prepare,
+    Switch,
+    Timestamp,
+    TopologyPlanned,
+)
+
+from .record import GenerationRecord
+
+
+class TopologyRequest(Message, kw_only=True, tag="topology_request"):
+    """Choose the target world of ``generation`` from the live world, given what leaves and what joins.
+
+    The coordinator sends it (not the ingester) because only the coordinator knows the world a queued
+    request will apply to and which generation id it gets; several triggers may be merged into one.
+    ``remove`` devices leave but are still alive (they can be sources); ``lost`` ones are already gone
+    (no state can come from them); ``add`` devices are offered. ``target_devices`` asks for a size.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    event_ids: tuple[EventId, ...]
+    from_generation: Generation
+    generation: Generation
+    layout: ParallelLayout
+    placement: Placement
+    remove: tuple[Device, ...] = ()
+    lost: tuple[Device, ...] = ()
+    add: tuple[Device, ...] = ()
+    target_devices: Count | None = None
+    deadline: Timestamp
+
+
+class Action(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every action."""
+
+
+class WriteRecord(Action):
+    """Compare-and-set the job's record: ``expected_revision`` 0 means "create, the key must not exist"."""
+
+    record: GenerationRecord
+    expected_revision: int
+
+
+class RequestTopology(Action):
+    request: TopologyRequest
+
+
+class RequestTransfer(Action):
+    """Plan the transfer to this target (the adapter may leave it to a planner that reads the topology
+    stream, as long as plans for targets the coordinator dropped are never handed to workers)."""
+
+    topology: TopologyPlanned
+
+
+class SendCommand(Action):
+    """A command to one worker (``worker_id``) or to every worker of the job (``None``)."""
+
+    command: Prepare | Switch | Abort
+    worker_id: str | None = None
+
+
+class Publish(Action):
+    """Publish an outcome on its public subject with ``Nats-Msg-Id`` = ``msg_id`` (retries are dropped)."""
+
+    message: GenerationCommitted | GenerationAborted
+    msg_id: str
+
+
+class WriteMembership(Action):
+    """Put the job's membership record (who runs the live world, on which device) for the ingester.
+
+    Only the coordinator in charge emits it, and each value is complete, so a plain put will do."""
+
+    record: JobMembership
+
+
+class ReleasePlan(Action):
+    """The plan of ``generation`` is no longer needed: its objects may be deleted."""
+
+    generation: Generation
+
+
+SettleOutcome = Literal["committed", "aborted", "checkpoint_fallback", "no_change"]
+
+
+class Settle(Action):
+    """These trigger events are done with: acknowledge them on their stream.
+
+    An event is settled only once the record says how it ended, so a restarted coordinator gets every
+    unsettled event again from its durable consumer.
+    """
+
+    event_ids: tuple[str, ...]
+    outcome: SettleOutcome
+    generation: Generation | None = None
+
+
+NoteLevel = Literal["debug", "info", "warning", "error"]
+
+
+class Note(Action):
+    """Log this (``event`` is the structlog event name): transitions, ignored input and why."""
+
+    level: NoteLevel
+    event: str
+    fields: dict[str, Any] = {}

@@ -1,0 +1,1263 @@
+"""The generation coordinator's state machine: events in, actions out, no I/O and no clock.
+
+::
+
+      restore() or WorldStarted            a trigger: resize request, lost worker
+    DOWN ───────────────────────► STABLE ─────────────────────────────┐
+     ▲                             ▲  ▲                               ▼  CAS: begin g (issued = g)
+     │                             │  │                            PREPARE   plan topology, plan transfer,
+     │                             │  │                               │      Prepare -> each participant
+     │                             │  │                               ▼  all "ready"; CAS: switch intent
+     │                             │  │                             READY
+     │                             │  │                               │  Switch -> every worker
+     │                             │  │                               ▼
+     │                             │  │                             SWITCH    collect "switched"
+     │                             │  │                               │  all switched; CAS: commit g
+     │                             │  │                               ▼
+     │                             │  └─── CLEANUP ◄────────────── COMMITTED  publish generation.committed
+     │                             │
+     │                             └── kept the old world (a cancel re-plans from STABLE as g+1)
+     │  checkpoint fallback               │
+     └────────────────────────────── ABORTED ◄── PREPARE | READY | SWITCH: missed deadline, failed or
+                                     CAS: abort g   lost worker, impossible target; then publish
+                                                    generation.aborted
+
+    any phase ──► STANDBY when a compare-and-set finds a record this coordinator did not write
+
+Why it is built this way:
+
+* **One outcome per generation.** Every step that others can observe is preceded by a compare-and-set
+  on the job's record (:mod:`.record`): beginning ``g``, the switch intent, the commit, the abort.
+  Commit and abort of ``g`` are both writes from the revision that holds ``g`` pending, so at most one
+  lands; the published outcome is written into the record by the same write and re-published after a
+  restart under the same message id. A coordinator whose write finds another's stands down.
+* **The switch is the point of no return (I4).** Before the switch command goes out nothing of the
+  active world has changed: any failure aborts and training continues on the old world, and anything
+  that makes the target impossible (a node of the new world reclaimed, a worker lost) cancels and
+  re-plans. After it, the old ranks start overwriting their state, so any failure that stops the
+  handoff, including a lost old-world worker that had not finished sending, is a checkpoint fallback.
+  A leaving worker that has acked its switch may go: its part is done.
+* **Triggers, not messages, are queued.** An event that arrives during a handoff either is already
+  served by the pending target (folded into it), or waits, or makes the target impossible. Waiting
+  triggers are planned against the world that is live when the handoff ends, all of them in one
+  handoff, and the ones that no longer change anything are settled as such.
+* **Deadlines come from the triggers** (:mod:`.config`): the handoff must be done a margin before the
+  earliest reclaim among its triggers, and everything before the switch must leave the switch the time
+  the plan says it needs.
+* **Writes are serialised.** While a write is in flight, a decision to stop the handoff is deferred to
+  its result, so the record never has two writers inside one coordinator.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Final
+
+from msgspec.structs import force_setattr, replace
+
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.messages import (
+    Abort,
+    GenerationAborted,
+    GenerationCommitted,
+    Heartbeat,
+    Hello,
+    JobMembership,
+    ObjectRef,
+    Prepare,
+    ResizeRequested,
+    Switch,
+    TopologyPlanned,
+    TransferPlanned,
+    WorkerDevice,
+    WorkerStatus,
+)
+from liver.shared.subjects import generation_msg_id, validate_token
+
+from .actions import (
+    Action,
+    Note,
+    NoteLevel,
+    Publish,
+    ReleasePlan,
+    RequestTopology,
+    RequestTransfer,
+    SendCommand,
+    Settle,
+    SettleOutcome,
+    TopologyRequest,
+    WriteMembership,
+    WriteRecord,
+)
+from .config import CoordinatorConfig, handoff_deadline, switch_estimate_s, trigger_deadline
+from .events import (
+    Event,
+    PlanningFailed,
+    RecordConflict,
+    RecordObserved,
+    RecordWriteFailed,
+    RecordWritten,
+    Tick,
+    WorkerLost,
+    WorldStarted,
+)
+from .membership import Membership, MembershipError
+from .record import GenerationRecord, Participant, PendingHandoff, Trigger
+
+
+class Phase(enum.Enum):
+    DOWN = "down"
+    """No live world known: before the job's first world reports, or after a checkpoint fallback."""
+    STABLE = "stable"
+    PREPARE = "prepare"
+    READY = "ready"
+    SWITCH = "switch"
+    COMMITTED = "committed"
+    CLEANUP = "cleanup"
+    ABORTED = "aborted"
+    STANDBY = "standby"
+    """Another coordinator wrote the record: this one does nothing until ``restore`` is called."""
+
+
+TRANSITIONS: Final[dict[Phase, frozenset[Phase]]] = {
+    Phase.DOWN: frozenset({Phase.STABLE, Phase.SWITCH, Phase.ABORTED, Phase.STANDBY}),
+    Phase.STABLE: frozenset({Phase.PREPARE, Phase.STANDBY}),
+    Phase.PREPARE: frozenset({Phase.READY, Phase.ABORTED, Phase.STANDBY}),
+    Phase.READY: frozenset({Phase.SWITCH, Phase.ABORTED, Phase.STANDBY}),
+    Phase.SWITCH: frozenset({Phase.COMMITTED, Phase.ABORTED, Phase.STANDBY}),
+    Phase.COMMITTED: frozenset({Phase.CLEANUP}),
+    Phase.CLEANUP: frozenset({Phase.STABLE}),
+    Phase.ABORTED: frozenset({Phase.STABLE, Phase.DOWN, Phase.STANDBY}),
+    Phase.STANDBY: frozenset({Phase.DOWN, Phase.STABLE, Phase.SWITCH, Phase.ABORTED}),
+}
+"""Every allowed phase change; :meth:`Coordinator._move` refuses any other."""
+
+
+class Wait(enum.Enum):
+    """What the current phase is waiting for."""
+
+    NOTHING = "nothing"
+    WORLD_WRITE = "world_write"
+    BEGIN_WRITE = "begin_write"
+    TOPOLOGY = "topology"
+    TRANSFER = "transfer"
+    WORKERS = "workers"
+    """Some participant's device has no known worker yet (just after a restart)."""
+    PREPARED = "prepared"
+    SWITCH_WRITE = "switch_write"
+    SWITCHED = "switched"
+    COMMIT_WRITE = "commit_write"
+    ABORT_WRITE = "abort_write"
+
+
+class IllegalTransition(RuntimeError):
+    """A phase change the table does not allow: a bug in the machine, never a consequence of input."""
+
+
+class CoordinatorError(ValueError):
+    """A call the coordinator cannot honour (``restore`` of a wrong record or at a wrong time)."""
+
+
+_HANDOFF_PHASES: Final = frozenset({Phase.PREPARE, Phase.READY, Phase.SWITCH})
+_ABORT_PHASE_NAME: Final = {Phase.PREPARE: "prepare", Phase.READY: "ready", Phase.SWITCH: "switch"}
+_HISTORY: Final = 200
+
+
+@dataclass
+class _Stop:
+    """Why a handoff is being stopped and what follows."""
+
+    reason: str
+    replan: bool
+    settle: SettleOutcome = "aborted"
+
+    def merge(self, other: _Stop) -> _Stop:
+        """The stronger decision wins: an abort without re-planning beats a cancel that re-plans."""
+        if self.replan and not other.replan:
+            return other
+        return self
+
+
+@dataclass
+class _Handoff:
+    """In-memory state of the pending handoff (the record holds what survives a restart)."""
+
+    generation: int
+    from_generation: int
+    triggers: list[Trigger]
+    began_at: datetime
+    deadline: datetime
+    layout: ParallelLayout | None = None
+    placement: Placement | None = None
+    topology: TopologyPlanned | None = None
+    transfer: TransferPlanned | None = None
+    bytes_planned: int | None = None
+    participants: dict[str, Device] = field(default_factory=dict)
+    prepared: set[str] = field(default_factory=set)
+    switched: dict[str, WorkerStatus] = field(default_factory=dict)
+    switch_sent: bool = False
+    stop: _Stop | None = None
+    stopped_in: Phase | None = None
+    outcome: GenerationAborted | None = None
+
+    @property
+    def event_id(self) -> str:
+        return self.triggers[0].event_id
+
+    @property
+    def target(self) -> frozenset[Device] | None:
+        return None if self.placement is None else frozenset(self.placement.devices)
+
+    def worker_on(self, device: Device) -> str | None:
+        for worker, d in self.participants.items():
+            if d == device:
+                return worker
+        return None
+
+
+def _with_plan(prepare: Prepare, plan: ObjectRef) -> Prepare:
+    """``prepare`` for another worker's plan slice, without validating the world again.
+
+    Validating a Prepare checks its whole placement, so building one per worker from scratch costs
+    O(workers) each: a second for a 1,024-worker job. Only ``plan`` differs between the workers' copies,
+    and it comes from a TransferPlanned that was validated when it was decoded.
+    """
+    copy = _copy.copy(prepare)
+    force_setattr(copy, "plan", plan)
+    return copy
+
+
+class Coordinator:
+    """The coordinator of one job. Feed it with :meth:`handle`; carry out what it returns, in order.
+
+    ``instance_id`` names this coordinator process (a fresh one per start, such as a UUID): every record
+    it writes carries it, which is how it tells its own writes from another coordinator's.
+    """
+
+    def __init__(self, job_id: str, *, instance_id: str, config: CoordinatorConfig | None = None) -> None:
+        self.job_id = validate_token(job_id, "job_id")
+        self.instance_id = validate_token(instance_id, "instance_id")
+        self.config = config or CoordinatorConfig()
+        self.membership = Membership(job_id, self.config.heartbeat_timeout_s)
+        self._phase = Phase.DOWN
+        self._wait = Wait.NOTHING
+        self._record: GenerationRecord | None = None
+        self._revision = 0
+        self._inflight: GenerationRecord | None = None
+        self._handoff: _Handoff | None = None
+        self._deferred: _Stop | None = None
+        self._queue: list[Trigger] = []
+        self._departing: set[Device] = set()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._history: list[tuple[Phase, Phase, str]] = []
+        self._out: list[Action] = []
+        self._now: datetime | None = None
+        self._restored_at: datetime | None = None
+        self._world_members: JobMembership | None = None
+        self._world_members_key: tuple[int, int] | None = None
+
+    # -- what tests and the adapter may look at ---------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def wait(self) -> Wait:
+        return self._wait
+
+    @property
+    def record(self) -> GenerationRecord | None:
+        """The record as this coordinator last wrote or adopted it."""
+        return self._record
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    @property
+    def pending_generation(self) -> int | None:
+        return None if self._handoff is None else self._handoff.generation
+
+    @property
+    def queued(self) -> tuple[str, ...]:
+        """Event ids of the triggers waiting for the next handoff."""
+        return tuple(t.event_id for t in self._queue)
+
+    @property
+    def history(self) -> tuple[tuple[Phase, Phase, str], ...]:
+        """The latest phase changes: (from, to, why)."""
+        return tuple(self._history)
+
+    def next_deadline(self) -> datetime | None:
+        """The next moment a :class:`Tick` could change something: when the adapter should tick."""
+        times = [t for t in (self.membership.next_deadline(),) if t is not None]
+        h = self._handoff
+        if h is not None and self._phase in (Phase.PREPARE, Phase.READY):
+            times.append(self._prepare_deadline(h))
+        elif h is not None and self._phase is Phase.SWITCH:
+            times.append(h.deadline)
+        return min(times, default=None)
+
+    # -- entry points ---------------------------------------------------------------------------------
+
+    def handle(self, event: Event, now: datetime) -> list[Action]:
+        """Apply one event at time ``now``; return the actions to carry out, in order."""
+        self._start(now)
+        match event:
+            case ResizeRequested():
+                self._on_resize(event)
+            case TopologyPlanned():
+                self._on_topology(event)
+            case TransferPlanned():
+                self._on_transfer(event)
+            case PlanningFailed():
+                self._on_planning_failed(event)
+            case WorkerStatus():
+                self._on_status(event)
+            case Hello() | Heartbeat():
+                self._on_presence(event)
+            case WorkerLost():
+                self._on_worker_lost(event)
+            case WorldStarted():
+                self._on_world_started(event)
+            case Tick():
+                self._on_tick()
+            case RecordWritten():
+                self._on_written(event.revision)
+            case RecordConflict():
+                self._on_conflict(event)
+            case RecordWriteFailed():
+                self._on_write_failed(event)
+            case RecordObserved():
+                self._on_observed(event)
+            case _:
+                raise TypeError(f"not a coordinator event: {type(event).__name__}")
+        self._check_deadlines()
+        return self._finish()
+
+    def restore(self, record: GenerationRecord, revision: int, now: datetime) -> list[Action]:
+        """Take the job over from its stored record (after a restart, or to end a standby).
+
+        Re-publishes the last outcome (its message id makes the copy harmless). A handoff found before
+        its switch intent is aborted, keeping the old world, and its triggers are re-planned as a new
+        generation; one found after it is resumed: the switch command is sent again and the handoff
+        then commits or falls back. Either way it ends exactly once, because that end is a
+        compare-and-set from the revision read here.
+        """
+        if self._phase not in (Phase.DOWN, Phase.STANDBY) or self._inflight is not None:
+            raise CoordinatorError(f"restore needs an idle coordinator, this one is in {self._phase.value}")
+        if record.job_id != self.job_id:
+            raise CoordinatorError(f"`job_id`: the record is for {record.job_id!r}, not {self.job_id!r}")
+        if revision < 1:
+            raise CoordinatorError(
+                f"`revision`: a stored record has a revision of at least 1, got {revision}"
+            )
+        self._start(now)
+        self._restored_at = now
+        self._record, self._revision = record, revision
+        self._handoff, self._deferred, self._wait = None, None, Wait.NOTHING
+        last = record.last_outcome
+        if last is not None:
+            self._remember(last.event_id)
+            self._publish(last)
+            if isinstance(last, GenerationAborted):
+                self._emit(
+                    SendCommand(
+                        command=Abort(job_id=self.job_id, generation=last.generation, reason=last.reason)
+                    )
+                )
+        pending = record.pending
+        self._note("info", "restored", generation=record.generation, revision=revision, live=record.live)
+        if not record.live:
+            self._move(Phase.DOWN, "restored: the job is restarting from its checkpoint")
+        elif pending is None:
+            self._expect_world()
+            self._move(Phase.STABLE, "restored: no handoff was pending")
+            self._begin()
+        elif pending.phase == "prepare":
+            self._expect_world()
+            for t in pending.triggers:
+                self._remember(t.event_id)
+            self._handoff = _Handoff(
+                generation=pending.generation,
+                from_generation=record.generation,
+                triggers=list(pending.triggers),
+                began_at=pending.began_at,
+                deadline=pending.deadline,
+            )
+            reason = "the coordinator restarted before the switch; re-planning as a new generation"
+            self._stop_now(_Stop(reason, replan=True), Phase.PREPARE)
+        else:
+            self._resume_switch(record, pending)
+        self._check_deadlines()
+        return self._finish()
+
+    # -- plumbing --------------------------------------------------------------------------------------
+
+    def _start(self, now: datetime) -> None:
+        if now.tzinfo is None:
+            raise CoordinatorError("`now`: must be timezone-aware")
+        self._now = now
+        self._out = []
+
+    def _finish(self) -> list[Action]:
+        self._publish_membership()
+        out, self._out = self._out, []
+        return out
+
+    def _publish_membership(self) -> None:
+        """Emit the live world's workers when they changed (the ingester maps nodes with them)."""
+        record = self._record
+        if record is None or not record.live or self._phase is Phase.STANDBY:
+            return
+        key = (self._revision, self.membership.version)
+        if key == self._world_members_key:
+            return
+        self._world_members_key = key
+        workers = []
+        for device in record.placement.devices:
+            member = self.membership.on_device(device)
+            if member is not None:
+                workers.append(WorkerDevice(worker_id=member.worker_id, device=device))
+        current = JobMembership(job_id=self.job_id, generation=record.generation, workers=tuple(workers))
+        if current != self._world_members:
+            self._world_members = current
+            self._emit(WriteMembership(record=current))
+
+    @property
+    def now(self) -> datetime:
+        assert self._now is not None
+        return self._now
+
+    def _emit(self, action: Action) -> None:
+        self._out.append(action)
+
+    def _note(self, level: NoteLevel, event: str, **fields: object) -> None:
+        fields.setdefault("job_id", self.job_id)
+        if self._handoff is not None:
+            fields.setdefault("generation", self._handoff.generation)
+        self._emit(Note(level=level, event=event, fields=dict(fields)))
+
+    def _move(self, to: Phase, why: str) -> None:
+        if to is self._phase:
+            return
+        if to not in TRANSITIONS[self._phase]:
+            raise IllegalTransition(f"{self._phase.value} -> {to.value} ({why})")
+        self._history.append((self._phase, to, why))
+        del self._history[:-_HISTORY]
+        self._note("info", "phase_changed", phase_from=self._phase.value, phase_to=to.value, why=why)
+        self._phase = to
+        if to in (Phase.STABLE, Phase.DOWN, Phase.STANDBY, Phase.COMMITTED, Phase.CLEANUP):
+            self._wait = Wait.NOTHING
+
+    def _remember(self, event_id: str) -> None:
+        self._seen[event_id] = None
+        self._seen.move_to_end(event_id)
+        while len(self._seen) > self.config.max_remembered_events:
+            self._seen.popitem(last=False)
+
+    def _publish(self, message: GenerationCommitted | GenerationAborted) -> None:
+        self._emit(Publish(message=message, msg_id=generation_msg_id(self.job_id, message.generation)))
+
+    def _settle(self, triggers: Iterable[Trigger], outcome: SettleOutcome, generation: int | None) -> None:
+        """Acknowledge the bus events among ``triggers`` (a lost worker is no bus event)."""
+        ids = tuple(t.event_id for t in triggers if t.kind != "worker_lost")
+        if ids:
+            self._emit(Settle(event_ids=ids, outcome=outcome, generation=generation))
+
+    def _wrong_job(self, job_id: str, what: str) -> bool:
+        if job_id == self.job_id:
+            return False
+        self._note(
+            "warning", "input_rejected", input=what, field="job_id", reason=f"{job_id!r} is another job"
+        )
+        return True
+
+    # -- the record ------------------------------------------------------------------------------------
+
+    def _write(self, record: GenerationRecord, wait: Wait) -> None:
+        record = replace(record, writer=self.instance_id)
+        self._inflight = record
+        self._wait = wait
+        self._emit(WriteRecord(record=record, expected_revision=self._revision))
+
+    def _on_written(self, revision: int) -> None:
+        if self._inflight is None:
+            self._note("warning", "unexpected_write_result", revision=revision)
+            return
+        self._record, self._revision, self._inflight = self._inflight, revision, None
+        match self._wait:
+            case Wait.WORLD_WRITE:
+                self._world_recorded()
+            case Wait.BEGIN_WRITE:
+                self._begun()
+            case Wait.SWITCH_WRITE:
+                self._switch_recorded()
+            case Wait.COMMIT_WRITE:
+                self._committed()
+            case Wait.ABORT_WRITE:
+                self._abort_recorded()
+            case other:
+                raise IllegalTransition(f"a write completed while waiting for {other.value}")
+
+    def _on_conflict(self, event: RecordConflict) -> None:
+        if self._inflight is None:
+            self._note("warning", "unexpected_write_result", revision=event.revision)
+            return
+        if event.stored is not None and event.stored == self._inflight:
+            self._note("info", "write_found_landed", revision=event.revision)
+            self._on_written(event.revision)
+            return
+        self._stand_down(event.stored, event.revision, "the record changed under a compare-and-set")
+
+    def _on_write_failed(self, event: RecordWriteFailed) -> None:
+        if self._inflight is None:
+            self._note("warning", "unexpected_write_result", error=event.error)
+            return
+        self._note("warning", "record_write_retried", error=event.error, wait=self._wait.value)
+        self._emit(WriteRecord(record=self._inflight, expected_revision=self._revision))
+
+    def _on_observed(self, event: RecordObserved) -> None:
+        if event.record.job_id != self.job_id:
+            self._note("warning", "input_rejected", input="record", field="job_id", reason="another job")
+            return
+        if event.revision <= self._revision:
+            return
+        if self._phase is Phase.STANDBY:
+            self._record, self._revision = event.record, event.revision
+            return
+        if self._inflight is not None and event.record == self._inflight:
+            return
+        self._stand_down(event.record, event.revision, "another coordinator wrote the record")
+
+    def _stand_down(self, stored: GenerationRecord | None, revision: int, why: str) -> None:
+        """Someone else owns the job now: adopt what they stored and send nothing more."""
+        dropped = self._handoff.generation if self._handoff is not None else None
+        self._inflight, self._handoff, self._deferred = None, None, None
+        if stored is not None:
+            self._record, self._revision = stored, revision
+        self._note(
+            "warning",
+            "stood_down",
+            why=why,
+            dropped_generation=dropped,
+            stored_generation=None if stored is None else stored.generation,
+            stored_pending=None if stored is None or stored.pending is None else stored.pending.generation,
+            revision=revision,
+        )
+        self._move(Phase.STANDBY, why)
+
+    # -- worlds -------------------------------------------------------------------------------------------
+
+    def _on_world_started(self, event: WorldStarted) -> None:
+        if self._wrong_job(event.job_id, "world_started"):
+            return
+        record = self._record
+        if self._phase is not Phase.DOWN or self._inflight is not None:
+            self._note("warning", "world_started_ignored", reason=f"the coordinator is {self._phase.value}")
+            return
+        if record is not None and event.generation <= record.issued:
+            self._note(
+                "warning",
+                "input_rejected",
+                input="world_started",
+                field="generation",
+                reason=f"{event.generation} is not after the last issued generation {record.issued}",
+            )
+            return
+        self._write(
+            GenerationRecord(
+                job_id=self.job_id,
+                writer=self.instance_id,
+                generation=event.generation,
+                layout=event.layout,
+                placement=event.placement,
+                issued=event.generation,
+                last_outcome=None if record is None else record.last_outcome,
+            ),
+            Wait.WORLD_WRITE,
+        )
+
+    def _world_recorded(self) -> None:
+        assert self._record is not None
+        self._move(Phase.STABLE, f"world of generation {self._record.generation} is live")
+        self._begin()
+
+    def _expect_world(self) -> None:
+        assert self._record is not None
+        for device in self._record.placement.devices:
+            self.membership.expect(device, self.now)
+
+    def _world(self) -> frozenset[Device]:
+        return frozenset() if self._record is None or not self._record.live else self._record.devices
+
+    # -- triggers ------------------------------------------------------------------------------------------
+
+    def _on_resize(self, event: ResizeRequested) -> None:
+        if self._wrong_job(event.job_id, "resize_requested"):
+            return
+        if event.event_id in self._seen:
+            self._note("info", "duplicate_event_ignored", event_id=event.event_id)
+            return
+        self._remember(event.event_id)
+        trigger = Trigger.from_request(event, self.now)
+        self._announce(trigger)
+        live = None if self._record is None else self._record.generation
+        self._note(
+            "info",
+            "resize_requested",
+            event_id=event.event_id,
+            trigger=event.trigger,
+            remove=len(event.remove),
+            add=len(event.add),
+            target_devices=event.target_devices,
+            request_generation=event.generation,
+            live_generation=live,
+        )
+        if self._phase is Phase.STABLE:
+            self._queue.append(trigger)
+            self._begin()
+        elif self._phase in _HANDOFF_PHASES and self._handoff is not None:
+            self._during_handoff(trigger)
+        else:
+            self._queue.append(trigger)
+            self._note("info", "trigger_queued", event_id=trigger.event_id, phase=self._phase.value)
+
+    def _during_handoff(self, trigger: Trigger) -> None:
+        h = self._handoff
+        assert h is not None
+        target = h.target
+        if target is None:
+            self._queue.append(trigger)
+            self._note("info", "trigger_queued", event_id=trigger.event_id, why="target not planned yet")
+            return
+        clash = sorted(set(trigger.remove) & target)
+        if clash and h.switch_sent:
+            self._queue.append(trigger)
+            self._note("info", "trigger_queued", event_id=trigger.event_id, why="the switch is under way")
+        elif clash:
+            self._queue.append(trigger)
+            devices = ", ".join(map(str, clash))
+            reason = f"event {trigger.event_id} removes {devices} of the target world; re-planning"
+            self._request_stop(_Stop(reason, replan=True))
+        elif self._served_by(trigger, target):
+            self._fold(h, trigger)
+        else:
+            self._queue.append(trigger)
+            self._note("info", "trigger_queued", event_id=trigger.event_id, why="needs another handoff")
+
+    def _announce(self, trigger: Trigger) -> None:
+        """Remember what leaves and what is offered, the latest word winning: a device announced to
+        leave is never planned back in by an older offer, even after the handoff that removed it."""
+        self._departing.difference_update(trigger.add)
+        self._departing.update(trigger.remove)
+
+    @staticmethod
+    def _served_by(trigger: Trigger, target: frozenset[Device]) -> bool:
+        """Whether committing ``target`` already does what ``trigger`` asks."""
+        if set(trigger.remove) & target or not set(trigger.add) <= target:
+            return False
+        return trigger.target_devices is None or trigger.target_devices == len(target)
+
+    def _fold(self, h: _Handoff, trigger: Trigger) -> None:
+        h.triggers.append(trigger)
+        h.deadline = min(h.deadline, trigger_deadline(trigger, self.config))
+        self._note("info", "trigger_folded", event_id=trigger.event_id, deadline=h.deadline)
+
+    def _relevant(self, trigger: Trigger, world: frozenset[Device]) -> bool:
+        """Whether ``trigger`` would change ``world`` at all."""
+        if set(trigger.remove) & world:
+            return True
+        if set(trigger.add) - world - self._departing:
+            return True
+        return trigger.target_devices is not None and trigger.target_devices != len(world)
+
+    @staticmethod
+    def _removed(triggers: Iterable[Trigger]) -> set[Device]:
+        return {d for t in triggers for d in t.remove}
+
+    @staticmethod
+    def _lost(triggers: Iterable[Trigger]) -> set[Device]:
+        return {d for t in triggers if t.kind == "worker_lost" for d in t.remove}
+
+    def _old_world_broken(self) -> bool:
+        triggers = list(self._queue) + (self._handoff.triggers if self._handoff is not None else [])
+        return bool(self._lost(triggers) & self._world())
+
+    # -- starting a handoff --------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Start a handoff for every waiting trigger that still changes the live world."""
+        if self._phase is not Phase.STABLE or self._inflight is not None or not self._queue:
+            return
+        assert self._record is not None
+        world = self._record.devices
+        keep = [t for t in self._queue if self._relevant(t, world)]
+        done = [t for t in self._queue if not self._relevant(t, world)]
+        self._queue = []
+        if done:
+            self._note("info", "triggers_need_no_change", event_ids=[t.event_id for t in done])
+            self._settle(done, "no_change", None)
+        if not keep:
+            return
+        record = self._record
+        generation = record.issued + 1
+        deadline = handoff_deadline(keep, self.config)
+        self._handoff = _Handoff(
+            generation=generation,
+            from_generation=record.generation,
+            triggers=keep,
+            began_at=self.now,
+            deadline=deadline,
+        )
+        pending = PendingHandoff(
+            generation=generation,
+            phase="prepare",
+            event_id=keep[0].event_id,
+            triggers=tuple(keep),
+            began_at=self.now,
+            deadline=deadline,
+        )
+        self._move(
+            Phase.PREPARE, f"{len(keep)} trigger(s) change the world; handoff to generation {generation}"
+        )
+        self._write(replace(record, issued=generation, pending=pending), Wait.BEGIN_WRITE)
+
+    def _begun(self) -> None:
+        h = self._handoff
+        assert h is not None and self._record is not None
+        self._wait = Wait.TOPOLOGY
+        if self._run_deferred():
+            return
+        world = self._record.devices
+        lost = self._lost(h.triggers) & world
+        removed = self._removed(h.triggers)
+        targets = [t.target_devices for t in h.triggers if t.target_devices is not None]
+        request = TopologyRequest(
+            job_id=self.job_id,
+            event_id=h.event_id,
+            event_ids=tuple(t.event_id for t in h.triggers),
+            from_generation=self._record.generation,
+            generation=h.generation,
+            layout=self._record.layout,
+            placement=self._record.placement,
+            remove=tuple(sorted((removed & world) - lost)),
+            lost=tuple(sorted(lost)),
+            add=tuple(sorted({d for t in h.triggers for d in t.add} - world - removed - self._departing)),
+            target_devices=targets[-1] if targets else None,
+            deadline=h.deadline,
+        )
+        self._emit(RequestTopology(request=request))
+
+    # -- planning --------------------------------------------------------------------------------------------
+
+    def _is_current(self, event_id: str, generation: int, wait: Wait, what: str) -> bool:
+        h = self._handoff
+        if h is not None and h.generation == generation and h.event_id == event_id and self._wait is wait:
+            return True
+        self._note(
+            "warning",
+            "stale_plan_ignored",
+            input=what,
+            event_id=event_id,
+            plan_generation=generation,
+            waiting_for=self._wait.value,
+        )
+        return False
+
+    def _on_topology(self, event: TopologyPlanned) -> None:
+        if self._wrong_job(event.job_id, "topology_planned"):
+            return
+        if not self._is_current(event.event_id, event.generation, Wait.TOPOLOGY, "topology_planned"):
+            return
+        h = self._handoff
+        assert h is not None and self._record is not None
+        if event.from_generation != self._record.generation:
+            self._request_stop(
+                _Stop(
+                    f"the topology was planned from generation {event.from_generation}, "
+                    f"the live one is {self._record.generation}",
+                    replan=False,
+                )
+            )
+            return
+        target = frozenset(event.placement.devices)
+        banned = sorted(self._removed(h.triggers) & target)
+        if banned:
+            devices = ", ".join(map(str, banned))
+            self._request_stop(
+                _Stop(f"the topology planner placed ranks on removed devices {devices}", replan=False)
+            )
+            return
+        if event.layout == self._record.layout and event.placement == self._record.placement:
+            self._request_stop(
+                _Stop(
+                    "the topology planner kept the live world: nothing to move",
+                    replan=False,
+                    settle="no_change",
+                )
+            )
+            return
+        h.layout, h.placement, h.topology = event.layout, event.placement, event
+        self._note(
+            "info",
+            "target_planned",
+            layout=event.layout.describe(),
+            devices=len(event.placement),
+            explanation=event.explanation[:500],
+        )
+        waiting, self._queue = self._queue, []
+        for i, trigger in enumerate(waiting):
+            if h.stop is not None or self._deferred is not None:
+                self._queue.extend(waiting[i:])
+                break
+            self._during_handoff(trigger)
+        if h.stop is not None or self._deferred is not None:
+            return
+        self._wait = Wait.TRANSFER
+        self._emit(RequestTransfer(topology=event))
+
+    def _on_transfer(self, event: TransferPlanned) -> None:
+        if self._wrong_job(event.job_id, "transfer_planned"):
+            return
+        if not self._is_current(event.event_id, event.generation, Wait.TRANSFER, "transfer_planned"):
+            return
+        h = self._handoff
+        assert h is not None and self._record is not None
+        if event.from_generation != self._record.generation:
+            self._request_stop(
+                _Stop(
+                    f"the transfer was planned from generation {event.from_generation}, "
+                    f"the live one is {self._record.generation}",
+                    replan=False,
+                )
+            )
+            return
+        if not event.summary.verified:
+            self._request_stop(_Stop("the transfer plan did not pass verification", replan=False))
+            return
+        h.transfer, h.bytes_planned = event, event.summary.bytes_moved
+        estimate = switch_estimate_s(event.summary, self.config)
+        self._note("info", "plan_received", bytes_moved=event.summary.bytes_moved, switch_estimate_s=estimate)
+        if self.now > self._prepare_deadline(h):
+            left = (h.deadline - self.now).total_seconds()
+            self._request_stop(
+                _Stop(
+                    f"the plan moves {event.summary.bytes_moved} bytes, about {estimate:.1f} s of switch, "
+                    f"and only {left:.1f} s are left before the deadline",
+                    replan=False,
+                )
+            )
+            return
+        self._send_prepares()
+
+    def _on_planning_failed(self, event: PlanningFailed) -> None:
+        if self._wrong_job(event.job_id, "planning_failed"):
+            return
+        wait = Wait.TOPOLOGY if event.stage == "topology" else Wait.TRANSFER
+        if self._is_current(event.event_id, event.generation, wait, "planning_failed"):
+            self._request_stop(_Stop(f"{event.stage} planning failed: {event.reason}", replan=False))
+
+    # -- preparing ------------------------------------------------------------------------------------------
+
+    def _send_prepares(self) -> None:
+        """Send every participant its Prepare, once each participant's device has a known worker."""
+        h = self._handoff
+        assert h is not None and h.transfer is not None and h.placement is not None and h.layout is not None
+        world = self._world()
+        devices = sorted((world - self._lost(h.triggers)) | frozenset(h.placement.devices))
+        participants: dict[str, Device] = {}
+        missing: list[Device] = []
+        for device in devices:
+            member = self.membership.on_device(device)
+            if member is None:
+                missing.append(device)
+            else:
+                participants[member.worker_id] = device
+        if self._restored_at is not None:
+            for device in missing:
+                self.membership.expect(device, self._restored_at)
+        gone = [d for d in missing if not self.membership.is_expected(d, self.now)]
+        if gone:
+            for device in gone:
+                if device not in self._lost(self._queue):
+                    self._queue.append(Trigger.lost(device, self.now))
+                    self._departing.add(device)
+            names = ", ".join(map(str, gone))
+            self._request_stop(_Stop(f"no live worker on {names}; re-planning without them", replan=True))
+            return
+        if missing:
+            self._wait = Wait.WORKERS
+            self._note("info", "waiting_for_workers", devices=[str(d) for d in missing])
+            return
+        h.participants = participants
+        refs = {w.device: w.ref for w in h.transfer.workers}
+        deadline = self._prepare_deadline(h)
+        common = Prepare(
+            job_id=self.job_id,
+            event_id=h.event_id,
+            from_generation=h.from_generation,
+            generation=h.generation,
+            layout=h.layout,
+            placement=h.placement,
+            plan=h.transfer.plan,
+            staging_bytes=self.config.staging_bytes,
+            deadline=deadline,
+        )
+        for worker, device in participants.items():
+            command = _with_plan(common, refs.get(device, h.transfer.plan))
+            self._emit(SendCommand(command=command, worker_id=worker))
+        self._wait = Wait.PREPARED
+        self._note("info", "prepare_sent", participants=len(participants), deadline=deadline)
+
+    def _on_status(self, event: WorkerStatus) -> None:
+        if self._wrong_job(event.job_id, "worker_status"):
+            return
+        h = self._handoff
+        if h is None or event.generation != h.generation:
+            self._note(
+                "warning",
+                "stale_ack_ignored",
+                worker_id=event.worker_id,
+                ack_generation=event.generation,
+                ack_phase=event.phase,
+                pending_generation=None if h is None else h.generation,
+            )
+            return
+        device = h.participants.get(event.worker_id)
+        if device is None:
+            self._note(
+                "warning", "ack_from_outsider_ignored", worker_id=event.worker_id, ack_phase=event.phase
+            )
+            return
+        match event.phase:
+            case "ready":
+                if self._wait is Wait.PREPARED:
+                    h.prepared.add(event.worker_id)
+                    if len(h.prepared) == len(h.participants):
+                        self._all_prepared()
+                else:
+                    self._note("debug", "ack_repeated", worker_id=event.worker_id, ack_phase=event.phase)
+            case "switched":
+                if not h.switch_sent:
+                    self._note("warning", "switched_before_switch", worker_id=event.worker_id)
+                elif self._wait is Wait.SWITCHED:
+                    h.switched[event.worker_id] = event
+                    if len(h.switched) == len(h.participants):
+                        self._all_switched()
+                else:
+                    self._note("debug", "ack_repeated", worker_id=event.worker_id, ack_phase=event.phase)
+            case "failed":
+                self._request_stop(
+                    _Stop(f"worker {event.worker_id} on {device} failed: {event.error}", replan=False)
+                )
+            case _:
+                self._note("debug", "worker_progress", worker_id=event.worker_id, ack_phase=event.phase)
+
+    def _all_prepared(self) -> None:
+        h = self._handoff
+        assert h is not None and self._record is not None
+        self._move(Phase.READY, f"all {len(h.participants)} participants are ready")
+        pending = PendingHandoff(
+            generation=h.generation,
+            phase="switch",
+            event_id=h.event_id,
+            triggers=tuple(h.triggers),
+            began_at=h.began_at,
+            deadline=h.deadline,
+            layout=h.layout,
+            placement=h.placement,
+            participants=tuple(
+                Participant(worker_id=w, device=d)
+                for w, d in sorted(h.participants.items(), key=lambda i: i[1])
+            ),
+            bytes_planned=h.bytes_planned,
+        )
+        self._write(replace(self._record, pending=pending), Wait.SWITCH_WRITE)
+
+    # -- switching -------------------------------------------------------------------------------------------
+
+    def _switch_recorded(self) -> None:
+        h = self._handoff
+        assert h is not None
+        if self._run_deferred():
+            return
+        if self.now > self._prepare_deadline(h):
+            self._stop_now(_Stop("the switch intent was recorded too late to switch in time", replan=False))
+            return
+        self._send_switch(h)
+
+    def _send_switch(self, h: _Handoff) -> None:
+        self._emit(
+            SendCommand(command=Switch(job_id=self.job_id, generation=h.generation, deadline=h.deadline))
+        )
+        h.switch_sent = True
+        self._move(Phase.SWITCH, "switch sent: the old world starts handing over its state")
+        self._wait = Wait.SWITCHED
+
+    def _resume_switch(self, record: GenerationRecord, pending: PendingHandoff) -> None:
+        for t in pending.triggers:
+            self._remember(t.event_id)
+        self._handoff = _Handoff(
+            generation=pending.generation,
+            from_generation=record.generation,
+            triggers=list(pending.triggers),
+            began_at=pending.began_at,
+            deadline=pending.deadline,
+            layout=pending.layout,
+            placement=pending.placement,
+            bytes_planned=pending.bytes_planned,
+            participants={p.worker_id: p.device for p in pending.participants},
+        )
+        for p in pending.participants:
+            self.membership.expect(p.device, self.now)
+        self._send_switch(self._handoff)
+
+    def _all_switched(self) -> None:
+        h = self._handoff
+        assert h is not None and self._record is not None and h.layout is not None and h.placement is not None
+        acks = list(h.switched.values())
+        cuts = sorted({a.iteration for a in acks if a.iteration is not None})
+        if len(cuts) > 1:
+            self._note("error", "switch_cut_disagrees", iterations=cuts)
+        if cuts:
+            iteration = cuts[-1]
+        else:
+            beats = [
+                m.iteration
+                for m in self.membership
+                if m.worker_id in h.participants and m.iteration is not None
+            ]
+            iteration = max(beats, default=0)
+            self._note("warning", "switch_without_iteration", using=iteration)
+        received = [a.bytes_received for a in acks]
+        if all(b is not None for b in received):
+            bytes_moved = sum(b for b in received if b is not None)
+        else:
+            bytes_moved = h.bytes_planned if h.bytes_planned is not None else sum(b or 0 for b in received)
+        committed = GenerationCommitted(
+            job_id=self.job_id,
+            event_id=h.event_id,
+            previous_generation=self._record.generation,
+            generation=h.generation,
+            layout=h.layout,
+            placement=h.placement,
+            started_at_iteration=iteration,
+            downtime_s=max((a.pause_s for a in acks if a.pause_s is not None), default=0.0),
+            bytes_moved=bytes_moved,
+            committed_at=self.now,
+        )
+        record = replace(
+            self._record,
+            generation=h.generation,
+            layout=h.layout,
+            placement=h.placement,
+            pending=None,
+            last_outcome=committed,
+            live=True,
+        )
+        self._deferred = None
+        self._write(record, Wait.COMMIT_WRITE)
+
+    def _committed(self) -> None:
+        h = self._handoff
+        assert h is not None and self._record is not None and self._record.last_outcome is not None
+        self._publish(self._record.last_outcome)
+        self._move(Phase.COMMITTED, f"generation {h.generation} is live")
+        self._settle(h.triggers, "committed", h.generation)
+        self._move(Phase.CLEANUP, "releasing the old generation's resources")
+        self._emit(ReleasePlan(generation=h.generation))
+        self._handoff, self._deferred = None, None
+        self._move(Phase.STABLE, "cleanup done")
+        self._begin()
+
+    # -- stopping ------------------------------------------------------------------------------------------
+
+    def _request_stop(self, stop: _Stop) -> None:
+        h = self._handoff
+        if h is None or self._phase not in _HANDOFF_PHASES or h.stop is not None:
+            self._note("debug", "stop_not_applicable", reason=stop.reason, phase=self._phase.value)
+            return
+        if self._wait is Wait.COMMIT_WRITE:
+            self._note("info", "stop_too_late", reason=stop.reason, why="every participant has switched")
+            return
+        if self._inflight is not None:
+            self._deferred = stop if self._deferred is None else self._deferred.merge(stop)
+            self._note("info", "stop_deferred", reason=stop.reason, until=self._wait.value)
+            return
+        self._stop_now(stop)
+
+    def _run_deferred(self) -> bool:
+        stop, self._deferred = self._deferred, None
+        if stop is None:
+            return False
+        self._stop_now(stop)
+        return True
+
+    def _stop_now(self, stop: _Stop, phase: Phase | None = None) -> None:
+        """Record the abort of the pending handoff; what follows happens once the record says so."""
+        h = self._handoff
+        assert h is not None and self._record is not None
+        if h.switch_sent:
+            stop = _Stop(stop.reason, replan=False)
+        fallback = h.switch_sent or (self._old_world_broken() and not stop.replan)
+        stopped_in = phase or self._phase
+        reason = (
+            stop.reason if not stop.replan else f"{stop.reason} (cancelled; re-planned as a new generation)"
+        )
+        aborted = GenerationAborted(
+            job_id=self.job_id,
+            event_id=h.event_id,
+            generation=h.generation,
+            active_generation=self._record.generation,
+            phase=_ABORT_PHASE_NAME[stopped_in],
+            reason=reason[:2000],
+            outcome="checkpoint_fallback" if fallback else "kept_old_world",
+            aborted_at=self.now,
+        )
+        h.stop, h.stopped_in, h.outcome = stop, stopped_in, aborted
+        self._deferred = None
+        self._move(Phase.ABORTED, stop.reason)
+        self._write(
+            replace(self._record, pending=None, last_outcome=aborted, live=not fallback), Wait.ABORT_WRITE
+        )
+
+    def _abort_recorded(self) -> None:
+        h = self._handoff
+        assert h is not None and h.stop is not None and h.outcome is not None
+        aborted, stop = h.outcome, h.stop
+        self._emit(
+            SendCommand(command=Abort(job_id=self.job_id, generation=h.generation, reason=aborted.reason))
+        )
+        self._publish(aborted)
+        if h.transfer is not None or h.switch_sent:
+            self._emit(ReleasePlan(generation=h.generation))
+        self._handoff, self._deferred = None, None
+        if aborted.outcome == "checkpoint_fallback":
+            self._note("error", "checkpoint_fallback", generation=aborted.generation, reason=aborted.reason)
+            self._settle(h.triggers, "checkpoint_fallback", aborted.generation)
+            self._move(Phase.DOWN, "checkpoint fallback: the job restarts from its last checkpoint")
+            return
+        if stop.replan:
+            self._queue = h.triggers + self._queue
+        else:
+            self._settle(h.triggers, stop.settle, aborted.generation)
+        self._move(Phase.STABLE, "kept the old world")
+        self._begin()
+
+    # -- deadlines and liveness ------------------------------------------------------------------------
+
+    def _prepare_deadline(self, h: _Handoff) -> datetime:
+        summary = None if h.transfer is None else h.transfer.summary
+        return h.deadline - timedelta(seconds=switch_estimate_s(summary, self.config))
+
+    def _check_deadlines(self) -> None:
+        h = self._handoff
+        if h is None or h.stop is not None or self._deferred is not None:
+            return
+        if self._phase in (Phase.PREPARE, Phase.READY) and self.now > self._prepare_deadline(h):
+            deadline = self._prepare_deadline(h)
+            self._request_stop(
+                _Stop(
+                    f"the {self._phase.value} phase missed its deadline {deadline.isoformat()} "
+                    f"while waiting for {self._wait.value}",
+                    replan=False,
+                )
+            )
+        elif self._phase is Phase.SWITCH and self._wait is Wait.SWITCHED and self.now > h.deadline:
+            self._request_stop(
+                _Stop(
+                    f"the switch missed its deadline {h.deadline.isoformat()}: "
+                    f"{len(h.switched)} of {len(h.participants)} participants switched",
+                    replan=False,
+                )
+            )
+
+    def _on_tick(self) -> None:
+        expired = self.membership.expire(self.now)
+        timeout = self.config.heartbeat_timeout_s
+        for member in expired.lost:
+            self._on_lost(
+                member.device, f"worker {member.worker_id} on {member.device} silent for {timeout} s"
+            )
+        for device in expired.missing:
+            self._on_lost(device, f"no worker on {device} reported within {timeout} s of the restart")
+        if self._wait is Wait.WORKERS and self._handoff is not None and self._handoff.stop is None:
+            self._send_prepares()
+
+    def _on_presence(self, event: Hello | Heartbeat) -> None:
+        try:
+            change = self.membership.observe(event, self.now)
+        except MembershipError as exc:
+            self._note(
+                "warning",
+                "input_rejected",
+                input=event.__class__.__name__,
+                field=exc.field,
+                reason=exc.reason,
+            )
+            return
+        if change.previous is not None:
+            previous = change.previous
+            self._on_lost(
+                previous.device,
+                f"worker {previous.worker_id} on {previous.device} "
+                + (
+                    "restarted"
+                    if change.kind == "restarted"
+                    else f"was replaced by {change.member.worker_id}"
+                ),
+            )
+        h = self._handoff
+        if h is not None and change.kind == "joined":
+            expected = h.worker_on(change.member.device)
+            if expected is not None and expected != change.member.worker_id:
+                self._on_lost(
+                    change.member.device, f"participant {expected} was replaced by {change.member.worker_id}"
+                )
+        if self._wait is Wait.WORKERS and h is not None and h.stop is None and self._deferred is None:
+            self._send_prepares()
+
+    def _on_worker_lost(self, event: WorkerLost) -> None:
+        member = self.membership.remove(event.worker_id)
+        device = member.device if member is not None else None
+        if device is None and self._handoff is not None:
+            device = self._handoff.participants.get(event.worker_id)
+        if device is None:
+            self._note("debug", "unknown_worker_lost", worker_id=event.worker_id, reason=event.reason)
+            return
+        self._on_lost(device, f"worker {event.worker_id} on {device} lost: {event.reason}")
+
+    def _on_lost(self, device: Device, why: str) -> None:
+        """A device's worker is gone: what that means depends on the phase and the device's role."""
+        h = self._handoff
+        in_world = device in self._world()
+        in_target = h is not None and h.target is not None and device in h.target
+        worker = None if h is None else h.worker_on(device)
+        if self._phase in (Phase.DOWN, Phase.STANDBY) or not (in_world or in_target or worker):
+            self._note("debug", "idle_worker_lost", device=str(device), why=why)
+            return
+        known = self._queue + (h.triggers if h is not None else [])
+        if device in self._lost(known):
+            return
+        self._note("warning", "worker_lost", device=str(device), why=why, phase=self._phase.value)
+        trigger = Trigger.lost(device, self.now)
+        self._announce(trigger)
+        if self._phase is Phase.SWITCH and h is not None and self._wait is not Wait.COMMIT_WRITE:
+            if not in_target and worker is not None and worker in h.switched:
+                self._note("info", "leaving_worker_done", device=str(device))
+                return
+            self._queue.append(trigger)
+            self._request_stop(_Stop(f"{why} after the switch began", replan=False))
+        elif self._phase in (Phase.PREPARE, Phase.READY) and h is not None:
+            self._queue.append(trigger)
+            self._request_stop(_Stop(f"{why}; re-planning without it", replan=True))
+        else:
+            self._queue.append(trigger)
+            self._begin()

@@ -1,0 +1,411 @@
+"""What every LiveR service process does around its own logic: connect, announce, consume, drain.
+
+A service (:class:`Service`) only declares what it needs and handles messages. This module:
+
+- connects to ``$NATS_URL`` with the credentials in the environment (:func:`connect_options`), or, when
+  ``NATS_URL`` is unset, starts an embedded nats-server for the life of the process (:func:`serve`);
+- registers a NATS micro service ``liver-<name>``: ``$SRV.PING|INFO|STATS`` answer while the process
+  can serve, which makes them the health check, and STATS carries the service's own counters;
+- runs durable pull consumers (:class:`PullConsumer`) that hand each message to the service and turn
+  anything the service raises into a delayed redelivery, so that no message can crash the process;
+- on SIGTERM or SIGINT stops fetching, lets the message in hand finish, and drains the connection
+  (which flushes every publish and acknowledgement still buffered) before exiting 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import msgspec
+import nats
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import EndpointStats
+from nats.micro.service import Service as MicroService
+
+from liver.services.bus import ensure_consumer
+from liver.shared.logs import bind_message
+from liver.shared.nats_server import URL_ENV, nats_url
+from liver.shared.subjects import validate_token
+
+log = structlog.get_logger(__name__)
+
+USER_ENV: Final = "NATS_USER"
+PASSWORD_ENV: Final = "NATS_PASSWORD"
+TOKEN_ENV: Final = "NATS_TOKEN"
+CREDS_ENV: Final = "NATS_CREDS"
+"""Path of a ``.creds`` file (a user JWT and its nkey seed)."""
+
+SERVICE_VERSION: Final = "0.1.0"
+DRAIN_TIMEOUT_S: Final = 10.0
+"""How long a drain may take on shutdown; a container's stop grace period is usually 10-30 s."""
+
+
+class RuntimeConfigError(ValueError):
+    """A bad setting in the environment; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Bus:
+    """The connection a service is started with."""
+
+    nc: Client
+    js: JetStreamContext
+
+
+class Service(Protocol):
+    """One LiveR service: what :func:`hosted` needs from it.
+
+    ``name`` is token-safe (it names the micro service ``liver-<name>``, the errors and dead-letter
+    subjects and the durable consumers). ``start`` declares streams, consumers and buckets and starts
+    consuming; ``stop`` stops taking messages and returns once the one in hand is settled.
+    """
+
+    name: str
+    description: str
+
+    async def start(self, bus: Bus) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stats(self) -> Mapping[str, int | float | str]: ...
+
+
+# -- connection ---------------------------------------------------------------------------------------
+
+
+def connect_options(url: str, environ: Mapping[str, str] | None = None, *, name: str) -> dict[str, Any]:
+    """Keyword arguments for ``nats.connect``: servers, credentials from the environment, reconnects.
+
+    One way of authenticating at a time: user and password together, a token, or a creds file.
+    """
+    env = os.environ if environ is None else environ
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise RuntimeConfigError(f"{URL_ENV}: no server URL in {url!r}")
+    for server in servers:
+        if "://" not in server:
+            raise RuntimeConfigError(f"{URL_ENV}: {server!r} is not a URL such as nats://host:4222")
+    user, password = env.get(USER_ENV, ""), env.get(PASSWORD_ENV, "")
+    token, creds = env.get(TOKEN_ENV, ""), env.get(CREDS_ENV, "")
+    if bool(user) != bool(password):
+        missing = PASSWORD_ENV if user else USER_ENV
+        raise RuntimeConfigError(f"{missing}: {USER_ENV} and {PASSWORD_ENV} are given together")
+    chosen = [v for v, given in ((USER_ENV, user), (TOKEN_ENV, token), (CREDS_ENV, creds)) if given]
+    if len(chosen) > 1:
+        raise RuntimeConfigError(
+            f"{chosen[1]}: give one of {USER_ENV}/{PASSWORD_ENV}, {TOKEN_ENV}, {CREDS_ENV}"
+        )
+    options: dict[str, Any] = {
+        "servers": servers,
+        "name": name,
+        "connect_timeout": 5,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 1,
+        "drain_timeout": DRAIN_TIMEOUT_S,
+    }
+    if user:
+        options["user"], options["password"] = user, password
+    if token:
+        options["token"] = token
+    if creds:
+        if not Path(creds).is_file():
+            raise RuntimeConfigError(f"{CREDS_ENV}: {creds} is not a readable file")
+        options["user_credentials"] = creds
+    return options
+
+
+async def connect(url: str, environ: Mapping[str, str] | None = None, *, name: str) -> Client:
+    """Connect with :func:`connect_options`; connection events go to the log, not to stderr as text."""
+
+    async def on_error(exc: Exception) -> None:
+        log.error("nats_error", error=repr(exc))
+
+    clients: list[Client] = []
+
+    async def on_disconnected() -> None:
+        if clients and (clients[0].is_closed or clients[0].is_draining):
+            return  # our own shutdown, not an outage
+        log.warning("nats_disconnected")
+
+    async def on_reconnected() -> None:
+        log.info("nats_reconnected")
+
+    options = connect_options(url, environ, name=name)
+    nc = await nats.connect(
+        **options,
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+    )
+    clients.append(nc)
+    log.info("nats_connected", servers=options["servers"], client=name)
+    return nc
+
+
+# -- consuming ----------------------------------------------------------------------------------------
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+class PullConsumer:
+    """One durable pull consumer feeding ``handler`` one message at a time, in stream order.
+
+    The handler acknowledges or terminates the message itself. When it raises, the message is
+    nak'ed with ``retry_delay_s`` (the last error is kept for the dead letter, see
+    :meth:`last_error`), and after ``max_deliver`` attempts JetStream gives up on it.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        stream: str,
+        config: api.ConsumerConfig,
+        handler: Handler,
+        batch: int = 16,
+        fetch_timeout_s: float = 1.0,
+        retry_delay_s: float = 1.0,
+    ) -> None:
+        if config.durable_name is None:
+            raise ValueError("a PullConsumer needs a durable consumer")
+        self._js = js
+        self.stream = stream
+        self.durable: str = config.durable_name
+        self._config = config
+        self._handler = handler
+        self._batch = batch
+        self._fetch_timeout_s = fetch_timeout_s
+        self._retry_delay_s = retry_delay_s
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._idle = True
+        self._errors: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.handled = 0
+        self.failed = 0
+
+    async def start(self) -> None:
+        await ensure_consumer(self._js, self.stream, self._config)
+        self._sub = await self._js.pull_subscribe_bind(self.durable, stream=self.stream)
+        self._task = asyncio.create_task(self._run(), name=f"consume-{self.stream}-{self.durable}")
+
+    async def stop(self) -> None:
+        """Stop fetching; a message being handled is finished first, fetched-but-unstarted ones nak'ed."""
+        self._stopping = True
+        task, self._task = self._task, None
+        if task is not None:
+            if self._idle:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._sub is not None:
+            # A pull subscription whose last fetch timed out holds a status message nobody reads; drain
+            # would wait on it for its whole timeout. Unsubscribing drops it.
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    def last_error(self, sequence: int) -> str | None:
+        """What the last failed attempt at stream ``sequence`` raised, if it failed here."""
+        return self._errors.get(sequence)
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        while not self._stopping:
+            self._idle = True
+            try:
+                msgs = await self._sub.fetch(self._batch, timeout=self._fetch_timeout_s)
+            except nats.errors.TimeoutError:
+                continue
+            except Exception as exc:
+                # Disconnected or the server is restarting: the client reconnects on its own. Anything
+                # else is logged and retried too: a consumer task that died would stop the service silently.
+                log.warning("fetch_failed", stream=self.stream, consumer=self.durable, error=repr(exc))
+                await asyncio.sleep(self._retry_delay_s)
+                continue
+            finally:
+                self._idle = False
+            for i, msg in enumerate(msgs):
+                if self._stopping:
+                    for rest in msgs[i:]:
+                        with contextlib.suppress(nats.errors.Error):
+                            await rest.nak()
+                    return
+                await self._one(msg)
+
+    async def _one(self, msg: Msg) -> None:
+        meta = msg.metadata
+        seq = meta.sequence.stream
+        with bind_message(subject=msg.subject, stream_sequence=seq, delivery=meta.num_delivered):
+            try:
+                await self._handler(msg)
+            except Exception as exc:
+                self.failed += 1
+                self._errors[seq] = repr(exc)[:500]
+                self._errors.move_to_end(seq)
+                while len(self._errors) > 1000:
+                    self._errors.popitem(last=False)
+                log.exception("message_failed", retry_in_s=self._retry_delay_s)
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=self._retry_delay_s)
+                return
+            self.handled += 1
+            self._errors.pop(seq, None)
+
+
+@contextlib.asynccontextmanager
+async def keep_in_progress(msg: Msg, every_s: float) -> AsyncIterator[None]:
+    """Tell JetStream the message is still being worked on while a long computation runs, so that it is
+    not redelivered to another instance in the middle."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+# -- hosting ------------------------------------------------------------------------------------------
+
+
+def micro_name(service_name: str) -> str:
+    """The micro service name discovery reports (``$SRV.PING.liver-ingester``)."""
+    return f"liver-{validate_token(service_name, 'service name')}"
+
+
+def status_subject(service_name: str) -> str:
+    """The service's own status endpoint (its counters as JSON)."""
+    return f"liver.svc.{validate_token(service_name, 'service name')}.status"
+
+
+@dataclass
+class Hosted:
+    """A started service and what it is connected with."""
+
+    service: Service
+    bus: Bus
+    micro: MicroService
+
+
+@contextlib.asynccontextmanager
+async def hosted(
+    service: Service, url: str, environ: Mapping[str, str] | None = None
+) -> AsyncIterator[Hosted]:
+    """Connect, start ``service`` and announce it; on exit stop it and drain the connection."""
+    name = micro_name(service.name)
+    nc = await connect(url, environ, name=name)
+    try:
+        bus = Bus(nc=nc, js=nc.jetstream())
+        await service.start(bus)
+        try:
+            micro = await _announce(nc, service, name)
+            log.info("service_started", service=service.name, micro_service=name, id=micro.id)
+            yield Hosted(service=service, bus=bus, micro=micro)
+        finally:
+            log.info("service_stopping", service=service.name)
+            await service.stop()
+    finally:
+        if not nc.is_closed:
+            try:
+                await nc.drain()
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("drain_failed", error=repr(exc))
+                await nc.close()
+        log.info("service_stopped", service=service.name)
+
+
+async def _announce(nc: Client, service: Service, name: str) -> MicroService:
+    """Register the micro service: discovery, and the service's counters in STATS and on ``status``."""
+
+    def with_counters(_: EndpointStats) -> dict[str, int | float | str]:
+        return dict(service.stats())
+
+    async def status(request: Request) -> None:
+        await request.respond(msgspec.json.encode(dict(service.stats())))
+
+    micro = await add_service(
+        nc,
+        name=name,
+        version=SERVICE_VERSION,
+        description=service.description,
+        metadata={"service": service.name},
+        stats_handler=with_counters,
+    )
+    await micro.add_endpoint(name="status", subject=status_subject(service.name), handler=status)
+    return micro
+
+
+async def run_until_signalled(
+    service: Service,
+    url: str,
+    environ: Mapping[str, str] | None = None,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+) -> None:
+    """Host ``service`` until one of ``signals`` arrives, then shut down cleanly.
+
+    The client retries an unreachable server for ever (a container may start before its NATS server);
+    a signal that arrives while it is still connecting ends the process without waiting for it.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    started = asyncio.Event()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+
+    async def host() -> None:
+        async with hosted(service, url, environ):
+            started.set()
+            await stop.wait()
+            log.info("signal_received")
+
+    hosting = asyncio.create_task(host())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({hosting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not hosting.done() and not started.is_set():
+            log.info("signal_received_while_starting")
+            hosting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hosting
+            return
+        await hosting
+    finally:
+        stopping.cancel()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def serve(service: Service, environ: Mapping[str, str] | None = None) -> int:
+    """Run ``service`` in this process until SIGTERM/SIGINT; start an embedded server without NATS_URL.
+
+    Returns the exit code (0 after a clean drain).
+    """
+    env = os.environ if environ is None else environ
+    # The embedded server (if any) lives exactly as long as this block: it is stopped after the drain.
+    with nats_url(env) as url:
+        connect_options(url, env, name=micro_name(service.name))  # bad settings fail before anything starts
+        asyncio.run(run_until_signalled(service, url, env))
+    return 0

@@ -1,0 +1,137 @@
+"""The transfer service's work on one ``TopologyPlanned``, without I/O: plan, verify, summarise, slice
+and encode (all of it CPU work that the adapter runs off its event loop).
+
+The placement is the topology planner's (it travels in the message), so this only plans the transfer
+for it. The summary also says what a plain rank-order placement would have moved and what no placement
+can avoid moving, so that every handoff reports how much its placement saved.
+
+A plan that fails the independent verification is refused (:class:`~liver.shared.codec.MessageError`
+at ``$``): publishing it would have workers execute a transfer that loses or duplicates state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import msgspec
+
+from liver.services.transfer.placement import local_lower_bound, rank_order_placement
+from liver.services.transfer.planner import build_plan, plan_stats
+from liver.shared.codec import MessageError
+from liver.shared.layout import Device, LayoutError, ParallelLayout
+from liver.shared.messages import PlanSummary, TopologyPlanned
+from liver.shared.model import ModelSpec
+from liver.shared.plan import Plan, PlanSlice, Task, WorldConfig
+from liver.shared.plan_check import verify_plan
+from liver.shared.plan_file import encode_plan
+
+Planner = Callable[[ModelSpec, WorldConfig, WorldConfig, int, bool], Plan]
+"""``build_plan``'s signature: the service takes it as a parameter so a test can hand it a faulty one."""
+
+VERIFY_ERRORS_REPORTED = 5
+
+
+class PlannedTransfer(NamedTuple):
+    plan: Plan
+    summary: PlanSummary
+    slices: tuple[PlanSlice, ...]
+    plan_file: bytes
+    """The plan in the plan-file format (``docs/plan-format.md``): the auditable whole."""
+    slice_files: tuple[bytes, ...]
+    """``slices`` encoded as JSON, in the same order: what each device fetches."""
+    verify_seconds: float
+    encode_seconds: float
+    """Writing the plan file lists every rank's shards: for a large job it costs more than planning."""
+
+
+def _check_layout(model: ModelSpec, layout: ParallelLayout, path: str) -> None:
+    try:
+        model.check_layout(layout)
+    except LayoutError as exc:
+        raise MessageError("TopologyPlanned", path, f"model {model.name!r} cannot use it: {exc}") from None
+
+
+def plan_transfer(
+    msg: TopologyPlanned,
+    *,
+    budget_bytes: int,
+    optimizer: bool = True,
+    planner: Planner = build_plan,
+) -> PlannedTransfer:
+    """The verified plan for ``msg``, its summary and each device's slice; raises :class:`MessageError`."""
+    model = msg.model
+    _check_layout(model, msg.from_layout, "$.from_layout")
+    _check_layout(model, msg.layout, "$.layout")
+    old = WorldConfig(msg.from_layout, msg.from_placement)
+    new = WorldConfig(msg.layout, msg.placement)
+    t0 = time.perf_counter()
+    plan = planner(model, old, new, budget_bytes, optimizer)
+    plan_seconds = time.perf_counter() - t0
+    report = verify_plan(plan)
+    verify_seconds = time.perf_counter() - t0 - plan_seconds
+    if not report.ok:
+        shown = "; ".join(report.errors[:VERIFY_ERRORS_REPORTED])
+        raise MessageError(
+            "TopologyPlanned",
+            "$",
+            f"the transfer plan failed verification ({len(report.errors)} errors): {shown}",
+        )
+    stats = plan_stats(plan)
+    devices = msg.placement.devices
+    baseline = rank_order_placement(old, devices, msg.layout)
+    if baseline == msg.placement:
+        rank_order_bytes = stats.bytes_moved
+    else:
+        baseline_plan = planner(model, old, WorldConfig(msg.layout, baseline), budget_bytes, optimizer)
+        rank_order_bytes = plan_stats(baseline_plan).bytes_moved
+    summary = PlanSummary(
+        tasks=stats.slices,
+        tasks_coalesced=stats.tasks,
+        rounds=stats.rounds,
+        bytes_moved=stats.bytes_moved,
+        bytes_local=stats.bytes_local,
+        bytes_rank_order=rank_order_bytes,
+        lower_bound_bytes=local_lower_bound(model, old, devices, msg.layout, optimizer),
+        max_receive_bytes=stats.max_recv_bytes,
+        verified=True,
+        plan_seconds=plan_seconds,
+    )
+    slices = device_slices(plan, optimizer)
+    t1 = time.perf_counter()
+    plan_file = encode_plan(plan)
+    slice_files = tuple(msgspec.json.encode(piece) for piece in slices)
+    return PlannedTransfer(
+        plan=plan,
+        summary=summary,
+        slices=slices,
+        plan_file=plan_file,
+        slice_files=slice_files,
+        verify_seconds=verify_seconds,
+        encode_seconds=time.perf_counter() - t1,
+    )
+
+
+def device_slices(plan: Plan, optimizer: bool) -> tuple[PlanSlice, ...]:
+    """One slice per device of either world (old devices first, in rank order), empty ones included:
+    a device with nothing to send or receive still learns that from its slice."""
+    old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
+    tasks: dict[Device, list[Task]] = {d: [] for d in (*old_dev, *new_dev)}
+    for task in plan.tasks:
+        src, dst = old_dev[task.src], new_dev[task.dst]
+        tasks[src].append(task)
+        if dst != src:
+            tasks[dst].append(task)
+    return tuple(
+        PlanSlice(
+            model=plan.model,
+            optimizer=optimizer,
+            old=plan.old,
+            new=plan.new,
+            budget_bytes=plan.budget_bytes,
+            device=device,
+            tasks=tuple(mine),
+        )
+        for device, mine in tasks.items()
+    )

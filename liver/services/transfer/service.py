@@ -1,0 +1,243 @@
+"""The transfer planner on the bus: ``TopologyPlanned`` in, plan objects and ``TransferPlanned`` out.
+
+Per message: decode strictly; plan and verify in a worker thread (a large plan takes seconds, and the
+event loop must keep answering discovery and acknowledging progress meanwhile); store the full plan
+file and one slice per device in the ``liver-plans`` object store (a large job's plan is far over the
+1 MiB message limit); then publish ``TransferPlanned`` with a reference per device and the summary.
+
+Names derive from the ``TopologyPlanned``'s stream sequence, so a redelivery (after a crash, say)
+rewrites the same objects and republishes the same ``Nats-Msg-Id`` (JetStream drops the copy), while a
+re-plan of the same generation gets objects of its own and cannot overwrite a plan workers are reading.
+Invalid input or a plan that fails verification: an ``ErrorEvent``, a dead letter, no
+``TransferPlanned``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from typing import Final
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.object_store import ObjectStore
+
+from liver.services import bus as b
+from liver.services.runtime import Bus, PullConsumer, keep_in_progress
+from liver.services.transfer import core
+from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, build_plan
+from liver.shared import subjects as s
+from liver.shared.codec import MessageError, decode, encode
+from liver.shared.logs import bind_message
+from liver.shared.messages import ObjectRef, TopologyPlanned, TransferPlanned, WorkerPlanRef
+
+log = structlog.get_logger(__name__)
+
+SOURCE: Final = "transfer"
+BUDGET_ENV: Final = "LIVER_TRANSFER_BUDGET_BYTES"
+"""Staging budget per destination and streaming round, in bytes (the worker's staging buffer)."""
+
+PUT_CONCURRENCY: Final = 32
+"""Object-store puts in flight at once while storing a plan's slices."""
+
+MIN_BUDGET_BYTES: Final = 8
+"""The largest element (int64): a smaller budget cannot move anything."""
+
+
+class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
+    durable: str = "transfer"
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    optimizer: bool = True
+    """Plan the optimizer state (moments, master weights) along with the parameters."""
+    max_deliver: int = 3
+    ack_wait_s: float = 60.0
+    progress_every_s: float = 15.0
+    """How often a long planning run tells JetStream it is still working (well under ``ack_wait_s``)."""
+    retry_delay_s: float = 2.0
+    plans_ttl_s: float = 7 * b.DAY_S
+
+    def __post_init__(self) -> None:
+        s.validate_token(self.durable, "durable")
+        if self.budget_bytes < MIN_BUDGET_BYTES:
+            raise ValueError(f"budget_bytes must be >= {MIN_BUDGET_BYTES}, got {self.budget_bytes}")
+        if self.max_deliver < 1:
+            raise ValueError(f"max_deliver must be >= 1, got {self.max_deliver}")
+        for field in ("ack_wait_s", "progress_every_s", "retry_delay_s", "plans_ttl_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+        if self.progress_every_s >= self.ack_wait_s:
+            raise ValueError(
+                f"progress_every_s ({self.progress_every_s}) must be shorter than "
+                f"ack_wait_s ({self.ack_wait_s})"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> TransferSettings:
+        """Settings with ``$LIVER_TRANSFER_BUDGET_BYTES`` applied (explicit ``overrides`` win)."""
+        env = os.environ if environ is None else environ
+        fields: dict[str, object] = {}
+        raw = env.get(BUDGET_ENV, "").strip()
+        if raw:
+            try:
+                budget = int(raw)
+            except ValueError:
+                raise ValueError(f"{BUDGET_ENV}: {raw!r} is not a whole number of bytes") from None
+            if budget < MIN_BUDGET_BYTES:
+                raise ValueError(f"{BUDGET_ENV}: must be >= {MIN_BUDGET_BYTES}, got {budget}")
+            fields["budget_bytes"] = budget
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+class TransferService:
+    """The transfer planner service (see the module docstring)."""
+
+    name = SOURCE
+    description = "Builds, verifies and stores transfer plans for planned topologies."
+
+    def __init__(self, settings: TransferSettings | None = None, planner: core.Planner = build_plan) -> None:
+        self.settings = settings or TransferSettings()
+        self._planner = planner
+        self._js: JetStreamContext | None = None
+        self._store: ObjectStore | None = None
+        self._consumer: PullConsumer | None = None
+        self._watch: b.MaxDeliveriesWatch | None = None
+        self.counts = {"received": 0, "planned": 0, "rejected": 0}
+
+    async def start(self, bus: Bus) -> None:
+        js = self._js = bus.js
+        await b.ensure_streams(js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS))
+        self._store = await b.ensure_object_store(
+            js,
+            s.OBJECT_STORE_PLANS,
+            description="Transfer plans and per-device slices, by job, generation and request.",
+            ttl_s=self.settings.plans_ttl_s,
+        )
+        config = b.pull_consumer_config(
+            self.settings.durable,
+            s.TOPOLOGY_PLANNED_ANY,
+            ack_wait_s=self.settings.ack_wait_s,
+            max_deliver=self.settings.max_deliver,
+            description="The transfer planner: planned topologies.",
+        )
+        self._consumer = PullConsumer(
+            js,
+            stream=s.STREAM_CONTROL.name,
+            config=config,
+            handler=self.handle,
+            batch=1,  # each message is seconds of work: leave the rest to other instances
+            retry_delay_s=self.settings.retry_delay_s,
+        )
+        self._watch = b.MaxDeliveriesWatch(
+            bus.nc,
+            js,
+            source=SOURCE,
+            stream=s.STREAM_CONTROL.name,
+            consumer=self.settings.durable,
+            last_error=self._consumer.last_error,
+        )
+        await self._watch.start()
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+        if self._watch is not None:
+            await self._watch.stop()
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self.counts)
+        out["failed_attempts"] = self._consumer.failed if self._consumer else 0
+        out["dead_lettered"] = self._watch.copied if self._watch else 0
+        return out
+
+    async def handle(self, msg: Msg) -> None:
+        assert self._js is not None
+        self.counts["received"] += 1
+        try:
+            topology = decode(msg.data, TopologyPlanned)
+        except MessageError as error:
+            await self._reject(msg, error)
+            return
+        with bind_message(topology):
+            try:
+                async with keep_in_progress(msg, self.settings.progress_every_s):
+                    planned = await asyncio.to_thread(
+                        core.plan_transfer,
+                        topology,
+                        budget_bytes=self.settings.budget_bytes,
+                        optimizer=self.settings.optimizer,
+                        planner=self._planner,
+                    )
+            except MessageError as error:
+                await self._reject(msg, error)
+                return
+            seq = msg.metadata.sequence.stream
+            out = await self._store_plan(topology, planned, seq)
+            await self._js.publish(
+                s.transfer_planned(topology.job_id),
+                encode(out),
+                headers={s.HEADER_MSG_ID: f"transfer-{msg.metadata.stream}-{seq}"},
+            )
+            await msg.ack()
+            self.counts["planned"] += 1
+            summary = planned.summary
+            log.info(
+                "transfer_planned",
+                layout=topology.layout.describe(),
+                from_layout=topology.from_layout.describe(),
+                bytes_moved=summary.bytes_moved,
+                bytes_rank_order=summary.bytes_rank_order,
+                lower_bound_bytes=summary.lower_bound_bytes,
+                tasks=summary.tasks_coalesced,
+                rounds=summary.rounds,
+                plan_seconds=round(summary.plan_seconds, 4),
+                verify_seconds=round(planned.verify_seconds, 4),
+                encode_seconds=round(planned.encode_seconds, 4),
+                plan_object=out.plan.name,
+                plan_bytes=out.plan.size,
+                devices=len(out.workers),
+            )
+
+    async def _store_plan(
+        self, topology: TopologyPlanned, planned: core.PlannedTransfer, seq: int
+    ) -> TransferPlanned:
+        job, generation = topology.job_id, topology.generation
+        plan_ref = await self._put(s.plan_object_name(job, generation, f"plan-s{seq}"), planned.plan_file)
+        names = [s.plan_object_name(job, generation, f"s{seq}-{i:05d}") for i in range(len(planned.slices))]
+        refs: list[ObjectRef] = []
+        # Puts are round trips; a job of a thousand devices needs them in flight together, in batches so
+        # that a huge job does not queue thousands of publishes at once.
+        for start in range(0, len(names), PUT_CONCURRENCY):
+            batch = zip(
+                names[start : start + PUT_CONCURRENCY], planned.slice_files[start : start + PUT_CONCURRENCY]
+            )
+            refs.extend(await asyncio.gather(*(self._put(name, data) for name, data in batch)))
+        return TransferPlanned(
+            job_id=job,
+            event_id=topology.event_id,
+            from_generation=topology.from_generation,
+            generation=generation,
+            plan=plan_ref,
+            workers=tuple(WorkerPlanRef(device=p.device, ref=r) for p, r in zip(planned.slices, refs)),
+            summary=planned.summary,
+            deadline=topology.deadline,
+        )
+
+    async def _put(self, name: str, data: bytes) -> ObjectRef:
+        assert self._store is not None
+        info = await self._store.put(name, data)
+        return ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=name, size=len(data), digest=info.digest)
+
+    async def _reject(self, msg: Msg, error: MessageError) -> None:
+        assert self._js is not None
+        await b.reject(self._js, SOURCE, msg, error)
+        self.counts["rejected"] += 1
+
+
+def create_service(environ: Mapping[str, str]) -> TransferService:
+    """What ``liver serve transfer`` runs, with ``$LIVER_TRANSFER_BUDGET_BYTES`` applied."""
+    return TransferService(TransferSettings.from_env(environ))

@@ -1,0 +1,370 @@
+"""A trainer's whole training state as LiveR sees it: local tensors by logical index, plus progress.
+
+The executor streams *local state*: a mapping from an index into ``ModelSpec.tensors()`` to the torch
+tensor that holds this rank's shard of that logical tensor (``local_shape`` of the view, the box at
+local index 0). :func:`local_state` gives exactly that for a live :class:`MegatronTrainer`:
+
+* parameters, and the optimizer's fp32 master weights (half-precision models), ``exp_avg`` and
+  ``exp_avg_sq``, as *views of the live storage*: a stream that writes into them (``into=``) writes the
+  new model directly, and an old world's state is read where it lies;
+* the Adam step as a fresh int64 scalar (Megatron keeps a float32 step per parameter; they must agree).
+
+It maps the live parameters (``named_parameters()``) rather than ``sharded_state_dict()``: the latter
+fragments SwiGLU's fc1 into copies, and with tied embeddings still consults ``parallel_state``.
+``tests/test_views_megatron.py`` checks that the two agree on every shard. The translations:
+
+* a later stage numbers its layers from 0; the logical name carries the global index
+  (``TransformerLayer.layer_number - 1``);
+* the last stage's ``output_layer.weight`` with tied embeddings is its replica of
+  ``embedding.word_embeddings.weight`` (and so are its Adam moments);
+* SwiGLU's fused ``[2*ffn/tp, h]`` fc1 is viewed as ``[2, ffn/tp, h]`` (gate rows, then up rows);
+* vocabulary shards keep their padding rows (``local_shape`` includes them; they hold zeros, see
+  :mod:`megatron_train`).
+
+Every tensor is checked against the view function when the state is taken and when it is loaded: a
+mismatch raises :class:`StateMismatch` naming the tensor. The rest of the training state is
+:class:`TrainingProgress` (iteration, data position, LR schedule, RNG streams).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+import torch
+from torch.optim.optimizer import _get_scalar_dtype
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import ModelSpec, TensorSpec
+from liver.shared.views import view
+
+if TYPE_CHECKING:  # megatron is imported where it is used: the checks and structs need none of it
+    from liver.worker_runtime.megatron_train import MegatronTrainer
+
+log = structlog.get_logger(__name__)
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+}
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_LAYERS = "decoder.layers."
+
+
+class StateMismatch(ValueError):
+    """A local state that does not agree with the view function (or the model) for some tensor."""
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def expected_shards(spec: ModelSpec, layout: ParallelLayout, rank: int) -> dict[int, tuple[int, ...]]:
+    """Tensor index -> local shape, for every tensor ``rank`` holds (the view function's answer)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for index, tensor in enumerate(spec.tensors()):
+        shard = view(tensor, spec, layout, rank)
+        if shard is not None:
+            out[index] = tuple(shard.local_shape)
+    return out
+
+
+def check_local_state(
+    state: Mapping[int, torch.Tensor],
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    rank: int,
+    *,
+    complete: bool = True,
+) -> None:
+    """Raise :class:`StateMismatch` unless ``state`` holds exactly what the views give ``rank``.
+
+    ``complete=False`` accepts a subset (a partly assembled state); shapes and dtypes still must match.
+    """
+    tensors = spec.tensors()
+    expected = expected_shards(spec, layout, rank)
+    for index, value in state.items():
+        if not isinstance(index, int) or not 0 <= index < len(tensors):
+            raise StateMismatch(f"state[{index!r}]: no tensor of {spec.name} has that index")
+        name = tensors[index].name
+        if index not in expected:
+            raise StateMismatch(
+                f"state[{index}] ({name}): rank {rank} holds no shard of it at {layout.describe()}"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise StateMismatch(f"state[{index}] ({name}) is a {type(value).__name__}, not a tensor")
+        if tuple(value.shape) != expected[index]:
+            raise StateMismatch(
+                f"state[{index}] ({name}) has shape {tuple(value.shape)}, the view at "
+                f"{layout.describe()} rank {rank} says {expected[index]}"
+            )
+        want = _TORCH_DTYPES[tensors[index].dtype]
+        if value.dtype != want:
+            raise StateMismatch(f"state[{index}] ({name}) has dtype {value.dtype}, the model says {want}")
+    if complete:
+        missing = sorted(expected.keys() - state.keys())
+        if missing:
+            raise StateMismatch(
+                f"state lacks {len(missing)} tensor(s) rank {rank} holds, first {tensors[missing[0]].name} "
+                f"(index {missing[0]})"
+            )
+
+
+# --------------------------------------------------------------------------- live tensors
+
+
+def logical_parameter_name(trainer: MegatronTrainer, local_name: str) -> str:
+    """The logical tensor name of one of the GPT model's ``named_parameters()``."""
+    if local_name.startswith(_LAYERS):
+        index, _, rest = local_name.removeprefix(_LAYERS).partition(".")
+        layer = trainer.gpt.decoder.layers[int(index)]
+        return f"{_LAYERS}{layer.layer_number - 1}.{rest}"
+    if local_name == "output_layer.weight" and trainer.spec.tied_embeddings:
+        return "embedding.word_embeddings.weight"
+    return local_name
+
+
+def _optimizer_slots(trainer: MegatronTrainer) -> dict[int, tuple[torch.Tensor, torch.optim.Optimizer]]:
+    """id(model parameter) -> (the tensor the optimizer updates, the torch optimizer holding its state)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    slots: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        if isinstance(opt, Float16OptimizerWithFloat16Params):
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for model_param, main_param in zip(model_group, main_group):
+                    slots[id(model_param)] = (main_param, opt.optimizer)
+            for group in opt.fp32_from_fp32_groups:
+                for param in group:
+                    slots[id(param)] = (param, opt.optimizer)
+        elif isinstance(opt, FP32Optimizer):
+            if opt.optimizer is None:
+                continue
+            for group in opt.optimizer.param_groups:
+                for param in group["params"]:
+                    slots[id(param)] = (param, opt.optimizer)
+        else:
+            raise StateMismatch(
+                f"optimizer {type(opt).__name__}: only FP32Optimizer and Float16OptimizerWithFloat16Params "
+                "state maps to logical tensors"
+            )
+    return slots
+
+
+def _adam_state(main: torch.Tensor, inner: torch.optim.Optimizer) -> dict[str, Any]:
+    """The Adam state of ``main``, created as Adam's first step would create it if it does not exist yet
+    (zero moments, step 0), so that a fresh optimizer has storage to stream into."""
+    state = inner.state[main]
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        for moment in _MOMENTS:
+            state[moment] = torch.zeros_like(main, memory_format=torch.preserve_format)
+    return state
+
+
+def _as_local(tensor: torch.Tensor, spec: TensorSpec, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` (live storage) viewed with the logical local shape; SwiGLU's fused rows fold in two."""
+    if tuple(tensor.shape) == shape:
+        return tensor
+    if spec.rule == "swiglu" and tensor.numel() == torch.Size(shape).numel():
+        return tensor.view(shape)
+    raise StateMismatch(
+        f"{spec.name}: the live tensor has shape {tuple(tensor.shape)}, the view says {shape}"
+    )
+
+
+def _step_value(steps: list[torch.Tensor]) -> int:
+    values = {float(s) for s in steps}
+    if len(values) > 1:
+        raise StateMismatch(f"optimizer.state.step: parameters disagree on the Adam step ({sorted(values)})")
+    value = values.pop() if values else 0.0
+    if value != int(value) or value < 0:
+        raise StateMismatch(f"optimizer.state.step: {value} is not a step count")
+    return int(value)
+
+
+def local_state(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
+    """This rank's local state: views of the live parameters and Adam state, and the step as a copy.
+
+    Checked against the view function before it is returned. Creating the view of a fresh optimizer
+    creates its (zero) Adam state, exactly as its first step would.
+    """
+    spec, layout, rank = trainer.spec, trainer.layout, trainer.groups.rank
+    tensors = spec.tensors()
+    index_of = {t.name: i for i, t in enumerate(tensors)}
+    expected = expected_shards(spec, layout, rank)
+    slots = _optimizer_slots(trainer)
+    state: dict[int, torch.Tensor] = {}
+    steps: list[torch.Tensor] = []
+    for local_name, param in trainer.gpt.named_parameters():
+        name = logical_parameter_name(trainer, local_name)
+        index = index_of.get(name)
+        if index is None:
+            raise StateMismatch(f"parameter {local_name} (as {name}) is no tensor of {spec.name}")
+        if index not in expected:
+            raise StateMismatch(
+                f"{name}: rank {rank} holds it, the view at {layout.describe()} says it must not"
+            )
+        if index in state:
+            raise StateMismatch(f"{name}: two parameters of the model map to it")
+        shape = expected[index]
+        state[index] = _as_local(param.detach(), tensors[index], shape)
+        slot = slots.get(id(param))
+        if slot is None:
+            raise StateMismatch(f"{name}: the optimizer does not update this parameter")
+        main, inner = slot
+        adam = _adam_state(main, inner)
+        steps.append(adam["step"])
+        if f"optimizer.state.fp32_param.{name}" in index_of:
+            state[index_of[f"optimizer.state.fp32_param.{name}"]] = _as_local(
+                main.detach(), tensors[index_of[f"optimizer.state.fp32_param.{name}"]], shape
+            )
+        elif main is not param:
+            raise StateMismatch(f"{name}: the optimizer keeps a master copy the model description lacks")
+        for role in _MOMENTS:
+            moment_index = index_of[f"optimizer.state.{role}.{name}"]
+            state[moment_index] = _as_local(adam[role], tensors[moment_index], shape)
+    step_index = index_of["optimizer.state.step"]
+    state[step_index] = torch.tensor(_step_value(steps), dtype=torch.int64)
+    check_local_state(state, spec, layout, rank)
+    return state
+
+
+def snapshot(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
+    """A copy of :func:`local_state` that later training does not change."""
+    return {index: tensor.clone() for index, tensor in local_state(trainer).items()}
+
+
+def load_local_state(trainer: MegatronTrainer, state: Mapping[int, torch.Tensor]) -> None:
+    """Make ``trainer``'s parameters and Adam state equal ``state`` (a complete local state for its
+    rank, e.g. what the executor assembled). Tensors that already are the live storage are left as they
+    are; the step is written to every parameter's Adam state."""
+    spec, layout, rank = trainer.spec, trainer.layout, trainer.groups.rank
+    check_local_state(state, spec, layout, rank)
+    live = local_state(trainer)
+    step_index = next(i for i, t in enumerate(spec.tensors()) if t.role == "step")
+    with torch.no_grad():
+        for index, target in live.items():
+            if index == step_index:
+                continue
+            source = state[index]
+            if source.data_ptr() != target.data_ptr():
+                target.copy_(source)
+    step = float(int(state[step_index]))
+    for main, inner in _optimizer_slots(trainer).values():
+        inner.state[main]["step"].fill_(step)
+    log.debug("megatron_state.loaded", layout=layout.describe(), rank=rank, tensors=len(live), step=int(step))
+
+
+# --------------------------------------------------------------------------- non-tensor state
+
+
+class SchedulerState(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Megatron's ``OptimizerParamScheduler.state_dict()`` (steps are samples, as Megatron counts)."""
+
+    max_lr: float
+    min_lr: float
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    lr_decay_style: str
+    num_steps: int
+    start_wd: float
+    end_wd: float
+    wd_incr_steps: int
+    wd_incr_style: str
+
+
+class RngState(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One process's random streams: torch's CPU generator (the device generator too on CPU), the
+    model-parallel tracker's named streams, and Python's ``random``."""
+
+    torch_cpu: bytes
+    tracker: dict[str, bytes]
+    python: tuple[int, tuple[int, ...], float | None]
+
+
+class TrainingProgress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything besides tensors that a resumed job needs. ``consumed_samples`` is the data position;
+    the global batch size is part of it because it must not change across a reshard."""
+
+    iteration: int
+    consumed_samples: int
+    global_batch_size: int
+    scheduler: SchedulerState
+    rng: RngState | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("iteration", "consumed_samples"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must not be negative, got {getattr(self, field)}")
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be at least 1, got {self.global_batch_size}")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def rng_state() -> RngState:
+    """This process's random streams now."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    version, internal, gauss = random.getstate()
+    return RngState(
+        torch_cpu=_tensor_bytes(torch.get_rng_state()),
+        tracker={name: _tensor_bytes(state) for name, state in tracker.items()},
+        python=(version, tuple(internal), gauss),
+    )
+
+
+def restore_rng_state(state: RngState) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(_bytes_tensor(state.torch_cpu))
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {name: _bytes_tensor(data) for name, data in state.tracker.items()}
+    )
+    random.setstate((state.python[0], tuple(state.python[1]), state.python[2]))
+
+
+def training_progress(trainer: MegatronTrainer, *, with_rng: bool = True) -> TrainingProgress:
+    """The trainer's non-tensor state (this process's RNG streams when ``with_rng``)."""
+    return TrainingProgress(
+        iteration=trainer.iteration,
+        consumed_samples=trainer.consumed_samples,
+        global_batch_size=trainer.config.global_batch_size,
+        scheduler=msgspec.convert(trainer.scheduler.state_dict(), SchedulerState),
+        rng=rng_state() if with_rng else None,
+    )
+
+
+def restore_progress(trainer: MegatronTrainer, progress: TrainingProgress) -> None:
+    """Put a freshly built trainer at ``progress`` (its schedule must be the one that produced it)."""
+    if progress.global_batch_size != trainer.config.global_batch_size:
+        raise StateMismatch(
+            f"global_batch_size: the progress was made with {progress.global_batch_size}, the trainer "
+            f"uses {trainer.config.global_batch_size} (it must stay constant)"
+        )
+    if trainer.scheduler.num_steps != 0:
+        raise StateMismatch("restore_progress needs a trainer that has not stepped yet")
+    current = msgspec.convert(trainer.scheduler.state_dict(), SchedulerState)
+    for field in SchedulerState.__struct_fields__:
+        if field != "num_steps" and getattr(current, field) != getattr(progress.scheduler, field):
+            raise StateMismatch(
+                f"scheduler.{field}: the progress has {getattr(progress.scheduler, field)!r}, the trainer "
+                f"{getattr(current, field)!r}"
+            )
+    trainer.scheduler.load_state_dict(msgspec.to_builtins(progress.scheduler))
+    trainer.iteration = progress.iteration
+    trainer.consumed_samples = progress.consumed_samples
+    if progress.rng is not None:
+        restore_rng_state(progress.rng)

@@ -1,0 +1,71 @@
+"""How a GPT job trains, apart from the model and the layout: batch sizes, optimizer, LR schedule, seeds.
+
+A plain struct (no Megatron import) so that coordinators, CLIs and tests can validate it cheaply.
+Batch sizes are in samples. The global batch size is the one number a reshard must keep: the
+micro-batches each DP rank runs follow from it (:meth:`TrainConfig.micro_batches_per_rank`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything about training that is not the model or the layout. Batch sizes are in samples."""
+
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seq_length: int = 32
+    lr: float = 5e-3
+    min_lr: float = 5e-4
+    lr_warmup_iters: int = 1
+    lr_decay_iters: int = 1000
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    corpus_seed: int = 2024
+    corpus_vocab_size: int = 128  # tokens the synthetic corpus uses (at most the model's vocabulary)
+    hidden_dropout: float = 0.0  # dropout makes a step depend on the RNG streams (see TrainingProgress)
+    attention_dropout: float = 0.0
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in (
+            "global_batch_size",
+            "micro_batch_size",
+            "seq_length",
+            "lr_decay_iters",
+            "corpus_vocab_size",
+        ):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be at least 1, got {getattr(self, field)}")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_iters >= self.lr_decay_iters:
+            raise ValueError(
+                f"lr_warmup_iters must be in [0, lr_decay_iters={self.lr_decay_iters}), "
+                f"got {self.lr_warmup_iters}"
+            )
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        for field in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be at least 1 when given, got {self.bucket_size}")
+
+    def micro_batches_per_rank(self, dp: int) -> int:
+        """Micro-batches each DP rank runs per step; raises when the global batch does not split."""
+        per_rank, rest = divmod(self.global_batch_size, dp)
+        if rest or per_rank % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size}) x dp ({dp})"
+            )
+        return per_rank // self.micro_batch_size

@@ -1,0 +1,1660 @@
+"""The generation coordinator's state machine, driven event by event with a fake clock and a fake KV.
+
+The driver below stands in for the adapter: it applies compare-and-set writes to an in-memory bucket,
+answers planning requests with simple stub planners, and acks commands as the workers of the job would
+(only when told to, so that each test stops exactly where its behaviour happens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from msgspec.structs import replace
+
+from liver.services.coordinator import (
+    TRANSITIONS,
+    Action,
+    Coordinator,
+    CoordinatorConfig,
+    CoordinatorError,
+    GenerationRecord,
+    IllegalTransition,
+    Note,
+    Phase,
+    PlanningFailed,
+    Publish,
+    RecordConflict,
+    RecordObserved,
+    RecordWriteFailed,
+    RecordWritten,
+    ReleasePlan,
+    RequestTopology,
+    RequestTransfer,
+    SendCommand,
+    Settle,
+    Tick,
+    TopologyRequest,
+    Wait,
+    WorkerLost,
+    WorldStarted,
+    WriteMembership,
+    WriteRecord,
+)
+from liver.shared.codec import MessageError, decode, encode
+from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
+from liver.shared.messages import (
+    Abort,
+    Candidate,
+    GenerationAborted,
+    GenerationCommitted,
+    Heartbeat,
+    Hello,
+    ObjectRef,
+    PlanSummary,
+    Prepare,
+    ResizeRequested,
+    Switch,
+    TopologyPlanned,
+    TransferPlanned,
+    WorkerPlanRef,
+    WorkerStatus,
+)
+from liver.shared.model import PRESETS
+from liver.shared.subjects import plan_object_name
+
+NOW = datetime(2026, 1, 2, 12, 0, tzinfo=UTC)
+JOB = "job-1"
+MODEL = PRESETS["llama3-8b"]
+CONFIG = CoordinatorConfig(heartbeat_timeout_s=30.0)
+WORLD = grid_devices(2, 2)
+"""node000:0, node000:1, node001:0, node001:1: generation 0 runs TP2 x DP2 on them."""
+LAYOUT = ParallelLayout(tp=2, pp=1, dp=2)
+SPARES = grid_devices(3, 2)[4:]
+"""node002:0, node002:1: alive, in no world, offered by scale-outs."""
+MiB = 1 << 20
+
+A = TypeVar("A", bound=Action)
+
+
+def worker(device: Device) -> str:
+    return f"w-{device.node}-{device.index}"
+
+
+def on_node(node: str, devices: tuple[Device, ...] = WORLD + SPARES) -> tuple[Device, ...]:
+    return tuple(d for d in devices if d.node == node)
+
+
+# -- stub planners --------------------------------------------------------------------------------------
+
+
+def plan_topology(request: TopologyRequest) -> TopologyPlanned | PlanningFailed:
+    """Keeps every surviving device and takes every offered one, one DP replica each."""
+    gone = set(request.remove) | set(request.lost)
+    devices = sorted([d for d in request.placement.devices if d not in gone] + list(request.add))
+    if request.target_devices is not None:
+        devices = devices[: request.target_devices]
+    if not devices:
+        return PlanningFailed(
+            job_id=request.job_id,
+            event_id=request.event_id,
+            generation=request.generation,
+            stage="topology",
+            reason="no device left",
+        )
+    layout = ParallelLayout(tp=1, pp=1, dp=len(devices))
+    return TopologyPlanned(
+        job_id=request.job_id,
+        event_id=request.event_id,
+        from_generation=request.from_generation,
+        generation=request.generation,
+        model=MODEL,
+        from_layout=request.layout,
+        from_placement=request.placement,
+        layout=layout,
+        placement=Placement(tuple(devices)),
+        candidates=(Candidate(layout=layout, score=1.0, fits=True),),
+        explanation="stub: every surviving and offered device, one replica each",
+        deadline=request.deadline,
+    )
+
+
+def plan_transfer(
+    topology: TopologyPlanned, max_receive_bytes: int = MiB, verified: bool = True
+) -> TransferPlanned:
+    devices = sorted(set(topology.from_placement.devices) | set(topology.placement.devices))
+    g = topology.generation
+    return TransferPlanned(
+        job_id=topology.job_id,
+        event_id=topology.event_id,
+        from_generation=topology.from_generation,
+        generation=g,
+        plan=ObjectRef(bucket="liver-plans", name=plan_object_name(JOB, g), size=4096),
+        workers=tuple(
+            WorkerPlanRef(
+                device=d,
+                ref=ObjectRef(bucket="liver-plans", name=plan_object_name(JOB, g, worker(d)), size=64),
+            )
+            for d in devices
+        ),
+        summary=PlanSummary(
+            tasks=8,
+            tasks_coalesced=4,
+            rounds=1,
+            bytes_moved=4 * max_receive_bytes,
+            bytes_local=0,
+            bytes_rank_order=8 * max_receive_bytes,
+            lower_bound_bytes=4 * max_receive_bytes,
+            max_receive_bytes=max_receive_bytes,
+            verified=verified,
+            plan_seconds=0.01,
+        ),
+    )
+
+
+# -- the adapter stand-in ----------------------------------------------------------------------------------
+
+
+class FakeKV:
+    """One key of a JetStream KV bucket: compare-and-set on the revision, 0 = create."""
+
+    def __init__(self) -> None:
+        self.record: GenerationRecord | None = None
+        self.revision = 0
+        self.history: list[GenerationRecord] = []
+
+    def cas(self, write: WriteRecord) -> RecordWritten | RecordConflict:
+        if write.expected_revision != self.revision:
+            return RecordConflict(stored=self.record, revision=self.revision)
+        self.record, self.revision = write.record, self.revision + 1
+        self.history.append(write.record)
+        return RecordWritten(revision=self.revision)
+
+
+class Driver:
+    """Feeds one coordinator and keeps what it asked for until a test (or :meth:`run`) answers it."""
+
+    def __init__(
+        self, kv: FakeKV | None = None, config: CoordinatorConfig = CONFIG, now: datetime = NOW
+    ) -> None:
+        self.kv = kv or FakeKV()
+        self.config = config
+        self.instances = 1
+        self.core = Coordinator(JOB, instance_id=self._instance(), config=config)
+        self.now = now
+        self.pending: list[Action] = []
+        self.log: list[Action] = []
+        self.seq: dict[str, int] = {}
+
+    def _instance(self) -> str:
+        return f"coordinator-{id(self) % 100_000}-{self.instances}"
+
+    # feeding
+
+    def feed(self, event: Any, after_s: float = 0.0) -> list[Action]:
+        self.now += timedelta(seconds=after_s)
+        return self._keep(self.core.handle(event, self.now))
+
+    def _keep(self, out: list[Action]) -> list[Action]:
+        self.log.extend(out)
+        self.pending.extend(
+            a for a in out if isinstance(a, WriteRecord | RequestTopology | RequestTransfer | SendCommand)
+        )
+        return out
+
+    def restart(self) -> list[Action]:
+        """A new coordinator process: what was in flight is lost, the bucket is what it is."""
+        assert self.kv.record is not None
+        self.instances += 1
+        self.core = Coordinator(JOB, instance_id=self._instance(), config=self.config)
+        self.pending = []
+        return self._keep(self.core.restore(self.kv.record, self.kv.revision, self.now))
+
+    def take_over(self) -> list[Action]:
+        """This (standing-by) coordinator takes the job over from the stored record."""
+        assert self.kv.record is not None
+        self.pending = []
+        return self._keep(self.core.restore(self.kv.record, self.kv.revision, self.now))
+
+    def rival_writes(self) -> None:
+        """Another coordinator writes the record (the same value under its own name)."""
+        assert self.kv.record is not None
+        self.kv.cas(
+            WriteRecord(record=replace(self.kv.record, writer="rival"), expected_revision=self.kv.revision)
+        )
+
+    def tick(self, after_s: float = 0.0) -> list[Action]:
+        return self.feed(Tick(), after_s)
+
+    def wait(self, seconds: float) -> list[Action]:
+        """Time passes with every known worker beating just before the tick."""
+        self.now += timedelta(seconds=seconds)
+        for member in list(self.core.membership):
+            self.beat(member.device)
+        return self.tick()
+
+    # inputs
+
+    def hello(self, device: Device, generation: int | None = None, rank: int | None = None) -> list[Action]:
+        return self.feed(
+            Hello(
+                job_id=JOB,
+                worker_id=worker(device),
+                device=device,
+                address=f"{device.node}:{29500 + device.index}",
+                generation=generation,
+                rank=rank,
+            )
+        )
+
+    def beat(self, device: Device, seq: int | None = None, iteration: int | None = None) -> list[Action]:
+        w = worker(device)
+        self.seq[w] = self.seq.get(w, 0) + 1 if seq is None else seq
+        return self.feed(
+            Heartbeat(
+                job_id=JOB,
+                worker_id=w,
+                device=device,
+                address=f"{device.node}:{29500 + device.index}",
+                seq=self.seq[w],
+                iteration=iteration,
+            )
+        )
+
+    def warn(self, event_id: str, node: str, notice_s: float = 120.0, after_s: float = 0.0) -> list[Action]:
+        self.now += timedelta(seconds=after_s)
+        return self.feed(
+            ResizeRequested(
+                job_id=JOB,
+                event_id=event_id,
+                trigger="spot_warning",
+                generation=0,
+                reason=f"{node} reclaimed",
+                remove=on_node(node),
+                deadline=self.now + timedelta(seconds=notice_s),
+            )
+        )
+
+    def scale(self, event_id: str, add: tuple[Device, ...] = (), target: int | None = None) -> list[Action]:
+        return self.feed(
+            ResizeRequested(
+                job_id=JOB,
+                event_id=event_id,
+                trigger="scale_request",
+                generation=0,
+                reason="planned",
+                add=add,
+                target_devices=target,
+            )
+        )
+
+    def status(
+        self, device_or_worker: Device | str, generation: int, phase: str, **fields: Any
+    ) -> list[Action]:
+        w = worker(device_or_worker) if isinstance(device_or_worker, Device) else device_or_worker
+        return self.feed(WorkerStatus(job_id=JOB, worker_id=w, generation=generation, phase=phase, **fields))
+
+    # answering what the core asked for
+
+    def pop(self, kind: type[A], where: Callable[[A], bool] = lambda _: True) -> A:
+        for i, action in enumerate(self.pending):
+            if isinstance(action, kind) and where(action):
+                return self.pending.pop(i)  # type: ignore[return-value]
+        raise AssertionError(
+            f"nothing pending of {kind.__name__}; pending: {[type(a).__name__ for a in self.pending]}"
+        )
+
+    def has(self, kind: type[Action]) -> bool:
+        return any(isinstance(a, kind) for a in self.pending)
+
+    def write(self) -> list[Action]:
+        return self.feed(self.kv.cas(self.pop(WriteRecord)))
+
+    def topology(self, planner: Callable[[TopologyRequest], Any] = plan_topology) -> list[Action]:
+        return self.feed(planner(self.pop(RequestTopology).request))
+
+    def transfer(self, **fields: Any) -> list[Action]:
+        return self.feed(plan_transfer(self.pop(RequestTransfer).topology, **fields))
+
+    def commands(self, kind: type) -> list[SendCommand]:
+        found = [a for a in self.pending if isinstance(a, SendCommand) and isinstance(a.command, kind)]
+        self.pending = [a for a in self.pending if a not in found]
+        return found
+
+    def ready(self, skip: tuple[str, ...] = ()) -> None:
+        for cmd in self.commands(Prepare):
+            if cmd.worker_id not in skip:
+                assert cmd.worker_id is not None
+                self.status(cmd.worker_id, cmd.command.generation, "ready")
+
+    def participants(self) -> list[str]:
+        assert self.kv.record is not None and self.kv.record.pending is not None
+        return [p.worker_id for p in self.kv.record.pending.participants]
+
+    def switched(self, skip: tuple[str, ...] = (), iteration: int = 100, **fields: Any) -> None:
+        (cmd,) = self.commands(Switch)
+        for w in self.participants():
+            if w not in skip:
+                self.status(w, cmd.command.generation, "switched", iteration=iteration, **fields)
+
+    def run(self) -> None:
+        """Answer everything, as a healthy system would, until nothing is left to answer."""
+        for _ in range(1000):
+            if self.has(WriteRecord):
+                self.write()
+            elif self.has(RequestTopology):
+                self.topology()
+            elif self.has(RequestTransfer):
+                self.transfer()
+            elif any(isinstance(a, SendCommand) and isinstance(a.command, Prepare) for a in self.pending):
+                self.ready()
+            elif any(isinstance(a, SendCommand) and isinstance(a.command, Switch) for a in self.pending):
+                self.switched()
+            elif self.pending:
+                self.pending.clear()
+            else:
+                return
+        raise AssertionError("the coordinator never settled")
+
+    # reading what happened
+
+    def published(self, kind: type | None = None) -> list[Any]:
+        return [
+            a.message
+            for a in self.log
+            if isinstance(a, Publish) and (kind is None or isinstance(a.message, kind))
+        ]
+
+    def notes(self, event: str) -> list[Note]:
+        return [a for a in self.log if isinstance(a, Note) and a.event == event]
+
+    def sent(self, kind: type, since: int = 0) -> list[SendCommand]:
+        return [a for a in self.log[since:] if isinstance(a, SendCommand) and isinstance(a.command, kind)]
+
+    def settled(self) -> list[Settle]:
+        return [a for a in self.log if isinstance(a, Settle)]
+
+    def phases(self) -> list[tuple[str, str]]:
+        return [(a.value, b.value) for a, b, _ in self.core.history]
+
+
+def started(config: CoordinatorConfig = CONFIG, kv: FakeKV | None = None) -> Driver:
+    """A job whose generation 0 is live on WORLD, with the spare node's workers registered too."""
+    d = Driver(kv=kv, config=config)
+    for rank, device in enumerate(WORLD):
+        d.hello(device, generation=0, rank=rank)
+    for device in SPARES:
+        d.hello(device)
+    d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD)))
+    d.write()
+    return d
+
+
+def one_outcome_per_generation(messages: list[Any]) -> dict[int, Any]:
+    """Every generation has at most one outcome; a re-publication is the very same message."""
+    outcomes: dict[int, Any] = {}
+    for message in messages:
+        first = outcomes.setdefault(message.generation, message)
+        assert first == message, f"generation {message.generation}: {first} and then {message}"
+    return outcomes
+
+
+# -- the world --------------------------------------------------------------------------------------------
+
+
+def test_first_world_is_recorded_before_the_coordinator_is_stable() -> None:
+    d = Driver()
+    d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD)))
+    assert d.core.phase is Phase.DOWN and d.core.wait is Wait.WORLD_WRITE
+    write = d.pending[0]
+    assert isinstance(write, WriteRecord) and write.expected_revision == 0
+    d.write()
+    assert d.core.phase is Phase.STABLE
+    assert d.kv.record is not None and (d.kv.record.generation, d.kv.record.issued) == (0, 0)
+
+
+def test_world_started_while_a_world_is_live_is_ignored() -> None:
+    d = started()
+    d.feed(WorldStarted(job_id=JOB, generation=5, layout=LAYOUT, placement=Placement(WORLD)))
+    assert not d.has(WriteRecord) and d.notes("world_started_ignored")
+
+
+def test_every_phase_table_entry_names_only_phases() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+    assert all(targets <= set(Phase) for targets in TRANSITIONS.values())
+
+
+def test_undeclared_transition_is_refused() -> None:
+    core = Coordinator(JOB, instance_id="solo", config=CONFIG)
+    core.handle(Tick(), NOW)
+    with pytest.raises(IllegalTransition):
+        core._move(Phase.COMMITTED, "skipping the handoff")
+
+
+# -- the happy path, transition by transition -----------------------------------------------------------
+
+
+def test_spot_warning_walks_every_phase_from_stable_to_committed_and_back() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    assert d.phases() == [
+        ("down", "stable"),
+        ("stable", "prepare"),
+        ("prepare", "ready"),
+        ("ready", "switch"),
+        ("switch", "committed"),
+        ("committed", "cleanup"),
+        ("cleanup", "stable"),
+    ]
+    (committed,) = d.published(GenerationCommitted)
+    assert (committed.generation, committed.previous_generation, committed.event_id) == (1, 0, "evt-1")
+    assert set(committed.placement.devices) == set(on_node("node000"))
+    assert d.kv.record is not None and d.kv.record.generation == 1 and d.kv.record.pending is None
+    assert [(s.event_ids, s.outcome, s.generation) for s in d.settled()] == [(("evt-1",), "committed", 1)]
+
+
+def test_handoff_begins_with_a_recorded_generation_before_any_request() -> None:
+    d = started()
+    out = d.warn("evt-1", "node001")
+    assert [type(a) for a in out if not isinstance(a, Note)] == [WriteRecord]
+    write = d.pending[0]
+    assert isinstance(write, WriteRecord)
+    assert write.record.issued == 1 and write.record.pending is not None
+    assert (write.record.pending.generation, write.record.pending.phase) == (1, "prepare")
+    assert (d.core.phase, d.core.wait) == (Phase.PREPARE, Wait.BEGIN_WRITE)
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert set(request.remove) == set(on_node("node001")) and request.lost == ()
+    assert request.generation == 1 and request.from_generation == 0
+
+
+def test_prepare_goes_to_every_old_and_new_worker_with_its_own_plan_slice() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer()
+    prepares = d.commands(Prepare)
+    assert sorted(c.worker_id or "" for c in prepares) == sorted(worker(dev) for dev in WORLD)
+    for cmd in prepares:
+        assert cmd.worker_id is not None and cmd.command.plan.name.endswith(cmd.worker_id)
+        assert cmd.command.generation == 1 and cmd.command.from_generation == 0
+        assert cmd.command.deadline <= d.now + timedelta(seconds=120 - CONFIG.margin_s)
+
+
+def test_switch_is_sent_only_after_the_switch_intent_is_recorded() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready()
+    assert (d.core.phase, d.core.wait) == (Phase.READY, Wait.SWITCH_WRITE)
+    assert not d.sent(Switch)
+    intent = d.pending[-1]
+    assert isinstance(intent, WriteRecord) and intent.record.pending is not None
+    assert intent.record.pending.phase == "switch" and len(intent.record.pending.participants) == 4
+    d.write()
+    assert d.core.phase is Phase.SWITCH and len(d.sent(Switch)) == 1
+
+
+def test_commit_is_published_only_after_its_compare_and_set_succeeds() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready()
+    d.write()
+    d.switched()
+    assert d.core.wait is Wait.COMMIT_WRITE and not d.published()
+    d.write()
+    assert len(d.published(GenerationCommitted)) == 1
+
+
+def test_commit_reports_the_cut_the_pause_and_the_bytes_received() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready()
+    d.write()
+    assert len(d.commands(Switch)) == 1
+    for i, w in enumerate(d.participants()):
+        d.status(w, 1, "switched", iteration=500, pause_s=0.5 + i, bytes_received=1000 * i)
+    d.write()
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.started_at_iteration == 500
+    assert committed.downtime_s == 3.5
+    assert committed.bytes_moved == 1000 * (0 + 1 + 2 + 3)
+
+
+def test_switch_acks_that_disagree_on_the_cut_are_reported() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready()
+    d.write()
+    d.commands(Switch)
+    for i, w in enumerate(d.participants()):
+        d.status(w, 1, "switched", iteration=500 + (i == 0))
+    assert d.notes("switch_cut_disagrees")
+
+
+def test_scale_out_brings_the_offered_devices_into_the_new_world() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.run()
+    (committed,) = d.published(GenerationCommitted)
+    assert set(committed.placement.devices) == set(WORLD + SPARES)
+    assert committed.layout.world_size == 6
+
+
+def test_cleanup_releases_the_plan_of_the_committed_generation() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    assert [a.generation for a in d.log if isinstance(a, ReleasePlan)] == [1]
+
+
+# -- aborts -----------------------------------------------------------------------------------------------
+
+
+def handoff_prepared(d: Driver, event: str = "evt-1", node: str = "node001", notice_s: float = 120.0) -> None:
+    """Run a warning up to the point where every participant has its Prepare."""
+    d.warn(event, node, notice_s=notice_s)
+    d.write()
+    d.topology()
+    d.transfer()
+
+
+def test_worker_failing_to_prepare_aborts_and_keeps_the_old_world() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.status(WORLD[0], 1, "failed", error="out of memory building the shadow world")
+    assert d.core.phase is Phase.ABORTED and not d.published()
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "kept_old_world" and aborted.phase == "prepare"
+    assert "out of memory" in aborted.reason and aborted.active_generation == 0
+    assert [c.command.generation for c in d.sent(Abort)] == [1]
+    assert d.core.phase is Phase.STABLE
+    assert d.kv.record is not None and d.kv.record.generation == 0 and d.kv.record.live
+    assert [(s.outcome, s.generation) for s in d.settled()] == [("aborted", 1)]
+
+
+def test_missed_prepare_deadline_aborts_and_says_why() -> None:
+    d = started()
+    handoff_prepared(d, notice_s=20.0)
+    d.ready(skip=(worker(WORLD[3]),))
+    d.tick(after_s=12.0)
+    assert d.core.phase is Phase.PREPARE
+    d.tick(after_s=1.5)
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert "missed its deadline" in aborted.reason and aborted.outcome == "kept_old_world"
+    assert not d.sent(Switch)
+
+
+def test_notice_too_short_for_any_switch_aborts_at_once() -> None:
+    d = started()
+    d.warn("evt-1", "node001", notice_s=CONFIG.margin_s + 1.0)
+    d.write()
+    assert d.core.phase is Phase.ABORTED
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert "deadline" in aborted.reason
+    assert not d.has(RequestTopology)
+
+
+def test_plan_too_big_for_the_time_left_aborts_before_any_prepare() -> None:
+    d = started()
+    d.warn("evt-1", "node001", notice_s=60.0)
+    d.write()
+    d.topology()
+    d.transfer(max_receive_bytes=int(100 * CONFIG.bandwidth_bytes_per_s))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert "s are left before the deadline" in aborted.reason
+    assert not d.sent(Prepare)
+
+
+def test_switch_deadline_missed_falls_back_to_the_checkpoint() -> None:
+    d = started()
+    handoff_prepared(d, notice_s=40.0)
+    d.ready()
+    d.write()
+    d.switched(skip=(worker(WORLD[2]),))
+    d.wait(36.0)
+    assert d.core.phase is Phase.ABORTED
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback" and aborted.phase == "switch"
+    assert "3 of 4 participants switched" in aborted.reason
+    assert d.core.phase is Phase.DOWN
+    assert d.kv.record is not None and not d.kv.record.live and d.kv.record.generation == 0
+
+
+def test_worker_failing_during_the_switch_falls_back_to_the_checkpoint() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.ready()
+    d.write()
+    d.commands(Switch)
+    d.status(WORLD[1], 1, "failed", error="NCCL timeout")
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback" and "NCCL timeout" in aborted.reason
+    assert [(s.outcome, s.generation) for s in d.settled()] == [("checkpoint_fallback", 1)]
+
+
+def test_topology_planning_failure_aborts_keeping_the_old_world() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    request = d.pop(RequestTopology).request
+    d.feed(
+        PlanningFailed(job_id=JOB, event_id="evt-1", generation=1, stage="topology", reason="no layout fits")
+    )
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "kept_old_world" and "no layout fits" in aborted.reason
+    assert request.generation == aborted.generation
+
+
+def test_lost_world_worker_starts_a_handoff_that_falls_back_when_it_cannot_be_planned() -> None:
+    d = started()
+    d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node terminated"))
+    assert d.core.phase is Phase.PREPARE
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert request.lost == (WORLD[3],)
+    d.feed(plan_topology(request))
+    d.pop(RequestTransfer)
+    d.feed(
+        PlanningFailed(
+            job_id=JOB, event_id=request.event_id, generation=1, stage="transfer", reason="no source"
+        )
+    )
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback"
+    assert d.core.phase is Phase.DOWN
+
+
+def test_unverified_plan_aborts() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer(verified=False)
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert "verification" in aborted.reason
+
+
+def test_planner_that_keeps_the_live_world_settles_the_trigger_as_no_change() -> None:
+    d = started()
+    d.scale("evt-1", target=3)
+    d.write()
+
+    def unchanged(request: TopologyRequest) -> TopologyPlanned:
+        planned = plan_topology(request)
+        assert isinstance(planned, TopologyPlanned)
+        return replace(planned, layout=request.layout, placement=request.placement)
+
+    d.topology(unchanged)
+    d.write()
+    assert [s.outcome for s in d.settled()] == ["no_change"]
+    assert d.core.phase is Phase.STABLE
+
+
+def test_planner_placing_ranks_on_removed_devices_aborts_without_replanning() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+
+    def careless(request: TopologyRequest) -> TopologyPlanned | PlanningFailed:
+        return plan_topology(replace(request, remove=()))
+
+    d.topology(careless)
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert "removed devices" in aborted.reason
+    assert d.core.phase is Phase.STABLE and not d.has(WriteRecord)
+
+
+# -- queued events ------------------------------------------------------------------------------------------
+
+
+def test_scale_out_during_a_handoff_waits_and_runs_next() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.scale("evt-2", add=SPARES)
+    assert d.core.queued == ("evt-2",) and d.core.pending_generation == 1
+    d.run()
+    committed = d.published(GenerationCommitted)
+    assert [c.generation for c in committed] == [1, 2]
+    assert set(committed[1].placement.devices) == set(on_node("node000") + SPARES)
+    assert committed[1].previous_generation == 1
+
+
+def test_event_arriving_before_the_target_is_known_is_queued_then_checked() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.scale("evt-2", add=SPARES)
+    assert d.core.queued == ("evt-2",)
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1, 2]
+
+
+def test_event_already_served_by_the_pending_target_is_folded_into_it() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.warn("evt-2", "node001")
+    assert d.core.queued == ()
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+    assert [s.event_ids for s in d.settled()] == [("evt-1", "evt-2")]
+
+
+def test_folded_warning_with_an_earlier_deadline_tightens_the_handoff() -> None:
+    d = started()
+    handoff_prepared(d, notice_s=120.0)
+    d.warn("evt-2", "node001", notice_s=20.0)
+    d.tick(after_s=14.0)
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert "missed its deadline" in aborted.reason
+
+
+def test_queued_trigger_that_no_longer_changes_anything_is_settled_as_such() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.scale("evt-2", add=SPARES)
+    d.warn("evt-3", "node002")
+    assert d.core.queued == ("evt-2",)
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+    assert [(s.event_ids, s.outcome) for s in d.settled()] == [
+        (("evt-1", "evt-3"), "committed"),
+        (("evt-2",), "no_change"),
+    ]
+
+
+def test_offer_made_after_a_warning_brings_the_node_back() -> None:
+    d = started()
+    d.warn("evt-1", "node002")
+    d.scale("evt-2", add=SPARES)
+    d.run()
+    (committed,) = d.published(GenerationCommitted)
+    assert set(committed.placement.devices) == set(WORLD + SPARES)
+
+
+# -- cancel and re-plan ------------------------------------------------------------------------------------
+
+
+def test_warning_for_a_node_of_the_target_cancels_and_replans() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.warn("evt-2", "node000")
+    assert d.core.phase is Phase.ABORTED
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.generation == 1 and aborted.outcome == "kept_old_world"
+    assert "cancelled" in aborted.reason and "node000" in aborted.reason
+    assert d.core.phase is Phase.PREPARE and d.core.pending_generation == 2
+    d.run()
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.generation == 2 and committed.previous_generation == 0
+    assert set(committed.placement.devices) == set(on_node("node001") + SPARES)
+    assert [(s.event_ids, s.outcome) for s in d.settled()] == [(("evt-1", "evt-2"), "committed")]
+
+
+def test_warning_for_the_offered_node_cancels_the_offer_and_leaves_nothing_to_do() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.warn("evt-2", "node002")
+    d.run()
+    assert [type(m).__name__ for m in d.published()] == ["GenerationAborted"]
+    assert [(s.event_ids, s.outcome) for s in d.settled()] == [(("evt-1", "evt-2"), "no_change")]
+    assert d.core.phase is Phase.STABLE and d.kv.record is not None and d.kv.record.generation == 0
+
+
+def test_losing_a_target_worker_before_the_switch_cancels_and_replans_without_it() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready(skip=(worker(SPARES[1]),))
+    d.feed(WorkerLost(worker_id=worker(SPARES[1]), reason="instance terminated"))
+    d.run()
+    assert [(m.generation, type(m).__name__) for m in d.published()] == [
+        (1, "GenerationAborted"),
+        (2, "GenerationCommitted"),
+    ]
+    (committed,) = d.published(GenerationCommitted)
+    assert SPARES[1] not in committed.placement.devices and SPARES[0] in committed.placement.devices
+
+
+def test_losing_an_old_world_worker_before_the_switch_replans_from_the_survivors() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.feed(WorkerLost(worker_id=worker(WORLD[0]), reason="kernel panic"))
+    d.write()
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert request.generation == 2 and request.lost == (WORLD[0],)
+
+
+def test_impossible_target_during_the_switch_intent_write_aborts_without_switching() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready()
+    assert d.core.wait is Wait.SWITCH_WRITE
+    d.warn("evt-2", "node000")
+    assert d.core.phase is Phase.READY and d.notes("stop_deferred")
+    d.write()
+    assert not d.sent(Switch) and d.core.phase is Phase.ABORTED
+    d.run()
+    assert [(m.generation, type(m).__name__) for m in d.published()] == [
+        (1, "GenerationAborted"),
+        (2, "GenerationCommitted"),
+    ]
+    assert d.published(GenerationAborted)[0].outcome == "kept_old_world"
+
+
+def test_missing_worker_for_a_planned_device_cancels_and_replans() -> None:
+    d = started()
+    d.scale("evt-1", add=(*SPARES, Device("node009", 0)))
+    d.run()
+    (committed,) = d.published(GenerationCommitted)
+    assert Device("node009", 0) not in committed.placement.devices
+    assert [m.generation for m in d.published(GenerationAborted)] == [1]
+
+
+# -- after the switch ---------------------------------------------------------------------------------------
+
+
+def switching(d: Driver, event: str = "evt-1", node: str = "node001") -> None:
+    handoff_prepared(d, event, node)
+    d.ready()
+    d.write()
+
+
+def test_losing_an_old_world_worker_after_the_switch_falls_back_instead_of_cancelling() -> None:
+    d = started()
+    switching(d)
+    d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node reclaimed early"))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback" and aborted.phase == "switch"
+    assert d.core.phase is Phase.DOWN and not d.has(WriteRecord)
+
+
+def test_leaving_worker_gone_after_acking_its_switch_is_harmless() -> None:
+    d = started()
+    switching(d)
+    assert len(d.commands(Switch)) == 1
+    leaving = worker(WORLD[3])
+    d.status(leaving, 1, "switched", iteration=10)
+    d.feed(WorkerLost(worker_id=leaving, reason="node reclaimed"))
+    for w in d.participants():
+        if w != leaving:
+            d.status(w, 1, "switched", iteration=10)
+    d.write()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+
+
+def test_target_clash_during_the_switch_waits_for_the_commit() -> None:
+    d = started()
+    switching(d)
+    d.warn("evt-2", "node000")
+    assert d.core.phase is Phase.SWITCH and d.core.queued == ("evt-2",)
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+    assert [a.generation for a in d.published(GenerationAborted)] == [2]
+
+
+def test_loss_once_everyone_switched_does_not_stop_the_commit() -> None:
+    d = started()
+    switching(d)
+    d.switched()
+    d.feed(WorkerLost(worker_id=worker(WORLD[0]), reason="died right after"))
+    d.write()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+    assert d.core.pending_generation == 2
+
+
+# -- stale and duplicate input --------------------------------------------------------------------------
+
+
+def test_stale_ack_from_a_cancelled_generation_is_ignored_and_reported() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.commands(Prepare)
+    d.warn("evt-2", "node000")
+    d.write()
+    d.write()
+    d.topology()
+    d.transfer()
+    prepares = d.commands(Prepare)
+    for dev in WORLD:
+        d.status(dev, 1, "ready")
+    assert len(d.notes("stale_ack_ignored")) == 4 and d.core.wait is Wait.PREPARED
+    for cmd in prepares:
+        assert cmd.worker_id is not None
+        d.status(cmd.worker_id, 2, "ready")
+    assert d.core.phase is Phase.READY
+
+
+def test_ack_from_a_worker_outside_the_handoff_is_ignored() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.status(SPARES[0], 1, "ready")
+    assert d.notes("ack_from_outsider_ignored")
+    d.ready()
+    assert d.core.phase is Phase.READY
+
+
+def test_repeated_ready_ack_counts_once() -> None:
+    d = started()
+    handoff_prepared(d)
+    prepares = d.commands(Prepare)
+    first = prepares[0].worker_id
+    assert first is not None
+    for _ in range(len(prepares)):
+        d.status(first, 1, "ready")
+    assert d.core.wait is Wait.PREPARED
+
+
+def test_duplicate_event_starts_no_second_handoff() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.warn("evt-1", "node001")
+    d.run()
+    d.warn("evt-1", "node001")
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+    assert len(d.notes("duplicate_event_ignored")) == 2
+    assert d.core.phase is Phase.STABLE and d.kv.record is not None and d.kv.record.issued == 1
+
+
+def test_stale_plan_for_another_generation_is_ignored() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    request = d.pop(RequestTopology).request
+    d.feed(plan_topology(replace(request, generation=7)))
+    assert d.notes("stale_plan_ignored") and d.core.wait is Wait.TOPOLOGY
+
+
+def test_switched_ack_before_any_switch_is_reported() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.status(WORLD[0], 1, "switched", iteration=3)
+    assert d.notes("switched_before_switch") and d.core.phase is Phase.PREPARE
+
+
+def test_input_for_another_job_is_rejected_naming_the_field() -> None:
+    d = started()
+    d.feed(
+        ResizeRequested(
+            job_id="job-2",
+            event_id="evt-x",
+            trigger="scale_request",
+            generation=0,
+            reason="r",
+            target_devices=2,
+        )
+    )
+    (note,) = d.notes("input_rejected")
+    assert note.fields["field"] == "job_id" and d.core.phase is Phase.STABLE
+
+
+def test_presence_contradicting_membership_is_rejected_naming_the_field() -> None:
+    d = started()
+    d.feed(Heartbeat(job_id=JOB, worker_id="intruder", device=WORLD[0], address="x:1", seq=1))
+    (note,) = d.notes("input_rejected")
+    assert note.fields["field"] == "device"
+
+
+# -- compare-and-set --------------------------------------------------------------------------------------
+
+
+def test_losing_the_begin_write_stands_down_and_sends_nothing() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    rival = d.kv.record
+    assert rival is not None
+    d.kv.cas(WriteRecord(record=rival, expected_revision=d.kv.revision))
+    mark = len(d.log)
+    d.write()
+    assert d.core.phase is Phase.STANDBY
+    assert not [
+        a for a in d.log[mark:] if isinstance(a, SendCommand | Publish | RequestTopology | WriteRecord)
+    ]
+    assert d.core.revision == d.kv.revision
+
+
+def test_losing_the_commit_write_stands_down_without_publishing() -> None:
+    d = started()
+    switching(d)
+    d.switched()
+    assert d.kv.record is not None
+    d.kv.cas(WriteRecord(record=d.kv.record, expected_revision=d.kv.revision))
+    d.write()
+    assert d.core.phase is Phase.STANDBY and not d.published()
+
+
+def test_two_coordinators_racing_commit_the_generation_exactly_once() -> None:
+    kv = FakeKV()
+    a = started(kv=kv)
+    b = Driver(kv=kv)
+    for rank, device in enumerate(WORLD):
+        b.hello(device, generation=0, rank=rank)
+    b.restart()
+    a.warn("evt-1", "node001")
+    b.warn("evt-1", "node001")
+    for _ in range(20):
+        a.run()
+        b.run()
+    outcomes = one_outcome_per_generation(a.published() + b.published())
+    assert {g: type(m).__name__ for g, m in outcomes.items()} == {1: "GenerationCommitted"}
+    assert sorted([a.core.phase, b.core.phase], key=lambda p: p.value) == [Phase.STABLE, Phase.STANDBY]
+
+
+def test_write_with_an_unknown_result_is_retried_and_recognised_when_it_had_landed() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    first = d.pop(WriteRecord)
+    d.kv.cas(first)
+    d.feed(RecordWriteFailed(error="timeout"))
+    retry = d.pending[-1]
+    assert retry == first
+    d.write()
+    assert d.notes("write_found_landed") and d.core.wait is Wait.TOPOLOGY
+
+
+def test_record_written_by_another_coordinator_makes_this_one_stand_down() -> None:
+    d = started()
+    handoff_prepared(d)
+    assert d.kv.record is not None
+    other = d.kv.record
+    d.feed(RecordObserved(record=other, revision=d.kv.revision + 1))
+    assert d.core.phase is Phase.STANDBY
+    d.ready()
+    assert not d.has(WriteRecord) and not d.sent(Switch)
+
+
+def test_own_write_seen_by_the_watch_is_not_mistaken_for_a_rival() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    write = d.pending[0]
+    assert isinstance(write, WriteRecord)
+    d.feed(RecordObserved(record=write.record, revision=d.kv.revision + 1))
+    assert d.core.phase is Phase.PREPARE
+    d.write()
+    d.feed(RecordObserved(record=write.record, revision=d.kv.revision))
+    assert d.core.phase is Phase.PREPARE
+
+
+# -- restart and restore ----------------------------------------------------------------------------------
+
+
+def test_restore_with_nothing_pending_is_stable_and_republishes_the_last_outcome() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    d.restart()
+    assert d.core.phase is Phase.STABLE
+    assert len(d.published(GenerationCommitted)) == 2
+    one_outcome_per_generation(d.published())
+
+
+def test_restore_before_the_switch_aborts_once_and_replans_the_same_triggers() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.restart()
+    assert [c.command.generation for c in d.sent(Abort)] == []
+    d.write()
+    assert [c.command.generation for c in d.sent(Abort)] == [1]
+    for device in WORLD:
+        d.beat(device)
+    d.run()
+    assert [(m.generation, type(m).__name__) for m in d.published()] == [
+        (1, "GenerationAborted"),
+        (2, "GenerationCommitted"),
+    ]
+    assert d.published(GenerationCommitted)[0].event_id == "evt-1"
+    d.warn("evt-1", "node001")
+    assert d.notes("duplicate_event_ignored")
+
+
+def test_restore_after_the_switch_intent_resumes_and_commits_once() -> None:
+    d = started()
+    switching(d)
+    d.restart()
+    assert d.core.phase is Phase.SWITCH and len(d.sent(Switch)) == 2
+    for dev in WORLD:
+        d.beat(dev)
+    d.commands(Switch)
+    d.pending.append(SendCommand(command=Switch(job_id=JOB, generation=1, deadline=d.now)))
+    d.switched()
+    d.write()
+    assert [(m.generation, type(m).__name__) for m in d.published()] == [(1, "GenerationCommitted")]
+
+
+def test_restore_after_the_switch_with_a_silent_participant_falls_back() -> None:
+    d = started()
+    switching(d)
+    d.restart()
+    d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
+    for dev in WORLD[:3]:
+        d.beat(dev)
+    d.tick()
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback" and "restart" in aborted.reason
+
+
+def test_restore_after_a_fallback_waits_for_a_newer_world() -> None:
+    d = started()
+    switching(d)
+    d.status(WORLD[0], 1, "failed", error="boom")
+    d.write()
+    d.restart()
+    assert d.core.phase is Phase.DOWN
+    d.feed(WorldStarted(job_id=JOB, generation=1, layout=LAYOUT, placement=Placement(WORLD)))
+    assert not d.has(WriteRecord) and d.notes("input_rejected")
+    d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
+    d.write()
+    assert d.core.phase is Phase.STABLE and d.kv.record is not None and d.kv.record.generation == 2
+
+
+def test_restore_refuses_a_record_of_another_job() -> None:
+    d = started()
+    assert d.kv.record is not None
+    other = GenerationRecord(
+        job_id="job-2", writer="elsewhere", generation=0, layout=LAYOUT, placement=Placement(WORLD), issued=0
+    )
+    with pytest.raises(CoordinatorError, match="job_id"):
+        Coordinator(JOB, instance_id="solo", config=CONFIG).restore(other, 1, NOW)
+
+
+def test_restore_refuses_a_running_coordinator() -> None:
+    d = started()
+    assert d.kv.record is not None
+    with pytest.raises(CoordinatorError):
+        d.core.restore(d.kv.record, d.kv.revision, d.now)
+
+
+@pytest.mark.parametrize("write_landed", [False, True], ids=["write-lost", "write-landed"])
+@pytest.mark.parametrize("crash_after", range(10))
+def test_restart_at_any_step_ends_each_generation_exactly_once(crash_after: int, write_landed: bool) -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    steps = 0
+    while steps < crash_after and (d.pending or d.core.phase is not Phase.STABLE):
+        if d.has(WriteRecord):
+            d.write()
+        elif d.has(RequestTopology):
+            d.topology()
+        elif d.has(RequestTransfer):
+            d.transfer()
+        elif any(isinstance(a, SendCommand) and isinstance(a.command, Prepare) for a in d.pending):
+            d.ready()
+        elif any(isinstance(a, SendCommand) and isinstance(a.command, Switch) for a in d.pending):
+            d.switched()
+        else:
+            d.pending.clear()
+        steps += 1
+    if write_landed and d.has(WriteRecord):
+        d.kv.cas(d.pop(WriteRecord))
+    d.restart()
+    for dev in WORLD:
+        d.beat(dev)
+    if not any("evt-1" in s.event_ids for s in d.settled()):
+        d.warn("evt-1", "node001")
+    d.run()
+    outcomes = one_outcome_per_generation(d.published())
+    assert [type(outcomes[g]).__name__ for g in sorted(outcomes)][-1] == "GenerationCommitted"
+    assert d.kv.record is not None and d.kv.record.pending is None
+    assert set(d.kv.record.placement.devices) == set(on_node("node000"))
+
+
+# -- liveness through the machine ---------------------------------------------------------------------
+
+
+def test_world_worker_gone_silent_starts_a_handoff_without_it() -> None:
+    d = started()
+    d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
+    for dev in WORLD[:3] + SPARES:
+        d.beat(dev)
+    d.tick()
+    assert d.core.phase is Phase.PREPARE
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[3],)
+
+
+def test_world_worker_restarting_counts_as_lost() -> None:
+    d = started()
+    d.beat(WORLD[1], seq=9)
+    d.beat(WORLD[1], seq=0)
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[1],)
+
+
+def test_idle_spare_lost_changes_nothing() -> None:
+    d = started()
+    d.feed(WorkerLost(worker_id=worker(SPARES[0]), reason="gone"))
+    assert d.core.phase is Phase.STABLE and not d.has(WriteRecord)
+
+
+def test_prepare_waits_for_workers_not_yet_heard_after_a_restart() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    d.restart()
+    d.scale("evt-2", add=SPARES)
+    d.write()
+    d.topology()
+    for dev in on_node("node000"):
+        d.beat(dev)
+    d.transfer()
+    assert d.core.wait is Wait.WORKERS and not d.sent(Prepare, since=len(d.log) - 5)
+    for dev in SPARES:
+        d.hello(dev)
+    assert d.core.wait is Wait.PREPARED
+
+
+def test_next_deadline_tells_the_adapter_when_to_tick() -> None:
+    d = started()
+    handoff_prepared(d, notice_s=60.0)
+    deadline = d.core.next_deadline()
+    assert deadline is not None and deadline <= d.now + timedelta(seconds=60 - CONFIG.margin_s)
+
+
+def test_now_without_a_timezone_is_refused() -> None:
+    core = Coordinator(JOB, instance_id="solo", config=CONFIG)
+    with pytest.raises(CoordinatorError, match="now"):
+        core.handle(Tick(), datetime(2026, 1, 1))
+
+
+@pytest.mark.parametrize("stage", ["topology", "transfer"])
+def test_plan_made_from_a_world_that_is_no_longer_live_aborts(stage: str) -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    d.scale("evt-2", add=SPARES)
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert (request.from_generation, request.generation) == (1, 2)
+    old_world = replace(request, from_generation=0, layout=LAYOUT, placement=Placement(WORLD))
+    planned = plan_topology(old_world)
+    assert isinstance(planned, TopologyPlanned)
+    if stage == "topology":
+        d.feed(planned)
+    else:
+        d.feed(plan_topology(request))
+        d.pop(RequestTransfer)
+        d.feed(plan_transfer(planned))
+    d.write()
+    aborted = d.published(GenerationAborted)[-1]
+    assert aborted.generation == 2 and "planned from generation 0, the live one is 1" in aborted.reason
+    assert not d.sent(Prepare, since=len(d.log) - 20)
+
+
+def test_switch_intent_recorded_after_the_deadline_aborts_without_switching() -> None:
+    d = started()
+    handoff_prepared(d, notice_s=30.0)
+    d.ready()
+    assert d.core.wait is Wait.SWITCH_WRITE
+    d.now += timedelta(seconds=24.0)
+    d.write()
+    assert d.core.phase is Phase.ABORTED and not d.sent(Switch)
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "kept_old_world" and aborted.phase == "ready"
+
+
+def test_losing_the_switch_intent_write_stands_down_without_switching() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.ready()
+    d.rival_writes()
+    d.write()
+    assert d.core.phase is Phase.STANDBY and not d.sent(Switch)
+
+
+def test_losing_the_abort_write_stands_down_without_publishing() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.status(WORLD[0], 1, "failed", error="boom")
+    d.rival_writes()
+    d.write()
+    assert d.core.phase is Phase.STANDBY and not d.published() and not d.sent(Abort)
+
+
+def test_standby_coordinator_ignores_events_until_restored_then_takes_over() -> None:
+    d = started()
+    assert d.kv.record is not None
+    d.feed(RecordObserved(record=replace(d.kv.record, writer="rival"), revision=d.kv.revision + 1))
+    assert d.core.phase is Phase.STANDBY
+    d.warn("evt-1", "node001")
+    assert not d.has(WriteRecord) and d.core.queued == ("evt-1",)
+    d.take_over()
+    assert d.core.phase is Phase.PREPARE and d.core.pending_generation == 1
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+
+
+def test_fresh_coordinator_seeing_a_record_it_did_not_write_stands_down() -> None:
+    d = started()
+    assert d.kv.record is not None
+    fresh = Coordinator(JOB, instance_id="late", config=CONFIG)
+    fresh.handle(RecordObserved(record=d.kv.record, revision=d.kv.revision), d.now)
+    assert fresh.phase is Phase.STANDBY and fresh.record == d.kv.record
+
+
+def test_every_declared_transition_is_reachable() -> None:
+    seen: set[tuple[str, str]] = set()
+
+    def keep(d: Driver) -> None:
+        seen.update(d.phases())
+
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    keep(d)
+    d = started()
+    handoff_prepared(d)
+    d.status(WORLD[0], 1, "failed", error="boom")
+    d.write()
+    keep(d)
+    for lose_at in ("begin", "switch_intent", "commit", "abort"):
+        d = started()
+        d.warn("evt-1", "node001")
+        if lose_at != "begin":
+            d.write()
+            d.topology()
+            d.transfer()
+            if lose_at == "abort":
+                d.status(WORLD[0], 1, "failed", error="boom")
+            else:
+                d.ready()
+                if lose_at == "commit":
+                    d.write()
+                    d.switched()
+        d.rival_writes()
+        d.write()
+        keep(d)
+    d = started()
+    assert d.kv.record is not None
+    d.feed(RecordObserved(record=replace(d.kv.record, writer="rival"), revision=d.kv.revision + 1))
+    keep(d)
+    fresh = Driver(kv=d.kv)
+    fresh.feed(RecordObserved(record=d.kv.record, revision=d.kv.revision))
+    keep(fresh)
+    for restart_in in ("prepare", "switch", "stable", "down"):
+        d = started()
+        if restart_in != "stable":
+            handoff_prepared(d)
+        if restart_in in ("switch", "down"):
+            d.ready()
+            d.write()
+        if restart_in == "down":
+            d.status(WORLD[0], 1, "failed", error="boom")
+            d.write()
+        d.restart()
+        keep(d)
+        d.rival_writes()
+        assert d.kv.record is not None
+        d.feed(RecordObserved(record=d.kv.record, revision=d.kv.revision))
+        d.take_over()
+        keep(d)
+    d = started()
+    switching(d)
+    d.status(WORLD[0], 1, "failed", error="boom")
+    d.write()
+    keep(d)
+    d = started()
+    handoff_prepared(d)
+    d.ready()
+    d.warn("evt-2", "node000")
+    d.write()
+    keep(d)
+    declared = {(a.value, b.value) for a, targets in TRANSITIONS.items() for b in targets}
+    assert declared - seen == set()
+
+
+def test_record_with_a_handoff_in_its_switch_phase_survives_the_codec() -> None:
+    d = started()
+    switching(d)
+    record = d.kv.record
+    assert record is not None and record.pending is not None and record.pending.phase == "switch"
+    assert decode(encode(record), GenerationRecord) == record
+
+
+def test_record_whose_pending_generation_was_never_issued_is_refused_naming_the_field() -> None:
+    d = started()
+    handoff_prepared(d)
+    record = d.kv.record
+    assert record is not None
+    data = encode(record).replace(b'"issued":1', b'"issued":2')
+    with pytest.raises(MessageError) as err:
+        decode(data, GenerationRecord)
+    assert err.value.path == "$.pending.generation"
+
+
+def test_membership_record_follows_the_live_world_for_the_ingester() -> None:
+    d = started()
+    first = [a.record for a in d.log if isinstance(a, WriteMembership)][-1]
+    assert first.generation == 0
+    assert {(w.worker_id, w.device) for w in first.workers} == {(worker(dev), dev) for dev in WORLD}
+    mark = len(d.log)
+    d.beat(WORLD[0])
+    assert not [a for a in d.log[mark:] if isinstance(a, WriteMembership)]
+    d.warn("evt-1", "node001")
+    d.run()
+    last = [a.record for a in d.log if isinstance(a, WriteMembership)][-1]
+    assert last.generation == 1
+    assert {w.device for w in last.workers} == set(on_node("node000"))
+
+
+# -- random event sequences --------------------------------------------------------------------------------
+
+NODES = ("node000", "node001", "node002")
+
+
+class RandomEvents(RuleBasedStateMachine):
+    """Two coordinators on one bucket, fed random interleavings of everything that can happen.
+
+    Whatever the order, no generation is committed twice or both committed and aborted, the record's
+    generations never go back, every generation a coordinator begins is newer than the last, workers
+    hear only of recorded generations, and an abort that kept the old world never followed a switch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = FakeKV()
+        self.drivers = [started(kv=self.kv), Driver(kv=self.kv)]
+        self.drivers[1].restart()
+        self.alive = set(WORLD + SPARES)
+        self.events = 0
+
+    def _broadcast(self, make: Callable[[Driver], Any]) -> None:
+        for d in self.drivers:
+            make(d)
+
+    @rule(node=st.sampled_from(NODES), notice=st.floats(3.0, 200.0))
+    def spot_warning(self, node: str, notice: float) -> None:
+        self.events += 1
+        self._broadcast(lambda d: d.warn(f"evt-{self.events}", node, notice_s=notice))
+
+    @rule()
+    def duplicate_warning(self) -> None:
+        if self.events:
+            self._broadcast(lambda d: d.warn(f"evt-{self.events}", "node001"))
+
+    @rule(size=st.integers(1, 6))
+    def scale_request(self, size: int) -> None:
+        self.events += 1
+        self._broadcast(lambda d: d.scale(f"evt-{self.events}", add=SPARES, target=size))
+
+    @rule(i=st.integers(0, 1), steps=st.integers(1, 10), data=st.data())
+    def progress(self, i: int, steps: int, data: st.DataObject) -> None:
+        """What one coordinator waits for happens, mostly as it should, sometimes with a failure."""
+        for _ in range(steps):
+            if not self.drivers[i].pending:
+                return
+            self._step(self.drivers[i], data)
+
+    def _step(self, d: Driver, data: st.DataObject) -> None:
+        if d.has(WriteRecord):
+            d.write()
+        elif d.has(RequestTopology):
+            if data.draw(st.sampled_from([True] * 5 + [False])):
+                d.topology()
+            else:
+                request = d.pop(RequestTopology).request
+                failed = PlanningFailed(
+                    job_id=JOB,
+                    event_id=request.event_id,
+                    generation=request.generation,
+                    stage="topology",
+                    reason="random failure",
+                )
+                d.feed(failed)
+        elif d.has(RequestTransfer):
+            d.transfer()
+        elif prepares := d.commands(Prepare):
+            failing = data.draw(st.sampled_from([None] * 5 + [c.worker_id for c in prepares]))
+            for cmd in prepares:
+                phase, error = ("failed", "random") if cmd.worker_id == failing else ("ready", None)
+                for other in self.drivers:
+                    other.status(cmd.worker_id or "", cmd.command.generation, phase, error=error)
+        elif switches := d.commands(Switch):
+            generation = switches[-1].command.generation
+            record = self.kv.record
+            if record is None or record.pending is None or record.pending.generation != generation:
+                return
+            workers = [p.worker_id for p in record.pending.participants]
+            silent = data.draw(st.sampled_from([None] * 4 + workers))
+            for w in workers:
+                if w != silent:
+                    self._broadcast(lambda o, w=w: o.status(w, generation, "switched", iteration=7))
+        else:
+            d.pending.clear()
+
+    @rule(i=st.integers(0, 1))
+    def write_outcome_unknown(self, i: int) -> None:
+        d = self.drivers[i]
+        if d.has(WriteRecord):
+            write = d.pop(WriteRecord)
+            self.kv.cas(write)
+            d.feed(RecordWriteFailed(error="timeout"))
+
+    @rule(
+        device=st.sampled_from(WORLD + SPARES),
+        generation=st.integers(0, 4),
+        phase=st.sampled_from(["ready"] * 3 + ["switched"] * 3 + ["failed"]),
+    )
+    def stray_ack(self, device: Device, generation: int, phase: str) -> None:
+        error = "stray" if phase == "failed" else None
+        self._broadcast(lambda d: d.status(device, generation, phase, error=error))
+
+    @rule(device=st.sampled_from(WORLD + SPARES))
+    def worker_lost(self, device: Device) -> None:
+        self.alive.discard(device)
+        self._broadcast(lambda d: d.feed(WorkerLost(worker_id=worker(device), reason="random")))
+
+    @rule(seconds=st.floats(0.0, 20.0))
+    def time_passes(self, seconds: float) -> None:
+        for d in self.drivers:
+            d.now += timedelta(seconds=seconds)
+            for device in sorted(self.alive):
+                d.beat(device)
+            d.tick()
+
+    @precondition(lambda self: self.kv.record is not None)
+    @rule(i=st.integers(0, 1), crash=st.sampled_from([False] * 3 + [True]))
+    def crash_and_restore(self, i: int, crash: bool) -> None:
+        if crash:
+            self.drivers[i].restart()
+
+    @precondition(lambda self: self.kv.record is not None and not self.kv.record.live)
+    @rule()
+    def restarted_from_checkpoint(self) -> None:
+        record = self.kv.record
+        assert record is not None
+        world = WorldStarted(
+            job_id=JOB, generation=record.issued + 1, layout=LAYOUT, placement=Placement(WORLD)
+        )
+        self._broadcast(lambda d: d.feed(world))
+
+    @invariant()
+    def one_outcome_per_generation(self) -> None:
+        one_outcome_per_generation([m for d in self.drivers for m in d.published()])
+
+    @invariant()
+    def generations_only_move_forward(self) -> None:
+        generations = [r.generation for r in self.kv.history]
+        issued = [r.issued for r in self.kv.history]
+        assert generations == sorted(generations) and issued == sorted(issued)
+        begun = [
+            r.pending.generation
+            for r in self.kv.history
+            if r.pending is not None and r.pending.phase == "prepare"
+        ]
+        assert begun == sorted(set(begun)), f"a generation id was begun twice or out of order: {begun}"
+
+    @invariant()
+    def commands_follow_the_record(self) -> None:
+        """Workers hear of a generation only once the record holds it, and of its switch only once the
+        switch intent is recorded."""
+        pending = {(r.pending.generation, r.pending.phase) for r in self.kv.history if r.pending is not None}
+        for d in self.drivers:
+            for cmd in d.sent(Prepare):
+                assert (cmd.command.generation, "prepare") in pending
+            for cmd in d.sent(Switch):
+                assert (cmd.command.generation, "switch") in pending
+
+    @invariant()
+    def kept_old_world_means_no_switch_was_sent(self) -> None:
+        switched = {c.command.generation for d in self.drivers for c in d.sent(Switch)}
+        for d in self.drivers:
+            for aborted in d.published(GenerationAborted):
+                assert aborted.outcome == "checkpoint_fallback" or aborted.generation not in switched
+
+    @invariant()
+    def committed_generations_are_recorded(self) -> None:
+        for message in (m for d in self.drivers for m in d.published(GenerationCommitted)):
+            assert any(r.generation == message.generation for r in self.kv.history)
+
+
+RandomEvents.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_random_event_sequences_keep_generations_unique_and_monotonic = RandomEvents.TestCase

@@ -1,0 +1,378 @@
+"""The service runtime: credentials, declarations, discovery, consuming without crashing, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+import structlog
+import structlog.testing
+from bus_helpers import Collector, client, eventually, put_membership, running
+from nats.aio.msg import Msg
+
+from liver.cli import serve_cmd
+from liver.services import bus as b
+from liver.services.ingester.service import Ingester
+from liver.services.runtime import (
+    CREDS_ENV,
+    PASSWORD_ENV,
+    TOKEN_ENV,
+    USER_ENV,
+    PullConsumer,
+    RuntimeConfigError,
+    connect_options,
+    hosted,
+    micro_name,
+    status_subject,
+)
+from liver.shared import subjects as s
+from liver.shared.codec import encode
+from liver.shared.layout import Device
+from liver.shared.logs import configure_logging
+from liver.shared.messages import SpotWarning
+from liver.shared.nats_server import URL_ENV, NatsServer
+
+URL = "nats://127.0.0.1:4222"
+
+
+# -- credentials --------------------------------------------------------------------------------------
+
+
+def test_without_credentials_the_client_connects_anonymously() -> None:
+    options = connect_options(URL, {}, name="liver-x")
+    assert options["servers"] == [URL]
+    assert not {"user", "password", "token", "user_credentials"} & set(options)
+
+
+def test_a_comma_separated_url_lists_several_servers() -> None:
+    options = connect_options("nats://a:4222, nats://b:4222", {}, name="liver-x")
+    assert options["servers"] == ["nats://a:4222", "nats://b:4222"]
+
+
+def test_user_and_password_come_from_the_environment() -> None:
+    options = connect_options(URL, {USER_ENV: "ingester", PASSWORD_ENV: "secret"}, name="liver-x")
+    assert (options["user"], options["password"]) == ("ingester", "secret")
+
+
+def test_a_token_comes_from_the_environment() -> None:
+    assert connect_options(URL, {TOKEN_ENV: "t0k3n"}, name="liver-x")["token"] == "t0k3n"
+
+
+def test_a_creds_file_comes_from_the_environment(tmp_path: Path) -> None:
+    creds = tmp_path / "svc.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    assert connect_options(URL, {CREDS_ENV: str(creds)}, name="liver-x")["user_credentials"] == str(creds)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({USER_ENV: "ingester"}, PASSWORD_ENV),
+        ({PASSWORD_ENV: "secret"}, USER_ENV),
+        ({USER_ENV: "ingester", PASSWORD_ENV: "secret", TOKEN_ENV: "t"}, TOKEN_ENV),
+        ({CREDS_ENV: "/nonexistent/svc.creds"}, CREDS_ENV),
+    ],
+    ids=["user-without-password", "password-without-user", "two-methods", "missing-creds-file"],
+)
+def test_inconsistent_credentials_are_refused_naming_the_variable(env: Mapping[str, str], named: str) -> None:
+    with pytest.raises(RuntimeConfigError, match=f"^{named}:"):
+        connect_options(URL, env, name="liver-x")
+
+
+def test_a_url_without_a_scheme_is_refused() -> None:
+    with pytest.raises(RuntimeConfigError, match=URL_ENV):
+        connect_options("127.0.0.1:4222", {}, name="liver-x")
+
+
+@pytest.fixture
+def server() -> Iterator[NatsServer]:
+    with NatsServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def password_server(tmp_path: Path) -> Iterator[NatsServer]:
+    config = tmp_path / "auth.conf"
+    config.write_text('authorization { user: "svc", password: "right" }\n')
+    with NatsServer(config_file=config) as srv:
+        yield srv
+
+
+async def test_a_service_connects_with_the_password_in_its_environment(password_server: NatsServer) -> None:
+    env = {USER_ENV: "svc", PASSWORD_ENV: "right"}
+    async with hosted(Ingester(), password_server.url, env) as h:
+        assert h.bus.nc.is_connected
+
+
+async def test_a_wrong_password_fails_to_connect(password_server: NatsServer) -> None:
+    async def quiet(_: Exception) -> None:
+        return None
+
+    options = connect_options(password_server.url, {USER_ENV: "svc", PASSWORD_ENV: "wrong"}, name="liver-x")
+    options["max_reconnect_attempts"] = 0
+    options["allow_reconnect"] = False
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(**options, error_cb=quiet)
+
+
+# -- declarations -------------------------------------------------------------------------------------
+
+
+async def test_declaring_every_stream_twice_changes_nothing(server: NatsServer) -> None:
+    async with client(server.url) as (_, js):
+        await b.ensure_streams(js)
+        before = {spec.name: (await js.stream_info(spec.name)).config for spec in s.STREAMS}
+        with structlog.testing.capture_logs() as logged:
+            await b.ensure_streams(js)
+        after = {spec.name: (await js.stream_info(spec.name)).config for spec in s.STREAMS}
+    assert [e for e in logged if e["event"] == "stream_updated"] == []
+    assert before == after
+
+
+async def test_a_stream_declared_with_an_outdated_config_is_brought_up_to_date(server: NatsServer) -> None:
+    async with client(server.url) as (_, js):
+        await js.add_stream(name=s.STREAM_INGEST.name, subjects=[s.SPOT_WARNING])
+        await b.ensure_stream(js, s.STREAM_INGEST)
+        config = (await js.stream_info(s.STREAM_INGEST.name)).config
+    assert sorted(config.subjects or ()) == sorted(s.STREAM_INGEST.subjects)
+    assert config.max_age == b.STREAM_LIMITS[s.STREAM_INGEST.name]
+
+
+# -- discovery ----------------------------------------------------------------------------------------
+
+
+async def test_a_running_service_answers_discovery_ping_info_and_stats(server: NatsServer) -> None:
+    ingester = Ingester()
+    async with running(ingester, server.url) as h, client(server.url) as (nc, _):
+        name = micro_name("ingester")
+        ping = json.loads((await nc.request(f"$SRV.PING.{name}", b"", timeout=2)).data)
+        assert (ping["name"], ping["id"]) == (name, h.micro.id)
+        info = json.loads((await nc.request(f"$SRV.INFO.{name}", b"", timeout=2)).data)
+        assert info["metadata"] == {"service": "ingester"}
+        stats = json.loads((await nc.request(f"$SRV.STATS.{name}", b"", timeout=2)).data)
+        (endpoint,) = stats["endpoints"]
+        assert endpoint["data"] == ingester.stats()
+        status = json.loads((await nc.request(status_subject("ingester"), b"", timeout=2)).data)
+        assert status == ingester.stats()
+
+
+async def test_a_stopped_service_no_longer_answers_ping(server: NatsServer) -> None:
+    async with running(Ingester(), server.url):
+        pass
+    async with client(server.url) as (nc, _):
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request(f"$SRV.PING.{micro_name('ingester')}", b"", timeout=1)
+
+
+# -- consuming ----------------------------------------------------------------------------------------
+
+
+class Flaky:
+    """A handler that raises on the first delivery of any message whose payload is ``boom``."""
+
+    def __init__(self) -> None:
+        self.handled: list[tuple[bytes, int]] = []
+
+    async def __call__(self, msg: Msg) -> None:
+        self.handled.append((msg.data, msg.metadata.num_delivered))
+        if msg.data == b"boom" and msg.metadata.num_delivered == 1:
+            raise RuntimeError("handler bug")
+        await msg.ack()
+
+
+async def test_a_handler_that_raises_neither_stops_the_consumer_nor_loses_the_message(
+    server: NatsServer,
+) -> None:
+    async with client(server.url) as (_, js):
+        await b.ensure_stream(js, s.STREAM_INGEST)
+        handler = Flaky()
+        config = b.pull_consumer_config("flaky", None, ack_wait_s=5, max_deliver=3, description="test")
+        consumer = PullConsumer(
+            js, stream=s.STREAM_INGEST.name, config=config, handler=handler, retry_delay_s=0.1
+        )
+        await consumer.start()
+        try:
+            boom = (await js.publish(s.SPOT_WARNING, b"boom")).seq
+            await js.publish(s.SPOT_WARNING, b"fine")
+
+            async def retried() -> bool:
+                return (b"boom", 2) in handler.handled
+
+            await eventually(retried, what="the failed message is delivered again")
+            assert (b"fine", 1) in handler.handled
+            assert consumer.failed == 1
+            assert consumer.last_error(boom) is None  # cleared by the successful retry
+        finally:
+            await consumer.stop()
+
+
+async def test_log_lines_carry_the_ids_of_the_message_being_handled_and_only_that_one(
+    server: NatsServer,
+) -> None:
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    configure_logging(json_output=True, stream=out)
+    try:
+        async with running(Ingester(), server.url), client(server.url) as (nc, js):
+            await put_membership(js, "job-7", (Device("n1", 0), Device("n2", 0)), generation=3)
+            resized = await Collector.on(nc, s.RESIZE_REQUESTED_ANY)
+            errors = await Collector.on(nc, s.errors("ingester"))
+            good = SpotWarning(job_id="job-7", event_id="evt-7", node="n1", provider="aws", notice_s=60.0)
+            good_seq = (await js.publish(s.SPOT_WARNING, encode(good))).seq
+            await resized.wait_for(1)
+            bad = {
+                "schema_version": 1,
+                "job_id": "job-8",
+                "event_id": "evt-8",
+                "node": "n1",
+                "provider": "aws",
+            }
+            bad_seq = (await js.publish(s.SPOT_WARNING, json.dumps(bad).encode())).seq
+            await errors.wait_for(1)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        structlog.reset_defaults()
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    (resize,) = [line for line in lines if line["event"] == "resize_requested"]
+    assert (resize["job_id"], resize["event_id"], resize["generation"]) == ("job-7", "evt-7", 3)
+    assert (resize["stream_sequence"], resize["subject"]) == (good_seq, s.SPOT_WARNING)
+    (rejected,) = [line for line in lines if line["event"] == "message_rejected"]
+    assert (rejected["job_id"], rejected["event_id"]) == ("job-8", "evt-8")
+    assert rejected["stream_sequence"] == bad_seq
+    assert rejected["field"] == "$.notice_s"
+    assert "generation" not in rejected  # nothing of the previous message leaked into this one
+    (started,) = [line for line in lines if line["event"] == "service_started"]
+    assert "job_id" not in started
+
+
+# -- the process --------------------------------------------------------------------------------------
+
+
+def _pid_gone(pid: int) -> bool:
+    """Exited, or a zombie that a container's init may never reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+class LogReader:
+    """The JSON log lines a subprocess writes to stderr, read on a thread so nothing blocks."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.lines: queue.Queue[dict[str, object]] = queue.Queue()
+        self.seen: list[dict[str, object]] = []
+        assert proc.stderr is not None
+        self._thread = threading.Thread(target=self._read, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: io.BufferedReader) -> None:
+        for raw in stream:
+            try:
+                self.lines.put(json.loads(raw))
+            except ValueError:
+                self.lines.put({"event": "unparsed", "text": raw.decode(errors="replace")})
+
+    def wait_for(self, event: str, timeout_s: float = 20.0) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if line.get("event") == event:
+                return line
+        raise AssertionError(f"no {event!r} log line; saw {self.seen[-10:]}")
+
+
+def test_liver_serve_drains_on_sigterm_exits_0_and_leaves_no_server_behind() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (URL_ENV, USER_ENV, PASSWORD_ENV, TOKEN_ENV)}
+    env["LIVER_LOG_FORMAT"] = "json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "liver.cli.serve_cmd", "ingester"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        logs = LogReader(proc)
+        embedded = logs.wait_for("nats_server_started")
+        logs.wait_for("service_started")
+        url, server_pid = str(embedded["url"]), int(embedded["pid"])  # type: ignore[call-overload]
+
+        async def ping() -> dict[str, object]:
+            async with client(url) as (nc, _):
+                return json.loads(
+                    (await nc.request(f"$SRV.PING.{micro_name('ingester')}", b"", timeout=5)).data
+                )
+
+        assert asyncio.run(ping())["name"] == "liver-ingester"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        logs.wait_for("service_stopped")
+        logs.wait_for("nats_server_stopped")
+        deadline = time.monotonic() + 10
+        while not _pid_gone(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pid_gone(server_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serving_a_service_that_is_not_built_yet_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(serve_cmd.SERVICES, "coordinator", "liver.services.coordinator.not_there")  # type: ignore[index]
+    monkeypatch.delenv(URL_ENV, raising=False)
+    assert serve_cmd.main(["coordinator"]) == 2
+    assert "the coordinator service is not part of this build yet" in capsys.readouterr().err
+
+
+def test_the_budget_option_is_refused_for_services_other_than_transfer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert serve_cmd.main(["ingester", "--budget-bytes", "1024"]) == 2
+    assert "--budget-bytes applies to the transfer service only" in capsys.readouterr().err
+
+
+def test_liver_serve_waiting_for_an_unreachable_server_exits_0_on_sigterm() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (USER_ENV, PASSWORD_ENV, TOKEN_ENV)}
+    env.update({"LIVER_LOG_FORMAT": "json", URL_ENV: "nats://127.0.0.1:1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "liver.cli.serve_cmd", "ingester"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        logs = LogReader(proc)
+        logs.wait_for("nats_error")  # refused, and retrying
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        logs.wait_for("signal_received_while_starting")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
