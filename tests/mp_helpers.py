@@ -26,7 +26,15 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-PRELOAD = ["torch", "torch.distributed", "liver.worker_runtime.executor", "liver.services.transfer.planner"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "liver.worker_runtime.executor",
+    "liver.services.transfer.planner",
+    # Megatron-core takes 7-25 s to import here; pay it once in the fork server, not per child.
+    "megatron.core",
+    "liver.worker_runtime.megatron_train",
+]
 
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
