@@ -25,6 +25,14 @@ def _bench_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=plan_bench.run)
 
 
+def _bench_stream(sub: argparse._SubParsersAction) -> None:
+    from liver.bench import stream_bench
+
+    p = sub.add_parser("stream", help="layer-streaming executor vs raw send/recv, and shadow-world overhead")
+    stream_bench.add_arguments(p)
+    p.set_defaults(func=stream_bench.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liver", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a baseline run alongside)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _bench_plan(bench_sub)
+    _bench_stream(bench_sub)
     return parser
 
 
