@@ -30,8 +30,11 @@ def test_public_subjects_are_the_documented_names() -> None:
 def test_internal_subjects_live_under_liver_and_end_with_the_job() -> None:
     for build in (
         s.resize_requested,
+        s.topology_request,
         s.topology_planned,
         s.transfer_planned,
+        s.planning_failed,
+        s.world_started,
         s.worker_hello,
         s.worker_heartbeat,
         s.worker_status,
@@ -69,8 +72,11 @@ def test_every_subject_is_captured_by_exactly_one_stream_except_worker_traffic()
         s.GENERATION_COMMITTED,
         s.GENERATION_ABORTED,
         s.resize_requested("j"),
+        s.topology_request("j"),
         s.topology_planned("j"),
         s.transfer_planned("j"),
+        s.planning_failed("j"),
+        s.world_started("j"),
         s.errors("ingester"),
         s.dead_letters("ingester"),
     ]

@@ -60,6 +60,7 @@ TriggerKind = Literal["spot_warning", "scale_request"]
 WorkerPhase = Literal["preparing", "ready", "switched", "aborted", "failed"]
 HandoffPhase = Literal["prepare", "ready", "switch"]
 AbortOutcome = Literal["kept_old_world", "checkpoint_fallback"]
+PlanningStage = Literal["topology", "transfer"]
 
 
 def _invalid(field: str, reason: str) -> ValueError:
@@ -192,9 +193,10 @@ class ResizeRequested(Message, kw_only=True, tag="resize_requested"):
     """A validated, de-duplicated resize of one job, resolved to devices.
 
     Published on ``liver.resize.requested.<job>`` by the ingester (after mapping nodes to the job's
-    workers through the coordinator's membership); consumed by the topology planner and the
-    coordinator (which queues it while a handoff runs). ``keep`` are the current world's devices that
-    stay, ``remove`` those that go, ``add`` new ones; with ``target_devices`` the planner chooses.
+    workers through the coordinator's membership); consumed by the coordinator only, which queues or
+    merges it with other triggers and then asks the topology planner with a :class:`TopologyRequest`.
+    ``keep`` are the current world's devices that stay, ``remove`` those that go, ``add`` new ones;
+    with ``target_devices`` the planner chooses.
     """
 
     job_id: JobId
@@ -219,6 +221,56 @@ class ResizeRequested(Message, kw_only=True, tag="resize_requested"):
                 if device in owner:
                     raise _invalid(f"{field}[{i}]", f"device {device} is also in {owner[device]}")
                 owner[device] = field
+
+
+class TopologyRequest(Message, kw_only=True, tag="topology_request"):
+    """Choose the target world of ``generation`` from the live world, given what leaves and what joins.
+
+    Published on ``liver.topology.request.<job>`` by the coordinator; consumed by the topology planner,
+    which answers with :class:`TopologyPlanned` or :class:`PlanningFailed`. The coordinator asks (not
+    the ingester) because only it knows the world a queued request will apply to and which generation
+    id it gets; several triggers may be merged into one request (``event_ids``; ``event_id`` is the
+    first, the one every answer quotes). ``remove`` devices leave but are still alive (they can be
+    sources); ``lost`` ones are already gone (no state can come from them); ``add`` devices are
+    offered. ``target_devices`` asks for a size.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    event_ids: Annotated[tuple[EventId, ...], Meta(min_length=1)]
+    from_generation: Generation
+    generation: Generation
+    layout: ParallelLayout
+    placement: Placement
+    remove: tuple[Device, ...] = ()
+    lost: tuple[Device, ...] = ()
+    add: tuple[Device, ...] = ()
+    target_devices: Count | None = None
+    deadline: Timestamp
+    device_memory_bytes: Count | None = None
+    """The smallest device memory the workers of the offered devices reported in their ``Hello``;
+    ``None`` when none did, and the planner's hardware profile decides."""
+
+    def _validate(self) -> None:
+        if self.generation <= self.from_generation:
+            raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
+        if self.event_id not in self.event_ids:
+            raise _invalid("event_ids", f"must include event_id {self.event_id!r}")
+        _check_world(self.layout, self.placement, "placement")
+        world = set(self.placement.devices)
+        for field in ("remove", "lost"):
+            devices = getattr(self, field)
+            _check_devices(devices, field)
+            for i, device in enumerate(devices):
+                if device not in world:
+                    raise _invalid(f"{field}[{i}]", f"device {device} is not in the live world")
+        _check_devices(self.add, "add")
+        for i, device in enumerate(self.add):
+            if device in world:
+                raise _invalid(f"add[{i}]", f"device {device} is already in the live world")
+        for i, device in enumerate(self.lost):
+            if device in self.remove:
+                raise _invalid(f"lost[{i}]", f"device {device} is also in remove")
 
 
 class Candidate(Part):
@@ -315,6 +367,38 @@ class TransferPlanned(Message, kw_only=True, tag="transfer_planned"):
         if self.generation <= self.from_generation:
             raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
         _check_devices(tuple(w.device for w in self.workers), "workers")
+
+
+class PlanningFailed(Message, kw_only=True, tag="planning_failed"):
+    """A planner could not produce a target (no layout fits) or a plan (some state has no source).
+
+    Published on ``liver.planning.failed.<job>`` by the topology or transfer planner; consumed by the
+    coordinator, which aborts the handoff: with the old world intact it keeps training there, with
+    ranks already lost it falls back to the checkpoint.
+    """
+
+    job_id: JobId
+    event_id: EventId
+    generation: Generation
+    stage: PlanningStage
+    reason: Reason
+
+
+class WorldStarted(Message, kw_only=True, tag="world_started"):
+    """A world started outside the live path: the job's first one, or a restart from a checkpoint.
+
+    Published on ``liver.world.started.<job>`` by whatever launched it; consumed by the coordinator,
+    which records it as the live generation. After a checkpoint fallback its generation must be newer
+    than every id issued so far (the aborted generation plus one is).
+    """
+
+    job_id: JobId
+    generation: Generation
+    layout: ParallelLayout
+    placement: Placement
+
+    def _validate(self) -> None:
+        _check_world(self.layout, self.placement, "placement")
 
 
 # -- internal: workers ------------------------------------------------------------------------------
@@ -566,8 +650,11 @@ BusMessage = (
     SpotWarning
     | ScaleRequest
     | ResizeRequested
+    | TopologyRequest
     | TopologyPlanned
     | TransferPlanned
+    | PlanningFailed
+    | WorldStarted
     | Hello
     | Heartbeat
     | Prepare

@@ -66,8 +66,11 @@ PUBLIC_SUBJECTS: Final = (SPOT_WARNING, SCALE_REQUEST, GENERATION_COMMITTED, GEN
 PREFIX: Final = "liver"
 
 RESIZE_REQUESTED_ANY: Final = "liver.resize.requested.*"
+TOPOLOGY_REQUEST_ANY: Final = "liver.topology.request.*"
 TOPOLOGY_PLANNED_ANY: Final = "liver.topology.planned.*"
 TRANSFER_PLANNED_ANY: Final = "liver.transfer.planned.*"
+PLANNING_FAILED_ANY: Final = "liver.planning.failed.*"
+WORLD_STARTED_ANY: Final = "liver.world.started.*"
 WORKER_HELLO_ANY: Final = "liver.worker.hello.*"
 WORKER_HEARTBEAT_ANY: Final = "liver.worker.heartbeat.*"
 WORKER_STATUS_ANY: Final = "liver.worker.status.*"
@@ -76,8 +79,13 @@ DEAD_LETTERS_ANY: Final = "liver.dlq.*"
 
 
 def resize_requested(job_id: str) -> str:
-    """Ingester -> topology planner and coordinator: a validated, de-duplicated resize of one job."""
+    """Ingester -> coordinator: a validated, de-duplicated resize of one job."""
     return f"liver.resize.requested.{validate_token(job_id, 'job_id')}"
+
+
+def topology_request(job_id: str) -> str:
+    """Coordinator -> topology planner: choose the target world of the next generation."""
+    return f"liver.topology.request.{validate_token(job_id, 'job_id')}"
 
 
 def topology_planned(job_id: str) -> str:
@@ -88,6 +96,16 @@ def topology_planned(job_id: str) -> str:
 def transfer_planned(job_id: str) -> str:
     """Transfer planner -> coordinator: the verified plan is in the object store."""
     return f"liver.transfer.planned.{validate_token(job_id, 'job_id')}"
+
+
+def planning_failed(job_id: str) -> str:
+    """Topology or transfer planner -> coordinator: no target or no plan for the requested generation."""
+    return f"liver.planning.failed.{validate_token(job_id, 'job_id')}"
+
+
+def world_started(job_id: str) -> str:
+    """Launcher -> coordinator: a world started off the live path (the first one, or from a checkpoint)."""
+    return f"liver.world.started.{validate_token(job_id, 'job_id')}"
 
 
 def worker_hello(job_id: str) -> str:
@@ -172,8 +190,16 @@ STREAM_INGEST: Final = StreamSpec(
 )
 STREAM_CONTROL: Final = StreamSpec(
     name="LIVER_CONTROL",
-    subjects=(RESIZE_REQUESTED_ANY, TOPOLOGY_PLANNED_ANY, TRANSFER_PLANNED_ANY),
-    description="Resize requests and plans between the control-plane services.",
+    subjects=(
+        RESIZE_REQUESTED_ANY,
+        TOPOLOGY_REQUEST_ANY,
+        TOPOLOGY_PLANNED_ANY,
+        TRANSFER_PLANNED_ANY,
+        PLANNING_FAILED_ANY,
+        WORLD_STARTED_ANY,
+    ),
+    description="Resize requests, topology requests, plans and started worlds between the control-plane "
+    "services.",
 )
 STREAM_GENERATIONS: Final = StreamSpec(
     name="LIVER_GENERATIONS",
@@ -212,6 +238,14 @@ def plan_object_name(job_id: str, generation: int, part: str = "plan") -> str:
     if generation < 0:
         raise SubjectError(f"generation must be >= 0, got {generation}")
     return f"{validate_token(job_id, 'job_id')}/{generation}/{validate_token(part, 'part')}"
+
+
+def topology_request_msg_id(job_id: str, generation: int) -> str:
+    """``Nats-Msg-Id`` of the coordinator's request for generation ``generation``'s topology: each
+    generation is requested once (a re-plan gets a new generation), so a retry is dropped."""
+    if generation < 0:
+        raise SubjectError(f"generation must be >= 0, got {generation}")
+    return f"{validate_token(job_id, 'job_id')}-topology-{generation}"
 
 
 def generation_msg_id(job_id: str, generation: int) -> str:

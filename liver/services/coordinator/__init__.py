@@ -5,6 +5,8 @@ actions (commands, publishes, compare-and-set writes, notes); it reads no clock 
 every path through it is a unit test.
 """
 
+from liver.shared.messages import PlanningFailed, TopologyRequest, WorldStarted
+
 from .actions import (
     Action,
     Note,
@@ -14,21 +16,18 @@ from .actions import (
     RequestTransfer,
     SendCommand,
     Settle,
-    TopologyRequest,
     WriteMembership,
     WriteRecord,
 )
 from .config import CoordinatorConfig
 from .events import (
     Event,
-    PlanningFailed,
     RecordConflict,
     RecordObserved,
     RecordWriteFailed,
     RecordWritten,
     Tick,
     WorkerLost,
-    WorldStarted,
 )
 from .machine import TRANSITIONS, Coordinator, CoordinatorError, IllegalTransition, Phase, Wait
 from .membership import Change, Expired, Member, Membership, MembershipError

@@ -11,47 +11,19 @@ from typing import Any, Literal
 
 import msgspec
 
-from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import (
     Abort,
-    Count,
-    EventId,
     Generation,
     GenerationAborted,
     GenerationCommitted,
-    JobId,
     JobMembership,
-    Message,
     Prepare,
     Switch,
-    Timestamp,
     TopologyPlanned,
+    TopologyRequest,
 )
 
 from .record import GenerationRecord
-
-
-class TopologyRequest(Message, kw_only=True, tag="topology_request"):
-    """Choose the target world of ``generation`` from the live world, given what leaves and what joins.
-
-    The coordinator sends it (not the ingester) because only the coordinator knows the world a queued
-    request will apply to and which generation id it gets; several triggers may be merged into one.
-    ``remove`` devices leave but are still alive (they can be sources); ``lost`` ones are already gone
-    (no state can come from them); ``add`` devices are offered. ``target_devices`` asks for a size.
-    """
-
-    job_id: JobId
-    event_id: EventId
-    event_ids: tuple[EventId, ...]
-    from_generation: Generation
-    generation: Generation
-    layout: ParallelLayout
-    placement: Placement
-    remove: tuple[Device, ...] = ()
-    lost: tuple[Device, ...] = ()
-    add: tuple[Device, ...] = ()
-    target_devices: Count | None = None
-    deadline: Timestamp
 
 
 class Action(msgspec.Struct, frozen=True, kw_only=True):

@@ -290,6 +290,14 @@ class Coordinator:
         return tuple(t.event_id for t in self._queue)
 
     @property
+    def open_events(self) -> frozenset[str]:
+        """Ids of the bus events this coordinator will still settle: the pending handoff's triggers
+        and the queued ones. The adapter holds their stream messages unacknowledged until a
+        :class:`Settle` names them, and acknowledges a redelivered event that is not among them."""
+        triggers = self._queue + (self._handoff.triggers if self._handoff is not None else [])
+        return frozenset(t.event_id for t in triggers if t.kind != "worker_lost")
+
+    @property
     def history(self) -> tuple[tuple[Phase, Phase, str], ...]:
         """The latest phase changes: (from, to, why)."""
         return tuple(self._history)
