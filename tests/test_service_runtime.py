@@ -27,20 +27,17 @@ from nats.aio.msg import Msg
 from liver.cli import serve_cmd
 from liver.services import bus as b
 from liver.services.ingester.service import Ingester
-from liver.services.runtime import (
+from liver.services.runtime import PullConsumer, hosted, micro_name, status_subject
+from liver.shared import subjects as s
+from liver.shared.codec import encode
+from liver.shared.connection import (
     CREDS_ENV,
     PASSWORD_ENV,
     TOKEN_ENV,
     USER_ENV,
-    PullConsumer,
-    RuntimeConfigError,
     connect_options,
-    hosted,
-    micro_name,
-    status_subject,
 )
-from liver.shared import subjects as s
-from liver.shared.codec import encode
+from liver.shared.connection import ConnectionConfigError as RuntimeConfigError
 from liver.shared.layout import Device
 from liver.shared.logs import configure_logging
 from liver.shared.messages import SpotWarning

@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from liver.cli import plan_cmd, serve_cmd
+from liver.cli import plan_cmd, serve_cmd, workers_cmd
 from liver.sim import cli as sim_cli
 
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
+    workers_cmd.add_parser(sub)
     sim_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (each prints ratios against a baseline run alongside)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

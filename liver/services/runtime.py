@@ -21,8 +21,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import msgspec
 import nats
@@ -36,26 +35,17 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointStats
 from nats.micro.service import Service as MicroService
 
+from liver.services import bus as b
 from liver.services.bus import ensure_consumer
+from liver.shared.connection import connect_options
 from liver.shared.logs import bind_message
-from liver.shared.nats_server import URL_ENV, nats_url
+from liver.shared.nats_server import nats_url
 from liver.shared.subjects import validate_token
 
 log = structlog.get_logger(__name__)
 
-USER_ENV: Final = "NATS_USER"
-PASSWORD_ENV: Final = "NATS_PASSWORD"
-TOKEN_ENV: Final = "NATS_TOKEN"
-CREDS_ENV: Final = "NATS_CREDS"
-"""Path of a ``.creds`` file (a user JWT and its nkey seed)."""
 
 SERVICE_VERSION: Final = "0.1.0"
-DRAIN_TIMEOUT_S: Final = 10.0
-"""How long a drain may take on shutdown; a container's stop grace period is usually 10-30 s."""
-
-
-class RuntimeConfigError(ValueError):
-    """A bad setting in the environment; the message names the variable."""
 
 
 @dataclass(frozen=True)
@@ -85,48 +75,6 @@ class Service(Protocol):
 
 
 # -- connection ---------------------------------------------------------------------------------------
-
-
-def connect_options(url: str, environ: Mapping[str, str] | None = None, *, name: str) -> dict[str, Any]:
-    """Keyword arguments for ``nats.connect``: servers, credentials from the environment, reconnects.
-
-    One way of authenticating at a time: user and password together, a token, or a creds file.
-    """
-    env = os.environ if environ is None else environ
-    servers = [u.strip() for u in url.split(",") if u.strip()]
-    if not servers:
-        raise RuntimeConfigError(f"{URL_ENV}: no server URL in {url!r}")
-    for server in servers:
-        if "://" not in server:
-            raise RuntimeConfigError(f"{URL_ENV}: {server!r} is not a URL such as nats://host:4222")
-    user, password = env.get(USER_ENV, ""), env.get(PASSWORD_ENV, "")
-    token, creds = env.get(TOKEN_ENV, ""), env.get(CREDS_ENV, "")
-    if bool(user) != bool(password):
-        missing = PASSWORD_ENV if user else USER_ENV
-        raise RuntimeConfigError(f"{missing}: {USER_ENV} and {PASSWORD_ENV} are given together")
-    chosen = [v for v, given in ((USER_ENV, user), (TOKEN_ENV, token), (CREDS_ENV, creds)) if given]
-    if len(chosen) > 1:
-        raise RuntimeConfigError(
-            f"{chosen[1]}: give one of {USER_ENV}/{PASSWORD_ENV}, {TOKEN_ENV}, {CREDS_ENV}"
-        )
-    options: dict[str, Any] = {
-        "servers": servers,
-        "name": name,
-        "connect_timeout": 5,
-        "allow_reconnect": True,
-        "max_reconnect_attempts": -1,
-        "reconnect_time_wait": 1,
-        "drain_timeout": DRAIN_TIMEOUT_S,
-    }
-    if user:
-        options["user"], options["password"] = user, password
-    if token:
-        options["token"] = token
-    if creds:
-        if not Path(creds).is_file():
-            raise RuntimeConfigError(f"{CREDS_ENV}: {creds} is not a readable file")
-        options["user_credentials"] = creds
-    return options
 
 
 async def connect(url: str, environ: Mapping[str, str] | None = None, *, name: str) -> Client:
@@ -266,6 +214,48 @@ class PullConsumer:
                 return
             self.handled += 1
             self._errors.pop(seq, None)
+
+
+class DeadLetteringConsumer:
+    """A durable :class:`PullConsumer` together with the watch that copies a message which ran out of
+    deliveries to the dead letters (with the consumer's last error), so no service can forget one half.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        source: str,
+        stream: str,
+        config: api.ConsumerConfig,
+        handler: Handler,
+        batch: int,
+        retry_delay_s: float,
+    ) -> None:
+        self.consumer = PullConsumer(
+            bus.js, stream=stream, config=config, handler=handler, batch=batch, retry_delay_s=retry_delay_s
+        )
+        self.watch = b.MaxDeliveriesWatch(
+            bus.nc,
+            bus.js,
+            source=source,
+            stream=stream,
+            consumer=config.durable_name,
+            last_error=self.consumer.last_error,
+        )
+
+    async def start(self, consume: bool = True) -> None:
+        """Start the watch, and the consumer unless ``consume`` is false (a standby starts it later)."""
+        await self.watch.start()
+        if consume:
+            await self.consumer.start()
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+        await self.watch.stop()
+
+    def stats(self) -> dict[str, int]:
+        return {"failed_attempts": self.consumer.failed, "dead_lettered": self.watch.copied}
 
 
 @contextlib.asynccontextmanager

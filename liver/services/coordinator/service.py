@@ -50,7 +50,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, PullConsumer
+from liver.services.runtime import Bus, DeadLetteringConsumer
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -207,8 +207,7 @@ class CoordinatorService:
         self._js: JetStreamContext | None = None
         self._records: RecordStore | None = None
         self._members: KeyValue | None = None
-        self._consumer: PullConsumer | None = None
-        self._watch: b.MaxDeliveriesWatch | None = None
+        self._consumer: DeadLetteringConsumer | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -265,31 +264,20 @@ class CoordinatorService:
             description=f"The coordinator of job {job}: its control traffic in stream order.",
         )
         config = dataclasses.replace(config, filter_subjects=list(self._control))
-        self._consumer = PullConsumer(
-            js,
+        self._consumer = DeadLetteringConsumer(
+            bus,
+            source=SOURCE,
             stream=s.STREAM_CONTROL.name,
             config=config,
             handler=self.handle,
             batch=self.settings.batch,
             retry_delay_s=self.settings.retry_delay_s,
         )
-        self._watch = b.MaxDeliveriesWatch(
-            bus.nc,
-            js,
-            source=SOURCE,
-            stream=s.STREAM_CONTROL.name,
-            consumer=durable,
-            last_error=self._consumer.last_error,
-        )
-        await self._watch.start()
-        if not self._standing_by:
-            await self._consumer.start()
+        await self._consumer.start(consume=not self._standing_by)
 
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
-        if self._watch is not None:
-            await self._watch.stop()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -318,8 +306,8 @@ class CoordinatorService:
             "held": len(self._held),
         }
         out.update(self.counts)
-        out["failed_attempts"] = self._consumer.failed if self._consumer else 0
-        out["dead_lettered"] = self._watch.copied if self._watch else 0
+        if self._consumer is not None:
+            out.update(self._consumer.stats())
         return out
 
     def _spawn(self, coro: Any, name: str) -> None:
@@ -460,7 +448,7 @@ class CoordinatorService:
     async def _stand_by(self) -> None:
         """Another coordinator runs the job: leave its control traffic to it."""
         if self._consumer is not None:
-            await self._consumer.stop()
+            await self._consumer.consumer.stop()  # keep the dead-letter watch until the service stops
         returned = await self._held.give_back()
         with bind_message(job_id=self.job_id):
             log.warning("standing_by", returned_requests=returned, record_revision=self.core.revision)

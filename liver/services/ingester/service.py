@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 
 from liver.services import bus as b
 from liver.services.ingester import core
-from liver.services.runtime import Bus, PullConsumer
+from liver.services.runtime import Bus, DeadLetteringConsumer
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -80,8 +80,7 @@ class Ingester:
         self._js: JetStreamContext | None = None
         self._seen: KeyValue | None = None
         self._members: KeyValue | None = None
-        self._consumer: PullConsumer | None = None
-        self._watch: b.MaxDeliveriesWatch | None = None
+        self._consumer: DeadLetteringConsumer | None = None
         self.counts = {"received": 0, "resized": 0, "duplicates": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
@@ -105,35 +104,25 @@ class Ingester:
             max_deliver=self.settings.max_deliver,
             description="The ingester: resize events in stream order.",
         )
-        self._consumer = PullConsumer(
-            js,
+        self._consumer = DeadLetteringConsumer(
+            bus,
+            source=SOURCE,
             stream=s.STREAM_INGEST.name,
             config=config,
             handler=self.handle,
             batch=self.settings.batch,
             retry_delay_s=self.settings.retry_delay_s,
         )
-        self._watch = b.MaxDeliveriesWatch(
-            bus.nc,
-            js,
-            source=SOURCE,
-            stream=s.STREAM_INGEST.name,
-            consumer=self.settings.durable,
-            last_error=self._consumer.last_error,
-        )
-        await self._watch.start()
         await self._consumer.start()
 
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
-        if self._watch is not None:
-            await self._watch.stop()
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counts)
-        out["failed_attempts"] = self._consumer.failed if self._consumer else 0
-        out["dead_lettered"] = self._watch.copied if self._watch else 0
+        if self._consumer is not None:
+            out.update(self._consumer.stats())
         return out
 
     async def handle(self, msg: Msg) -> None:

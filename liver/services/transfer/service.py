@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.object_store import ObjectStore
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, PullConsumer, keep_in_progress
+from liver.services.runtime import Bus, DeadLetteringConsumer, keep_in_progress
 from liver.services.transfer import core
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, build_plan
 from liver.shared import subjects as s
@@ -103,8 +103,7 @@ class TransferService:
         self._planner = planner
         self._js: JetStreamContext | None = None
         self._store: ObjectStore | None = None
-        self._consumer: PullConsumer | None = None
-        self._watch: b.MaxDeliveriesWatch | None = None
+        self._consumer: DeadLetteringConsumer | None = None
         self.counts = {"received": 0, "planned": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
@@ -123,35 +122,25 @@ class TransferService:
             max_deliver=self.settings.max_deliver,
             description="The transfer planner: planned topologies.",
         )
-        self._consumer = PullConsumer(
-            js,
+        self._consumer = DeadLetteringConsumer(
+            bus,
+            source=SOURCE,
             stream=s.STREAM_CONTROL.name,
             config=config,
             handler=self.handle,
             batch=1,  # each message is seconds of work: leave the rest to other instances
             retry_delay_s=self.settings.retry_delay_s,
         )
-        self._watch = b.MaxDeliveriesWatch(
-            bus.nc,
-            js,
-            source=SOURCE,
-            stream=s.STREAM_CONTROL.name,
-            consumer=self.settings.durable,
-            last_error=self._consumer.last_error,
-        )
-        await self._watch.start()
         await self._consumer.start()
 
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
-        if self._watch is not None:
-            await self._watch.stop()
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counts)
-        out["failed_attempts"] = self._consumer.failed if self._consumer else 0
-        out["dead_lettered"] = self._watch.copied if self._watch else 0
+        if self._consumer is not None:
+            out.update(self._consumer.stats())
         return out
 
     async def handle(self, msg: Msg) -> None:

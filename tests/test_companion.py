@@ -1,0 +1,555 @@
+"""The worker companion against a real nats-server: presence, commands, acks, bad input, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import pytest
+from bus_helpers import Collector, client, eventually
+from companion_helpers import (
+    DEVICES,
+    NEW_LAYOUT,
+    RecordingHooks,
+    abort,
+    prepare,
+    put_object,
+    put_slices,
+    slices,
+    switch,
+)
+from nats.aio.client import Client
+
+from liver.shared import subjects as s
+from liver.shared.codec import MessageError, decode, encode
+from liver.shared.layout import Device
+from liver.shared.messages import ErrorEvent, Heartbeat, Hello, Message, ObjectRef, WorkerStatus
+from liver.shared.nats_server import NatsServer
+from liver.shared.plan import Plan
+from liver.worker_runtime.companion import CommandBox, Companion, CompanionError, Prepared
+from liver.worker_runtime.companion_agent import AgentSettings, WorkerIdentity, World
+
+FAST = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=5.0)
+_jobs = itertools.count()
+
+
+def identity(job: str, device: Device = DEVICES[0], **changes: Any) -> WorkerIdentity:
+    fields: dict[str, Any] = {
+        "job_id": job,
+        "worker_id": f"w-{device.node}-{device.index}",
+        "device": device,
+        "address": f"10.0.0.{device.index + 1}:29500",
+        "memory_bytes": 80 << 30,
+    }
+    fields.update(changes)
+    return WorkerIdentity(**fields)
+
+
+@pytest.fixture
+def job() -> str:
+    """A job id of its own per test: tests share one server, and subjects carry the job."""
+    return f"job-c{os.getpid()}-{next(_jobs)}"
+
+
+@asynccontextmanager
+async def running(companion: Companion) -> AsyncIterator[Companion]:
+    """Start and close on a worker thread, as a training process would, without blocking this loop."""
+    await asyncio.to_thread(companion.start, 10.0)
+    try:
+        yield companion
+    finally:
+        await asyncio.to_thread(companion.close)
+
+
+async def publish(nc: Client, subject: str, message: Message | bytes) -> None:
+    await nc.publish(subject, message if isinstance(message, bytes) else encode(message))
+    await nc.flush()
+
+
+def companion_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("liver-companion-")]
+
+
+async def statuses(collector: Collector, count: int) -> list[WorkerStatus]:
+    return [decode(m.data, WorkerStatus) for m in await collector.wait_for(count)]
+
+
+async def prepared(nc: Client, job: str, companion: Companion, hooks: RecordingHooks, g: int = 1) -> None:
+    """Store the plan's slices and have ``companion`` prepare generation ``g`` from its own."""
+    refs = await put_slices(nc.jetstream(), job, g)
+    worker = companion.identity
+    await publish(nc, s.worker_command(job, worker.worker_id), prepare(job, g, refs[worker.device]))
+    await eventually(lambda: _true(len(hooks.named("prepare")) == 1), what="on_prepare called")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+# -- presence ---------------------------------------------------------------------------------------------
+
+
+async def test_hello_names_the_node_device_address_and_memory(nats_server: NatsServer, job: str) -> None:
+    async with client(nats_server.url) as (nc, _):
+        hellos = await Collector.on(nc, s.worker_hello(job))
+        me = identity(job, DEVICES[2])
+        async with running(Companion(me, RecordingHooks(), url=nats_server.url, world=World(3, 2))):
+            hello = await hellos.one(Hello)
+    assert (hello.worker_id, hello.device, hello.address) == (me.worker_id, Device("node000", 2), me.address)
+    assert hello.device.node == "node000"
+    assert hello.memory_bytes == 80 << 30
+    assert (hello.generation, hello.rank) == (3, 2)
+
+
+async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(
+    nats_server: NatsServer, job: str
+) -> None:
+    async with client(nats_server.url) as (nc, _):
+        beats = await Collector.on(nc, s.worker_heartbeat(job))
+        companion = Companion(identity(job), RecordingHooks(), url=nats_server.url, settings=FAST)
+        async with running(companion):
+            await beats.wait_for(1)
+            companion.set_iteration(41)
+            companion.set_world(World(5, 0))
+            first = len(beats.messages)
+            await beats.wait_for(first + 2)
+    got = [decode(m.data, Heartbeat) for m in beats.messages]
+    assert [b.seq for b in got] == list(range(len(got)))
+    last = got[-1]
+    assert (last.iteration, last.generation, last.rank) == (41, 5, 0)
+    assert got[0].generation is None and got[0].iteration is None
+
+
+# -- commands ---------------------------------------------------------------------------------------------
+
+
+async def test_prepare_fetches_the_plan_slice_and_hands_the_runtime_a_plan(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    async with (
+        client(nats_server.url) as (nc, _),
+        running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
+    ):
+        await prepared(nc, job, companion, hooks)
+    ((command, plan),) = hooks.named("prepare")  # type: ignore[misc]
+    assert isinstance(plan, Plan)
+    assert command.generation == 1
+    mine = slices()[DEVICES[0]]
+    assert plan.tasks == mine.tasks and len(plan.tasks) > 0
+    assert plan.new.layout == NEW_LAYOUT
+    assert plan.tensors == mine.model.tensors(mine.optimizer)
+    assert hooks.threads == {f"liver-companion-{identity(job).worker_id}"}
+
+
+async def test_an_ack_from_the_training_thread_is_published_as_worker_status(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    async with client(nats_server.url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
+            await prepared(nc, job, companion, hooks)
+            companion.report("ready")
+            (ack,) = await statuses(acks, 1)
+    assert (ack.worker_id, ack.generation, ack.phase) == (identity(job).worker_id, 1, "ready")
+
+
+async def test_a_repeated_switch_re_acks_switched_without_switching_again(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    async with client(nats_server.url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
+            await prepared(nc, job, companion, hooks)
+            companion.report("ready")
+            await publish(nc, s.worker_commands(job), switch(job, 1))
+            await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="on_switch called")
+            companion.report("switched", iteration=120, pause_s=0.25, bytes_received=4096)
+            await acks.wait_for(2)
+            await publish(nc, s.worker_commands(job), switch(job, 1))
+            ready, first, again = await statuses(acks, 3)
+    assert ready.phase == "ready"
+    assert first.phase == again.phase == "switched"
+    assert first == again
+    assert (again.iteration, again.pause_s, again.bytes_received) == (120, 0.25, 4096)
+    assert len(hooks.named("switch")) == 1
+
+
+async def test_after_the_switch_heartbeats_speak_for_the_new_world(nats_server: NatsServer, job: str) -> None:
+    hooks = RecordingHooks()
+    me = identity(job, DEVICES[1])
+    async with client(nats_server.url) as (nc, _):
+        beats = await Collector.on(nc, s.worker_heartbeat(job))
+        companion = Companion(me, hooks, url=nats_server.url, world=World(0, 1), settings=FAST)
+        async with running(companion):
+            await prepared(nc, job, companion, hooks)
+            companion.report("ready")
+            await publish(nc, s.worker_commands(job), switch(job, 1))
+            await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="on_switch called")
+            companion.report("switched", iteration=7)
+            seen = len(beats.messages)
+            await beats.wait_for(seen + 2)
+    last = decode(beats.messages[-1].data, Heartbeat)
+    assert (last.generation, last.rank) == (1, 1)  # node000:1 is rank 1 of the new placement
+
+
+async def test_abort_of_an_unknown_generation_is_a_no_op(nats_server: NatsServer, job: str) -> None:
+    hooks = RecordingHooks()
+    async with client(nats_server.url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
+            await prepared(nc, job, companion, hooks)
+            companion.report("ready")
+            await publish(nc, s.worker_commands(job), abort(job, 9))
+            # A repeated Prepare is answered with the last ack: the marker that the abort was handled.
+            refs = await put_slices(nc.jetstream(), job, 1)
+            me = identity(job).worker_id
+            await publish(nc, s.worker_command(job, me), prepare(job, 1, refs[DEVICES[0]]))
+            first, marker = await statuses(acks, 2)
+            await publish(nc, s.worker_commands(job), switch(job, 1))
+            await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="still switches")
+    assert (first.phase, marker.phase) == ("ready", "ready")
+    assert all(decode(m.data, WorkerStatus).generation == 1 for m in acks.messages)
+    assert hooks.named("abort") == []
+
+
+async def test_a_prepare_overtaken_by_its_abort_never_starts(nats_server: NatsServer, job: str) -> None:
+    hooks = RecordingHooks()
+    me = identity(job)
+    async with (
+        client(nats_server.url) as (nc, js),
+        running(Companion(me, hooks, url=nats_server.url)),
+    ):
+        acks = await Collector.on(nc, s.worker_status(job))
+        refs = await put_slices(js, job, 2)
+        await publish(nc, s.worker_commands(job), abort(job, 1))
+        await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, refs[DEVICES[0]]))
+        await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 2, refs[DEVICES[0]]))
+        await eventually(lambda: _true(len(hooks.named("prepare")) == 1), what="generation 2 prepared")
+    assert [p.generation for p, _ in hooks.named("prepare")] == [2]  # type: ignore[misc]
+    assert acks.messages == []
+
+
+async def test_abort_of_a_prepared_generation_reaches_the_runtime_once(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    async with (
+        client(nats_server.url) as (nc, _),
+        running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
+    ):
+        await prepared(nc, job, companion, hooks)
+        await publish(nc, s.worker_commands(job), abort(job, 1, "node reclaimed"))
+        await publish(nc, s.worker_commands(job), abort(job, 1, "node reclaimed"))
+        await publish(nc, s.worker_commands(job), switch(job, 1))
+        await eventually(lambda: _true(len(hooks.named("abort")) == 1), what="on_abort called")
+        await asyncio.sleep(0.2)
+    assert [a.reason for a in hooks.named("abort")] == ["node reclaimed"]  # type: ignore[attr-defined]
+    assert hooks.named("switch") == []
+
+
+async def test_a_newer_prepare_ends_an_unswitched_older_one_first(nats_server: NatsServer, job: str) -> None:
+    hooks = RecordingHooks()
+    async with (
+        client(nats_server.url) as (nc, _),
+        running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
+    ):
+        await prepared(nc, job, companion, hooks, g=1)
+        refs = await put_slices(nc.jetstream(), job, 2)
+        me = identity(job).worker_id
+        await publish(nc, s.worker_command(job, me), prepare(job, 2, refs[DEVICES[0]]))
+        await eventually(lambda: _true(len(hooks.named("prepare")) == 2), what="second prepare")
+        # The old one again: stale, ignored.
+        await publish(nc, s.worker_command(job, me), prepare(job, 1, refs[DEVICES[0]]))
+        await asyncio.sleep(0.2)
+    assert [name for name, _ in hooks.calls] == ["prepare", "abort", "prepare"]
+    assert hooks.named("abort")[0].generation == 1  # type: ignore[attr-defined]
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+
+
+async def test_bad_command_payloads_produce_error_events_naming_the_field(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    me = identity(job)
+    wrong_type = msgspec.json.decode(encode(switch(job, 1)))
+    wrong_type["generation"] = "one"
+    async with client(nats_server.url) as (nc, _):
+        errors = await Collector.on(nc, s.errors("worker"))
+        beats = await Collector.on(nc, s.worker_heartbeat(job))
+        companion = Companion(me, hooks, url=nats_server.url, settings=FAST)
+        async with running(companion):
+            mine = s.worker_command(job, me.worker_id)
+            await publish(nc, mine, b"{not json")
+            await publish(nc, mine, msgspec.json.encode(wrong_type))
+            await publish(nc, mine, switch("another-job", 1))
+            got = [decode(m.data, ErrorEvent) for m in await errors.wait_for(3)]
+            seen = len(beats.messages)
+            await beats.wait_for(seen + 1)  # still alive and beating
+            assert companion.running
+    assert [e.field for e in got] == ["$", "$.generation", "$.job_id"]
+    assert all(e.source == "worker" and e.subject == mine for e in got)
+    assert "malformed JSON" in got[0].message
+    assert got[2].job_id == "another-job"
+    assert hooks.calls == []
+
+
+async def test_a_plan_slice_for_another_device_is_refused_and_reported_failed(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    me = identity(job, DEVICES[0])
+    async with client(nats_server.url) as (nc, js):
+        acks = await Collector.on(nc, s.worker_status(job))
+        errors = await Collector.on(nc, s.errors("worker"))
+        refs = await put_slices(js, job, 1)
+        async with running(Companion(me, hooks, url=nats_server.url)):
+            await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, refs[DEVICES[3]]))
+            (ack,) = await statuses(acks, 1)
+            (error,) = [decode(m.data, ErrorEvent) for m in await errors.wait_for(1)]
+    assert ack.phase == "failed" and ack.generation == 1
+    assert ack.error is not None and "$.device" in ack.error
+    assert error.field == "$.device"
+    assert hooks.calls == []
+
+
+async def test_a_missing_plan_object_is_reported_failed(nats_server: NatsServer, job: str) -> None:
+    hooks = RecordingHooks()
+    me = identity(job)
+    async with client(nats_server.url) as (nc, js):
+        acks = await Collector.on(nc, s.worker_status(job))
+        await put_slices(js, job, 1)  # the bucket exists; the object named below does not
+        gone = ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=s.plan_object_name(job, 1, "nothing"), size=10)
+        async with running(Companion(me, hooks, url=nats_server.url)):
+            await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, gone))
+            (ack,) = await statuses(acks, 1)
+    assert ack.phase == "failed"
+    assert ack.error is not None and "not read" in ack.error and "nothing" in ack.error
+    assert hooks.calls == []
+
+
+async def test_a_plan_object_of_another_size_is_reported_failed(nats_server: NatsServer, job: str) -> None:
+    me = identity(job)
+    async with client(nats_server.url) as (nc, js):
+        acks = await Collector.on(nc, s.worker_status(job))
+        ref = await put_object(
+            js, s.plan_object_name(job, 1, "short"), msgspec.json.encode(slices()[DEVICES[0]])
+        )
+        lying = msgspec.structs.replace(ref, size=ref.size + 1)
+        async with running(Companion(me, RecordingHooks(), url=nats_server.url)):
+            await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, lying))
+            (ack,) = await statuses(acks, 1)
+    assert ack.phase == "failed" and ack.error is not None and "the Prepare says" in ack.error
+
+
+async def test_a_hook_that_raises_is_reported_failed_and_the_companion_keeps_running(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks(raise_in="prepare")
+    async with client(nats_server.url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
+            await prepared(nc, job, companion, hooks)
+            (ack,) = await statuses(acks, 1)
+            assert companion.running and companion.connected
+    assert ack.phase == "failed" and ack.error is not None and "on_prepare raised RuntimeError" in ack.error
+
+
+def test_an_identity_the_bus_would_refuse_fails_at_construction(nats_server: NatsServer) -> None:
+    with pytest.raises(MessageError) as caught:
+        Companion(identity("job-x", worker_id="w.1"), RecordingHooks(), url=nats_server.url)
+    assert caught.value.path == "$.worker_id"
+    with pytest.raises(MessageError) as caught:
+        Companion(identity("job-x", address="no-port"), RecordingHooks(), url=nats_server.url)
+    assert caught.value.path == "$.address"
+
+
+def test_an_ack_that_is_not_a_valid_message_raises_in_the_caller(nats_server: NatsServer) -> None:
+    with Companion(identity("job-y"), RecordingHooks(), url=nats_server.url) as companion:
+        with pytest.raises(ValueError, match="`error`"):
+            companion.report("failed", generation=1)
+        with pytest.raises(ValueError, match="`generation`"):
+            companion.report("ready")  # nothing prepared, no generation given
+
+
+# -- threads, stalls, reconnects ---------------------------------------------------------------------------
+
+
+def test_close_leaves_no_thread_behind(nats_server: NatsServer) -> None:
+    before = companion_threads()
+    companion = Companion(identity("job-z"), RecordingHooks(), url=nats_server.url).start()
+    assert companion.running and len(companion_threads()) == len(before) + 1
+    companion.close()
+    assert not companion.running
+    assert companion_threads() == before
+    assert not companion.connected
+
+
+async def test_acks_handed_over_just_before_close_are_still_published(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    async with client(nats_server.url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        companion = Companion(identity(job), hooks, url=nats_server.url)
+        await asyncio.to_thread(companion.start, 10.0)
+        await prepared(nc, job, companion, hooks)
+
+        def report_and_close() -> None:
+            companion.report("ready")
+            companion.report("failed", error="shutting down")
+            companion.close()
+
+        await asyncio.to_thread(report_and_close)
+        got = await statuses(acks, 2)
+    assert [a.phase for a in got] == ["ready", "failed"]
+    assert not companion.running
+
+
+def test_start_gives_up_cleanly_when_no_server_answers() -> None:
+    with NatsServer() as server:
+        url = server.url
+    before = companion_threads()
+    companion = Companion(identity("job-z"), RecordingHooks(), url=url, reconnect_time_wait_s=0.05)
+    with pytest.raises(CompanionError, match="not connected"):
+        companion.start(timeout_s=0.5)
+    assert companion_threads() == before
+
+
+@pytest.fixture
+def private_server() -> Iterator[NatsServer]:
+    with NatsServer() as server:
+        yield server
+
+
+async def test_a_stalled_bus_does_not_slow_the_training_loop(private_server: NatsServer, job: str) -> None:
+    """The server is frozen (SIGSTOP) while the training loop reports: every call returns at once, and
+    everything it handed over arrives once the server runs again."""
+    hooks = RecordingHooks()
+    calls = 200
+    async with client(private_server.url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job), hooks, url=private_server.url)) as companion:
+            await prepared(nc, job, companion, hooks)
+
+            def training_loop() -> list[float]:
+                costs = []
+                for i in range(calls):
+                    t0 = time.perf_counter()
+                    companion.set_iteration(i)
+                    companion.report("preparing")
+                    costs.append(time.perf_counter() - t0)
+                return costs
+
+            assert private_server.pid is not None
+            os.kill(private_server.pid, signal.SIGSTOP)
+            try:
+                costs = await asyncio.to_thread(training_loop)
+            finally:
+                os.kill(private_server.pid, signal.SIGCONT)
+            await acks.wait_for(calls)
+    # The loop ran to its end while the server was frozen, so no call waited for the bus. The bounds
+    # are generous: a call costs microseconds, plus at worst a few GIL switch intervals (5 ms each)
+    # while the companion thread encodes what it was handed.
+    assert statistics.median(costs) < 0.001
+    assert sum(costs) < 2.0
+
+
+class Proxy:
+    """A TCP proxy in front of the server whose connections the test can cut (a network blip)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_after_a_reconnect_the_worker_says_hello_again_with_its_open_ack(
+    nats_server: NatsServer, job: str
+) -> None:
+    port = int(nats_server.url.rsplit(":", 1)[1])
+    proxy = Proxy(port)
+    await proxy.start()
+    hooks = RecordingHooks()
+    try:
+        async with client(nats_server.url) as (nc, _):
+            hellos = await Collector.on(nc, s.worker_hello(job))
+            acks = await Collector.on(nc, s.worker_status(job))
+            companion = Companion(
+                identity(job), hooks, url=f"nats://127.0.0.1:{proxy.port}", reconnect_time_wait_s=0.05
+            )
+            async with running(companion):
+                await hellos.wait_for(1)
+                await prepared(nc, job, companion, hooks)
+                companion.report("ready")
+                await acks.wait_for(1)
+                proxy.cut()
+                await hellos.wait_for(2)
+                first, again = await statuses(acks, 2)
+                await eventually(lambda: _true(companion.connected), what="reconnected")
+    finally:
+        await proxy.stop()
+    assert first == again and again.phase == "ready"
+
+
+# -- the training thread's side ----------------------------------------------------------------------------
+
+
+def test_command_box_hands_commands_over_in_arrival_order() -> None:
+    box = CommandBox()
+    assert not box.pending and box.take() == []
+    plan = slices()[DEVICES[0]].to_plan()
+    ref = ObjectRef(bucket="liver-plans", name="j/1/x", size=1)
+    box.on_prepare(prepare("j", 1, ref), plan)
+    box.on_switch(switch("j", 1))
+    box.on_abort(abort("j", 1))
+    assert box.pending
+    taken = box.take()
+    assert [type(c).__name__ for c in taken] == ["Prepared", "Switch", "Abort"]
+    assert isinstance(taken[0], Prepared) and taken[0].plan is plan
+    assert not box.pending and box.take() == []
