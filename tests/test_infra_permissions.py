@@ -1,0 +1,211 @@
+"""infra/nats.conf refuses what its users are not meant to do.
+
+A refused connection raises at connect. A refused publish raises nothing at the call: the server drops
+the message and reports a permissions violation to the client's error callback, and the connection stays
+up; a refused subscription is reported the same way. Each test pairs a refusal with something the same
+user is allowed, so that a config refusing everything would fail too. (That the allow lists suffice for
+the real services is shown by tests/test_infra_deployment.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import nats
+import nats.errors
+import pytest
+from bus_helpers import Collector, eventually
+from infra_helpers import ROLES, connected, make_env, password_var, secured_server
+
+from liver.services import bus as b
+from liver.shared import subjects as s
+from liver.shared.codec import encode
+from liver.shared.messages import SpotWarning
+from liver.shared.nats_server import NatsServer
+
+
+class Rig:
+    def __init__(self, server: NatsServer, passwords: dict[str, str]) -> None:
+        self.server = server
+        self.url = server.url
+        self.passwords = passwords
+
+    def login(self, role: str) -> tuple[str, str]:
+        return role, self.passwords[password_var(role)]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    root = tmp_path_factory.mktemp("permissions")
+    passwords = make_env(root / ".env")
+    with secured_server(passwords, log_file=root / "nats-server.log") as server:
+        yield Rig(server, passwords)
+
+
+async def refused(errors: list[str], kind: str, subject: str) -> None:
+    """Wait for the server's report that ``kind`` ("publish" or "subscription") to ``subject`` was refused."""
+    wanted = f'permissions violation for {kind} to "{subject.lower()}"'
+
+    async def reported() -> bool:
+        return any(wanted in e for e in errors)
+
+    await eventually(reported, timeout_s=5, what=f"{kind} to {subject} refused; errors: {errors}")
+
+
+def warning(event_id: str) -> bytes:
+    return encode(SpotWarning(job_id="job-p", event_id=event_id, node="n1", provider="aws", notice_s=60.0))
+
+
+async def ingest_stream(rig: Rig) -> None:
+    """LIVER_INGEST, declared as the ingester declares it, so that publishes to it are acknowledged."""
+    async with connected(rig.url, *rig.login("ingester")) as (nc, _):
+        await b.ensure_stream(nc.jetstream(), s.STREAM_INGEST)
+
+
+# -- who may connect ----------------------------------------------------------------------------------
+
+
+async def test_a_client_without_credentials_is_refused(rig: Rig) -> None:
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        async with connected(rig.url, None, None):
+            pass
+
+
+async def test_a_wrong_password_is_refused_and_the_right_one_accepted(rig: Rig) -> None:
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        async with connected(rig.url, "publisher", rig.passwords[password_var("subscriber")]):
+            pass
+    async with connected(rig.url, *rig.login("publisher")) as (nc, _):
+        assert nc.is_connected
+
+
+@pytest.mark.parametrize("role", ROLES)
+async def test_every_user_logs_in_with_the_password_from_its_variable(rig: Rig, role: str) -> None:
+    async with connected(rig.url, *rig.login(role)) as (nc, errors):
+        await nc.flush()
+        assert nc.is_connected and not errors
+
+
+# -- the publisher ------------------------------------------------------------------------------------
+
+
+async def test_the_publisher_publishes_events_but_not_generation_outcomes(rig: Rig) -> None:
+    await ingest_stream(rig)
+    async with (
+        connected(rig.url, *rig.login("subscriber")) as (watcher, _),
+        connected(rig.url, *rig.login("publisher")) as (nc, errors),
+    ):
+        outcomes = await Collector.on(watcher, s.GENERATION_COMMITTED)
+        js = nc.jetstream()
+        ack = await js.publish(s.SPOT_WARNING, warning("pub-1"))
+        assert ack.stream == s.STREAM_INGEST.name
+        scale = b'{"schema_version": 1, "job_id": "job-p", "event_id": "pub-2", "add": []}'
+        assert (await js.publish(s.SCALE_REQUEST, scale)).stream == s.STREAM_INGEST.name
+        await nc.publish(s.GENERATION_COMMITTED, b'{"forged": true}')
+        await refused(errors, "publish", s.GENERATION_COMMITTED)
+        await watcher.flush()
+        assert outcomes.messages == [], "the forged outcome reached a subscriber"
+        assert errors.about(s.SPOT_WARNING) == [] and errors.about(s.SCALE_REQUEST) == []
+        assert nc.is_connected, "a refused publish does not cost the connection"
+
+
+async def test_the_publisher_cannot_read_the_control_plane(rig: Rig) -> None:
+    async with connected(rig.url, *rig.login("publisher")) as (nc, errors):
+        await nc.subscribe(s.RESIZE_REQUESTED_ANY)
+        await refused(errors, "subscription", s.RESIZE_REQUESTED_ANY)
+        await nc.publish(f"$JS.API.STREAM.PURGE.{s.STREAM_INGEST.name}", b"")
+        await refused(errors, "publish", f"$JS.API.STREAM.PURGE.{s.STREAM_INGEST.name}")
+
+
+# -- the subscriber -----------------------------------------------------------------------------------
+
+
+async def test_the_subscriber_receives_generation_outcomes_but_cannot_publish_events(rig: Rig) -> None:
+    await ingest_stream(rig)
+    async with (
+        connected(rig.url, *rig.login("coordinator")) as (coordinator, _),
+        connected(rig.url, *rig.login("subscriber")) as (nc, errors),
+        connected(rig.url, *rig.login("ingester")) as (ingester, _),
+    ):
+        outcomes = await Collector.on(nc, s.GENERATION_ABORTED)
+        await coordinator.publish(s.GENERATION_ABORTED, b"{}")
+        await outcomes.wait_for(1)
+        before = (await ingester.jetstream().stream_info(s.STREAM_INGEST.name)).state.messages
+        await nc.publish(s.SPOT_WARNING, warning("sub-1"))
+        await refused(errors, "publish", s.SPOT_WARNING)
+        after = (await ingester.jetstream().stream_info(s.STREAM_INGEST.name)).state.messages
+        assert after == before, "the refused warning was stored"
+
+
+async def test_the_subscriber_cannot_listen_to_worker_commands(rig: Rig) -> None:
+    async with connected(rig.url, *rig.login("subscriber")) as (nc, errors):
+        await nc.subscribe("liver.worker.cmd.>")
+        await refused(errors, "subscription", "liver.worker.cmd.>")
+
+
+# -- services and workers -----------------------------------------------------------------------------
+
+
+CROSSINGS = [
+    ("ingester", s.resize_requested("job-p"), s.GENERATION_COMMITTED),
+    ("ingester", s.errors("ingester"), s.errors("coordinator")),
+    ("topology", s.topology_planned("job-p"), s.transfer_planned("job-p")),
+    ("topology", s.planning_failed("job-p"), s.topology_request("job-p")),
+    ("transfer", s.transfer_planned("job-p"), s.topology_planned("job-p")),
+    ("coordinator", s.worker_command("job-p", "w1"), s.resize_requested("job-p")),
+    ("coordinator", s.GENERATION_COMMITTED, s.SPOT_WARNING),
+    ("worker", s.worker_status("job-p"), s.worker_command("job-p", "w2")),
+    ("worker", s.worker_hello("job-p"), s.GENERATION_COMMITTED),
+]
+"""A user, a subject it publishes, and another role's subject it must not."""
+
+
+@pytest.mark.parametrize(("role", "own", "foreign"), CROSSINGS, ids=[f"{r}-to-{f}" for r, _, f in CROSSINGS])
+async def test_a_user_cannot_publish_another_roles_subjects(
+    rig: Rig, role: str, own: str, foreign: str
+) -> None:
+    async with connected(rig.url, *rig.login(role)) as (nc, errors):
+        await nc.publish(own, b"{}")
+        await nc.publish(foreign, b"{}")
+        await refused(errors, "publish", foreign)
+        assert errors.about(own) == []
+
+
+async def test_a_service_may_not_delete_streams_it_declares(rig: Rig) -> None:
+    await ingest_stream(rig)
+    async with connected(rig.url, *rig.login("ingester")) as (nc, errors):
+        js = nc.jetstream()
+        await js.stream_info(s.STREAM_INGEST.name)
+        await nc.publish(f"$JS.API.STREAM.DELETE.{s.STREAM_INGEST.name}", b"")
+        await refused(errors, "publish", f"$JS.API.STREAM.DELETE.{s.STREAM_INGEST.name}")
+        assert (await js.stream_info(s.STREAM_INGEST.name)).config.name == s.STREAM_INGEST.name
+
+
+async def test_a_service_cannot_answer_discovery_for_another(rig: Rig) -> None:
+    async with connected(rig.url, *rig.login("topology")) as (nc, errors):
+        await nc.subscribe("$SRV.PING.liver-topology")
+        await nc.subscribe("$SRV.PING.liver-coordinator")
+        await refused(errors, "subscription", "$SRV.PING.liver-coordinator")
+        assert errors.about("$SRV.PING.liver-topology") == []
+
+
+async def test_a_worker_receives_its_commands_but_not_the_workers_reports(rig: Rig) -> None:
+    async with (
+        connected(rig.url, *rig.login("coordinator")) as (coordinator, _),
+        connected(rig.url, *rig.login("worker")) as (nc, errors),
+    ):
+        commands = await Collector.on(nc, s.worker_command("job-p", "w1"))
+        await coordinator.publish(s.worker_command("job-p", "w1"), b"{}")
+        await commands.wait_for(1)
+        await nc.subscribe(s.WORKER_STATUS_ANY)
+        await refused(errors, "subscription", s.WORKER_STATUS_ANY)
+
+
+async def test_the_server_logs_every_refusal_it_reports(rig: Rig) -> None:
+    """Operators see refusals in the server's log too (the deployment test relies on it)."""
+    async with connected(rig.url, *rig.login("publisher")) as (nc, errors):
+        await nc.publish(s.GENERATION_ABORTED, b"{}")
+        await refused(errors, "publish", s.GENERATION_ABORTED)
+    log = rig.server.log_file.read_text()
+    assert 'Publish Violation - Subject "generation.aborted"' in log
+    assert '"$G/user:publisher"' in log
