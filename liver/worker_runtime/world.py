@@ -400,6 +400,9 @@ class World:
             for built in reversed(list(self._groups.values())):
                 _destroy(built.pg)
                 _OWNED.discard(built.name)
+            # Drop the group objects too: a gloo group closes its connections only when it is destroyed
+            # (shutdown() leaves them open), and peers blocked in one of its collectives fail only then.
+            self._groups = {}
             self._released = True
             _unreserve(self.spec)
         self._log.info("world.released", derived_groups=len(derived))

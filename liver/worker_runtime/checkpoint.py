@@ -1,0 +1,656 @@
+"""Durable checkpoints of a Megatron training job, and the fail-stop fallback that restarts from them.
+
+The live path (I1) never touches storage; this module is what the job falls back to when the live path
+cannot finish (I4): a handoff whose old-world ranks are gone has lost state that only the old world
+held, so the job restarts from its last durable checkpoint on the new layout. It is also the baseline
+LiveR is measured against (``liver.bench.restart``).
+
+Format: Megatron-core's ``dist_checkpointing`` (``torch_dist`` backend, torch DCP files), written from the
+model's and the optimizer's own ``sharded_state_dict()``. Every tensor is stored once under its global
+shape with each shard at its global offset, so a checkpoint saved at one (TP, PP, DP) loads into a
+trainer built at any other: the load computes which part of which saved shard each new rank needs
+(reshape on load). Vocabulary tensors are saved with the save-time padded vocabulary; the load reads the
+rows both paddings share and zero-fills the rest (Megatron's ``allow_shape_mismatch``), which is exact
+because padding rows are zero (see :mod:`megatron_train`). The optimizer is Megatron's ``FP32Optimizer``
+or mixed-precision ``Float16OptimizerWithFloat16Params``, whose state is parameter-shaped, so it reshards
+exactly like the parameters. The distributed optimizer is refused: its default checkpoint format fails
+in megatron-core 0.16.1 ("ShardedTensor.flattened_range is not supported"), ``dp_reshardable`` only
+reshards across DP, and only ``fully_reshardable`` would reshard TP/PP, by gathering a stage's whole
+optimizer state on its DP rank 0 (a second full copy of it in one process); LiveR does not map that
+optimizer's state either (:mod:`megatron_state`), so it is refused rather than saved that way quietly.
+
+Besides tensors, a checkpoint holds a manifest (``liver_manifest.json``): the model, the layout it was
+saved at, the train config, the :class:`TrainingProgress` (iteration, data position, LR schedule) and
+every saving rank's RNG streams. A load at the layout the checkpoint was saved at restores each rank's
+own streams, so the job continues as if it had not stopped. At any other layout no saved stream has a
+meaning (a stream belongs to a rank's place: its TP slice of a dropout mask, its stage), so every rank
+is reseeded from the job's seed, the checkpoint's iteration and its new coordinates exactly as a live
+switch reseeds (:func:`liver.worker_runtime.megatron_job.reseed`): a fallback and a live reshard to
+the same layout then continue identically, with dropout too.
+
+Atomicity: ranks write into ``.tmp-iter_NNNNNNN``; when every rank has written, rank 0 writes the
+manifest, syncs the files, renames the directory to ``iter_NNNNNNN`` and only then replaces the
+``latest`` marker (write, sync, rename). A checkpoint is durable once ``latest`` names it; a crash at
+any earlier point leaves the previous checkpoint as the latest. Old checkpoints beyond ``keep_last``
+and leftovers of crashed saves are removed after the marker moves. The directory must be shared by
+all ranks (a shared file system across nodes), as for any Megatron checkpoint.
+
+Process groups: ``dist_checkpointing.save/load`` run their collectives on torch.distributed's default
+world (``get_rank()``, ``barrier()``, ``all_gather_object`` without a group), so the trainer's world must
+be the default one (checked, as for building). Everything that takes a group gets the trainer's own:
+the model's ``dp_cp_group``, the fully parallel save's DP group. The one value Megatron still reads
+from ``parallel_state`` (the DP rank in the tied output layer's replica id) is pinned to the trainer's
+DP rank while the state dicts are built, and every replica id is then checked against the trainer's
+groups, so a stale ``parallel_state`` (the previous world's) can never decide what is saved.
+
+Writing: Megatron's default ``torch_dist`` writer starts a ``multiprocessing.Manager`` with the spawn
+method and forks one writer process per file on every save. That cannot run in a daemonic process (the
+test worlds) and restarts the training script without a ``__main__`` guard; here the same format is
+written by torch DCP's synchronous ``FileSystemWriter`` in the training process (one file per rank,
+fsynced), and read by Megatron's default ``torch_dist`` loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import _get_scalar_dtype
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import ModelSpec
+from liver.worker_runtime.megatron_state import (
+    RngState,
+    TrainingProgress,
+    local_state,
+    restore_progress,
+    rng_state,
+    training_progress,
+)
+from liver.worker_runtime.train_config import TrainConfig
+
+if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and marker logic need none of it
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+
+    from liver.worker_runtime.megatron_build import ParallelGroups
+    from liver.worker_runtime.megatron_data import SyntheticCorpus
+    from liver.worker_runtime.megatron_train import MegatronTrainer
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointManifest",
+    "Fallback",
+    "PeriodicCheckpoints",
+    "check_replica_ids",
+    "checkpoint_name",
+    "fall_back_to_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "read_manifest",
+    "rng_streams_for",
+    "save_checkpoint",
+]
+
+log = structlog.get_logger(__name__)
+
+SCHEMA_VERSION = 1
+MANIFEST = "liver_manifest.json"
+LATEST = "latest"
+FORMAT = "megatron-core dist_checkpointing torch_dist/1"
+_NAME = re.compile(r"^iter_(\d{7,})$")
+_TMP_PREFIX = ".tmp-"
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, found, trusted or loaded as asked."""
+
+
+class CheckpointManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a checkpoint holds besides its tensors; written last, so its presence means complete.
+
+    ``rng`` holds every saving rank's streams in rank order of ``layout``; ``adam_step`` is the step
+    every parameter's Adam state had. A load writes it into every parameter's state: Megatron keeps it
+    in its common state only when it is not zero.
+    """
+
+    schema: int
+    format: str
+    iteration: int
+    model: ModelSpec
+    layout: ParallelLayout
+    config: TrainConfig
+    progress: TrainingProgress
+    rng: tuple[RngState, ...]
+    adam_step: int
+    saved_at: float
+    save_seconds: float
+
+    def __post_init__(self) -> None:
+        if self.schema != SCHEMA_VERSION:
+            raise ValueError(f"schema: version {self.schema}, this LiveR reads {SCHEMA_VERSION}")
+        if self.iteration != self.progress.iteration:
+            raise ValueError(
+                f"iteration: {self.iteration} disagrees with progress.iteration {self.progress.iteration}"
+            )
+        if len(self.rng) != self.layout.world_size:
+            raise ValueError(
+                f"rng: {len(self.rng)} streams for the {self.layout.world_size} ranks of "
+                f"{self.layout.describe()}"
+            )
+        if self.adam_step < 0:
+            raise ValueError(f"adam_step must not be negative, got {self.adam_step}")
+
+
+def checkpoint_name(iteration: int) -> str:
+    """The directory name of the checkpoint taken after ``iteration`` steps."""
+    if iteration < 0:
+        raise ValueError(f"iteration must not be negative, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write ``path`` so that after a crash it holds either its old content or ``data``, never a mix."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(partial, path)
+    _fsync_path(path.parent)
+
+
+def read_manifest(checkpoint: str | os.PathLike[str]) -> CheckpointManifest:
+    """The manifest of one checkpoint directory; raises :class:`CheckpointError` naming the problem."""
+    path = Path(checkpoint) / MANIFEST
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{checkpoint}: no {MANIFEST}; not a complete LiveR checkpoint") from None
+    try:
+        return msgspec.json.decode(data, type=CheckpointManifest, strict=True)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint the ``latest`` marker under ``root`` names, or ``None`` when none was committed.
+
+    A marker that names a missing or incomplete checkpoint raises: it means the directory was changed
+    behind the job's back, and silently falling back further would lose more steps than it should.
+    """
+    marker = Path(root) / LATEST
+    try:
+        name = marker.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not _NAME.match(name):
+        raise CheckpointError(f"{marker}: {name!r} is not a checkpoint name (iter_NNNNNNN)")
+    path = Path(root) / name
+    read_manifest(path)
+    return path
+
+
+def _checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for entry in root.iterdir():
+        match = _NAME.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def prune_checkpoints(root: str | os.PathLike[str], keep_last: int) -> list[str]:
+    """Keep the latest checkpoint and the ``keep_last - 1`` committed before it; remove the rest.
+
+    Also removed: leftovers of saves that crashed before their commit (``.tmp-`` directories, and
+    checkpoints newer than the latest, which a crash between the rename and the marker leaves). Only
+    call it while no save is in flight (saves are collective, so between them). Returns what it removed.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    root = Path(root)
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return []
+    latest_iteration = int(_NAME.match(latest.name).group(1))  # type: ignore[union-attr]
+    removed = []
+    committed = [(i, p) for i, p in _checkpoint_dirs(root) if i <= latest_iteration]
+    stale = [p for _, p in committed[: max(len(committed) - keep_last, 0)]]
+    stale += [p for i, p in _checkpoint_dirs(root) if i > latest_iteration]
+    stale += [p for p in root.iterdir() if p.name.startswith(_TMP_PREFIX) and p.is_dir()]
+    for path in stale:
+        shutil.rmtree(path)
+        removed.append(path.name)
+    return removed
+
+
+# --------------------------------------------------------------------------- sharded state dicts
+
+
+@contextlib.contextmanager
+def _parallel_state_pinned_to(groups: ParallelGroups) -> Iterator[None]:
+    """Answer Megatron's remaining ``parallel_state`` rank queries with the trainer's own ranks.
+
+    ``parallel_state.get_data_parallel_rank`` (and the TP rank) return an explicitly set rank before
+    consulting any group, so setting them makes the answer the trainer's whatever ``parallel_state``
+    describes (another world, or nothing at all); the previous values are restored afterwards.
+    """
+    from megatron.core import parallel_state
+
+    saved = (parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK)
+    parallel_state.set_data_parallel_rank(groups.dp.rank())
+    parallel_state.set_tensor_model_parallel_rank(groups.tp.rank())
+    try:
+        yield
+    finally:
+        parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK = saved
+
+
+def check_replica_ids(state: ShardedStateDict, groups: ParallelGroups) -> None:
+    """Every shard's replica id must name this rank's DP rank (last entry) and, where it has one, its
+    TP rank: a replica id computed from another world's groups would make the save keep the wrong
+    copy (or none) of a replicated tensor, and the load check the wrong coverage."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    dp_rank, tp_rank = groups.dp.rank(), groups.tp.rank()
+    for shard in nested_values(state):
+        if not isinstance(shard, ShardedBase):
+            continue
+        replica = shard.replica_id
+        if not isinstance(replica, tuple) or len(replica) != 3:
+            raise CheckpointError(f"{shard.key}: replica id {replica!r} is not Megatron's (pp, tp, dp) form")
+        if replica[2] != dp_rank or replica[1] not in (0, tp_rank):
+            raise CheckpointError(
+                f"{shard.key}: replica id {replica} does not match this rank (TP rank {tp_rank}, DP rank "
+                f"{dp_rank} of {groups.layout.describe()}); the state dict was built from stale groups"
+            )
+
+
+def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str, Any]:
+    groups = trainer.groups
+    with _parallel_state_pinned_to(groups):
+        model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp})
+        optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading)
+    state = {"model": model, "optimizer": optimizer}
+    check_replica_ids(state, groups)
+    return state
+
+
+@functools.cache
+def _in_process_torch_dist_save() -> type:
+    """Megatron's ``torch_dist`` save, written by torch DCP in this process (see the module docstring).
+
+    The state dict is translated exactly as Megatron's own strategy translates it (same keys, same
+    main-replica filtering, same planner), so the files are the ``torch_dist`` format its loader reads.
+    The class is made on first use so that importing this module does not import Megatron.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        def __init__(self) -> None:
+            super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=1)
+
+        def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | os.PathLike[str]) -> None:
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            dcp_save(
+                mcore_to_pyt_state_dict(flat, False),
+                storage_writer=FileSystemWriter(checkpoint_dir, single_file_per_rank=True, sync_files=True),
+                planner=MCoreSavePlanner(flatten_state_dict=False),
+            )
+
+    return InProcessTorchDistSave
+
+
+def _save_strategy(groups: ParallelGroups) -> Any:
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    strategy = _in_process_torch_dist_save()()
+    if groups.layout.dp > 1:
+        # DP replicas hold the same shards: spread their writing over the DP group (an explicit group)
+        # instead of letting DP rank 0 write everything.
+        return FullyParallelSaveStrategyWrapper(strategy, parallelization_group=groups.dp)
+    return strategy
+
+
+def _adam_step(trainer: MegatronTrainer) -> int:
+    step_index = next(i for i, t in enumerate(trainer.spec.tensors()) if t.role == "step")
+    return int(local_state(trainer)[step_index])
+
+
+def _check_trainer(trainer: MegatronTrainer) -> None:
+    if trainer.config.use_distributed_optimizer:
+        raise CheckpointError(
+            "use_distributed_optimizer: its checkpoint formats do not reshard TP/PP changes without "
+            "gathering the optimizer on one rank (see liver.worker_runtime.checkpoint)"
+        )
+    from liver.worker_runtime.megatron_build import check_default_world
+
+    check_default_world(trainer.groups)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _range_over_ranks(value: int) -> tuple[int, int]:
+    """The smallest and the largest ``value`` over the default world (one all-reduce)."""
+    values = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return -int(values[1]), int(values[0])
+
+
+def _on_rank_zero(action: Callable[[], T], what: str) -> T | None:
+    """Run a file-system step on rank 0 only and let every rank know whether it worked, so that a
+    failure raises on all ranks instead of leaving the others waiting in the next collective."""
+    result: T | None = None
+    failure: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = action()
+        except Exception as exc:  # reported to every rank below
+            failure[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(f"{what} failed on rank 0: {failure[0]}")
+    return result
+
+
+def save_checkpoint(trainer: MegatronTrainer, root: str | os.PathLike[str], *, keep_last: int = 2) -> Path:
+    """Save the trainer's whole training state as ``root/iter_NNNNNNN`` and commit it as the latest.
+
+    A collective over the trainer's world (every rank calls it at the same iteration). Returns the
+    committed checkpoint's path once every rank knows it is durable.
+    """
+    from megatron.core import dist_checkpointing
+
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    _check_trainer(trainer)
+    started = time.perf_counter()
+    root = Path(root)
+    lowest, highest = _range_over_ranks(trainer.iteration)
+    if lowest != highest:
+        raise CheckpointError(f"the ranks are at iterations {lowest} to {highest}; a save is a collective")
+    name = checkpoint_name(trainer.iteration)
+    final, staging = root / name, root / f"{_TMP_PREFIX}{name}"
+    if _latest_name(root) == name:  # every rank reads the marker: only saves move it
+        raise CheckpointError(f"{final} is already the latest checkpoint; it is not overwritten")
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)  # a crashed save of the same iteration
+        staging.mkdir()
+
+    _on_rank_zero(prepare, f"preparing {staging}")
+    state = _sharded_state_dict(trainer, loading=False)
+    dist_checkpointing.save(state, str(staging), sharded_strategy=_save_strategy(trainer.groups))
+    mine = rng_state()
+    streams = [mine] * dist.get_world_size()
+    dist.all_gather_object(streams, mine)
+    manifest = CheckpointManifest(
+        schema=SCHEMA_VERSION,
+        format=FORMAT,
+        iteration=trainer.iteration,
+        model=trainer.spec,
+        layout=trainer.layout,
+        config=trainer.config,
+        progress=training_progress(trainer, with_rng=False),
+        rng=tuple(streams),
+        adam_step=_adam_step(trainer),
+        saved_at=time.time(),
+        save_seconds=time.perf_counter() - started,
+    )
+
+    def commit() -> list[str]:
+        _write_durably(staging / MANIFEST, msgspec.json.encode(manifest))
+        for path in staging.rglob("*"):
+            if path.is_file():
+                _fsync_path(path)
+        if final.exists():  # renamed by a save that crashed before its marker: never committed
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync_path(root)
+        _write_durably(root / LATEST, f"{name}\n".encode())
+        return prune_checkpoints(root, keep_last)
+
+    removed = _on_rank_zero(commit, f"committing {final}")
+    log.info(
+        "checkpoint.saved",
+        rank=trainer.groups.rank,
+        layout=trainer.layout.describe(),
+        checkpoint=name,
+        seconds=round(time.perf_counter() - started, 4),
+        removed=removed,
+    )
+    return final
+
+
+def _latest_name(root: Path) -> str | None:
+    """The name the ``latest`` marker holds (unchecked), or ``None``."""
+    try:
+        return (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+class PeriodicCheckpoints:
+    """A checkpoint every ``every`` iterations, keeping the last ``keep_last``: call :meth:`after_step`
+    once per iteration on every rank."""
+
+    def __init__(self, root: str | os.PathLike[str], *, every: int, keep_last: int = 2) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        self.root = Path(root)
+        self.every = every
+        self.keep_last = keep_last
+
+    def after_step(self, trainer: MegatronTrainer) -> Path | None:
+        """Save when the trainer's iteration is a multiple of ``every``; the committed path, if saved."""
+        if trainer.iteration == 0 or trainer.iteration % self.every:
+            return None
+        return save_checkpoint(trainer, self.root, keep_last=self.keep_last)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _check_compatible(manifest: CheckpointManifest, trainer: MegatronTrainer, path: Path) -> None:
+    if manifest.model != trainer.spec:
+        differing = [
+            f for f in ModelSpec.__struct_fields__ if getattr(manifest.model, f) != getattr(trainer.spec, f)
+        ]
+        raise CheckpointError(f"{path}: saved for another model (model.{differing[0]} differs)")
+    if manifest.config.global_batch_size != trainer.config.global_batch_size:
+        raise CheckpointError(
+            f"{path}: global_batch_size was {manifest.config.global_batch_size}, the trainer uses "
+            f"{trainer.config.global_batch_size} (it must stay constant)"
+        )
+    if trainer.iteration != 0 or trainer.scheduler.num_steps != 0:
+        raise CheckpointError("load_checkpoint needs a freshly built trainer that has not stepped")
+
+
+def rng_streams_for(manifest: CheckpointManifest, layout: ParallelLayout, rank: int) -> RngState | None:
+    """The saved streams ``rank`` continues, or ``None`` when the layout changed and the rank must be
+    reseeded instead (see the module docstring)."""
+    if layout != manifest.layout:
+        return None
+    return manifest.rng[rank]
+
+
+def _set_adam_step(trainer: MegatronTrainer, step: int) -> None:
+    """Megatron keeps the Adam step in the common state only when it is non-zero; write it into every
+    parameter's state so that a checkpoint of step 0 loads into a usable optimizer too."""
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        inner = opt.optimizer
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+
+
+def load_checkpoint(trainer: MegatronTrainer, checkpoint: str | os.PathLike[str]) -> CheckpointManifest:
+    """Load a checkpoint saved at any layout into a freshly built trainer (a collective over its world).
+
+    Parameters, master weights and Adam moments are read with reshape; the Adam step, the progress and
+    (where the layout allows, see :func:`rng_streams_for`) the RNG streams come from the manifest. The
+    loaded state is checked against the view function before it is returned.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    started = time.perf_counter()
+    path = Path(checkpoint)
+    manifest = read_manifest(path)
+    _check_compatible(manifest, trainer, path)
+    _check_trainer(trainer)
+    state = _sharded_state_dict(trainer, loading=True)
+    loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL)
+    trainer.gpt.load_state_dict(loaded["model"], strict=True)
+    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    _set_adam_step(trainer, manifest.adam_step)
+    rng = rng_streams_for(manifest, trainer.layout, trainer.groups.rank)
+    restore_progress(trainer, msgspec.structs.replace(manifest.progress, rng=rng))
+    if rng is None:
+        from liver.worker_runtime.megatron_job import reseed
+
+        reseed(manifest.config, manifest.iteration, trainer.layout, trainer.groups.rank)
+    local_state(trainer)  # the loaded state still agrees with the view function
+    log.info(
+        "checkpoint.loaded",
+        rank=trainer.groups.rank,
+        checkpoint=path.name,
+        saved_layout=manifest.layout.describe(),
+        layout=trainer.layout.describe(),
+        rng="restored" if rng is not None else "reseeded",
+        seconds=round(time.perf_counter() - started, 4),
+    )
+    return manifest
+
+
+# --------------------------------------------------------------------------- fail-stop fallback
+
+
+class Fallback(NamedTuple):
+    """The job after a fail-stop fallback: a trainer on the new layout at the checkpoint's iteration."""
+
+    trainer: MegatronTrainer
+    checkpoint: Path
+    manifest: CheckpointManifest
+    steps_lost: int | None  # steps the old world had completed past the checkpoint, when known
+    seconds: float  # agreement + build + load on this rank
+
+
+_NO_CHECKPOINT, _UNREADABLE = -1, -2
+
+
+def _agree_on_checkpoint(root: str | os.PathLike[str]) -> tuple[Path, CheckpointManifest]:
+    """The latest checkpoint, agreed by every rank of the new world before any of them loads.
+
+    Each rank reads the marker itself; a rank that finds none, cannot read it, or finds another one
+    (a root that is not shared, a marker that moved) makes every rank raise, instead of some ranks
+    loading while the others wait in a collective forever.
+    """
+    problem = ""
+    checkpoint, manifest, iteration = None, None, _NO_CHECKPOINT
+    try:
+        checkpoint = latest_checkpoint(root)
+        if checkpoint is not None:
+            manifest = read_manifest(checkpoint)
+            iteration = manifest.iteration
+    except CheckpointError as exc:
+        checkpoint, iteration, problem = None, _UNREADABLE, str(exc)
+    lowest, highest = _range_over_ranks(iteration)
+    if highest != lowest:
+        raise CheckpointError(
+            f"{root}: the ranks of the new world found different latest checkpoints (iterations "
+            f"{lowest} to {highest}; -1: none, -2: unreadable{', here: ' + problem if problem else ''}); "
+            "the checkpoint root must be shared and no save may run"
+        )
+    if checkpoint is None or manifest is None:
+        raise CheckpointError(problem or f"{root}: no committed checkpoint; the job can only start over")
+    return checkpoint, manifest
+
+
+def fall_back_to_checkpoint(
+    root: str | os.PathLike[str],
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    config: TrainConfig,
+    *,
+    groups: ParallelGroups,
+    corpus: SyntheticCorpus | None = None,
+    reached_iteration: int | None = None,
+) -> Fallback:
+    """Restart the job on ``layout`` from the last durable checkpoint under ``root`` (invariant I4).
+
+    For a handoff that cannot complete because ranks of the old world are gone: the survivors and any
+    replacements have formed the new world (``groups``, adopted as the default world; the old world is
+    the caller's to release) and call this together. Whatever the old world did after its last
+    checkpoint is lost and redone (``reached_iteration``, the last step it completed, gives
+    ``steps_lost``); the result trains exactly as any job that loads that checkpoint at ``layout``.
+    """
+    from liver.worker_runtime.megatron_build import check_default_world
+    from liver.worker_runtime.megatron_train import build_trainer
+
+    started = time.perf_counter()
+    check_default_world(groups)
+    checkpoint, manifest = _agree_on_checkpoint(root)
+    steps_lost = None if reached_iteration is None else reached_iteration - manifest.iteration
+    if steps_lost is not None and steps_lost < 0:
+        raise CheckpointError(
+            f"reached_iteration: {reached_iteration} is before the latest checkpoint ({manifest.iteration})"
+        )
+    trainer = build_trainer(spec, layout, config, groups=groups, corpus=corpus)
+    load_checkpoint(trainer, checkpoint)
+    seconds = time.perf_counter() - started
+    log.warning(
+        "checkpoint.fallback",
+        rank=groups.rank,
+        checkpoint=checkpoint.name,
+        iteration=manifest.iteration,
+        steps_lost=steps_lost,
+        saved_layout=manifest.layout.describe(),
+        layout=layout.describe(),
+        seconds=round(seconds, 4),
+    )
+    return Fallback(trainer, checkpoint, manifest, steps_lost, seconds)

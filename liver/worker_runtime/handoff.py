@@ -1,0 +1,386 @@
+"""The switch sequence: what every process of both worlds does between an agreed cut and the first step
+on the new world.
+
+Three kinds of process take part (:class:`Role`): those in both worlds (``STAY``), those only in the old
+one (``LEAVE``, a scale-in or a reclaimed node) and those only in the new one (``JOIN``, a scale-out).
+The sequence, in every process that has the step::
+
+    1. enter     new-world members: ``enter_world`` (joiners wait here for the cut), then adopt the
+                 new world as torch.distributed's default (Megatron builds on the default world)
+    2. progress  all: the training progress goes from stream rank 0 (old rank 0's process) to everyone
+                 over the stream group, so a joiner learns the iteration, data position and LR schedule
+    3. build     new-world members: build the new trainer; its live tensors are the ``into=`` storage
+    4. stream    all: the executor streams parameters, master weights, Adam moments and step from the
+                 old trainers' live storage straight into the new trainers' storage
+    5. load      new-world members: write the step, restore the progress, reseed (the factory's rule)
+    6. commit    all: one MIN all-reduce of "everything above succeeded" over the stream group
+    7. release   old-world members: free the old trainer's memory and release the old world; leavers
+                 are done
+
+Invariant I4. Nothing before the commit writes the old trainer: the executor only reads it, the new
+trainer has storage of its own, and the one process-global thing the build touches (the random
+streams: Megatron seeds its build) is captured at the cut and put back on abort. A process that fails
+anywhere before the commit shuts its stream group and its new world down, so that every peer, whatever
+collective it waits in, fails within moments instead of at a timeout; every process that does not see
+the commit succeed rolls back: the new world is released and the old world becomes the default again
+(a collective over the old world, so every old member takes part). Training then continues on the old
+world as if no handoff had been tried. If the old world itself cannot be restored (one of its processes
+is gone: fail-stop), :class:`HandoffFailed` says so and the job falls back to its checkpoint.
+
+Where the pause goes (:class:`SwitchReport`): ``switch`` is steps 1, 2 and 6 (agreement), ``transfer``
+step 4, ``rebuild`` steps 3, 5 and 7. The pause runs from the moment this process learned the cut (the
+vote's answer; a joiner: ``enter_world``'s) to the moment the new trainer is handed back.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, Generic, Protocol, TypeVar
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import ModelSpec
+from liver.shared.plan import Plan
+from liver.worker_runtime.cut import enter_world
+from liver.worker_runtime.executor import (
+    GroupRanks,
+    StreamOptions,
+    StreamResult,
+    ranks_on_device,
+    stream_plan,
+)
+from liver.worker_runtime.world import StreamGroup, World, allreduce
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class TrainerFactory(Protocol[T]):
+    """How the runtime builds, reads and resumes the trainer of one world (``MegatronJob`` for Megatron).
+
+    A trainer is whatever the training loop steps (model, optimizer, data iterator). The runtime needs
+    its state as LiveR local state (tensor index into ``model.tensors()`` -> local tensor), and its
+    non-tensor progress as bytes that mean the same in every process.
+    """
+
+    @property
+    def model(self) -> ModelSpec: ...
+
+    def build(self, world: World) -> T:
+        """A fresh trainer for this process's rank of ``world`` (already torch's default world)."""
+        ...
+
+    def warm_up(self, layout: ParallelLayout, rank: int) -> object:
+        """Build and step a throw-away trainer for ``rank`` of ``layout`` under a mock world."""
+        ...
+
+    def iteration(self, trainer: T) -> int:
+        """Completed training steps (the same number on every rank)."""
+        ...
+
+    def local_state(self, trainer: T) -> dict[int, torch.Tensor]:
+        """The trainer's whole tensor state; views of its live storage where the tensor has one."""
+        ...
+
+    def progress(self, trainer: T) -> bytes:
+        """Iteration, data position and schedule: what a new rank must know besides tensors."""
+        ...
+
+    def resume(self, trainer: T, state: Mapping[int, torch.Tensor], progress: bytes) -> None:
+        """Make a freshly built ``trainer`` continue from ``state`` and ``progress``."""
+        ...
+
+    def dispose(self, trainer: T) -> None:
+        """Free the memory of a trainer that will never step again (the old world's, after the commit),
+        without waiting for Python's garbage collector."""
+        ...
+
+    def capture_rng(self) -> object:
+        """This process's random streams (restored when a handoff is rolled back)."""
+        ...
+
+    def restore_rng(self, captured: object) -> None: ...
+
+
+class Role(StrEnum):
+    STAY = "stay"  # in the old and the new world
+    LEAVE = "leave"  # only in the old world
+    JOIN = "join"  # only in the new world
+
+
+class HandoffAborted(RuntimeError):
+    """The handoff did not commit; this process rolled back and the old world (if it had one) trains."""
+
+    def __init__(self, generation: int, stage: str, reason: str) -> None:
+        self.generation = generation
+        self.stage = stage
+        self.reason = reason
+        super().__init__(f"handoff to generation {generation} aborted at {stage}: {reason}")
+
+
+class HandoffFailed(RuntimeError):
+    """The handoff failed and the old world could not be restored (a process of it is gone): the job must
+    fall back to its last checkpoint (I4's fail-stop branch)."""
+
+
+class SwitchReport(msgspec.Struct, kw_only=True):
+    """One process's switch to a new generation: the pause and where it went (seconds), and the bytes.
+
+    ``pause_s`` runs from this process learning the cut to the new trainer being handed back;
+    ``switch_s + transfer_s + rebuild_s`` accounts for all of it but bookkeeping. The job's pause is
+    the largest over its processes. ``first_step_s`` (the first step on the new world) is filled in
+    when the training loop asks for its next iteration.
+    """
+
+    generation: int
+    from_generation: int
+    role: Role
+    iteration: int  # the cut: steps completed before the switch (training resumes with the next)
+    old_rank: int | None
+    new_rank: int | None
+    pause_s: float
+    switch_s: float  # enter the new world, adopt it, share the progress, commit vote
+    transfer_s: float  # the executor's stream
+    rebuild_s: float  # build the new trainer, load it, release the old world
+    commit_s: float  # the commit vote alone (part of switch_s)
+    build_s: float  # building the new trainer (part of rebuild_s)
+    load_s: float  # loading the streamed state and the progress into it (part of rebuild_s)
+    prepare_s: float | None = None  # request -> ready, in the background while training went on
+    warmup_s: float | None = None  # a joiner's mock warm-up (before it joined any group)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    staging_bytes: int = 0
+    peak_extra_bytes: int = 0
+    first_step_s: float | None = None
+
+
+@dataclass
+class Handoff(Generic[T]):
+    """Everything one process needs to run the switch sequence for one generation."""
+
+    factory: TrainerFactory[T]
+    plan: Plan
+    device: Any  # liver.shared.layout.Device
+    stream: StreamGroup
+    old_world: World | None
+    new_world: World | None
+    old_trainer: T | None
+    iteration: int | None  # the cut's iteration; None for a joiner, which learns it in enter_world
+    from_generation: int
+    control_timeout: timedelta
+    join_timeout: timedelta
+    stream_options: StreamOptions
+    on_stream_step: Callable[[int, int, int], None] | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.stream.new.generation
+
+    @property
+    def role(self) -> Role:
+        if self.old_world is not None and self.new_world is not None:
+            return Role.STAY
+        return Role.LEAVE if self.old_world is not None else Role.JOIN
+
+
+def switch(handoff: Handoff[T], cut_at: float | None = None) -> tuple[T | None, SwitchReport]:
+    """Run the switch sequence (see the module docstring) for this process.
+
+    ``cut_at`` is when this process learned the cut (``time.perf_counter()``); a joiner passes None and
+    its pause starts when ``enter_world`` returns. Returns the new trainer (None for a leaver) and the
+    report; raises :class:`HandoffAborted` after rolling back, or :class:`HandoffFailed`.
+
+    Python's automatic garbage collection is off meanwhile: building a model allocates enough objects
+    to set off a full collection, which on a large heap costs more than the rest of the pause (0.4-1.7 s
+    here). The old trainer's tensors are freed at the commit (``factory.dispose``), so its memory does
+    not wait for a collection either; its remaining Python objects go with the next automatic one.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _switch(handoff, cut_at)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, SwitchReport]:
+    h = handoff
+    role = h.role
+    old_rank, new_rank = ranks_on_device(h.plan, h.device)
+    bound = log.bind(generation=h.generation, role=str(role), old_rank=old_rank, new_rank=new_rank)
+    captured_rng = h.factory.capture_rng() if h.old_world is not None else None
+    stage = "enter"
+    failure: str | None = None
+    new_trainer: T | None = None
+    into: dict[int, torch.Tensor] | None = None
+    t_enter = t_commit = t_built = t_stream = t_loaded = 0.0
+    try:
+        iteration = h.iteration
+        if h.new_world is not None:
+            timeout = h.join_timeout if role is Role.JOIN else h.control_timeout
+            iteration = enter_world(h.new_world, h.iteration, timeout=timeout)
+            if cut_at is None:
+                cut_at = time.perf_counter()
+            h.new_world.adopt_as_default(h.control_timeout)
+        assert cut_at is not None and iteration is not None
+        stage = "progress"
+        mine = h.factory.progress(h.old_trainer) if h.old_trainer is not None else None
+        progress = _broadcast_bytes(h.stream, mine, h.control_timeout)
+        t_enter = time.perf_counter()
+
+        stage = "build"
+        if h.new_world is not None:
+            new_trainer = h.factory.build(h.new_world)
+            into = h.factory.local_state(new_trainer)
+        t_built = time.perf_counter()
+
+        stage = "stream"
+        result = _stream(h, old_rank, new_rank, into)
+        t_stream = time.perf_counter()
+
+        stage = "load"
+        if new_trainer is not None:
+            h.factory.resume(new_trainer, result.new_state, progress)
+        t_loaded = time.perf_counter()
+
+        stage = "commit"
+        _commit(h.stream, h.control_timeout)
+        t_commit = time.perf_counter()
+    except Exception as error:
+        bound.warning("handoff.failed", stage=stage, error=repr(error))
+        failure = _first_line(error)
+    if failure is not None:
+        # Outside the except block, so that the traceback (whose frames hold the stream group) is gone:
+        # the groups must really be destroyed for the peers to notice.
+        new_trainer = into = None
+        _roll_back(h, captured_rng)
+        raise HandoffAborted(h.generation, stage, failure)
+
+    # Committed: from here on the new world is the job's. Release the old one.
+    old_trainer, h.old_trainer = h.old_trainer, None
+    if old_trainer is not None:
+        h.factory.dispose(old_trainer)
+        del old_trainer
+    if h.old_world is not None:
+        h.old_world.release()
+    h.stream.release()
+    done = time.perf_counter()
+    stats = result.stats
+    report = SwitchReport(
+        generation=h.generation,
+        from_generation=h.from_generation,
+        role=role,
+        iteration=int(iteration),
+        old_rank=old_rank,
+        new_rank=new_rank,
+        pause_s=done - cut_at,
+        switch_s=(t_enter - cut_at) + (t_commit - t_loaded),
+        transfer_s=t_stream - t_built,
+        rebuild_s=(t_built - t_enter) + (t_loaded - t_stream) + (done - t_commit),
+        commit_s=t_commit - t_loaded,
+        build_s=t_built - t_enter,
+        load_s=t_loaded - t_stream,
+        bytes_sent=stats.bytes_sent,
+        bytes_received=stats.bytes_received,
+        bytes_local=stats.bytes_local,
+        staging_bytes=stats.staging_bytes,
+        peak_extra_bytes=stats.peak_extra_bytes,
+    )
+    bound.info(
+        "handoff.committed",
+        iteration=report.iteration,
+        pause_s=round(report.pause_s, 4),
+        switch_s=round(report.switch_s, 4),
+        transfer_s=round(report.transfer_s, 4),
+        rebuild_s=round(report.rebuild_s, 4),
+    )
+    return new_trainer, report
+
+
+def _stream(
+    h: Handoff[T], old_rank: int | None, new_rank: int | None, into: dict[int, torch.Tensor] | None
+) -> StreamResult:
+    old_state = h.factory.local_state(h.old_trainer) if h.old_trainer is not None else {}
+    on_step = None
+    hook, generation = h.on_stream_step, h.generation
+    if hook is not None:
+
+        def on_step(layer: int, rnd: int) -> None:
+            hook(generation, layer, rnd)
+
+    return stream_plan(
+        h.plan,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        group=h.stream.group(),
+        group_ranks=GroupRanks.by_device(h.plan),
+        old_state=old_state,
+        into=into,
+        options=h.stream_options,
+        on_step=on_step,
+    )
+
+
+def _broadcast_bytes(stream: StreamGroup, payload: bytes | None, timeout: timedelta) -> bytes:
+    """``payload`` of stream rank 0, delivered to every process of the stream group."""
+    pg = stream.group()
+    if pg.rank() == 0 and payload is None:
+        raise RuntimeError("stream rank 0 has no training progress to share (it holds no old trainer)")
+    size = torch.tensor([len(payload) if pg.rank() == 0 and payload is not None else 0], dtype=torch.int64)
+    _broadcast(pg, size, timeout)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if pg.rank() == 0 and payload is not None:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    _broadcast(pg, data, timeout)
+    return bytes(data.numpy().tobytes())
+
+
+def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, timeout: timedelta) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    options.timeout = timeout
+    pg.broadcast([tensor], options).wait()
+
+
+def _commit(stream: StreamGroup, timeout: timedelta) -> None:
+    """Every process of both worlds says it succeeded; an all-reduce completes only if all of them did."""
+    flag = torch.ones(1, dtype=torch.int64)
+    allreduce(stream.group(), flag, dist.ReduceOp.MIN, timeout)
+    if int(flag.item()) != 1:
+        raise RuntimeError("a process of the handoff reported a failure")
+
+
+def _roll_back(h: Handoff[T], captured_rng: object) -> None:
+    """Undo everything this process did for the handoff, and make its peers notice at once."""
+    h.stream.release()
+    if h.new_world is not None:
+        h.new_world.release()
+    gc.collect()  # the new trainer's modules hold the new world's groups in reference cycles
+    if h.old_world is None:
+        return
+    try:
+        h.old_world.adopt_as_default(h.control_timeout)
+    except Exception as error:
+        raise HandoffFailed(
+            f"generation {h.generation} aborted and the old world {h.old_world!r} cannot be restored "
+            f"({_first_line(error)}): fall back to the last checkpoint"
+        ) from error
+    h.factory.restore_rng(captured_rng)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text.splitlines()[0][:500]

@@ -1,0 +1,180 @@
+"""A Megatron-core GPT job as the live runtime sees it: the runtime's ``TrainerFactory`` for
+:class:`~liver.worker_runtime.megatron_train.MegatronTrainer`.
+
+It ties the adapter's pieces to the runtime: build a trainer on a LiveR world, warm one up under a mock
+world, read and load its local state, and carry its progress. :meth:`MegatronJob.resume` is the one
+way a fresh trainer continues from a given state, used by the live switch and by any restart that
+loads a gathered or checkpointed state, so that both continue identically.
+
+Random streams across a reshard. A rank's streams (torch's generator, the model-parallel tracker,
+Python's ``random``) belong to its place in the layout: which TP slice of a dropout mask it draws, which
+stage it is. After a layout change those places are different, and no old stream has a meaning in the
+new layout (Megatron's own checkpoints drop RNG state when TP or PP change). So every switch reseeds
+every rank of the new world from ``(config.seed, the cut's iteration, its new coordinates)``
+(:func:`reseed`), exactly as a restart at the new layout from the state at that iteration does. Runs
+are therefore reproducible, and a live reshard and a checkpoint reload at the same layout continue bit
+for bit, with dropout too. Between switches the streams run on unchanged; a handoff that is rolled back
+restores the streams it found at the cut.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+import msgspec
+import structlog
+import torch
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import ModelSpec
+from liver.worker_runtime.megatron_build import groups_from_world, initialize_parallel_state
+from liver.worker_runtime.megatron_data import SyntheticCorpus
+from liver.worker_runtime.megatron_state import (
+    RngState,
+    TrainingProgress,
+    load_local_state,
+    local_state,
+    restore_progress,
+    restore_rng_state,
+    rng_state,
+    training_progress,
+)
+from liver.worker_runtime.megatron_train import MegatronTrainer, build_trainer
+from liver.worker_runtime.mock_warmup import WarmupReport, mock_warmup
+from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.world import World
+
+log = structlog.get_logger(__name__)
+
+_ITERATION_STRIDE = 1_000_003  # a prime, so seeds of nearby iterations and stages never coincide
+_SEED_MODULUS = 2**31 - 1
+
+
+def reseed(config: TrainConfig, iteration: int, layout: ParallelLayout, rank: int) -> int:
+    """Seed this process's random streams for ``rank`` of ``layout`` resuming after ``iteration``.
+
+    Follows Megatron's build-time rule (``seed + 100 * pp_rank``; the tracker's TP streams derive from
+    it and the TP rank) with the seed moved on by the iteration. Returns the stage seed.
+    """
+    from megatron.core import tensor_parallel
+
+    if iteration < 0:
+        raise ValueError(f"`iteration`: must not be negative, got {iteration}")
+    coords = layout.coords(rank)
+    seed = (config.seed + _ITERATION_STRIDE * iteration) % _SEED_MODULUS + 100 * coords.pp
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+    random.seed(seed)
+    return seed
+
+
+class MegatronJob:
+    """Builds, warms up, reads and resumes :class:`MegatronTrainer` s of one model and training config."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: TrainConfig,
+        *,
+        corpus: SyntheticCorpus | None = None,
+        warmup_steps: int = 1,
+    ) -> None:
+        if config.use_distributed_optimizer:
+            raise ValueError(
+                "config.use_distributed_optimizer: the distributed optimizer shards flat buffers, whose "
+                "state LiveR cannot stream; use the plain optimizer"
+            )
+        if warmup_steps < 1:
+            raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
+        self.spec = spec
+        self.config = config
+        self.corpus = corpus
+        self.warmup_steps = warmup_steps
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.spec
+
+    def build(self, world: World) -> MegatronTrainer:
+        return build_trainer(
+            self.spec, world.layout, self.config, groups=groups_from_world(world), corpus=self.corpus
+        )
+
+    def warm_up(self, layout: ParallelLayout, rank: int) -> WarmupReport:
+        """Build and train a throw-away trainer as ``rank`` of ``layout`` under torch's fake backend.
+
+        Megatron's ``parallel_state`` is built on the fake world for it and destroyed afterwards.
+        """
+        from megatron.core import parallel_state
+
+        self.spec.check_layout(layout)
+
+        def build() -> MegatronTrainer:
+            initialize_parallel_state(layout, gloo_groups=False)
+            return build_trainer(self.spec, layout, self.config, corpus=self.corpus)
+
+        return mock_warmup(
+            build,
+            lambda trainer: trainer.train_step(),
+            rank=rank,
+            world_size=layout.world_size,
+            steps=self.warmup_steps,
+            teardown=lambda _: parallel_state.destroy_model_parallel(),
+        )
+
+    def iteration(self, trainer: MegatronTrainer) -> int:
+        return trainer.iteration
+
+    def local_state(self, trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
+        return local_state(trainer)
+
+    def progress(self, trainer: MegatronTrainer) -> bytes:
+        """The progress without this process's random streams (they are reseeded, see the docstring)."""
+        return msgspec.json.encode(training_progress(trainer, with_rng=False))
+
+    def resume(
+        self,
+        trainer: MegatronTrainer,
+        state: Mapping[int, torch.Tensor],
+        progress: bytes | TrainingProgress,
+    ) -> None:
+        """Load ``state``, restore the progress and reseed: a fresh trainer continues from there."""
+        if isinstance(progress, bytes):
+            progress = msgspec.json.decode(progress, type=TrainingProgress)
+        load_local_state(trainer, state)
+        restore_progress(trainer, msgspec.structs.replace(progress, rng=None))
+        reseed(self.config, progress.iteration, trainer.layout, trainer.groups.rank)
+        log.debug(
+            "megatron_job.resumed",
+            layout=trainer.layout.describe(),
+            rank=trainer.groups.rank,
+            iteration=progress.iteration,
+        )
+
+    def dispose(self, trainer: MegatronTrainer) -> None:
+        """Free the storage of the parameters, master weights, Adam moments and DDP gradient buffers.
+
+        Megatron's modules hold reference cycles (DDP's gradient hooks close over the wrapper), so
+        dropping the trainer frees nothing until a full garbage collection. The trainer must never be
+        used again.
+        """
+        tensors = list(local_state(trainer).values())
+        for buffer in (*trainer.model.buffers, *trainer.model.expert_parallel_buffers):
+            tensors.append(buffer.grad_data)
+            if buffer.param_data is not None:
+                tensors.append(buffer.param_data)
+        freed = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            freed += storage.nbytes()
+            storage.resize_(0)
+        log.debug("megatron_job.disposed", layout=trainer.layout.describe(), freed_bytes=freed)
+
+    def capture_rng(self) -> RngState:
+        return rng_state()
+
+    def restore_rng(self, captured: object) -> None:
+        if not isinstance(captured, RngState):
+            raise TypeError(f"`captured`: expected the RngState capture_rng returned, got {type(captured)}")
+        restore_rng_state(captured)

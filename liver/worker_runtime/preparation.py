@@ -1,0 +1,277 @@
+"""One resize request inside one training process: checked, then prepared in the background.
+
+:func:`check_request` turns what the bus companion hands in (generation, layout, placement, plan, store,
+deadline) into a :class:`ResizeRequest` and this process's :class:`~.handoff.Role`, or raises
+``ValueError`` naming the field that does not fit. :class:`Preparation` then builds, off the training
+thread, what the switch will need: the shadow world (unless this process leaves) and the stream group
+over both worlds (:class:`StreamBuild`, the stream group's counterpart of ``WorldBuild``). The training
+thread only polls it at iteration boundaries: :meth:`Preparation.ready` and :meth:`Preparation.failure`
+are what this process puts into the cut's vote.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+
+from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
+from liver.shared.model import ModelSpec
+from liver.shared.plan import Plan
+from liver.worker_runtime.handoff import Role
+from liver.worker_runtime.world import (
+    Backend,
+    StoreAddress,
+    StreamGroup,
+    WorldBuild,
+    WorldError,
+    WorldSpec,
+    build_stream_group,
+    build_world_async,
+)
+
+
+class ResizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A checked resize target (see :func:`check_request`)."""
+
+    generation: int
+    from_generation: int
+    layout: ParallelLayout
+    placement: Placement
+    plan: Plan
+    store: StoreAddress
+    deadline: datetime | None
+    switch_when_ready: bool
+
+
+def check_request(
+    *,
+    job: str,
+    device: Device,
+    model: ModelSpec,
+    active: WorldSpec | None,
+    newest_generation: int,
+    generation: int,
+    layout: ParallelLayout,
+    placement: Placement,
+    plan: Plan,
+    store: StoreAddress,
+    deadline: datetime | None,
+    from_generation: int | None,
+    switch_when_ready: bool,
+) -> tuple[ResizeRequest, Role, WorldSpec, WorldSpec]:
+    """The request, this process's role, and the old and new world specs; ``ValueError`` names the field.
+
+    ``active`` is the world this process is in (or starts in); None for a process in no world, which
+    can only join. ``from_generation`` defaults to the active generation, or ``generation - 1`` for a
+    joiner (it only names the stream group's old side).
+    """
+    if generation <= newest_generation:
+        raise ValueError(f"`generation`: {generation} is not newer than generation {newest_generation}")
+    check_placement(layout, placement)
+    model.check_layout(layout)
+    if plan.model != model:
+        raise ValueError(f"`plan.model`: the plan is for {plan.model.name}, this job trains {model.name}")
+    if plan.tensors != model.tensors(optimizer=True):
+        raise ValueError("`plan.tensors`: the plan must move the whole training state (optimizer included)")
+    if plan.new.layout != layout or plan.new.placement != placement:
+        raise ValueError(
+            f"`plan.new`: the plan moves to {plan.new.layout.describe()} on its own placement, the request "
+            f"to {layout.describe()} on another"
+        )
+    if active is not None:
+        if from_generation is not None and from_generation != active.generation:
+            raise ValueError(
+                f"`from_generation`: {from_generation}, but this process is in generation {active.generation}"
+            )
+        if plan.old.layout != active.layout or plan.old.placement != active.placement:
+            raise ValueError(
+                f"`plan.old`: the plan starts from {plan.old.layout.describe()} on its own placement, this "
+                f"process's world is {active.layout.describe()} on another"
+            )
+        from_generation = active.generation
+    elif from_generation is None:
+        from_generation = generation - 1
+    if not 0 <= from_generation < generation:
+        raise ValueError(f"`from_generation`: {from_generation} is not a generation before {generation}")
+    in_old = active is not None
+    in_new = device in placement.devices
+    if not in_old and not in_new:
+        raise ValueError(f"`placement`: device {device} has no place in generation {generation}")
+    if not in_old and device in plan.old.placement.devices:
+        raise ValueError(f"`plan.old`: device {device} is in the old world, but this process is in no world")
+    role = Role.STAY if in_old and in_new else Role.LEAVE if in_old else Role.JOIN
+    old = WorldSpec(job=job, generation=from_generation, layout=plan.old.layout, placement=plan.old.placement)
+    new = WorldSpec(job=job, generation=generation, layout=layout, placement=placement)
+    request = ResizeRequest(
+        generation=generation,
+        from_generation=from_generation,
+        layout=layout,
+        placement=placement,
+        plan=plan,
+        store=store,
+        deadline=deadline,
+        switch_when_ready=switch_when_ready,
+    )
+    return request, role, old, new
+
+
+class StreamBuild:
+    """The stream group, built on a thread of its own (the same contract as :class:`WorldBuild`)."""
+
+    def __init__(
+        self,
+        old: WorldSpec,
+        new: WorldSpec,
+        device: Device,
+        store: StoreAddress,
+        backend: Backend,
+        timeout: timedelta,
+    ) -> None:
+        self._group: StreamGroup | None = None
+        self._error: BaseException | None = None
+        self._discarded = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(old, new, device, store, backend, timeout),
+            name=f"liver-stream-{new.job}-gen{new.generation}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _run(
+        self,
+        old: WorldSpec,
+        new: WorldSpec,
+        device: Device,
+        store: StoreAddress,
+        backend: Backend,
+        timeout: timedelta,
+    ) -> None:
+        try:
+            group = build_stream_group(old, new, device, store, backend=backend, timeout=timeout)
+        except BaseException as error:  # reported through .error
+            with self._lock:
+                self._error = error
+            return
+        with self._lock:
+            self._group = group
+            discard = self._discarded
+        if discard:
+            group.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the build ends or ``timeout`` passes; whether it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._group is not None and not self._discarded
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._lock:
+            return self._error
+
+    def result(self) -> StreamGroup:
+        with self._lock:
+            if self._group is None or self._discarded:
+                raise WorldError(f"the stream group is not ready (error: {self._error!r})")
+            return self._group
+
+    def discard(self) -> None:
+        """Give the group up: released now if built, else as soon as it is."""
+        with self._lock:
+            self._discarded = True
+            group = self._group
+        if group is not None:
+            group.release()
+
+
+class Preparation:
+    """One request in this process: its role, its background builds, and whether it may switch yet.
+
+    ``allowed`` is the coordinator's SWITCH (already true for a request that switches when ready),
+    ``abort_reason`` an ABORT. Both are plain attribute writes from any thread.
+    """
+
+    def __init__(self, request: ResizeRequest, role: Role, old: WorldSpec, new: WorldSpec) -> None:
+        self.request = request
+        self.role = role
+        self.old = old
+        self.new = new
+        self.requested_at = time.perf_counter()
+        self.ready_at: float | None = None
+        self.warmup_s: float | None = None
+        self.allowed = request.switch_when_ready
+        self.abort_reason: str | None = None
+        self.ready_announced = False
+        self.world_build: WorldBuild | None = None
+        self.stream_build: StreamBuild | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.request.generation
+
+    @property
+    def started(self) -> bool:
+        return self.stream_build is not None
+
+    def seconds_left(self, cap: float) -> float:
+        """``cap`` seconds, or fewer if the request's deadline comes first (never below a millisecond)."""
+        deadline = self.request.deadline
+        if deadline is None:
+            return cap
+        return max(min(cap, (deadline - datetime.now(UTC)).total_seconds()), 0.001)
+
+    def start(self, device: Device, backend: Backend, build_timeout_s: float) -> None:
+        """Start building the shadow world (unless this process leaves) and the stream group."""
+        timeout = timedelta(seconds=self.seconds_left(build_timeout_s))
+        store = self.request.store
+        if self.role is not Role.LEAVE:
+            self.world_build = build_world_async(self.new, device, store, backend=backend, timeout=timeout)
+        self.stream_build = StreamBuild(self.old, self.new, device, store, backend, timeout)
+
+    def ready(self) -> bool:
+        """Whether this process can switch now (built, allowed, not failed); notes when it was built."""
+        built = self.stream_build is not None and self.stream_build.ready
+        built = built and (self.world_build is None or self.world_build.ready)
+        if built and self.ready_at is None:
+            self.ready_at = time.perf_counter()
+        return built and self.allowed and self.failure() is None
+
+    def failure(self) -> str | None:
+        """Why this preparation cannot succeed any more, or None."""
+        if self.abort_reason is not None:
+            return self.abort_reason
+        for what, build in (("shadow world", self.world_build), ("stream group", self.stream_build)):
+            error = build.error if build is not None else None
+            if error is not None:
+                text = str(error).splitlines()[0] if str(error) else repr(error)
+                return f"building the {what} failed: {text}"
+        deadline = self.request.deadline
+        if deadline is not None and datetime.now(UTC) >= deadline:
+            return f"the deadline {deadline.isoformat()} passed before the switch"
+        return None
+
+    def wait_built(self, timeout_s: float) -> None:
+        """Block until both builds end (a joiner has nothing else to do); raise when either failed."""
+        end = time.monotonic() + timeout_s
+        for build in (self.world_build, self.stream_build):
+            if build is not None and not build.wait(max(end - time.monotonic(), 0.0)):
+                raise TimeoutError(f"generation {self.generation}: groups not built within {timeout_s:.0f} s")
+        problem = self.failure()
+        if problem is not None:
+            raise WorldError(problem)
+        self.ready()
+
+    def discard(self) -> None:
+        if self.world_build is not None:
+            self.world_build.discard()
+        if self.stream_build is not None:
+            self.stream_build.discard()

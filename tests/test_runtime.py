@@ -1,0 +1,373 @@
+"""The training-loop API's control paths: what a resize request must satisfy, and how the runtime reacts
+to the coordinator's commands (switch when allowed, abort) and to a missed deadline.
+
+The multi-process part uses a toy trainer (no Megatron: its state is the model's logical tensors held
+as the view function cuts them, and a step adds the same amount to every element), so that it runs in
+seconds; ``test_live_reshard.py`` covers the real GPT job.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+from mp_helpers import World as Proc
+from mp_helpers import run_world
+
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import PRESETS, ModelSpec
+from liver.shared.plan import Plan, PlanSlice, WorldConfig
+from liver.shared.views import view
+from liver.worker_runtime.handoff import Role
+from liver.worker_runtime.runtime import (
+    LiveRuntime,
+    Phase,
+    ResizeRejected,
+    RuntimeEvent,
+    RuntimeOptions,
+)
+from liver.worker_runtime.world import GroupKind, StoreAddress, World, WorldSpec
+
+SPEC = PRESETS["tiny-gpt"]
+JOB = "runtime-test"
+DEVICES = tuple(Device("n0", i) for i in range(4))
+DP2 = ParallelLayout(tp=1, pp=1, dp=2)
+TP2 = ParallelLayout(tp=2, pp=1, dp=1)
+PP2 = ParallelLayout(tp=1, pp=2, dp=1)
+STORE = StoreAddress("127.0.0.1", 1)  # never dialled by the in-process tests
+
+
+def world_config(layout: ParallelLayout, *processes: int) -> WorldConfig:
+    return WorldConfig(layout, Placement(tuple(DEVICES[p] for p in processes)))
+
+
+def plan_between(old: WorldConfig, new: WorldConfig, model: ModelSpec = SPEC, optimizer: bool = True) -> Plan:
+    from liver.services.transfer.planner import build_plan
+
+    return build_plan(model, old, new, budget_bytes=1 << 20, optimizer=optimizer)
+
+
+# -- a toy trainer ------------------------------------------------------------------------------------------
+
+
+class ToyTrainer:
+    """The model's state as the views cut it; a step adds ``(iteration + 1) / 1000`` to every element and
+    all-reduces the state's sum over the world (so a step is a collective, like a real one)."""
+
+    def __init__(self, world: World, state: dict[int, torch.Tensor]) -> None:
+        self.world = world
+        self.state = state
+        self.iteration = 0
+
+    def train_step(self) -> float:
+        total = torch.tensor([sum(float(t.double().sum()) for t in self.state.values())], dtype=torch.float64)
+        dist.all_reduce(total, group=self.world.group(GroupKind.WORLD))
+        self.iteration += 1
+        for t in self.state.values():
+            if t.is_floating_point():
+                t.add_(self.iteration / 1000)
+            else:
+                t.fill_(self.iteration)
+        return float(total.item())
+
+
+class ToyFactory:
+    def __init__(self, model: ModelSpec = SPEC) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> ModelSpec:
+        return self._model
+
+    def build(self, world: World) -> ToyTrainer:
+        state = {}
+        for index, tensor in enumerate(self._model.tensors()):
+            shard = view(tensor, self._model, world.layout, world.rank)
+            if shard is not None:
+                dtype = torch.int64 if tensor.dtype == "int64" else torch.float32
+                state[index] = torch.zeros(shard.local_shape, dtype=dtype)
+        return ToyTrainer(world, state)
+
+    def warm_up(self, layout: ParallelLayout, rank: int) -> None:
+        return None
+
+    def iteration(self, trainer: ToyTrainer) -> int:
+        return trainer.iteration
+
+    def local_state(self, trainer: ToyTrainer) -> dict[int, torch.Tensor]:
+        return trainer.state
+
+    def progress(self, trainer: ToyTrainer) -> bytes:
+        return msgspec.json.encode({"iteration": trainer.iteration})
+
+    def resume(self, trainer: ToyTrainer, state: Mapping[int, torch.Tensor], progress: bytes) -> None:
+        for index, target in trainer.state.items():
+            if state[index].data_ptr() != target.data_ptr():
+                target.copy_(state[index])
+        trainer.iteration = msgspec.json.decode(progress)["iteration"]
+
+    def dispose(self, trainer: ToyTrainer) -> None:
+        for t in trainer.state.values():
+            t.untyped_storage().resize_(0)
+
+    def capture_rng(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def restore_rng(self, captured: object) -> None:
+        assert isinstance(captured, torch.Tensor)
+        torch.set_rng_state(captured)
+
+
+def member_runtime(device: int = 0, **kwargs: Any) -> LiveRuntime[ToyTrainer]:
+    """A runtime of a process in the DP2 world on processes 0 and 1 (not started: no I/O)."""
+    initial = WorldSpec(job=JOB, generation=0, layout=DP2, placement=world_config(DP2, 0, 1).placement)
+    return LiveRuntime(ToyFactory(), job=JOB, device=DEVICES[device], store=STORE, initial=initial, **kwargs)
+
+
+# -- what a request must satisfy (in-process: nothing is built before the first step) --------------------
+
+OLD = world_config(DP2, 0, 1)
+NEW = world_config(TP2, 1, 2)
+
+
+def test_a_member_of_both_worlds_stays_and_one_only_in_the_old_world_leaves() -> None:
+    plan = plan_between(OLD, NEW)
+    assert member_runtime(1).request_resize(1, TP2, NEW.placement, plan, STORE) is Role.STAY
+    assert member_runtime(0).request_resize(1, TP2, NEW.placement, plan, STORE) is Role.LEAVE
+
+
+def test_a_process_in_no_world_joins() -> None:
+    runtime = LiveRuntime(ToyFactory(), job=JOB, device=DEVICES[2])
+    assert runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE) is Role.JOIN
+    assert runtime.pending_generation == 1
+
+
+def test_a_generation_that_is_not_newer_is_refused() -> None:
+    with pytest.raises(ValueError, match="`generation`"):
+        member_runtime().request_resize(0, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
+
+
+def test_a_plan_for_another_model_is_refused() -> None:
+    plan = plan_between(OLD, NEW, model=PRESETS["tiny-llama"])
+    with pytest.raises(ValueError, match=r"`plan\.model`"):
+        member_runtime().request_resize(1, TP2, NEW.placement, plan, STORE)
+
+
+def test_a_plan_that_leaves_the_optimizer_state_behind_is_refused() -> None:
+    plan = plan_between(OLD, NEW, optimizer=False)
+    with pytest.raises(ValueError, match=r"`plan\.tensors`"):
+        member_runtime().request_resize(1, TP2, NEW.placement, plan, STORE)
+
+
+def test_a_plan_to_another_world_than_the_requested_one_is_refused() -> None:
+    plan = plan_between(OLD, world_config(TP2, 2, 1))
+    with pytest.raises(ValueError, match=r"`plan\.new`"):
+        member_runtime().request_resize(1, TP2, NEW.placement, plan, STORE)
+
+
+def test_a_plan_from_another_world_than_this_processs_is_refused() -> None:
+    plan = plan_between(world_config(DP2, 1, 0), NEW)
+    with pytest.raises(ValueError, match=r"`plan\.old`"):
+        member_runtime().request_resize(1, TP2, NEW.placement, plan, STORE)
+
+
+def test_a_request_for_a_world_without_this_process_is_refused_where_it_is_in_no_world() -> None:
+    runtime = LiveRuntime(ToyFactory(), job=JOB, device=DEVICES[3])
+    with pytest.raises(ValueError, match="`placement`"):
+        runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
+
+
+def test_a_plan_slice_for_another_device_is_refused() -> None:
+    plan = plan_between(OLD, NEW)
+    piece = PlanSlice(
+        model=plan.model,
+        optimizer=True,
+        old=plan.old,
+        new=plan.new,
+        budget_bytes=plan.budget_bytes,
+        device=DEVICES[1],
+        tasks=plan.tasks_of(rank_src=1),
+    )
+    with pytest.raises(ValueError, match=r"`plan\.device`"):
+        member_runtime(0).request_resize(1, TP2, NEW.placement, piece, STORE)
+    assert member_runtime(1).request_resize(1, TP2, NEW.placement, piece, STORE) is Role.STAY
+
+
+def test_a_deadline_without_a_timezone_is_refused() -> None:
+    with pytest.raises(ValueError, match="`deadline`"):
+        member_runtime().request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, datetime.now())
+
+
+def test_a_second_request_while_one_is_prepared_is_rejected() -> None:
+    runtime = member_runtime(1)
+    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
+    with pytest.raises(ResizeRejected, match="generation 1 is being prepared"):
+        runtime.request_resize(2, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
+
+
+def test_the_listener_hears_the_request_and_its_failures_never_reach_the_caller() -> None:
+    heard: list[RuntimeEvent] = []
+
+    def listener(event: RuntimeEvent) -> None:
+        heard.append(event)
+        raise RuntimeError("a broken listener")
+
+    runtime = member_runtime(1, on_event=listener)
+    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
+    assert [(e.generation, e.phase) for e in heard] == [(1, Phase.PREPARING)]
+
+
+def test_a_process_never_taken_into_a_world_gives_up_after_its_join_timeout() -> None:
+    runtime = LiveRuntime(
+        ToyFactory(), job=JOB, device=DEVICES[3], options=RuntimeOptions(join_timeout_s=0.2)
+    )
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not taken into any world"):
+        runtime.step()
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("vote_every", 0), ("control_timeout_s", 0.0), ("build_timeout_s", -1.0), ("join_timeout_s", 0.0)],
+)
+def test_options_out_of_range_are_refused_naming_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        RuntimeOptions(**{field: value})
+
+
+# -- commands and deadlines, on two processes ------------------------------------------------------------
+
+GATED, COMMANDED, MISSED, RECOVERED = 1, 2, 3, 4
+WAIT_AFTER_READY = 3  # iterations a process keeps training while ready but not allowed to switch
+
+
+REQUESTS: dict[int, dict[str, Any]] = {
+    GATED: {"switch_when_ready": False},
+    COMMANDED: {"switch_when_ready": False},
+    MISSED: {"switch_when_ready": False, "deadline_in_s": 1.0},
+    RECOVERED: {},
+}
+
+
+def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
+    from liver.shared.logs import configure_logging
+    from liver.worker_runtime.world import live_generations
+
+    configure_logging(level="ERROR")
+    address = StoreAddress("127.0.0.1", proc.store.port)
+    events: list[RuntimeEvent] = []
+    runtime = LiveRuntime(
+        ToyFactory(),
+        job=JOB,
+        device=DEVICES[proc.rank],
+        store=address,
+        initial=WorldSpec(job=JOB, generation=0, layout=DP2, placement=world_config(DP2, 0, 1).placement),
+        options=RuntimeOptions(control_timeout_s=20, build_timeout_s=20),
+        on_event=events.append,
+    )
+    out: dict[str, Any] = {"generation_at": {}, "values_after_switch": {}, "allowed_at": None}
+    trainer = runtime.step()
+    pending = sorted(plans)
+    ready_since: int | None = None
+    while trainer is not None and trainer.iteration < 400:
+        generation = runtime.generation
+        if runtime.pending_generation is None and pending:
+            g = pending.pop(0)
+            options = dict(REQUESTS[g])
+            deadline_in = options.pop("deadline_in_s", None)
+            deadline = None if deadline_in is None else datetime.now(UTC) + timedelta(seconds=deadline_in)
+            plan = plans[g]
+            runtime.request_resize(g, plan.new.layout, plan.new.placement, plan, address, deadline, **options)
+            ready_since = None
+        elif runtime.pending_generation is None and not pending:
+            break
+        heard_ready = any(
+            e.phase is Phase.READY and e.generation == runtime.pending_generation for e in events
+        )
+        if heard_ready and ready_since is None:
+            ready_since = trainer.iteration
+        if ready_since is not None and trainer.iteration == ready_since + WAIT_AFTER_READY:
+            if runtime.pending_generation == GATED:
+                runtime.allow_switch(GATED)
+                out["allowed_at"] = trainer.iteration
+            elif runtime.pending_generation == COMMANDED and proc.rank == 1:
+                runtime.abort(COMMANDED, "the operator changed their mind")
+        trainer.train_step()
+        time.sleep(0.005)
+        trainer = runtime.step()
+        if runtime.generation != generation:
+            out["generation_at"][runtime.generation] = trainer.iteration
+            floats = {float(t.max()) for t in trainer.state.values() if t.is_floating_point() and t.numel()}
+            out["values_after_switch"][runtime.generation] = (sorted(floats), trainer.iteration)
+    out["history"] = [msgspec.to_builtins(h) | {"type": type(h).__name__} for h in runtime.history]
+    out["events"] = [(e.generation, str(e.phase)) for e in events]
+    out["live_generations"] = live_generations(JOB)
+    runtime.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def toy_runs() -> list[dict[str, Any]]:
+    start = world_config(DP2, 0, 1)
+    plans = {
+        GATED: plan_between(start, world_config(TP2, 1, 0)),
+        COMMANDED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
+        MISSED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
+        RECOVERED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
+    }
+    return [o.unwrap() for o in run_world(toy_process, 2, args=(plans,), timeout_s=120)]
+
+
+def _aborts(found: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {h["generation"]: h for h in found["history"] if h["type"] == "AbortReport"}
+
+
+@pytest.mark.slow
+def test_a_gated_switch_waits_for_the_coordinators_switch_then_happens_at_one_cut(toy_runs: list) -> None:
+    cuts = {found["generation_at"][GATED] for found in toy_runs}
+    assert len(cuts) == 1
+    assert cuts.pop() >= max(found["allowed_at"] for found in toy_runs)
+    for found in toy_runs:
+        assert [p for g, p in found["events"] if g == GATED] == ["preparing", "ready", "switched"]
+
+
+@pytest.mark.slow
+def test_every_element_of_the_new_shards_is_the_value_at_the_cut(toy_runs: list) -> None:
+    for found in toy_runs:
+        for generation in (GATED, RECOVERED):
+            values, iteration = found["values_after_switch"][generation]
+            assert values == [pytest.approx(sum(range(1, iteration + 1)) / 1000, rel=1e-5)], generation
+
+
+@pytest.mark.slow
+def test_an_abort_command_on_one_rank_aborts_the_handoff_on_every_rank(toy_runs: list) -> None:
+    iterations = {_aborts(found)[COMMANDED]["iteration"] for found in toy_runs}
+    assert len(iterations) == 1
+    assert "the operator changed their mind" in _aborts(toy_runs[1])[COMMANDED]["reason"]
+    assert "another rank" in _aborts(toy_runs[0])[COMMANDED]["reason"]
+    for found in toy_runs:
+        assert _aborts(found)[COMMANDED]["stage"] == "cut"
+        assert COMMANDED not in found["generation_at"]
+
+
+@pytest.mark.slow
+def test_a_missed_deadline_aborts_the_handoff_before_the_switch(toy_runs: list) -> None:
+    reasons = [_aborts(found)[MISSED]["reason"] for found in toy_runs]
+    assert any("deadline" in reason for reason in reasons)  # the rank whose deadline passed first
+    assert len({_aborts(found)[MISSED]["iteration"] for found in toy_runs}) == 1
+    for found in toy_runs:
+        assert MISSED not in found["generation_at"]
+
+
+@pytest.mark.slow
+def test_after_aborted_handoffs_the_job_still_reshards_and_keeps_one_generation(toy_runs: list) -> None:
+    for found in toy_runs:
+        assert RECOVERED in found["generation_at"]
+        assert found["live_generations"] == (RECOVERED,)
