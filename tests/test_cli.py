@@ -1,0 +1,48 @@
+"""The `liver` console script: lazy subcommands and one-line errors."""
+
+import json
+
+import pytest
+
+from liver.cli.main import main
+
+
+def test_plan_prints_one_json_object(capsys):
+    assert main(["plan", "--model", "tiny-llama", "--from", "2,2,1", "--to", "1,1,2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verified"] is True
+    assert summary["bytes_moved"] + summary["bytes_local"] == summary["bytes_total"]
+
+
+def test_an_unknown_preset_is_a_one_line_error(capsys):
+    assert main(["plan", "--model", "gpt-9000", "--from", "1,1,1", "--to", "1,1,1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown model preset 'gpt-9000'" in err and "\n" not in err
+
+
+def test_an_impossible_layout_names_the_reason(capsys):
+    assert main(["plan", "--model", "tiny-gpt", "--from", "3,1,1", "--to", "1,1,1"]) == 2
+    assert "num_attention_heads (4) is not divisible by tp=3" in capsys.readouterr().err
+
+
+def test_a_malformed_layout_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "tiny-gpt", "--from", "2,2", "--to", "1,1,1"])
+    assert exit_info.value.code == 2
+    assert "expected TP,PP,DP" in capsys.readouterr().err
+
+
+def test_the_plan_file_is_written_and_reads_back(tmp_path):
+    from liver.shared.plan_file import read_plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tiny-gpt", "--from", "2,1,1", "--to", "1,2,1", "--out", str(out)]) == 0
+    assert read_plan(str(out)).new.layout.pp == 2
+
+
+def test_help_lists_every_command_without_importing_them(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("plan", "serve", "worker", "workers", "demo", "sim", "bench"):
+        assert name in out
