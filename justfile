@@ -23,7 +23,7 @@ fmt:
 
 # the main job (until `liver demo` lands: the planning benchmark)
 demo:
-    {{venv}}/bin/liver bench plan
+    {{venv}}/bin/liver bench plan --scenario scale-in
 
 # benchmarks: just bench plan [--json]
 bench name *args:
