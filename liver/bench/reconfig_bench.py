@@ -1,0 +1,481 @@
+"""``liver bench reconfig``: one layout change of one model, done live and by stop-and-restart, in one run.
+
+**Live** (:func:`measure_live`): ``max(old, new)`` worker processes (forked from a server that has
+already imported torch and Megatron-core: a live job's processes are warm) run a Megatron GPT job
+through :class:`~liver.worker_runtime.runtime.LiveRuntime`. After ``steps_before`` steps every process
+hands in the planner's plan (``plan_resize``, made once by this process, as the transfer service
+would); the shadow world is prepared in the background while training goes on, and the job switches
+at the first iteration boundary where every rank is ready. What is counted as downtime:
+
+    from the cut (the moment the vote that agreed the switch returned, on the earliest process)
+    to the end of the first training step on the new world (on the latest process).
+
+Each process's cut is its hand-out moment less its ``SwitchReport.pause_s`` (the runtime's few
+microseconds of bookkeeping after the handoff returned are not separated). The breakdown is that of
+the critical process (the one whose first step ended last): ``cut_skew`` (its cut after the earliest
+one), ``switch`` (enter and adopt the new world, share the progress, commit vote), ``transfer`` (the
+executor's stream), ``rebuild`` (build the new trainer, load it, release the old world; the three
+make up its ``pause_s``) and ``first_step``; they add up to the downtime. The preparation
+(``prepare_s``: groups built on background threads) overlaps training and is reported, not counted.
+
+**Stop-and-restart** (:func:`~liver.bench.restart.measure_restart`): the same model, layouts, training
+config and cut iteration: save a ``dist_checkpointing`` checkpoint, stop the processes, start fresh
+interpreters, import torch and Megatron, initialise, build, load with reshape, first step. Its phases
+add up to its total (see :mod:`liver.bench.restart`).
+
+The ratio is restart total / live downtime; the issue's aim is at least 25x. Both sides use gloo on
+loopback with ``--threads`` torch threads per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from liver.bench._procs import ProcsError, run_procs
+from liver.bench.restart import RestartBreakdown, RestartError, measure_restart
+from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
+from liver.shared.model import ModelError, ModelSpec, load_model
+from liver.shared.plan import Plan, WorldConfig
+from liver.worker_runtime.train_config import TrainConfig
+
+__all__ = [
+    "AIM_RATIO",
+    "LARGE_MODEL",
+    "LiveDowntime",
+    "ReconfigReport",
+    "add_arguments",
+    "measure_live",
+    "run",
+]
+
+AIM_RATIO = 25.0
+JOB = "bench-reconfig"
+MAX_PROCESSES = 4
+MODEL_DEFAULT = "tiny-gpt"
+
+LARGE_MODEL = ModelSpec(
+    name="gpt-29m",
+    num_layers=8,
+    hidden_size=512,
+    ffn_hidden_size=2048,
+    num_attention_heads=8,
+    vocab_size=8192,
+    max_sequence_length=128,
+    params_dtype="float32",
+)
+"""``--large``: about 29 M parameters (470 MB of training state with fp32 Adam), still CPU-sized."""
+
+FULL_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=32)
+QUICK_CONFIG = TrainConfig(global_batch_size=2, micro_batch_size=1, seq_length=16)
+LARGE_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=128, corpus_vocab_size=1024)
+
+
+# -- reports ---------------------------------------------------------------------------------------------
+
+
+class LiveDowntime(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The live switch's downtime and its breakdown (seconds; see the module docstring). The parts from
+    ``cut_skew_s`` to ``first_step_s`` add up to ``downtime_s``."""
+
+    downtime_s: float
+    cut_skew_s: float
+    switch_s: float
+    transfer_s: float
+    rebuild_s: float
+    first_step_s: float
+    critical_process: int
+    max_pause_s: float  # the longest pause_s (cut -> new trainer handed out) over all processes
+    prepare_s: float  # the slowest background preparation (request -> ready), not downtime
+    cut_iteration: int
+    processes: int
+    bytes_moved: int  # sent between processes, all processes together
+    first_loss: float  # the new world's first loss
+
+
+class Check(msgspec.Struct, frozen=True, kw_only=True):
+    level: str  # "aim"
+    what: str
+    passed: bool
+    detail: str
+
+
+class ReconfigReport(msgspec.Struct, frozen=True, kw_only=True):
+    quick: bool
+    date: str
+    model: str
+    parameters: int
+    old_layout: str
+    new_layout: str
+    config: TrainConfig
+    steps_before: int
+    threads: int
+    backend: str
+    live: LiveDowntime
+    restart: RestartBreakdown
+    ratio: float  # restart total / live downtime
+    restart_warm_s: float  # the restart less interpreter start and imports (launch, import_*)
+    ratio_warm: float  # restart_warm_s / live downtime: what is left if imports cost nothing
+    checks: list[Check]
+    cpus: int
+    load_average: tuple[float, float]  # 1-minute, before and after
+    host: str
+
+
+# -- the live side: worker processes --------------------------------------------------------------------
+
+
+class _Setup(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelSpec
+    config: TrainConfig
+    plan: Plan
+    store_port: int
+    steps_before: int
+    timeout_s: float
+
+
+class _LiveResult(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int
+    in_new_world: bool
+    cut: float  # wall clock (time.time()): hand-out less pause_s
+    handed_out: float
+    first_step_end: float | None
+    first_loss: float | None
+    iteration: int
+    pause_s: float
+    switch_s: float
+    transfer_s: float
+    rebuild_s: float
+    prepare_s: float
+    bytes_sent: int
+
+
+def _progress(text: str) -> None:
+    print(f"[bench reconfig] {text}", file=sys.stderr, flush=True)
+
+
+def _live_worker(rank: int, size: int, setup: _Setup) -> _LiveResult:
+    """One process of the live job: train, hand in the resize, switch, one step on the new world."""
+    from liver.shared.logs import configure_logging
+    from liver.worker_runtime.megatron_job import MegatronJob
+    from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
+    from liver.worker_runtime.world import StoreAddress, WorldSpec
+
+    configure_logging(level="WARNING", stream=sys.stderr)
+    plan = setup.plan
+    device = grid_devices(1, size)[rank]
+    address = StoreAddress("127.0.0.1", setup.store_port)
+    initial = WorldSpec(job=JOB, generation=0, layout=plan.old.layout, placement=plan.old.placement)
+    runtime = LiveRuntime(
+        MegatronJob(setup.model, setup.config),
+        job=JOB,
+        device=device,
+        store=address,
+        initial=initial,
+        options=RuntimeOptions(
+            control_timeout_s=setup.timeout_s,
+            build_timeout_s=setup.timeout_s,
+            join_timeout_s=setup.timeout_s,
+        ),
+    )
+    requested = device not in plan.old.placement.devices
+    if requested:  # a joiner: waiting outside the job, it takes the request at once
+        runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
+    give_up_at = time.monotonic() + setup.timeout_s
+    handed_out = first_end = first_loss = None
+    trainer = runtime.step()
+    if runtime.generation == 1:
+        handed_out = time.time()
+    while trainer is not None and first_end is None:
+        if runtime.aborts:
+            abort = runtime.aborts[-1]
+            raise RuntimeError(f"the live switch was aborted at {abort.stage}: {abort.reason}")
+        if time.monotonic() > give_up_at:
+            raise TimeoutError(f"no switch within {setup.timeout_s:g} s")
+        if not requested and trainer.iteration >= setup.steps_before:
+            requested = True
+            runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
+        result = trainer.train_step()
+        if runtime.generation == 1:
+            first_end, first_loss = time.time(), result.loss
+            break
+        trainer = runtime.step()
+        if runtime.generation == 1 or runtime.left:
+            handed_out = time.time()
+    if first_end is not None:
+        runtime.step()  # the boundary after the first step: fills the report's first_step_s
+    report = runtime.last_switch
+    if report is None or handed_out is None:
+        raise RuntimeError("the process ended without a switch report")
+    runtime.close()
+    return _LiveResult(
+        rank=rank,
+        in_new_world=first_end is not None,
+        cut=handed_out - report.pause_s,
+        handed_out=handed_out,
+        first_step_end=first_end,
+        first_loss=first_loss,
+        iteration=report.iteration,
+        pause_s=report.pause_s,
+        switch_s=report.switch_s,
+        transfer_s=report.transfer_s,
+        rebuild_s=report.rebuild_s,
+        prepare_s=report.prepare_s or 0.0,
+        bytes_sent=report.bytes_sent,
+    )
+
+
+def _downtime(results: list[_LiveResult]) -> LiveDowntime:
+    """The job's downtime from every process's timestamps, broken down on the critical process."""
+    new = [r for r in results if r.in_new_world and r.first_step_end is not None]
+    if not new:
+        raise RuntimeError("no process reported a first step on the new world")
+    critical = max(new, key=lambda r: r.first_step_end or 0.0)
+    assert critical.first_step_end is not None and critical.first_loss is not None
+    earliest_cut = min(r.cut for r in results)
+    return LiveDowntime(
+        downtime_s=critical.first_step_end - earliest_cut,
+        cut_skew_s=critical.cut - earliest_cut,
+        switch_s=critical.switch_s,
+        transfer_s=critical.transfer_s,
+        rebuild_s=critical.rebuild_s,
+        first_step_s=critical.first_step_end - critical.handed_out,
+        critical_process=critical.rank,
+        max_pause_s=max(r.pause_s for r in results),
+        prepare_s=max(r.prepare_s for r in results),
+        cut_iteration=critical.iteration,
+        processes=len(results),
+        bytes_moved=sum(r.bytes_sent for r in results),
+        first_loss=critical.first_loss,
+    )
+
+
+def measure_live(
+    spec: ModelSpec,
+    old: ParallelLayout,
+    new: ParallelLayout,
+    config: TrainConfig,
+    *,
+    steps_before: int = 2,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+) -> LiveDowntime:
+    """Run the live transition ``old`` -> ``new`` in ``max(old, new)`` local processes and time it."""
+    from liver.services.transfer.planner import plan_resize
+    from liver.worker_runtime.world import host_store
+
+    size = max(old.world_size, new.world_size)
+    devices = grid_devices(1, size)
+    plan = plan_resize(
+        spec, WorldConfig(old, Placement(devices[: old.world_size])), new, devices[: new.world_size]
+    ).plan
+    store = host_store()
+    setup = _Setup(
+        model=spec,
+        config=config,
+        plan=plan,
+        store_port=store.port,
+        steps_before=steps_before,
+        timeout_s=timeout_s,
+    )
+    try:
+        results: list[_LiveResult] = run_procs(
+            _live_worker,
+            size,
+            (setup,),
+            timeout_s=timeout_s,
+            threads=threads,
+            preload=["megatron.core", "liver.worker_runtime.megatron_job", __name__],
+        )
+    finally:
+        del store
+    return _downtime(results)
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``liver bench reconfig``."""
+    parser.add_argument("--model", default=None, help=f"a preset or a model .json (default {MODEL_DEFAULT})")
+    parser.add_argument(
+        "--large", action="store_true", help=f"the larger built-in model ({LARGE_MODEL.name}, seq 128)"
+    )
+    parser.add_argument(
+        "--from", dest="from_layout", default="2,1,1", help="old layout TP,PP,DP (default 2,1,1)"
+    )
+    parser.add_argument("--to", dest="to_layout", default="1,2,1", help="new layout TP,PP,DP (default 1,2,1)")
+    parser.add_argument(
+        "--steps-before", type=int, default=None, help="training steps before the cut (default 2, quick 1)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds before a side counts as hung (default 900)"
+    )
+    parser.add_argument("--quick", action="store_true", help="CI-sized: smaller batches, one step before")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _layout(text: str, flag: str) -> ParallelLayout:
+    try:
+        return ParallelLayout.parse(text)
+    except (LayoutError, ValueError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def _resolve(args: argparse.Namespace) -> tuple[ModelSpec, ParallelLayout, ParallelLayout, TrainConfig, int]:
+    if args.large and args.model is not None:
+        raise ValueError("--large: choose either --large or --model")
+    try:
+        spec = LARGE_MODEL if args.large else load_model(args.model or MODEL_DEFAULT)
+    except ModelError as exc:
+        raise ValueError(f"--model: {exc}") from None
+    old, new = _layout(args.from_layout, "--from"), _layout(args.to_layout, "--to")
+    if old == new:
+        raise ValueError(f"--to: the same layout as --from ({old.describe()}): nothing to reconfigure")
+    size = max(old.world_size, new.world_size)
+    if not 2 <= size <= MAX_PROCESSES:
+        raise ValueError(
+            f"--from/--to: need 2-{MAX_PROCESSES} processes, "
+            f"{old.describe()} -> {new.describe()} needs {size}"
+        )
+    config = LARGE_CONFIG if args.large else QUICK_CONFIG if args.quick else FULL_CONFIG
+    for layout, flag in ((old, "--from"), (new, "--to")):
+        try:
+            spec.check_layout(layout)
+            config.micro_batches_per_rank(layout.dp)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    steps_before = args.steps_before if args.steps_before is not None else 1 if args.quick else 2
+    if steps_before < 1:
+        raise ValueError(
+            f"--steps-before: at least 1 (the checkpoint must hold Adam state), got {steps_before}"
+        )
+    if args.threads < 1:
+        raise ValueError(f"--threads: at least 1, got {args.threads}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout: must be positive, got {args.timeout:g}")
+    return spec, old, new, config, steps_before
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run both sides; 0 when both completed (the 25x aim is reported, not enforced), 1 when one failed,
+    2 on a bad option."""
+    try:
+        spec, old, new, config, steps_before = _resolve(args)
+    except ValueError as exc:
+        print(f"liver bench reconfig: {exc}", file=sys.stderr)
+        return 2
+    load_before = _load()
+    _progress(
+        f"{spec.name} ({spec.parameter_count():,} parameters): {old.describe()} -> {new.describe()}, "
+        f"{steps_before} step(s) before the cut"
+    )
+    try:
+        _progress("live: a warm job reshards live")
+        live = measure_live(
+            spec, old, new, config, steps_before=steps_before, threads=args.threads, timeout_s=args.timeout
+        )
+        _progress(f"live: downtime {live.downtime_s:.3f} s; stop-and-restart: fresh processes")
+        # The restart saves at the iteration the live job was cut at (its background preparation may
+        # have taken a few steps past ``steps_before``), so both sides move the same state.
+        restart = measure_restart(
+            spec,
+            old,
+            new,
+            config,
+            warmup_steps=live.cut_iteration,
+            threads=args.threads,
+            timeout_s=args.timeout,
+        )
+    except (ProcsError, RestartError, RuntimeError) as exc:
+        print(f"liver bench reconfig: a measurement failed\n{exc}", file=sys.stderr)
+        return 1
+    ratio = restart.total_s / live.downtime_s
+    warm = restart.total_s - restart.launch_s - restart.import_torch_s - restart.import_megatron_s
+    checks = [
+        Check(
+            level="aim",
+            what=f"live downtime >= {AIM_RATIO:g}x shorter than stop-and-restart",
+            passed=ratio >= AIM_RATIO,
+            detail=f"{ratio:,.1f}x ({restart.total_s:.3f} s / {live.downtime_s:.3f} s)",
+        )
+    ]
+    report = ReconfigReport(
+        quick=args.quick,
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        model=spec.name,
+        parameters=spec.parameter_count(),
+        old_layout=old.describe(),
+        new_layout=new.describe(),
+        config=config,
+        steps_before=steps_before,
+        threads=args.threads,
+        backend="gloo",
+        live=live,
+        restart=restart,
+        ratio=ratio,
+        restart_warm_s=warm,
+        ratio_warm=warm / live.downtime_s,
+        checks=checks,
+        cpus=os.cpu_count() or 0,
+        load_average=(load_before, _load()),
+        host=f"{platform.machine()}, Python {platform.python_version()}",
+    )
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+    else:
+        _print_report(report)
+    return 0
+
+
+def _print_report(r: ReconfigReport) -> None:
+    live, restart = r.live, r.restart
+    out: list[str] = [
+        f"liver bench reconfig{' (quick)' if r.quick else ''}: {r.model} ({r.parameters:,} parameters), "
+        f"{r.old_layout} -> {r.new_layout}, cut after iteration {live.cut_iteration}",
+        "",
+        f"live reshard ({live.processes} warm processes; cut -> first step on the new world done)",
+    ]
+    rows: list[tuple[str, Any]] = [
+        ("cut skew", live.cut_skew_s),
+        ("switch", live.switch_s),
+        ("transfer", live.transfer_s),
+        ("rebuild", live.rebuild_s),
+        ("first step", live.first_step_s),
+    ]
+    out += [f"  {name:<18}{value:9.3f} s" for name, value in rows]
+    out += [
+        f"  {'downtime':<18}{live.downtime_s:9.3f} s",
+        f"  (not counted: background preparation {live.prepare_s:.3f} s while training went on; "
+        f"{live.bytes_moved / 1e6:.2f} MB moved)",
+        "",
+        f"stop-and-restart ({restart.old_processes} -> {restart.new_processes} fresh processes; "
+        f"checkpoint {restart.checkpoint_bytes / 1e6:.2f} MB)",
+    ]
+    out += [f"  {name:<18}{value:9.3f} s" for name, value in restart.phases().items()]
+    out += [
+        f"  {'total':<18}{restart.total_s:9.3f} s",
+        "",
+        f"restart / live: {r.ratio:,.1f}x; without interpreter start and imports "
+        f"({r.restart_warm_s:.3f} s): {r.ratio_warm:,.1f}x",
+        f"host: {r.cpus} CPUs ({r.host}), load average {r.load_average[0]:.1f} before, "
+        f"{r.load_average[1]:.1f} after; gloo, {r.threads} thread(s) per process",
+    ]
+    for c in r.checks:
+        out.append(f"{c.level.upper():<4} {'PASS' if c.passed else 'FAIL'}  {c.what}  ({c.detail})")
+    print("\n".join(out))

@@ -1,0 +1,115 @@
+"""``liver bench reconfig``: the quick variant runs both sides for real and reports self-consistent numbers.
+
+No wall-clock assertions (the 25x aim depends on the machine): only that every phase was measured,
+that each breakdown adds up to its total, and that both sides moved the same model at the same cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from typing import Any
+
+import pytest
+
+from liver.bench import reconfig_bench
+from liver.bench.restart import PHASES
+
+LIVE_PARTS = ("cut_skew_s", "switch_s", "transfer_s", "rebuild_s", "first_step_s")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    reconfig_bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = reconfig_bench.run(_args(*argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_run() -> tuple[int, str]:
+    """One quick run (tiny-gpt, TP2 -> TP1 x PP2 on two processes) shared by the tests below."""
+    rc, out, _ = _run("--quick", "--json")
+    return rc, out
+
+
+@pytest.fixture(scope="module")
+def report(quick_run: tuple[int, str]) -> dict[str, Any]:
+    return json.loads(quick_run[1])
+
+
+@pytest.mark.slow
+def test_the_quick_run_succeeds_and_prints_exactly_one_json_object(quick_run: tuple[int, str]) -> None:
+    rc, out = quick_run
+    assert rc == 0
+    assert len(out.strip().splitlines()) == 1
+    assert isinstance(json.loads(out), dict)
+
+
+@pytest.mark.slow
+def test_both_sides_move_the_same_model_between_the_same_layouts(report: dict[str, Any]) -> None:
+    assert report["model"] == report["restart"]["model"] == "tiny-gpt"
+    assert report["old_layout"] == report["restart"]["old_layout"] == "TP2,PP1,DP1"
+    assert report["new_layout"] == report["restart"]["new_layout"] == "TP1,PP2,DP1"
+    assert report["live"]["cut_iteration"] == report["restart"]["iteration"] >= report["steps_before"]
+
+
+@pytest.mark.slow
+def test_the_live_downtime_is_positive_and_its_breakdown_adds_up_to_it(report: dict[str, Any]) -> None:
+    live = report["live"]
+    assert live["downtime_s"] > 0
+    for part in ("switch_s", "transfer_s", "rebuild_s", "first_step_s"):
+        assert live[part] > 0, part
+    assert live["cut_skew_s"] >= 0
+    assert sum(live[p] for p in LIVE_PARTS) == pytest.approx(live["downtime_s"], rel=1e-6, abs=1e-6)
+    assert live["bytes_moved"] > 0 and live["processes"] == 2
+
+
+@pytest.mark.slow
+def test_the_restart_breakdown_is_positive_and_adds_up_to_its_total(report: dict[str, Any]) -> None:
+    restart = report["restart"]
+    for phase in PHASES:
+        assert restart[f"{phase}_s"] > 0, phase
+    total = sum(restart[f"{phase}_s"] for phase in PHASES)
+    assert total == pytest.approx(restart["total_s"], rel=1e-6, abs=1e-6)
+    assert restart["checkpoint_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_the_ratio_is_restart_over_live_and_the_aim_is_judged_on_it(report: dict[str, Any]) -> None:
+    expected = report["restart"]["total_s"] / report["live"]["downtime_s"]
+    assert report["ratio"] == pytest.approx(expected)
+    warm = report["restart_warm_s"]
+    assert 0 < warm < report["restart"]["total_s"]
+    assert report["ratio_warm"] == pytest.approx(warm / report["live"]["downtime_s"])
+    (check,) = report["checks"]
+    assert check["level"] == "aim"
+    assert check["passed"] is (report["ratio"] >= reconfig_bench.AIM_RATIO)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("--from", "2,x,1"), "--from"),
+        (("--to", "2,1,1"), "--to"),
+        (("--to", "1,1,8"), "--from/--to"),
+        (("--model", "no-such-model"), "--model"),
+        (("--large", "--model", "tiny-gpt"), "--large"),
+        (("--steps-before", "0"), "--steps-before"),
+        (("--threads", "0"), "--threads"),
+    ],
+)
+def test_a_bad_option_is_refused_before_any_process_starts_naming_the_flag(
+    argv: tuple[str, ...], flag: str
+) -> None:
+    rc, out, err = _run(*argv)
+    assert rc == 2
+    assert out == ""
+    assert f"liver bench reconfig: {flag}" in err
