@@ -488,6 +488,18 @@ def test_prepare_goes_to_every_old_and_new_worker_with_its_own_plan_slice() -> N
         assert cmd.command.deadline <= d.now + timedelta(seconds=120 - CONFIG.margin_s)
 
 
+def test_prepare_names_the_store_of_the_worker_that_runs_the_new_rank_0() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    d.write()
+    d.topology()
+    d.transfer()
+    prepares = d.commands(Prepare)
+    rank0 = prepares[0].command.placement.devices[0]
+    stores = {c.command.store for c in prepares}
+    assert stores == {f"{rank0.node}:{29500 + rank0.index}"}
+
+
 def test_switch_is_sent_only_after_the_switch_intent_is_recorded() -> None:
     d = started()
     d.warn("evt-1", "node001")

@@ -461,6 +461,11 @@ class Prepare(Message, kw_only=True, tag="prepare"):
     plan: ObjectRef
     staging_bytes: Count
     deadline: Timestamp
+    store: Address | None = None
+    """Where the rendezvous store of the new generation listens (``host:port``): the ``address`` the
+    worker that runs the new world's rank 0 announced in its ``Hello`` (every worker hosts one there).
+    All processes of both worlds build the shadow world and the stream group on it. ``None`` from a
+    coordinator that does not know that worker's address; a worker then cannot prepare and fails."""
 
     def _validate(self) -> None:
         if self.generation <= self.from_generation:

@@ -907,6 +907,9 @@ class Coordinator:
         h.participants = participants
         refs = {w.device: w.ref for w in h.transfer.workers}
         deadline = self._prepare_deadline(h)
+        # Every worker hosts a rendezvous store at the address it announced; the new world's rank 0
+        # runs the new generation's (it is a participant, so its worker is known here).
+        rank0 = self.membership.on_device(h.placement.devices[0])
         common = Prepare(
             job_id=self.job_id,
             event_id=h.event_id,
@@ -917,6 +920,7 @@ class Coordinator:
             plan=h.transfer.plan,
             staging_bytes=self.config.staging_bytes,
             deadline=deadline,
+            store=None if rank0 is None else rank0.address,
         )
         for worker, device in participants.items():
             command = _with_plan(common, refs.get(device, h.transfer.plan))
