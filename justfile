@@ -21,9 +21,9 @@ fmt:
     {{venv}}/bin/ruff check --fix .
     {{venv}}/bin/ruff format .
 
-# the main job (until `liver demo` lands: the planning benchmark)
+# the main job: live scale-in and scale-out of a tiny GPT on CPU workers
 demo:
-    {{venv}}/bin/liver bench plan --scenario scale-in
+    {{venv}}/bin/liver demo
 
 # benchmarks: just bench plan [--json]
 bench name *args:
