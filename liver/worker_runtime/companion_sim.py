@@ -318,7 +318,9 @@ class SimulatedJob:
 
     async def start(self) -> None:
         settings = self.settings
-        fetcher = PlanFetcher(self.nc.jetstream())
+        # Each read's request may wait as long as the whole read may: a thousand workers share this loop,
+        # and a reply can sit behind their work for longer than the client's default 5 s.
+        fetcher = PlanFetcher(self.nc.jetstream(timeout=settings.fetch_timeout_s))
         agent_settings = AgentSettings(
             heartbeat_s=settings.heartbeat_s, fetch_timeout_s=settings.fetch_timeout_s
         )

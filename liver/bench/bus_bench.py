@@ -1,0 +1,1201 @@
+"""``liver bench bus``: the control plane's latency from a resize event to the switch and to the commit.
+
+An embedded nats-server, the four services each in a process of its own (``liver serve ingester``,
+``topology``, ``transfer``, ``coordinator``, as deployed: no service waits on another's Python code or
+on the simulated workers), and a stand-in job whose workers acknowledge at once (the code behind
+``liver workers --simulate``, ``--workers-per-process`` workers per process). For each job size the
+bench publishes events one at a time that keep the job resizing: a spot warning for the last node
+(scale-in), then a scale request that brings the node back (scale-out, with fresh worker processes on
+it), and so on. The first ``--warmup`` events are not counted (the first one replans the job from the
+TP1 x PP1 x DP-N world the bench announces, and every process warms its caches).
+
+Per event, from the moment the event is published (:mod:`._bus_observer`):
+
+- **switch**: the Switch broadcast received by a subscriber of the job's command subject;
+- **commit**: ``generation.committed`` received;
+- **planning**: the topology chooser's time plus the transfer planner's plan, verification and
+  encoding, as the services log them (:mod:`._bus_rig`);
+- **worker CPU**: CPU time of the stand-in job's processes over the same interval, less their idle
+  rate (heartbeats) measured just before the event;
+- **bus overhead** = latency - planning - worker CPU: what the bus and the services' own handling
+  (decoding, the state machine, JetStream round trips, object-store traffic, and the transfer
+  service's work it does not time) add;
+- the time each stage's message appeared and every process's CPU time in each stage, and the messages
+  and payload bytes the server received from and delivered to the services and workers (``/connz``,
+  heartbeats subtracted).
+
+The Prepare one worker received and its plan slice are also timed on their own (``contract``): each
+worker's Prepare carries the whole new placement, so the coordinator encodes and publishes N copies of
+an O(N) message per handoff, and each slice carries the old and the new placement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from liver.bench import _bus_rig as rig
+from liver.bench._bus_observer import Observer, Timeline
+from liver.services.coordinator.service import CONFIG_ENV as COORDINATOR_CONFIG_ENV
+from liver.services.coordinator.service import INSTANCE_ENV, JOB_ENV
+from liver.services.runtime import status_subject
+from liver.services.topology.settings import CONFIG_ENV as TOPOLOGY_CONFIG_ENV
+from liver.services.transfer.core import plan_transfer
+from liver.services.transfer.service import TransferSettings
+from liver.shared import subjects as s
+from liver.shared.codec import decode, encode
+from liver.shared.layout import ParallelLayout, Placement
+from liver.shared.logs import configure_logging
+from liver.shared.messages import (
+    JobMembership,
+    NodeDevices,
+    Prepare,
+    ScaleRequest,
+    SpotWarning,
+    TopologyPlanned,
+    TransferPlanned,
+    WorkerCommand,
+    WorldStarted,
+)
+from liver.shared.model import PRESETS
+from liver.shared.nats_server import NatsServer
+from liver.shared.plan import PlanSlice
+from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice
+from liver.worker_runtime.companion_sim import SimSettings
+
+AIM_BUS_OVERHEAD_P99_S: Final = 0.010
+DEFAULT_WORKERS: Final = (64, 1024)
+DEFAULT_EVENTS: Final = (100, 20)
+"""Counted events of a job of up to ``LARGE_JOB`` workers, and of a larger one."""
+LARGE_JOB: Final = 256
+QUICK_WORKERS: Final = (8, 16)
+QUICK_EVENTS: Final = 2
+QUICK_DEVICES_PER_NODE: Final = 4
+IDLE_WINDOW_S: Final = 0.5
+"""How long the simulated job's idle CPU rate is measured before each event."""
+HEARTBEAT_TIMEOUT_S: Final = 60.0
+"""The coordinator's (or five heartbeat periods, if longer). A stand-in job's thousand workers share
+one process, and while it decodes their Prepares (an O(N) message each) their heartbeats wait behind
+it for many seconds, which one real worker's do not: the production default (10 s) would have the
+coordinator declare simulated workers lost. Only liveness is affected: no message on a handoff's path
+waits on it."""
+FROZEN_ITERATION_S: Final = 1e6
+"""The stand-in job's iteration never advances: every simulated process fixes the switch's cut at the
+iteration it has reached, and processes that count on their own would disagree (the coordinator logs
+that as an error). Nothing the bench measures depends on the iteration."""
+DEFAULT_WORKERS_PER_PROCESS: Final = 1024
+"""One process for a job of up to a thousand workers: its CPU time is then spent one worker after
+another, so subtracting it from the latency removes the simulation's serial work and nothing more.
+Several processes on several cores shorten the simulated latencies but overlap their CPU time, and the
+subtraction would then count that time more than once."""
+READY_TIMEOUT_S: Final = 180.0
+SETTLE_TIMEOUT_S: Final = 600.0
+RELEASE_WAIT_S: Final = 180.0
+STAGE_GAPS: Final = (
+    ("ingest", None, "resize_requested"),
+    ("request", "resize_requested", "topology_request"),
+    ("topology", "topology_request", "topology_planned"),
+    ("transfer", "topology_planned", "transfer_planned"),
+    ("prepare", "transfer_planned", "switch"),
+    ("switch", "switch", "outcome"),
+)
+"""Each stage of a handoff: its name and the arrivals it lies between (``None``: the publication).
+``prepare`` is the coordinator sending every Prepare, the workers reading their slices and
+answering ready, and the switch intent recorded; ``switch`` is the switched acks and the commit."""
+
+
+# -- the report ---------------------------------------------------------------------------------------------
+
+
+class Stat(msgspec.Struct, kw_only=True):
+    """A distribution over the counted events (milliseconds unless the field says otherwise).
+
+    Percentiles interpolate linearly between the closest ranks, so with fewer than 100 events the p99
+    lies between the two largest values."""
+
+    n: int
+    p50: float
+    p99: float
+    mean: float
+    max: float
+
+
+class EventRecord(msgspec.Struct, kw_only=True):
+    """One event, warm-up or counted; times in milliseconds after the event was published."""
+
+    index: int
+    event_id: str
+    kind: str  # "scale_in" (spot warning) or "scale_out" (scale request)
+    warmup: bool
+    outcome: str  # "committed", "aborted" or "timeout"
+    reason: str = ""
+    devices_before: int
+    devices_after: int | None = None
+    generation: int | None = None
+    layout_after: str | None = None
+    switch_ms: float | None = None
+    commit_ms: float | None = None
+    arrivals_ms: dict[str, float] = {}
+    topology_planning_ms: float | None = None
+    transfer_plan_ms: float | None = None
+    transfer_verify_ms: float | None = None
+    transfer_encode_ms: float | None = None
+    planning_ms: float | None = None
+    worker_cpu_switch_ms: float | None = None
+    worker_cpu_commit_ms: float | None = None
+    worker_idle_cpu_ms_per_s: float | None = None
+    idle_cpu_share: dict[str, float] = {}
+    """Each process's CPU time per second of wall time in the idle half second before the event:
+    heartbeats, consumers' idle fetches, timers."""
+    bus_overhead_switch_ms: float | None = None
+    bus_overhead_commit_ms: float | None = None
+    process_cpu_ms: dict[str, float] = {}
+    stage_cpu_ms: dict[str, dict[str, float]] = {}
+    """CPU time of each process during each stage (the stages of ``STAGE_GAPS``)."""
+    messages_in: int | None = None
+    """Messages the services and workers published from the event's publication to its commit
+    (heartbeats and the bench's own requests left out); ``messages_out`` those delivered to them."""
+    messages_out: int | None = None
+    bytes_in: int | None = None
+    bytes_out: int | None = None
+    messages_in_total: int | None = None
+    """The same until the aftermath settled: the membership published, the coordinator's release of
+    the plan's objects (it lists the whole plan store first), the leaving workers gone."""
+    messages_out_total: int | None = None
+    bytes_in_total: int | None = None
+    bytes_out_total: int | None = None
+    heartbeats: int = 0
+    slice_bytes_total: int | None = None
+    slice_bytes_max: int | None = None
+
+
+class ContractReport(msgspec.Struct, kw_only=True):
+    """What the per-worker Prepare and plan slice cost at this size, timed on their own in the bench.
+
+    ``*_per_event`` multiply one message's figure by the workers taking part (every worker of the
+    larger world): the coordinator encodes and publishes each worker's Prepare, and the simulated job,
+    one process for all workers, decodes all of them; a real worker decodes only its own, in
+    parallel with the others.
+    """
+
+    participants: int
+    prepare_bytes: int
+    prepare_placement_bytes: int
+    prepare_plan_ref_bytes: int
+    prepare_encode_ms: float
+    prepare_decode_ms: float  # decoded as a worker does: WorkerCommand, every field checked
+    prepare_bytes_per_event: int
+    coordinator_encode_ms_per_event: float
+    sim_prepare_decode_ms_per_event: float
+    broadcast_prepare_bytes: int
+    """One job-wide Prepare carrying the placement once and each device's plan reference: what a
+    broadcast contract would publish per handoff instead of ``prepare_bytes_per_event``."""
+    slice_bytes: int
+    slice_world_bytes: int  # the old and new WorldConfig (layout + placement) inside the slice
+    slice_tasks: int
+    slice_decode_ms: float  # decode_slice: decoded and checked against the Prepare and the device
+    slice_bytes_per_event: int  # every device's slice, as stored in the object store
+    sim_slice_decode_ms_per_event: float
+    transfer_unreported_ms: float | None
+    """What the transfer service computes for an event beyond the plan, verification and encoding it
+    logs (the rank-order baseline, the lower bound, the statistics, the per-device slices): its
+    ``plan_transfer`` re-run here on the last event's ``TopologyPlanned``, less the parts it times.
+    Counted in the bus overhead, which makes that figure pessimistic by about this much."""
+
+
+class SizeReport(msgspec.Struct, kw_only=True):
+    workers: int
+    devices_per_node: int
+    worker_processes: int
+    heartbeat_s: float
+    job_id: str
+    model: str
+    hardware: str
+    global_batch_size: int
+    layouts: dict[str, str]  # the layout each kind of event ended in (last counted event)
+    events: int  # counted (after the warm-up)
+    warmup: int
+    committed: int  # counted events that committed
+    all_committed: bool  # every event, warm-up included, committed
+    switch_ms: Stat | None
+    commit_ms: Stat | None
+    planning_ms: Stat | None
+    topology_planning_ms: Stat | None
+    transfer_planning_ms: Stat | None
+    worker_cpu_switch_ms: Stat | None
+    worker_cpu_commit_ms: Stat | None
+    bus_overhead_switch_ms: Stat | None
+    bus_overhead_commit_ms: Stat | None
+    stages_ms: dict[str, Stat]
+    stage_cpu_ms: dict[str, dict[str, float]]
+    """Median CPU time of each process during each stage."""
+    process_cpu_ms: dict[str, Stat]
+    idle_cpu_share: dict[str, float]
+    """Median over the counted events of each process's CPU share while the job was idle."""
+    messages_in: Stat | None  # counts, not milliseconds
+    messages_out: Stat | None
+    bytes_in: Stat | None
+    bytes_out: Stat | None
+    messages_in_total: Stat | None
+    messages_out_total: Stat | None
+    contract: ContractReport | None
+    records: list[EventRecord]
+
+
+class Check(msgspec.Struct, kw_only=True):
+    workers: int
+    level: str  # "must" or "aim"
+    what: str
+    passed: bool
+    detail: str
+
+
+class BenchReport(msgspec.Struct, kw_only=True):
+    """What ``liver bench bus --json`` prints."""
+
+    quick: bool
+    date: str
+    python: str
+    nats_server: str
+    machine: str
+    cpus: int
+    load_average: tuple[float, float]  # 1-minute load before and after
+    services: str
+    sizes: list[SizeReport]
+    checks: list[Check]
+    ok: bool  # every event of every size committed
+
+
+# -- arguments ----------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected whole numbers separated by commas") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one number")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``liver bench bus``."""
+    parser.add_argument(
+        "--workers",
+        type=_int_list,
+        metavar="N,N,...",
+        help=f"job sizes in workers (default {','.join(map(str, DEFAULT_WORKERS))})",
+    )
+    parser.add_argument(
+        "--events",
+        type=_int_list,
+        metavar="E[,E,...]",
+        help="counted events per size: one number for every size or one per size (default "
+        f"{DEFAULT_EVENTS[0]} up to {LARGE_JOB} workers, {DEFAULT_EVENTS[1]} above)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, help="events run before counting, per size (default 2: one of each kind)"
+    )
+    parser.add_argument(
+        "--devices-per-node", type=int, help="devices per node: what a spot warning removes (default 8)"
+    )
+    parser.add_argument(
+        "--workers-per-process",
+        type=int,
+        default=DEFAULT_WORKERS_PER_PROCESS,
+        help=f"simulated workers per process, whole nodes (default {DEFAULT_WORKERS_PER_PROCESS}: "
+        "see the bus overhead's definition)",
+    )
+    parser.add_argument(
+        "--model",
+        default="tiny-gpt",
+        choices=sorted(PRESETS),
+        help="the job's model for the planners (default tiny-gpt: planning is reported apart from the bus)",
+    )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=2.0,
+        help="the stand-in workers' heartbeat period (default 2, the companion's)",
+    )
+    parser.add_argument(
+        "--notice-s", type=float, default=120.0, help="notice of each spot warning (default 120)"
+    )
+    parser.add_argument(
+        "--event-timeout", type=float, default=300.0, help="seconds before an event counts as lost"
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, help="keep the services' and workers' logs here (default: a temporary folder)"
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny jobs, two events each: what CI runs")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    sizes: tuple[int, ...]
+    events: tuple[int, ...]
+    warmup: int
+    devices_per_node: int
+    workers_per_process: int
+    heartbeat_s: float
+    model: str
+    notice_s: float
+    event_timeout_s: float
+    quick: bool
+
+
+def default_events(workers: int) -> int:
+    """Events per size when ``--events`` is not given: many for a small job, fewer for a large one,
+    whose events each take seconds of planning and of the simulated workers' decoding."""
+    return DEFAULT_EVENTS[0] if workers <= LARGE_JOB else DEFAULT_EVENTS[1]
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    """The run the arguments describe; every bad value is a ``ValueError`` naming its option."""
+    sizes = args.workers or (QUICK_WORKERS if args.quick else DEFAULT_WORKERS)
+    per_node = args.devices_per_node or (QUICK_DEVICES_PER_NODE if args.quick else 8)
+    warmup = 2 if args.warmup is None else args.warmup
+    if per_node < 1:
+        raise ValueError(f"--devices-per-node: must be at least 1, got {per_node}")
+    for n in sizes:
+        if n % per_node or n < 2 * per_node:
+            raise ValueError(
+                f"--workers: {n} is not whole nodes of {per_node} devices, at least two of them "
+                "(a spot warning takes one node away)"
+            )
+    if args.events is None:
+        events = tuple(QUICK_EVENTS if args.quick else default_events(n) for n in sizes)
+    else:
+        events = args.events * len(sizes) if len(args.events) == 1 else args.events
+    if len(events) != len(sizes):
+        raise ValueError(f"--events: give one number or one per size ({len(sizes)}), got {len(events)}")
+    if any(e < 1 for e in events):
+        raise ValueError(f"--events: every count must be at least 1, got {list(events)}")
+    if warmup < 0:
+        raise ValueError(f"--warmup: must not be negative, got {warmup}")
+    if args.workers_per_process < 1:
+        raise ValueError(f"--workers-per-process: must be at least 1, got {args.workers_per_process}")
+    if not args.heartbeat_s > 0:
+        raise ValueError(f"--heartbeat-s: must be positive, got {args.heartbeat_s}")
+    if not args.notice_s > 0:
+        raise ValueError(f"--notice-s: must be positive, got {args.notice_s}")
+    if not args.event_timeout > 0:
+        raise ValueError(f"--event-timeout: must be positive, got {args.event_timeout}")
+    return Config(
+        sizes=tuple(sizes),
+        events=tuple(events),
+        warmup=warmup,
+        devices_per_node=per_node,
+        workers_per_process=args.workers_per_process,
+        heartbeat_s=args.heartbeat_s,
+        model=args.model,
+        notice_s=args.notice_s,
+        event_timeout_s=args.event_timeout,
+        quick=args.quick,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 when every event of every size committed."""
+    config = config_from(args)
+    configure_logging(level="WARNING")  # stderr: stdout carries the report alone
+    load_before = os.getloadavg()[0]
+    with _log_dir(args.log_dir) as logs, NatsServer(log_file=logs / "nats-server.log") as server:
+        sizes, version = asyncio.run(_bench(config, server, logs))
+    checks = [c for r in sizes for c in checks_for(r)]
+    report = BenchReport(
+        quick=config.quick,
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        python=platform.python_version(),
+        nats_server=version,
+        machine=f"{platform.machine()} {platform.processor() or platform.system()}",
+        cpus=os.cpu_count() or 1,
+        load_average=(load_before, os.getloadavg()[0]),
+        services="each service in a process of its own (liver serve); the stand-in job in processes "
+        "of its own",
+        sizes=sizes,
+        checks=checks,
+        ok=all(r.all_committed for r in sizes),
+    )
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+    else:
+        _print_report(report)
+    return 0 if report.ok else 1
+
+
+@contextlib.contextmanager
+def _log_dir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="liver-bench-bus-") as tmp:
+        yield Path(tmp)
+
+
+def _progress(text: str) -> None:
+    print(f"[bench bus] {text}", file=sys.stderr, flush=True)
+
+
+# -- the run ------------------------------------------------------------------------------------------------
+
+
+def _hardware(model: str) -> str:
+    """The planners' hardware profile: the tiny models are CPU-sized, the others H100-sized."""
+    return "cpu-small" if model.startswith("tiny-") else "h100-80gb"
+
+
+def _global_batch(workers: int, per_node: int) -> int:
+    """A batch every data-parallel size of both worlds divides, so the planner can use every device."""
+    return math.lcm(workers, workers - per_node)
+
+
+async def _bench(config: Config, server: NatsServer, tmp: Path) -> tuple[list[SizeReport], str]:
+    env = rig.child_environment(server.url)
+    jobs = {
+        _job(n): {
+            "model": config.model,
+            "hardware": _hardware(config.model),
+            "setup": {
+                "global_batch_size": _global_batch(n, config.devices_per_node),
+                "sequence_length": PRESETS[config.model].max_sequence_length,
+            },
+        }
+        for n in config.sizes
+    }
+    topology_config = tmp / "topology.json"
+    topology_config.write_bytes(msgspec.json.encode({"jobs": jobs}))
+    control = await nats.connect(server.url, name=f"{rig.BENCH_CLIENT_PREFIX}-control")
+    watch = await nats.connect(server.url, name=f"{rig.BENCH_CLIENT_PREFIX}-observer")
+    shared: dict[str, rig.Child] = {}
+    try:
+        _progress("starting the ingester, topology and transfer services")
+        for name in ("ingester", "topology", "transfer"):
+            child_env = {**env, TOPOLOGY_CONFIG_ENV: str(topology_config)} if name == "topology" else env
+            shared[name] = rig.spawn(name, rig.service_argv(name), child_env, tmp)
+        for name, child in shared.items():
+            await rig.wait_ready(control, child, name, READY_TIMEOUT_S)
+        reports = []
+        for n, events in zip(config.sizes, config.events, strict=True):
+            size = SizeRun(config, n, events, server, control, watch, env, tmp, shared)
+            reports.append(await size.run())
+        return reports, rig.server_version(server.monitor_url)
+    finally:
+        for child in shared.values():
+            child.stop()
+        await watch.close()
+        with contextlib.suppress(Exception):
+            await control.drain()
+
+
+def _job(workers: int) -> str:
+    return f"bus-{workers}"
+
+
+class SizeRun:
+    """The events of one job size, from starting its coordinator and workers to stopping them."""
+
+    def __init__(
+        self,
+        config: Config,
+        workers: int,
+        events: int,
+        server: NatsServer,
+        control: Client,
+        watch: Client,
+        env: dict[str, str],
+        tmp: Path,
+        shared: dict[str, rig.Child],
+    ) -> None:
+        self.config = config
+        self.n = workers
+        self.k = config.devices_per_node
+        self.events = events
+        self.server = server
+        self.nc = control
+        self.js: JetStreamContext = control.jetstream()
+        self.watch = watch
+        self.env = env
+        self.tmp = tmp
+        self.shared = shared
+        self.job = _job(workers)
+        devices = SimSettings(job_id=self.job, workers=workers, devices_per_node=self.k).devices()
+        self.devices = devices
+        nodes = list(dict.fromkeys(d.node for d in devices))
+        per_process = max(config.workers_per_process // self.k, 1)
+        self.main = [self._sim(nodes[i : i + per_process], "w") for i in range(0, len(nodes), per_process)]
+        """The stand-in job, whole nodes per process. Its workers start in no world (``generation``
+        ``None``) and the bench announces the first world as a launcher does: a simulated process
+        numbers its ranks from 0, so only the announced placement gives every worker its global rank,
+        which each worker takes from the first Prepare it switches with."""
+        identities = [i for settings in self.main for i in settings.identities()]
+        self.probe = identities[0]
+        self.node = nodes[-1]
+        """The node every spot warning reclaims and every scale request brings back."""
+        self.children: dict[str, rig.Child] = {}
+        self.status_requests = 0
+        self.incarnation = 0
+        self.released: set[object] = set()
+
+    # -- processes --------------------------------------------------------------------------------------
+
+    def pids(self) -> dict[str, int]:
+        out = {"nats-server": self.server.pid or 0}
+        out.update({name: child.pid for name, child in self.shared.items()})
+        out.update({name: child.pid for name, child in self.children.items()})
+        return out
+
+    def sample(self) -> dict[str, float | None]:
+        return rig.cpu_of(self.pids())
+
+    def _worker_processes(self) -> list[str]:
+        return [name for name in self.children if name.startswith(("workers", "spares"))]
+
+    def _sim(self, nodes: Sequence[str], prefix: str) -> SimSettings:
+        return SimSettings(
+            job_id=self.job,
+            workers=len(nodes) * self.k,
+            nodes=tuple(nodes),
+            devices_per_node=self.k,
+            generation=None,
+            worker_prefix=prefix,
+            fetch_timeout_s=self.config.notice_s,
+            iteration_s=FROZEN_ITERATION_S,
+            heartbeat_s=self.config.heartbeat_s,
+        )
+
+    def _spawn_workers(self, name: str, settings: SimSettings) -> None:
+        argv = rig.workers_argv(msgspec.json.encode(settings))
+        self.children[name] = rig.spawn(f"{name}-{self.n}", argv, self.env, self.tmp)
+
+    async def run(self) -> SizeReport:
+        _progress(f"{self.n} workers: starting the coordinator and the simulated job")
+        settings = self.tmp / f"coordinator-{self.n}.json"
+        timeout = max(HEARTBEAT_TIMEOUT_S, 5 * self.config.heartbeat_s)
+        settings.write_bytes(msgspec.json.encode({"core": {"heartbeat_timeout_s": timeout}}))
+        env = {
+            **self.env,
+            JOB_ENV: self.job,
+            INSTANCE_ENV: f"bench-{self.n}",
+            COORDINATOR_CONFIG_ENV: str(settings),
+        }
+        self.children["coordinator"] = rig.spawn(
+            f"coordinator-{self.n}", rig.service_argv("coordinator"), env, self.tmp
+        )
+        self.coordinator_log = rig.LogFollower(self.children["coordinator"].log_path)
+        observer = Observer(self.watch, self.job, self.probe.worker_id, self.sample)
+        await observer.start()
+        records: list[EventRecord] = []
+        contract: ContractReport | None = None
+        # The Prepare and slice are captured during the last warm-up event, where the bench's own reads
+        # cannot disturb a counted one.
+        capture_at = max(self.config.warmup - 1, 0)
+        try:
+            await rig.wait_ready(self.nc, self.children["coordinator"], "coordinator", READY_TIMEOUT_S)
+            for i, settings in enumerate(self.main):
+                self._spawn_workers(f"workers-{i}", settings)
+            hellos = {i.worker_id for settings in self.main for i in settings.identities()}
+            await observer.wait_hellos(hellos, READY_TIMEOUT_S)
+            world = WorldStarted(
+                job_id=self.job,
+                generation=0,
+                layout=ParallelLayout(tp=1, pp=1, dp=self.n),
+                placement=Placement(self.devices),
+            )
+            await self.js.publish(s.world_started(self.job), encode(world))
+            await self._membership(generation=0, count=self.n)
+            devices = self.n
+            for index in range(self.config.warmup + self.events):
+                record, timeline, piece = await self._event(observer, index, devices, index == capture_at)
+                records.append(record)
+                if index == capture_at and record.outcome == "committed":
+                    contract = self._contract(timeline, piece)
+                _progress(
+                    f"{self.n} workers: event {index + 1}/{self.config.warmup + self.events} "
+                    f"{record.kind} {record.outcome}"
+                    + (f" in {record.commit_ms:,.1f} ms" if record.commit_ms is not None else "")
+                )
+                if record.outcome != "committed":
+                    break
+                devices = record.devices_after or devices
+        finally:
+            for child in self.children.values():
+                child.stop()
+            self.children.clear()
+            await observer.stop()
+        planning = rig.planning_times(c.log_path for c in (self.shared["topology"], self.shared["transfer"]))
+        for record in records:
+            _finish(record, planning.get((self.job, record.event_id)))
+        return self._report(records, contract)
+
+    # -- one event ----------------------------------------------------------------------------------------
+
+    async def _event(
+        self, observer: Observer, index: int, devices: int, capture: bool
+    ) -> tuple[EventRecord, Timeline, bytes | None]:
+        scale_in = index % 2 == 0
+        kind = "scale_in" if scale_in else "scale_out"
+        event_id = f"{kind.replace('_', '-')}-{index:04d}"
+        if not scale_in:
+            await self._node_returns(observer)
+        workers = self._worker_processes()
+        idle0, started = self.sample(), time.perf_counter()
+        await asyncio.sleep(IDLE_WINDOW_S)
+        idle = rig.cpu_delta(idle0, self.sample())
+        window = time.perf_counter() - started
+        idle_rate = sum(idle.get(w, 0.0) for w in workers) / window
+        conns_before = await asyncio.to_thread(rig.connections, self.server.monitor_url)
+        beats, beat_bytes, polls = observer.heartbeats, observer.heartbeat_bytes, self.status_requests
+        cpu0 = self.sample()
+        timeline = observer.arm(event_id)
+        if scale_in:
+            message: SpotWarning | ScaleRequest = SpotWarning(
+                job_id=self.job,
+                event_id=event_id,
+                node=self.node,
+                provider="bench",
+                notice_s=self.config.notice_s,
+            )
+            subject = s.SPOT_WARNING
+        else:
+            message = ScaleRequest(
+                job_id=self.job,
+                event_id=event_id,
+                reason="the reclaimed node is back",
+                add=(NodeDevices(node=self.node, devices=tuple(range(self.k))),),
+            )
+            subject = s.SCALE_REQUEST
+        await self.js.publish(subject, encode(message), headers={s.HEADER_MSG_ID: f"{self.job}-{event_id}"})
+        reading = asyncio.create_task(self._capture_slice(timeline)) if capture else None
+        record = EventRecord(
+            index=index,
+            event_id=event_id,
+            kind=kind,
+            warmup=index < self.config.warmup,
+            outcome="timeout",
+            devices_before=devices,
+        )
+        try:
+            await asyncio.wait_for(timeline.done.wait(), self.config.event_timeout_s)
+        except TimeoutError:
+            record.reason = f"no outcome within {self.config.event_timeout_s} s"
+        piece = None
+        if reading is not None:
+            if not reading.done():
+                reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PlanFetchError):
+                piece = await reading
+        if record.reason:
+            return record, timeline, piece
+        record.idle_cpu_share = {p: v / 1e3 / window for p, v in _grouped(idle).items()}
+        _timings(record, timeline, cpu0, workers, idle_rate)
+        if timeline.aborted is not None:
+            record.outcome, record.reason = "aborted", timeline.aborted.reason
+            return record, timeline, piece
+        committed = timeline.committed
+        assert committed is not None
+        expected = devices - self.k if scale_in else devices + self.k
+        record.devices_after = len(committed.placement)
+        record.generation = committed.generation
+        record.layout_after = committed.layout.describe()
+        if record.devices_after != expected:
+            record.outcome = "committed_short"
+            record.reason = (
+                f"the planner used {record.devices_after} of {expected} devices: the idle ones' workers "
+                "leave, and the job would shrink; choose another --model"
+            )
+            return record, timeline, piece
+        record.outcome = "committed"
+        conns_commit = await asyncio.to_thread(rig.connections, self.server.monitor_url)
+        at_commit = (observer.heartbeats, observer.heartbeat_bytes, self.status_requests)
+        await self._settle(committed.generation, expected, left=self.node if scale_in else None)
+        conns_after = await asyncio.to_thread(rig.connections, self.server.monitor_url)
+        # Each heartbeat is published once and delivered once (to the coordinator); each status request
+        # of the bench is delivered to the coordinator, which publishes the reply.
+        start = (beats, beat_bytes, polls)
+        record.heartbeats = observer.heartbeats - beats
+        record.messages_in, record.messages_out, record.bytes_in, record.bytes_out = _net(
+            rig.traffic_between(conns_before, conns_commit, rig.BENCH_CLIENT_PREFIX), start, at_commit
+        )
+        end = (observer.heartbeats, observer.heartbeat_bytes, self.status_requests)
+        totals = _net(rig.traffic_between(conns_before, conns_after, rig.BENCH_CLIENT_PREFIX), start, end)
+        record.messages_in_total, record.messages_out_total, record.bytes_in_total, record.bytes_out_total = (
+            totals
+        )
+        if "transfer_planned" in timeline.raw:
+            planned = decode(timeline.raw["transfer_planned"], TransferPlanned)
+            sizes = [w.ref.size for w in planned.workers]
+            record.slice_bytes_total, record.slice_bytes_max = sum(sizes), max(sizes, default=0)
+        return record, timeline, piece
+
+    async def _node_returns(self, observer: Observer) -> None:
+        """Fresh worker processes on the reclaimed node say hello, as after a node comes back; the
+        coordinator must count them before the scale request arrives."""
+        self.incarnation += 1
+        settings = self._sim([self.node], f"r{self.incarnation}")
+        self._spawn_workers("spares", settings)
+        await observer.wait_hellos({i.worker_id for i in settings.identities()}, READY_TIMEOUT_S)
+
+        async def counted() -> bool:
+            return (await self._status()).get("workers") == self.n
+
+        await _until(counted, SETTLE_TIMEOUT_S, f"the coordinator counts {self.n} workers")
+
+    async def _settle(self, generation: int, devices: int, left: str | None) -> None:
+        """Wait until the commit's aftermath is over: the membership the ingester reads names the new
+        world, the coordinator is stable again, and the workers of a reclaimed node have gone."""
+        await self._membership(generation, devices)
+
+        async def stable() -> bool:
+            return (await self._status()).get("phase") == "stable"
+
+        await _until(stable, SETTLE_TIMEOUT_S, "the coordinator is stable")
+
+        async def released() -> bool:
+            for entry in self.coordinator_log.entries():
+                if entry.get("event") in ("plan_released", "plan_release_failed"):
+                    self.released.add(entry.get("generation"))
+            return generation in self.released
+
+        # The release runs after the commit on the coordinator's loop; the next event must not queue
+        # behind it. The coordinator skips it silently when the plan store cannot be listed, so a
+        # release that never reports is waited for a while only.
+        try:
+            await _until(released, RELEASE_WAIT_S, "the plan released")
+        except rig.RigError:
+            _progress(f"{self.n} workers: no plan release reported for generation {generation}")
+        if left is not None and "spares" in self.children:
+            self.children.pop("spares").stop()
+
+    async def _status(self) -> dict[str, Any]:
+        """The coordinator's status; empty while it is too busy to answer (a large job's aftermath)."""
+        self.status_requests += 1
+        try:
+            reply = await self.nc.request(status_subject("coordinator"), b"", timeout=5.0)
+        except nats.errors.TimeoutError:
+            return {}
+        return msgspec.json.decode(reply.data)  # type: ignore[no-any-return]
+
+    async def _membership(self, generation: int, count: int) -> None:
+        kv = None
+
+        async def published() -> bool:
+            nonlocal kv
+            try:
+                kv = kv or await self.js.key_value(s.KV_MEMBERSHIP)
+                entry = await kv.get(self.job)
+            except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+                return False
+            members = decode(entry.value or b"", JobMembership)
+            return members.generation == generation and len(members.workers) == count
+
+        await _until(published, SETTLE_TIMEOUT_S, f"membership of generation {generation} ({count} workers)")
+
+    # -- the contract's cost --------------------------------------------------------------------------------
+
+    async def _capture_slice(self, timeline: Timeline) -> bytes | None:
+        """The probe worker's plan slice, read as soon as the plan is announced (the coordinator has the
+        plan's objects deleted once the handoff ends)."""
+        await timeline.planned.wait()
+        planned = decode(timeline.raw["transfer_planned"], TransferPlanned)
+        ref = next((w.ref for w in planned.workers if w.device == self.probe.device), None)
+        return None if ref is None else await PlanFetcher(self.js).fetch(ref, 60.0)
+
+    def _contract(self, timeline: Timeline, piece_bytes: bytes | None) -> ContractReport | None:
+        data = timeline.raw.get("prepare")
+        planned_raw = timeline.raw.get("transfer_planned")
+        if data is None or planned_raw is None or piece_bytes is None:
+            return None
+        prepare = decode(data, WorkerCommand)
+        planned = decode(planned_raw, TransferPlanned)
+        if not isinstance(prepare, Prepare) or prepare.generation != planned.generation:
+            return None
+        device = self.probe.device
+        piece = msgspec.json.decode(piece_bytes, type=PlanSlice)
+        participants = len(planned.workers)
+        reps = max(5, min(200, 20_000 // self.n))
+        encode_s = _median_time(lambda: encode(prepare), reps)
+        decode_s = _median_time(lambda: decode(data, WorkerCommand), reps)
+        slice_s = _median_time(lambda: decode_slice(piece_bytes, prepare, device), reps)
+        refs = [msgspec.json.encode(w) for w in planned.workers]
+        unreported = None
+        if "topology_planned" in timeline.raw:
+            topology = decode(timeline.raw["topology_planned"], TopologyPlanned)
+            t0 = time.perf_counter()
+            again = plan_transfer(topology, budget_bytes=TransferSettings().budget_bytes)
+            wall = time.perf_counter() - t0
+            timed = again.summary.plan_seconds + again.verify_seconds + again.encode_seconds
+            unreported = (wall - timed) * 1e3
+        return ContractReport(
+            participants=participants,
+            prepare_bytes=len(data),
+            prepare_placement_bytes=len(msgspec.json.encode(prepare.placement)),
+            prepare_plan_ref_bytes=len(msgspec.json.encode(prepare.plan)),
+            prepare_encode_ms=encode_s * 1e3,
+            prepare_decode_ms=decode_s * 1e3,
+            prepare_bytes_per_event=len(data) * participants,
+            coordinator_encode_ms_per_event=encode_s * 1e3 * participants,
+            sim_prepare_decode_ms_per_event=decode_s * 1e3 * participants,
+            broadcast_prepare_bytes=len(data) - len(msgspec.json.encode(prepare.plan)) + sum(map(len, refs)),
+            slice_bytes=len(piece_bytes),
+            slice_world_bytes=len(msgspec.json.encode(piece.old)) + len(msgspec.json.encode(piece.new)),
+            slice_tasks=len(piece.tasks),
+            slice_decode_ms=slice_s * 1e3,
+            slice_bytes_per_event=sum(w.ref.size for w in planned.workers),
+            sim_slice_decode_ms_per_event=slice_s * 1e3 * participants,
+            transfer_unreported_ms=unreported,
+        )
+
+    # -- the size's report ----------------------------------------------------------------------------------
+
+    def _report(self, records: list[EventRecord], contract: ContractReport | None) -> SizeReport:
+        counted = [r for r in records if not r.warmup and r.outcome == "committed"]
+
+        def of(field: str) -> Stat | None:
+            return stat(getattr(r, field) for r in counted)
+
+        stages = {
+            name: st for name, *_ in STAGE_GAPS if (st := stat(_gap(r, name) for r in counted)) is not None
+        }
+        processes = sorted({p for r in counted for p in r.process_cpu_ms})
+        layouts = {r.kind: r.layout_after for r in counted if r.layout_after is not None}
+        return SizeReport(
+            workers=self.n,
+            devices_per_node=self.k,
+            worker_processes=len(self.main),
+            heartbeat_s=self.config.heartbeat_s,
+            job_id=self.job,
+            model=self.config.model,
+            hardware=_hardware(self.config.model),
+            global_batch_size=_global_batch(self.n, self.k),
+            layouts={k: v for k, v in layouts.items() if v is not None},
+            events=sum(not r.warmup for r in records),
+            warmup=sum(r.warmup for r in records),
+            committed=len(counted),
+            all_committed=len(records) == self.config.warmup + self.events
+            and all(r.outcome == "committed" for r in records),
+            switch_ms=of("switch_ms"),
+            commit_ms=of("commit_ms"),
+            planning_ms=of("planning_ms"),
+            topology_planning_ms=of("topology_planning_ms"),
+            transfer_planning_ms=stat(_transfer_planning(r) for r in counted),
+            worker_cpu_switch_ms=of("worker_cpu_switch_ms"),
+            worker_cpu_commit_ms=of("worker_cpu_commit_ms"),
+            bus_overhead_switch_ms=of("bus_overhead_switch_ms"),
+            bus_overhead_commit_ms=of("bus_overhead_commit_ms"),
+            stages_ms=stages,
+            stage_cpu_ms={
+                name: {
+                    p: statistics.median(v)
+                    for p in processes
+                    if (v := [r.stage_cpu_ms[name][p] for r in counted if p in r.stage_cpu_ms.get(name, {})])
+                }
+                for name, *_ in STAGE_GAPS
+            },
+            process_cpu_ms={
+                p: st for p in processes if (st := stat(r.process_cpu_ms.get(p) for r in counted)) is not None
+            },
+            idle_cpu_share={
+                p: statistics.median(v)
+                for p in sorted({p for r in counted for p in r.idle_cpu_share})
+                if (v := [r.idle_cpu_share[p] for r in counted if p in r.idle_cpu_share])
+            },
+            messages_in=of("messages_in"),
+            messages_out=of("messages_out"),
+            bytes_in=of("bytes_in"),
+            bytes_out=of("bytes_out"),
+            messages_in_total=of("messages_in_total"),
+            messages_out_total=of("messages_out_total"),
+            contract=contract,
+            records=records,
+        )
+
+
+def _timings(
+    record: EventRecord,
+    timeline: Timeline,
+    cpu0: dict[str, float | None],
+    workers: list[str],
+    idle_rate: float,
+) -> None:
+    """Fill in the event's latencies, the processes' CPU time and the workers' share of it."""
+    t0 = timeline.published_at
+    record.arrivals_ms = {k: (v - t0) * 1e3 for k, v in timeline.arrivals.items()}
+    record.switch_ms = record.arrivals_ms.get("switch")
+    record.commit_ms = record.arrivals_ms.get("outcome") if timeline.committed is not None else None
+    record.worker_idle_cpu_ms_per_s = idle_rate * 1e3
+    end = timeline.cpu.get("outcome")
+    if end is not None:
+        record.process_cpu_ms = _grouped(rig.cpu_delta(cpu0, end))
+    samples = {"published": cpu0, **timeline.cpu}
+    for name, start, stop in STAGE_GAPS:
+        a, b = samples.get(start or "published"), samples.get(stop)
+        if a is not None and b is not None:
+            record.stage_cpu_ms[name] = _grouped(rig.cpu_delta(a, b))
+    for point, field in (("switch", "worker_cpu_switch_ms"), ("outcome", "worker_cpu_commit_ms")):
+        sample, at = timeline.cpu.get(point), timeline.arrivals.get(point)
+        if sample is None or at is None:
+            continue
+        used = rig.cpu_delta(cpu0, sample)
+        if not all(w in used for w in workers):
+            continue  # no /proc here: the workers' share cannot be told apart
+        busy = sum(used[w] for w in workers) - idle_rate * (at - t0)
+        setattr(record, field, max(busy, 0.0) * 1e3)
+
+
+def _grouped(seconds: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per process, the stand-in job's processes (``workers-<i>``) added up as ``workers``."""
+    out: dict[str, float] = {}
+    for name, value in seconds.items():
+        key = "workers" if name.startswith("workers-") else name
+        out[key] = out.get(key, 0.0) + value * 1e3
+    return out
+
+
+def _net(traffic: rig.Traffic, start: tuple[int, int, int], end: tuple[int, int, int]) -> tuple[int, ...]:
+    """Messages in and out, bytes in and out, less the heartbeats and the bench's status requests."""
+    beats, beat_bytes, polls = (b - a for a, b in zip(start, end, strict=True))
+    return (
+        traffic.in_msgs - beats - polls,
+        traffic.out_msgs - beats - polls,
+        traffic.in_bytes - beat_bytes,
+        traffic.out_bytes - beat_bytes,
+    )
+
+
+def _finish(record: EventRecord, planning: rig.Planning | None) -> None:
+    """Add the planners' reported times and derive the bus overhead (see the module docstring)."""
+    if planning is None:
+        return
+    record.topology_planning_ms = None if planning.topology_s is None else planning.topology_s * 1e3
+    for name in ("plan", "verify", "encode"):
+        value = getattr(planning, f"transfer_{name}_s")
+        setattr(record, f"transfer_{name}_ms", None if value is None else value * 1e3)
+    transfer = _transfer_planning(record)
+    if record.topology_planning_ms is None or transfer is None:
+        return
+    record.planning_ms = record.topology_planning_ms + transfer
+    for latency, cpu, field in (
+        ("switch_ms", "worker_cpu_switch_ms", "bus_overhead_switch_ms"),
+        ("commit_ms", "worker_cpu_commit_ms", "bus_overhead_commit_ms"),
+    ):
+        total, workers = getattr(record, latency), getattr(record, cpu)
+        if total is not None and workers is not None:
+            setattr(record, field, total - record.planning_ms - workers)
+
+
+def _transfer_planning(record: EventRecord) -> float | None:
+    parts = (record.transfer_plan_ms, record.transfer_verify_ms, record.transfer_encode_ms)
+    return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+
+
+def _gap(record: EventRecord, name: str) -> float | None:
+    for stage, start, end in STAGE_GAPS:
+        if stage == name:
+            a = 0.0 if start is None else record.arrivals_ms.get(start)
+            b = record.arrivals_ms.get(end)
+            return None if a is None or b is None else b - a
+    raise KeyError(name)
+
+
+async def _until(check: Callable[[], Any], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise rig.RigError(f"not true after {timeout_s} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), interpolating linearly between the closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def stat(values: Any) -> Stat | None:
+    data = [float(v) for v in values if v is not None]
+    if not data:
+        return None
+    return Stat(
+        n=len(data),
+        p50=percentile(data, 50),
+        p99=percentile(data, 99),
+        mean=statistics.fmean(data),
+        max=max(data),
+    )
+
+
+def checks_for(r: SizeReport) -> list[Check]:
+    """The musts and the issue's aim, judged on this run's numbers."""
+    out = [
+        Check(
+            workers=r.workers,
+            level="must",
+            what="every event committed",
+            passed=r.all_committed,
+            detail=f"{r.committed} of {r.events} counted events committed"
+            + ("" if r.all_committed else "; " + _first_failure(r)),
+        )
+    ]
+    aim_ms = AIM_BUS_OVERHEAD_P99_S * 1e3
+    for label, st in (("switch", r.bus_overhead_switch_ms), ("commit", r.bus_overhead_commit_ms)):
+        out.append(
+            Check(
+                workers=r.workers,
+                level="aim",
+                what=f"bus overhead to the {label} p99 < {aim_ms:g} ms",
+                passed=st is not None and st.p99 < aim_ms,
+                detail="not measured" if st is None else f"p99 {st.p99:,.1f} ms, p50 {st.p50:,.1f} ms",
+            )
+        )
+    return out
+
+
+def _first_failure(r: SizeReport) -> str:
+    for record in r.records:
+        if record.outcome != "committed":
+            return f"event {record.event_id}: {record.outcome} ({record.reason})"
+    return "fewer events ran than asked"
+
+
+# -- printing -----------------------------------------------------------------------------------------------
+
+
+def _ms(st: Stat | None) -> str:
+    return "-" if st is None else f"{st.p50:,.1f} / {st.p99:,.1f}"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _print_report(report: BenchReport) -> None:
+    out = sys.stdout
+    title = "liver bench bus" + (" (quick)" if report.quick else "")
+    print(f"{title}: {report.date}, nats-server {report.nats_server}, {report.services}", file=out)
+    for r in report.sizes:
+        print(
+            f"\n{r.workers} workers ({r.workers // r.devices_per_node} nodes of {r.devices_per_node}), "
+            f"{r.model} on {r.hardware}; {r.events} events counted after {r.warmup} warm-up, "
+            f"{r.committed} committed; layouts {r.layouts}",
+            file=out,
+        )
+        rows = [
+            ("latency to the switch", r.switch_ms),
+            ("latency to the commit", r.commit_ms),
+            ("planning (topology + transfer)", r.planning_ms),
+            ("  topology chooser", r.topology_planning_ms),
+            ("  transfer plan + verify + encode", r.transfer_planning_ms),
+            ("simulated workers' CPU, to the switch", r.worker_cpu_switch_ms),
+            ("simulated workers' CPU, to the commit", r.worker_cpu_commit_ms),
+            ("bus overhead to the switch", r.bus_overhead_switch_ms),
+            ("bus overhead to the commit", r.bus_overhead_commit_ms),
+        ]
+        rows += [(f"CPU of {name}", st) for name, st in r.process_cpu_ms.items()]
+        print(f"  {'(milliseconds)':<40} {'p50 / p99':>22}", file=out)
+        for label, st in rows:
+            print(f"  {label:<40} {_ms(st):>22}", file=out)
+        if r.idle_cpu_share:
+            shares = ", ".join(f"{p} {v:.0%}" for p, v in sorted(r.idle_cpu_share.items()) if v >= 0.005)
+            print(f"  CPU share while idle (heartbeats every {r.heartbeat_s:g} s): {shares}", file=out)
+        print("  stages (p50 / p99 wall; median CPU of the busiest processes in it):", file=out)
+        for name, st in r.stages_ms.items():
+            busiest = sorted(r.stage_cpu_ms.get(name, {}).items(), key=lambda kv: -kv[1])[:3]
+            cpu = ", ".join(f"{p} {v:,.1f}" for p, v in busiest if v >= 0.05)
+            print(f"    {name:<10} {_ms(st):>22}   {cpu}", file=out)
+        if r.messages_in is not None and r.messages_out is not None:
+            print(
+                f"  messages per event (median): {r.messages_in.p50:,.0f} in, {r.messages_out.p50:,.0f} out; "
+                f"payload {_size(r.bytes_in.p50 if r.bytes_in else 0)} in, "
+                f"{_size(r.bytes_out.p50 if r.bytes_out else 0)} out",
+                file=out,
+            )
+        c = r.contract
+        if c is not None:
+            print(
+                f"  Prepare: {_size(c.prepare_bytes)} each ({_size(c.prepare_placement_bytes)} placement), "
+                f"x{c.participants} = {_size(c.prepare_bytes_per_event)} per event; encode "
+                f"{c.prepare_encode_ms:.3f} ms, decode {c.prepare_decode_ms:.3f} ms each "
+                f"({c.coordinator_encode_ms_per_event:,.1f} ms / {c.sim_prepare_decode_ms_per_event:,.1f} ms "
+                f"per event); a broadcast Prepare would be {_size(c.broadcast_prepare_bytes)} once",
+                file=out,
+            )
+            print(
+                f"  slice: {_size(c.slice_bytes)} ({_size(c.slice_world_bytes)} old + new world, "
+                f"{c.slice_tasks} tasks), decode {c.slice_decode_ms:.3f} ms; "
+                f"{_size(c.slice_bytes_per_event)} stored per event",
+                file=out,
+            )
+            if c.transfer_unreported_ms is not None:
+                print(
+                    f"  transfer service's compute it does not log (in the bus overhead): "
+                    f"{c.transfer_unreported_ms:,.1f} ms",
+                    file=out,
+                )
+    print(
+        "\nbus overhead = latency - planning - the simulated workers' CPU time (less their idle rate); "
+        "p50 / p99 over the counted events.",
+        file=out,
+    )
+    print(
+        f"host: {report.cpus} CPUs, load average {report.load_average[0]:.1f} before, "
+        f"{report.load_average[1]:.1f} after",
+        file=out,
+    )
+    for c in report.checks:
+        verdict = "PASS" if c.passed else "FAIL"
+        print(f"{c.level.upper():<4} {verdict}  {c.workers} workers: {c.what}  ({c.detail})", file=out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m liver.bench.bus_bench``: the same as ``liver bench bus``."""
+    parser = argparse.ArgumentParser(prog="liver bench bus", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"liver bench bus: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
