@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from liver.bench import _bus_report as schema
 from liver.bench import _bus_rig as rig
 from liver.bench import bus_bench
 
@@ -58,13 +59,13 @@ def test_json_mode_prints_exactly_one_object_and_exits_0(quick_run: tuple[int, s
 
 
 def test_report_has_every_field_of_its_schema(report: dict[str, Any]) -> None:
-    assert set(report) == _fields(bus_bench.BenchReport)
+    assert set(report) == _fields(schema.BenchReport)
     for size in report["sizes"]:
-        assert set(size) == _fields(bus_bench.SizeReport)
-        assert set(size["contract"]) == _fields(bus_bench.ContractReport)
-        assert set(size["commit_ms"]) == _fields(bus_bench.Stat)
+        assert set(size) == _fields(schema.SizeReport)
+        assert set(size["contract"]) == _fields(schema.ContractReport)
+        assert set(size["commit_ms"]) == _fields(schema.Stat)
         for record in size["records"]:
-            assert set(record) == _fields(bus_bench.EventRecord)
+            assert set(record) == _fields(schema.EventRecord)
 
 
 def test_every_event_of_every_size_committed(report: dict[str, Any]) -> None:
@@ -163,9 +164,9 @@ def test_event_counts_must_match_the_sizes() -> None:
 
 
 def test_percentiles_interpolate_between_the_closest_ranks() -> None:
-    assert bus_bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert bus_bench.percentile([10.0, 20.0], 99) == pytest.approx(19.9)
-    assert bus_bench.percentile([5.0], 99) == 5.0
+    assert schema.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert schema.percentile([10.0, 20.0], 99) == pytest.approx(19.9)
+    assert schema.percentile([5.0], 99) == 5.0
 
 
 def test_planning_times_are_read_from_the_services_json_logs(tmp_path: Path) -> None:

@@ -55,6 +55,18 @@ from nats.js import JetStreamContext
 
 from liver.bench import _bus_rig as rig
 from liver.bench._bus_observer import Observer, Timeline
+from liver.bench._bus_report import (
+    STAGE_GAPS,
+    BenchReport,
+    ContractReport,
+    EventRecord,
+    SizeReport,
+    Stat,
+    checks_for,
+    gap,
+    print_report,
+    stat,
+)
 from liver.services.coordinator.service import CONFIG_ENV as COORDINATOR_CONFIG_ENV
 from liver.services.coordinator.service import INSTANCE_ENV, JOB_ENV
 from liver.services.runtime import status_subject
@@ -82,7 +94,6 @@ from liver.shared.plan import PlanSlice
 from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice
 from liver.worker_runtime.companion_sim import SimSettings
 
-AIM_BUS_OVERHEAD_P99_S: Final = 0.010
 DEFAULT_WORKERS: Final = (64, 1024)
 DEFAULT_EVENTS: Final = (100, 20)
 """Counted events of a job of up to ``LARGE_JOB`` workers, and of a larger one."""
@@ -110,180 +121,6 @@ subtraction would then count that time more than once."""
 READY_TIMEOUT_S: Final = 180.0
 SETTLE_TIMEOUT_S: Final = 600.0
 RELEASE_WAIT_S: Final = 180.0
-STAGE_GAPS: Final = (
-    ("ingest", None, "resize_requested"),
-    ("request", "resize_requested", "topology_request"),
-    ("topology", "topology_request", "topology_planned"),
-    ("transfer", "topology_planned", "transfer_planned"),
-    ("prepare", "transfer_planned", "switch"),
-    ("switch", "switch", "outcome"),
-)
-"""Each stage of a handoff: its name and the arrivals it lies between (``None``: the publication).
-``prepare`` is the coordinator sending every Prepare, the workers reading their slices and
-answering ready, and the switch intent recorded; ``switch`` is the switched acks and the commit."""
-
-
-# -- the report ---------------------------------------------------------------------------------------------
-
-
-class Stat(msgspec.Struct, kw_only=True):
-    """A distribution over the counted events (milliseconds unless the field says otherwise).
-
-    Percentiles interpolate linearly between the closest ranks, so with fewer than 100 events the p99
-    lies between the two largest values."""
-
-    n: int
-    p50: float
-    p99: float
-    mean: float
-    max: float
-
-
-class EventRecord(msgspec.Struct, kw_only=True):
-    """One event, warm-up or counted; times in milliseconds after the event was published."""
-
-    index: int
-    event_id: str
-    kind: str  # "scale_in" (spot warning) or "scale_out" (scale request)
-    warmup: bool
-    outcome: str  # "committed", "aborted" or "timeout"
-    reason: str = ""
-    devices_before: int
-    devices_after: int | None = None
-    generation: int | None = None
-    layout_after: str | None = None
-    switch_ms: float | None = None
-    commit_ms: float | None = None
-    arrivals_ms: dict[str, float] = {}
-    topology_planning_ms: float | None = None
-    transfer_plan_ms: float | None = None
-    transfer_verify_ms: float | None = None
-    transfer_encode_ms: float | None = None
-    planning_ms: float | None = None
-    worker_cpu_switch_ms: float | None = None
-    worker_cpu_commit_ms: float | None = None
-    worker_idle_cpu_ms_per_s: float | None = None
-    idle_cpu_share: dict[str, float] = {}
-    """Each process's CPU time per second of wall time in the idle half second before the event:
-    heartbeats, consumers' idle fetches, timers."""
-    bus_overhead_switch_ms: float | None = None
-    bus_overhead_commit_ms: float | None = None
-    process_cpu_ms: dict[str, float] = {}
-    stage_cpu_ms: dict[str, dict[str, float]] = {}
-    """CPU time of each process during each stage (the stages of ``STAGE_GAPS``)."""
-    messages_in: int | None = None
-    """Messages the services and workers published from the event's publication to its commit
-    (heartbeats and the bench's own requests left out); ``messages_out`` those delivered to them."""
-    messages_out: int | None = None
-    bytes_in: int | None = None
-    bytes_out: int | None = None
-    messages_in_total: int | None = None
-    """The same until the aftermath settled: the membership published, the coordinator's release of
-    the plan's objects (it lists the whole plan store first), the leaving workers gone."""
-    messages_out_total: int | None = None
-    bytes_in_total: int | None = None
-    bytes_out_total: int | None = None
-    heartbeats: int = 0
-    slice_bytes_total: int | None = None
-    slice_bytes_max: int | None = None
-
-
-class ContractReport(msgspec.Struct, kw_only=True):
-    """What the per-worker Prepare and plan slice cost at this size, timed on their own in the bench.
-
-    ``*_per_event`` multiply one message's figure by the workers taking part (every worker of the
-    larger world): the coordinator encodes and publishes each worker's Prepare, and the simulated job,
-    one process for all workers, decodes all of them; a real worker decodes only its own, in
-    parallel with the others.
-    """
-
-    participants: int
-    prepare_bytes: int
-    prepare_placement_bytes: int
-    prepare_plan_ref_bytes: int
-    prepare_encode_ms: float
-    prepare_decode_ms: float  # decoded as a worker does: WorkerCommand, every field checked
-    prepare_bytes_per_event: int
-    coordinator_encode_ms_per_event: float
-    sim_prepare_decode_ms_per_event: float
-    broadcast_prepare_bytes: int
-    """One job-wide Prepare carrying the placement once and each device's plan reference: what a
-    broadcast contract would publish per handoff instead of ``prepare_bytes_per_event``."""
-    slice_bytes: int
-    slice_world_bytes: int  # the old and new WorldConfig (layout + placement) inside the slice
-    slice_tasks: int
-    slice_decode_ms: float  # decode_slice: decoded and checked against the Prepare and the device
-    slice_bytes_per_event: int  # every device's slice, as stored in the object store
-    sim_slice_decode_ms_per_event: float
-    transfer_unreported_ms: float | None
-    """What the transfer service computes for an event beyond the plan, verification and encoding it
-    logs (the rank-order baseline, the lower bound, the statistics, the per-device slices): its
-    ``plan_transfer`` re-run here on the last event's ``TopologyPlanned``, less the parts it times.
-    Counted in the bus overhead, which makes that figure pessimistic by about this much."""
-
-
-class SizeReport(msgspec.Struct, kw_only=True):
-    workers: int
-    devices_per_node: int
-    worker_processes: int
-    heartbeat_s: float
-    job_id: str
-    model: str
-    hardware: str
-    global_batch_size: int
-    layouts: dict[str, str]  # the layout each kind of event ended in (last counted event)
-    events: int  # counted (after the warm-up)
-    warmup: int
-    committed: int  # counted events that committed
-    all_committed: bool  # every event, warm-up included, committed
-    switch_ms: Stat | None
-    commit_ms: Stat | None
-    planning_ms: Stat | None
-    topology_planning_ms: Stat | None
-    transfer_planning_ms: Stat | None
-    worker_cpu_switch_ms: Stat | None
-    worker_cpu_commit_ms: Stat | None
-    bus_overhead_switch_ms: Stat | None
-    bus_overhead_commit_ms: Stat | None
-    stages_ms: dict[str, Stat]
-    stage_cpu_ms: dict[str, dict[str, float]]
-    """Median CPU time of each process during each stage."""
-    process_cpu_ms: dict[str, Stat]
-    idle_cpu_share: dict[str, float]
-    """Median over the counted events of each process's CPU share while the job was idle."""
-    messages_in: Stat | None  # counts, not milliseconds
-    messages_out: Stat | None
-    bytes_in: Stat | None
-    bytes_out: Stat | None
-    messages_in_total: Stat | None
-    messages_out_total: Stat | None
-    contract: ContractReport | None
-    records: list[EventRecord]
-
-
-class Check(msgspec.Struct, kw_only=True):
-    workers: int
-    level: str  # "must" or "aim"
-    what: str
-    passed: bool
-    detail: str
-
-
-class BenchReport(msgspec.Struct, kw_only=True):
-    """What ``liver bench bus --json`` prints."""
-
-    quick: bool
-    date: str
-    python: str
-    nats_server: str
-    machine: str
-    cpus: int
-    load_average: tuple[float, float]  # 1-minute load before and after
-    services: str
-    sizes: list[SizeReport]
-    checks: list[Check]
-    ok: bool  # every event of every size committed
-
 
 # -- arguments ----------------------------------------------------------------------------------------------
 
@@ -440,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
     else:
-        _print_report(report)
+        print_report(report)
     return 0 if report.ok else 1
 
 
@@ -876,7 +713,7 @@ class SizeRun:
             return stat(getattr(r, field) for r in counted)
 
         stages = {
-            name: st for name, *_ in STAGE_GAPS if (st := stat(_gap(r, name) for r in counted)) is not None
+            name: st for name, *_ in STAGE_GAPS if (st := stat(gap(r, name) for r in counted)) is not None
         }
         processes = sorted({p for r in counted for p in r.process_cpu_ms})
         layouts = {r.kind: r.layout_after for r in counted if r.layout_after is not None}
@@ -1010,15 +847,6 @@ def _transfer_planning(record: EventRecord) -> float | None:
     return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
 
 
-def _gap(record: EventRecord, name: str) -> float | None:
-    for stage, start, end in STAGE_GAPS:
-        if stage == name:
-            a = 0.0 if start is None else record.arrivals_ms.get(start)
-            b = record.arrivals_ms.get(end)
-            return None if a is None or b is None else b - a
-    raise KeyError(name)
-
-
 async def _until(check: Callable[[], Any], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():
@@ -1034,155 +862,6 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100), interpolating linearly between the closest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of no values")
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def stat(values: Any) -> Stat | None:
-    data = [float(v) for v in values if v is not None]
-    if not data:
-        return None
-    return Stat(
-        n=len(data),
-        p50=percentile(data, 50),
-        p99=percentile(data, 99),
-        mean=statistics.fmean(data),
-        max=max(data),
-    )
-
-
-def checks_for(r: SizeReport) -> list[Check]:
-    """The musts and the issue's aim, judged on this run's numbers."""
-    out = [
-        Check(
-            workers=r.workers,
-            level="must",
-            what="every event committed",
-            passed=r.all_committed,
-            detail=f"{r.committed} of {r.events} counted events committed"
-            + ("" if r.all_committed else "; " + _first_failure(r)),
-        )
-    ]
-    aim_ms = AIM_BUS_OVERHEAD_P99_S * 1e3
-    for label, st in (("switch", r.bus_overhead_switch_ms), ("commit", r.bus_overhead_commit_ms)):
-        out.append(
-            Check(
-                workers=r.workers,
-                level="aim",
-                what=f"bus overhead to the {label} p99 < {aim_ms:g} ms",
-                passed=st is not None and st.p99 < aim_ms,
-                detail="not measured" if st is None else f"p99 {st.p99:,.1f} ms, p50 {st.p50:,.1f} ms",
-            )
-        )
-    return out
-
-
-def _first_failure(r: SizeReport) -> str:
-    for record in r.records:
-        if record.outcome != "committed":
-            return f"event {record.event_id}: {record.outcome} ({record.reason})"
-    return "fewer events ran than asked"
-
-
-# -- printing -----------------------------------------------------------------------------------------------
-
-
-def _ms(st: Stat | None) -> str:
-    return "-" if st is None else f"{st.p50:,.1f} / {st.p99:,.1f}"
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def _print_report(report: BenchReport) -> None:
-    out = sys.stdout
-    title = "liver bench bus" + (" (quick)" if report.quick else "")
-    print(f"{title}: {report.date}, nats-server {report.nats_server}, {report.services}", file=out)
-    for r in report.sizes:
-        print(
-            f"\n{r.workers} workers ({r.workers // r.devices_per_node} nodes of {r.devices_per_node}), "
-            f"{r.model} on {r.hardware}; {r.events} events counted after {r.warmup} warm-up, "
-            f"{r.committed} committed; layouts {r.layouts}",
-            file=out,
-        )
-        rows = [
-            ("latency to the switch", r.switch_ms),
-            ("latency to the commit", r.commit_ms),
-            ("planning (topology + transfer)", r.planning_ms),
-            ("  topology chooser", r.topology_planning_ms),
-            ("  transfer plan + verify + encode", r.transfer_planning_ms),
-            ("simulated workers' CPU, to the switch", r.worker_cpu_switch_ms),
-            ("simulated workers' CPU, to the commit", r.worker_cpu_commit_ms),
-            ("bus overhead to the switch", r.bus_overhead_switch_ms),
-            ("bus overhead to the commit", r.bus_overhead_commit_ms),
-        ]
-        rows += [(f"CPU of {name}", st) for name, st in r.process_cpu_ms.items()]
-        print(f"  {'(milliseconds)':<40} {'p50 / p99':>22}", file=out)
-        for label, st in rows:
-            print(f"  {label:<40} {_ms(st):>22}", file=out)
-        if r.idle_cpu_share:
-            shares = ", ".join(f"{p} {v:.0%}" for p, v in sorted(r.idle_cpu_share.items()) if v >= 0.005)
-            print(f"  CPU share while idle (heartbeats every {r.heartbeat_s:g} s): {shares}", file=out)
-        print("  stages (p50 / p99 wall; median CPU of the busiest processes in it):", file=out)
-        for name, st in r.stages_ms.items():
-            busiest = sorted(r.stage_cpu_ms.get(name, {}).items(), key=lambda kv: -kv[1])[:3]
-            cpu = ", ".join(f"{p} {v:,.1f}" for p, v in busiest if v >= 0.05)
-            print(f"    {name:<10} {_ms(st):>22}   {cpu}", file=out)
-        if r.messages_in is not None and r.messages_out is not None:
-            print(
-                f"  messages per event (median): {r.messages_in.p50:,.0f} in, {r.messages_out.p50:,.0f} out; "
-                f"payload {_size(r.bytes_in.p50 if r.bytes_in else 0)} in, "
-                f"{_size(r.bytes_out.p50 if r.bytes_out else 0)} out",
-                file=out,
-            )
-        c = r.contract
-        if c is not None:
-            print(
-                f"  Prepare: {_size(c.prepare_bytes)} each ({_size(c.prepare_placement_bytes)} placement), "
-                f"x{c.participants} = {_size(c.prepare_bytes_per_event)} per event; encode "
-                f"{c.prepare_encode_ms:.3f} ms, decode {c.prepare_decode_ms:.3f} ms each "
-                f"({c.coordinator_encode_ms_per_event:,.1f} ms / {c.sim_prepare_decode_ms_per_event:,.1f} ms "
-                f"per event); a broadcast Prepare would be {_size(c.broadcast_prepare_bytes)} once",
-                file=out,
-            )
-            print(
-                f"  slice: {_size(c.slice_bytes)} ({_size(c.slice_world_bytes)} old + new world, "
-                f"{c.slice_tasks} tasks), decode {c.slice_decode_ms:.3f} ms; "
-                f"{_size(c.slice_bytes_per_event)} stored per event",
-                file=out,
-            )
-            if c.transfer_unreported_ms is not None:
-                print(
-                    f"  transfer service's compute it does not log (in the bus overhead): "
-                    f"{c.transfer_unreported_ms:,.1f} ms",
-                    file=out,
-                )
-    print(
-        "\nbus overhead = latency - planning - the simulated workers' CPU time (less their idle rate); "
-        "p50 / p99 over the counted events.",
-        file=out,
-    )
-    print(
-        f"host: {report.cpus} CPUs, load average {report.load_average[0]:.1f} before, "
-        f"{report.load_average[1]:.1f} after",
-        file=out,
-    )
-    for c in report.checks:
-        verdict = "PASS" if c.passed else "FAIL"
-        print(f"{c.level.upper():<4} {verdict}  {c.workers} workers: {c.what}  ({c.detail})", file=out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
