@@ -16,6 +16,7 @@ Pure bookkeeping: ``now`` is always passed in.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from typing import Literal
@@ -87,6 +88,10 @@ class Membership:
         self._by_device: dict[Device, Member] = {}
         self._expected: dict[Device, datetime] = {}
         self._version = 0
+        # (deadline, worker id), one entry per hello or heartbeat; an entry whose worker has since been
+        # seen again (or dropped) is stale and is discarded when it reaches the top. The core asks for
+        # the next deadline after every message, so this keeps that question O(log n), not O(workers).
+        self._deadlines: list[tuple[datetime, str]] = []
 
     @property
     def version(self) -> int:
@@ -154,6 +159,7 @@ class Membership:
             self._drop(known)
             return Change(kind="restarted", member=self._join(presence, now), previous=previous)
         self._update(known, presence, now)
+        self._track(known)
         return Change(kind="updated", member=known)
 
     def remove(self, worker_id: str) -> Member | None:
@@ -176,9 +182,19 @@ class Membership:
 
     def next_deadline(self) -> datetime | None:
         """The earliest moment :meth:`expire` could find something: when to tick next."""
-        times = [m.deadline(self.timeout_s) for m in self._by_worker.values()]
+        heap = self._deadlines
+        while heap:
+            when, worker_id = heap[0]
+            member = self._by_worker.get(worker_id)
+            if member is not None and member.deadline(self.timeout_s) == when:
+                break
+            heapq.heappop(heap)
+        times = [heap[0][0]] if heap else []
         times.extend(self._expected.values())
         return min(times, default=None)
+
+    def _track(self, member: Member) -> None:
+        heapq.heappush(self._deadlines, (member.deadline(self.timeout_s), member.worker_id))
 
     def _join(self, presence: Hello | Heartbeat, now: datetime) -> Member:
         member = Member(
@@ -192,6 +208,7 @@ class Membership:
         )
         self._update(member, presence, now)
         self._by_worker[member.worker_id] = member
+        self._track(member)
         self._by_device[member.device] = member
         self._expected.pop(member.device, None)
         self._version += 1
