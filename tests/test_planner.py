@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from liver.services.transfer.placement import bytes_moved
 from liver.services.transfer.planner import build_plan, default_world, plan_resize, plan_stats
 from liver.shared.boxes import intersect, volume
 from liver.shared.layout import Device, ParallelLayout, Placement, default_devices
@@ -127,6 +128,7 @@ def test_plan_moves_exactly_the_bytes_not_already_on_the_destination_device(sc: 
     assert stats.bytes_total == _bytes_of_new_state(plan)
     assert stats.bytes_local == _bytes_already_in_place(plan)
     assert stats.bytes_moved == stats.bytes_total - stats.bytes_local
+    assert bytes_moved(sc.model, sc.old, plan.new) == stats.bytes_moved  # the no-plan shortcut agrees
 
 
 @PROPERTY

@@ -779,6 +779,20 @@ class Coordinator:
         )
         return False
 
+    def _planned_from_stale_world(self, what: str, from_generation: int) -> bool:
+        """A plan made against another world than the live one cannot be used: stop the handoff."""
+        assert self._record is not None
+        if from_generation == self._record.generation:
+            return False
+        self._request_stop(
+            _Stop(
+                f"the {what} was planned from generation {from_generation}, "
+                f"the live one is {self._record.generation}",
+                replan=False,
+            )
+        )
+        return True
+
     def _on_topology(self, event: TopologyPlanned) -> None:
         if self._wrong_job(event.job_id, "topology_planned"):
             return
@@ -786,14 +800,7 @@ class Coordinator:
             return
         h = self._handoff
         assert h is not None and self._record is not None
-        if event.from_generation != self._record.generation:
-            self._request_stop(
-                _Stop(
-                    f"the topology was planned from generation {event.from_generation}, "
-                    f"the live one is {self._record.generation}",
-                    replan=False,
-                )
-            )
+        if self._planned_from_stale_world("topology", event.from_generation):
             return
         target = frozenset(event.placement.devices)
         banned = sorted(self._removed(h.triggers) & target)
@@ -838,14 +845,7 @@ class Coordinator:
             return
         h = self._handoff
         assert h is not None and self._record is not None
-        if event.from_generation != self._record.generation:
-            self._request_stop(
-                _Stop(
-                    f"the transfer was planned from generation {event.from_generation}, "
-                    f"the live one is {self._record.generation}",
-                    replan=False,
-                )
-            )
+        if self._planned_from_stale_world("transfer", event.from_generation):
             return
         if not event.summary.verified:
             self._request_stop(_Stop("the transfer plan did not pass verification", replan=False))

@@ -128,6 +128,26 @@ def cost_matrix(
     return per_device[:, cls_of_rank].T
 
 
+def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, optimizer: bool = True) -> int:
+    """Exactly the bytes a plan for ``new`` sends between devices, without building the plan.
+
+    The planner copies locally every piece the old rank on the same device holds, so what crosses
+    devices is the whole new state less each new rank's overlap with its own device's old rank.
+    """
+    ol, nl = old.layout, new.layout
+    overlap, need_cls = class_overlap(model, ol, nl, optimizer)
+    old_rank = old.placement.rank_on()
+    total = 0.0
+    for j, dev in enumerate(new.placement.devices):
+        c = nl.coords(j)
+        total += need_cls[c.pp, c.tp]
+        r = old_rank.get(dev)
+        if r is not None:
+            o = ol.coords(r)
+            total -= overlap[o.pp, o.tp, c.pp, c.tp]
+    return round(total)
+
+
 def local_lower_bound(
     model: ModelSpec,
     old: WorldConfig,

@@ -32,7 +32,13 @@ from liver.shared.plan import Plan, Slice, Task, WorldConfig
 from liver.shared.views import holding_stages
 
 from .geometry import ANY, new_shard_pieces
-from .placement import DEFAULT_INTER_NODE_WEIGHT, local_lower_bound, optimized_placement, rank_order_placement
+from .placement import (
+    DEFAULT_INTER_NODE_WEIGHT,
+    bytes_moved,
+    local_lower_bound,
+    optimized_placement,
+    rank_order_placement,
+)
 
 DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
 
@@ -401,10 +407,7 @@ def plan_resize(
     rank_order_bytes = stats.bytes_moved
     if optimize and compare_rank_order:
         baseline = rank_order_placement(old, new_devices, new_layout)
-        if baseline != placement:
-            rank_order_bytes = plan_stats(
-                build_plan(model, old, WorldConfig(new_layout, baseline), budget_bytes, optimizer)
-            ).bytes_moved
+        rank_order_bytes = bytes_moved(model, old, WorldConfig(new_layout, baseline), optimizer)
     return ResizePlan(
         plan=plan,
         stats=stats,
