@@ -15,7 +15,7 @@ from liver.services.transfer.core import device_slices
 from liver.services.transfer.planner import build_plan
 from liver.shared import subjects as s
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
-from liver.shared.messages import Abort, ObjectRef, Prepare, Switch
+from liver.shared.messages import Abort, ObjectRef, Prepare, SliceIndex, Switch
 from liver.shared.model import PRESETS
 from liver.shared.plan import Plan, PlanSlice, WorldConfig
 
@@ -51,24 +51,44 @@ async def put_object(js: JetStreamContext, name: str, data: bytes) -> ObjectRef:
     return ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=name, size=len(data), digest=info.digest)
 
 
-async def put_slices(js: JetStreamContext, job: str, generation: int) -> dict[Device, ObjectRef]:
+def slice_index(job: str, generation: int, tag: str = "s1") -> SliceIndex:
+    """Where the transfer service would store :func:`plan`'s slices for ``generation``."""
+    return SliceIndex(
+        bucket=s.OBJECT_STORE_PLANS,
+        prefix=s.plan_object_name(job, generation, tag) + "-",
+        count=len(slices()),
+    )
+
+
+async def put_slices(js: JetStreamContext, job: str, generation: int, tag: str = "s1") -> SliceIndex:
     """Every device's slice of :func:`plan` stored as the transfer service stores them."""
-    refs = {}
-    for i, (device, piece) in enumerate(slices().items()):
-        name = s.plan_object_name(job, generation, f"s1-{i:05d}")
-        refs[device] = await put_object(js, name, msgspec.json.encode(piece))
-    return refs
+    index = slice_index(job, generation, tag)
+    for i, piece in enumerate(slices().values()):  # device_slices' order is slice_devices'
+        await put_object(js, index.name(i), msgspec.json.encode(piece.stored(generation)))
+    return index
 
 
-def prepare(job: str, generation: int, ref: ObjectRef, *, deadline_s: float = 60.0) -> Prepare:
+def prepare(
+    job: str,
+    generation: int,
+    index: SliceIndex | None = None,
+    *,
+    deadline_s: float = 60.0,
+    lost: tuple[Device, ...] = (),
+) -> Prepare:
+    """The job-wide Prepare of the scale-in from :data:`OLD` to :data:`NEW`."""
     return Prepare(
         job_id=job,
         event_id="evt-1",
         from_generation=generation - 1,
         generation=generation,
+        from_layout=OLD_LAYOUT,
+        from_placement=OLD.placement,
         layout=NEW_LAYOUT,
         placement=NEW.placement,
-        plan=ref,
+        lost=lost,
+        plan=ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=s.plan_object_name(job, generation), size=1),
+        slices=index or slice_index(job, generation),
         staging_bytes=1 << 20,
         deadline=datetime.now(UTC) + timedelta(seconds=deadline_s),
     )

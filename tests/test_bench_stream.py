@@ -93,7 +93,7 @@ def test_extra_memory_stays_within_b_plus_the_largest_new_layer(report: dict[str
         assert m["within_bound"] is True
         assert m["bound_bytes"] == config["budget_bytes"] + m["largest_new_layer_bytes"]
         assert 0 < m["peak_extra_bytes"] <= m["bound_bytes"]
-        assert m["staging_bytes"] <= config["staging_budget_bytes"]
+        assert m["staging_bytes"] <= m["buffer_bytes"] <= config["budget_bytes"]
         assert m["peak_send_copy_bytes"] <= config["send_copy_budget_bytes"]
 
 
@@ -166,9 +166,12 @@ def test_checks_report_every_must_and_aim_with_its_numbers(report: dict[str, Any
 def test_send_copies_of_non_contiguous_slices_stay_within_their_budget(pp_report: dict[str, Any]) -> None:
     assert pp_report["stream"]["bit_exact"] is True
     assert pp_report["loop"] is None
-    budget = pp_report["config"]["send_copy_budget_bytes"]
+    config = pp_report["config"]
     for m in pp_report["memory"]:
-        assert 0 < m["peak_send_copy_bytes"] <= budget
+        assert 0 < m["peak_send_copy_bytes"] <= config["send_copy_budget_bytes"]
+        # The copies live in the one buffer: no term beyond B + the largest new layer shard.
+        assert m["buffer_bytes"] <= config["budget_bytes"]
+        assert m["peak_extra_bytes"] <= config["budget_bytes"] + m["largest_new_layer_bytes"]
         assert m["within_bound"] is True
 
 
@@ -179,6 +182,7 @@ def test_table_mode_prints_the_breakdown_and_the_checks(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "raw send/recv ceiling" in out and "stream, preallocated" in out and "layer  rounds" in out
     assert "MUST PASS  bit-exact new shards" in out
+    assert "MUST PASS  extra memory <= B + largest new layer shard" in out
 
 
 # -- the pieces, without processes ---------------------------------------------------------------------
@@ -227,11 +231,11 @@ def test_content_differs_between_tensors_and_elements() -> None:
 
 
 @pytest.mark.parametrize("mib", [0.0625, 1, 64, 4096])
-def test_budget_split_keeps_staging_and_send_copies_within_b(mib: float) -> None:
+def test_message_split_leaves_room_for_staging_beside_two_pieces(mib: float) -> None:
     budget = int(mib * stream_bench.MIB)
-    staging, copies, message = stream_bench.budget_split(budget)
-    assert staging + copies <= budget
-    assert copies >= message >= 8 and message % 8 == 0
+    copies, message = stream_bench.message_split(budget)
+    assert copies == 2 * message <= budget // 4
+    assert message >= 8 and message % 8 == 0
     assert message <= stream_bench.MAX_MESSAGE_BYTES
 
 

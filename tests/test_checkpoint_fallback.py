@@ -382,3 +382,178 @@ def test_with_dropout_a_load_at_the_saved_layout_continues_exactly_as_the_uninte
     for proc in (SURVIVOR, REPLACEMENT):
         found = reports.procs[proc]
         assert found["dropout_resumed"] == found["dropout_continued"]
+
+
+# -- the automatic fallback: a live handoff that loses an old rank ------------------------------------------
+#
+# p0 and p1 train at (TP2) through LiveRuntime, which checkpoints every two steps. After step 3 the job
+# hands off to (TP2) on p0 and p2 (a joiner that never saw the old world): p1 must stream its TP shard
+# to p2 and dies in its first streaming step. p0 cannot restore the old world; it and p2 agree on the
+# store to fall back and restart as generation 2 from the checkpoint of step 2, at the saved layout on
+# other devices. The reference is the live path's own load: a fresh trainer resumed (MegatronJob.resume,
+# what a live switch runs after streaming) from that checkpoint's state and progress. Dropout is on, so
+# the random streams decide the losses.
+
+AUTO_JOB = "auto-fallback"
+AUTO_LAYOUT = ParallelLayout(tp=2, pp=1, dp=1)
+AUTO_EVERY, AUTO_CUT, AUTO_STEPS_AFTER = 2, 3, 2
+STAY, LEAVER, JOINER = 0, 1, 2
+
+
+def _dropout_config() -> Any:
+    return _config(hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def _auto_devices() -> Any:
+    from liver.shared.layout import Device
+
+    return tuple(Device("node0", i) for i in range(3))
+
+
+def _auto_plan() -> Any:
+    from liver.services.transfer.planner import build_plan
+    from liver.shared.layout import Placement
+    from liver.shared.plan import WorldConfig
+
+    devices = _auto_devices()
+    old = WorldConfig(AUTO_LAYOUT, Placement((devices[STAY], devices[LEAVER])))
+    new = WorldConfig(AUTO_LAYOUT, Placement((devices[STAY], devices[JOINER])))
+    return build_plan(SPEC, old, new, budget_bytes=1 << 20, optimizer=True)
+
+
+def _auto_job(proc: Proc, root: str, plan: Any) -> dict[str, Any]:
+    from liver.shared.logs import configure_logging
+    from liver.worker_runtime.checkpoint import latest_checkpoint, load_checkpoint
+    from liver.worker_runtime.megatron_job import MegatronJob
+    from liver.worker_runtime.megatron_state import local_state, rng_state
+    from liver.worker_runtime.runtime import CheckpointOptions, LiveRuntime, RuntimeOptions
+    from liver.worker_runtime.world import StoreAddress, WorldSpec, build_world
+
+    configure_logging(level="CRITICAL")
+    devices = _auto_devices()
+    address = StoreAddress("127.0.0.1", proc.store.port)
+    job = MegatronJob(SPEC, _dropout_config())
+    events: list[str] = []
+
+    def die(generation: int, layer: int, rnd: int) -> None:
+        os._exit(0)
+
+    runtime = LiveRuntime(
+        job,
+        job=AUTO_JOB,
+        device=devices[proc.rank],
+        store=address,
+        initial=None
+        if proc.rank == JOINER
+        else WorldSpec(job=AUTO_JOB, generation=0, layout=AUTO_LAYOUT, placement=plan.old.placement),
+        options=RuntimeOptions(
+            control_timeout_s=60,
+            build_timeout_s=120,
+            checkpoint=CheckpointOptions(root=root, every=AUTO_EVERY),
+        ),
+        on_event=lambda e: events.append(f"{e.generation}:{e.phase}"),
+        on_stream_step=die if proc.rank == LEAVER else None,
+    )
+    out: dict[str, Any] = {}
+    if proc.rank == JOINER:
+        runtime.request_resize(1, AUTO_LAYOUT, plan.new.placement, plan, address)
+        trainer = runtime.step()  # warms up, joins, fails with the others, falls back
+    else:
+        trainer = runtime.step()
+        runtime.request_resize(1, AUTO_LAYOUT, plan.new.placement, plan, address, switch_when_ready=False)
+        while trainer.iteration < AUTO_CUT:
+            trainer.train_step()
+            if trainer.iteration < AUTO_CUT:
+                trainer = runtime.step()
+        out["listing_at_cut"] = sorted(os.listdir(root))
+        assert runtime.wait_prepared(180), "the handoff's groups were not built"
+        runtime.allow_switch(1)  # both old ranks, at the same boundary: the cut is at AUTO_CUT
+        trainer = runtime.step()  # the cut at AUTO_CUT: the handoff fails, the job falls back
+    out["rng_after_fallback"] = rng_state()
+    out["position"] = (trainer.iteration, trainer.consumed_samples, trainer.scheduler.num_steps)
+    out["trace"] = _trace([trainer.train_step() for _ in range(AUTO_STEPS_AFTER)])
+    out["world"] = (runtime.world.generation, runtime.world.rank, runtime.world.layout)
+    out["fallbacks"] = [msgspec.to_builtins(r) for r in runtime.fallbacks]
+    out["events"] = events
+    rank = runtime.world.rank
+    runtime.close()
+
+    # The reference: the checkpoint's state and progress, resumed as a live switch resumes a trainer.
+    new_devices = plan.new.placement
+    world = build_world(
+        WorldSpec(job="auto-reference", generation=0, layout=AUTO_LAYOUT, placement=new_devices),
+        devices[proc.rank],
+        address,
+        timeout=timedelta(seconds=120),
+    )
+    world.adopt_as_default(timedelta(seconds=60))
+    loaded = job.build(world)
+    manifest = load_checkpoint(loaded, latest_checkpoint(root))  # a plain restart, not a move
+    out["rng_after_plain_load"] = rng_state()
+    state = {i: t.clone() for i, t in local_state(loaded).items()}
+    resumed = job.build(world)
+    job.resume(resumed, state, msgspec.json.encode(manifest.progress))
+    out["rng_after_live_resume"] = rng_state()
+    out["reference_trace"] = _trace([resumed.train_step() for _ in range(AUTO_STEPS_AFTER)])
+    out["reference_rank"] = world.rank
+    assert world.rank == rank
+    world.release()
+    return out
+
+
+@pytest.fixture(scope="module")
+def automatic(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("automatic")
+    outcomes = run_world(
+        _auto_job,
+        3,
+        (str(root), _auto_plan()),
+        timeout_s=420,
+        wait_for={STAY, JOINER},
+        group_timeout_s=60,
+    )
+    assert outcomes[LEAVER].status == "died", outcomes[LEAVER]
+    return {proc: outcomes[proc].unwrap() for proc in (STAY, JOINER)}
+
+
+def test_a_handoff_that_loses_an_old_rank_falls_back_to_the_checkpoint_on_the_new_world(
+    automatic: dict[int, dict[str, Any]],
+) -> None:
+    assert automatic[STAY]["listing_at_cut"] == ["iter_0000002", "latest"]
+    for proc, new_rank in ((STAY, 0), (JOINER, 1)):
+        found = automatic[proc]
+        assert found["world"] == (2, new_rank, AUTO_LAYOUT)  # the failed generation + 1
+        [fallback] = found["fallbacks"]
+        assert fallback["failed_generation"] == 1 and fallback["generation"] == 2
+        assert fallback["checkpoint"].endswith("iter_0000002")
+        assert (fallback["iteration"], fallback["reached_iteration"], fallback["steps_lost"]) == (2, 3, 1)
+        assert found["position"] == (2, 2 * GLOBAL_BATCH, 2 * GLOBAL_BATCH)
+
+
+def test_the_stayer_reports_the_fallback_first_as_a_failed_handoff_then_as_the_restart(
+    automatic: dict[int, dict[str, Any]],
+) -> None:
+    assert automatic[STAY]["events"] == ["1:preparing", "1:ready", "1:falling_back", "2:fell_back"]
+    assert automatic[JOINER]["events"][-2:] == ["1:falling_back", "2:fell_back"]
+
+
+def test_after_the_automatic_fallback_the_losses_equal_the_live_paths_load_of_that_checkpoint_bit_for_bit(
+    automatic: dict[int, dict[str, Any]],
+) -> None:
+    for proc in (STAY, JOINER):
+        assert automatic[proc]["trace"] == automatic[proc]["reference_trace"]
+
+
+def test_a_fallback_and_a_live_switch_into_the_same_layout_leave_identical_random_streams(
+    automatic: dict[int, dict[str, Any]],
+) -> None:
+    for proc in (STAY, JOINER):
+        assert automatic[proc]["rng_after_fallback"] == automatic[proc]["rng_after_live_resume"]
+
+
+def test_a_fallback_reseeds_even_at_the_saved_layout_where_a_plain_restart_continues_the_saved_streams(
+    automatic: dict[int, dict[str, Any]],
+) -> None:
+    # The joiner's rank 1 was the lost process's: a plain restart would hand it that process's streams.
+    for proc in (STAY, JOINER):
+        assert automatic[proc]["rng_after_fallback"] != automatic[proc]["rng_after_plain_load"]

@@ -24,6 +24,7 @@ from companion_helpers import (
     prepare,
     put_object,
     put_slices,
+    slice_index,
     slices,
     switch,
 )
@@ -32,7 +33,7 @@ from nats.aio.client import Client
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.layout import Device
-from liver.shared.messages import ErrorEvent, Heartbeat, Hello, Message, ObjectRef, WorkerStatus
+from liver.shared.messages import ErrorEvent, Heartbeat, Hello, Message, WorkerStatus
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion import CommandBox, Companion, CompanionError, Prepared
@@ -85,9 +86,8 @@ async def statuses(collector: Collector, count: int) -> list[WorkerStatus]:
 
 async def prepared(nc: Client, job: str, companion: Companion, hooks: RecordingHooks, g: int = 1) -> None:
     """Store the plan's slices and have ``companion`` prepare generation ``g`` from its own."""
-    refs = await put_slices(nc.jetstream(), job, g)
-    worker = companion.identity
-    await publish(nc, s.worker_command(job, worker.worker_id), prepare(job, g, refs[worker.device]))
+    await put_slices(nc.jetstream(), job, g)
+    await publish(nc, s.worker_commands(job), prepare(job, g))
     await eventually(lambda: _true(len(hooks.named("prepare")) == 1), what="on_prepare called")
 
 
@@ -213,9 +213,7 @@ async def test_abort_of_an_unknown_generation_is_a_no_op(nats_server: NatsServer
             companion.report("ready")
             await publish(nc, s.worker_commands(job), abort(job, 9))
             # A repeated Prepare is answered with the last ack: the marker that the abort was handled.
-            refs = await put_slices(nc.jetstream(), job, 1)
-            me = identity(job).worker_id
-            await publish(nc, s.worker_command(job, me), prepare(job, 1, refs[DEVICES[0]]))
+            await publish(nc, s.worker_commands(job), prepare(job, 1))
             first, marker = await statuses(acks, 2)
             await publish(nc, s.worker_commands(job), switch(job, 1))
             await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="still switches")
@@ -232,10 +230,10 @@ async def test_a_prepare_overtaken_by_its_abort_never_starts(nats_server: NatsSe
         running(Companion(me, hooks, url=nats_server.url)),
     ):
         acks = await Collector.on(nc, s.worker_status(job))
-        refs = await put_slices(js, job, 2)
+        await put_slices(js, job, 2)
         await publish(nc, s.worker_commands(job), abort(job, 1))
-        await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, refs[DEVICES[0]]))
-        await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 2, refs[DEVICES[0]]))
+        await publish(nc, s.worker_commands(job), prepare(job, 1))
+        await publish(nc, s.worker_commands(job), prepare(job, 2))
         await eventually(lambda: _true(len(hooks.named("prepare")) == 1), what="generation 2 prepared")
     assert [p.generation for p, _ in hooks.named("prepare")] == [2]  # type: ignore[misc]
     assert acks.messages == []
@@ -266,12 +264,11 @@ async def test_a_newer_prepare_ends_an_unswitched_older_one_first(nats_server: N
         running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
     ):
         await prepared(nc, job, companion, hooks, g=1)
-        refs = await put_slices(nc.jetstream(), job, 2)
-        me = identity(job).worker_id
-        await publish(nc, s.worker_command(job, me), prepare(job, 2, refs[DEVICES[0]]))
+        await put_slices(nc.jetstream(), job, 2)
+        await publish(nc, s.worker_commands(job), prepare(job, 2))
         await eventually(lambda: _true(len(hooks.named("prepare")) == 2), what="second prepare")
         # The old one again: stale, ignored.
-        await publish(nc, s.worker_command(job, me), prepare(job, 1, refs[DEVICES[0]]))
+        await publish(nc, s.worker_commands(job), prepare(job, 1))
         await asyncio.sleep(0.2)
     assert [name for name, _ in hooks.calls] == ["prepare", "abort", "prepare"]
     assert hooks.named("abort")[0].generation == 1  # type: ignore[attr-defined]
@@ -315,9 +312,11 @@ async def test_a_plan_slice_for_another_device_is_refused_and_reported_failed(
     async with client(nats_server.url) as (nc, js):
         acks = await Collector.on(nc, s.worker_status(job))
         errors = await Collector.on(nc, s.errors("worker"))
-        refs = await put_slices(js, job, 1)
+        index = slice_index(job, 1)
+        # Device 3's slice where device 0's belongs.
+        await put_object(js, index.name(0), msgspec.json.encode(slices()[DEVICES[3]].stored(1)))
         async with running(Companion(me, hooks, url=nats_server.url)):
-            await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, refs[DEVICES[3]]))
+            await publish(nc, s.worker_commands(job), prepare(job, 1, index))
             (ack,) = await statuses(acks, 1)
             (error,) = [decode(m.data, ErrorEvent) for m in await errors.wait_for(1)]
     assert ack.phase == "failed" and ack.generation == 1
@@ -331,28 +330,72 @@ async def test_a_missing_plan_object_is_reported_failed(nats_server: NatsServer,
     me = identity(job)
     async with client(nats_server.url) as (nc, js):
         acks = await Collector.on(nc, s.worker_status(job))
-        await put_slices(js, job, 1)  # the bucket exists; the object named below does not
-        gone = ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=s.plan_object_name(job, 1, "nothing"), size=10)
+        await put_slices(js, job, 1)  # the bucket exists; the objects named below do not
         async with running(Companion(me, hooks, url=nats_server.url)):
-            await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, gone))
+            await publish(nc, s.worker_commands(job), prepare(job, 1, slice_index(job, 1, "nothing")))
             (ack,) = await statuses(acks, 1)
     assert ack.phase == "failed"
-    assert ack.error is not None and "not read" in ack.error and "nothing" in ack.error
+    assert ack.error is not None and "not read" in ack.error and "nothing-00000" in ack.error
+    assert "no such object" in ack.error
     assert hooks.calls == []
 
 
-async def test_a_plan_object_of_another_size_is_reported_failed(nats_server: NatsServer, job: str) -> None:
+async def test_a_slice_of_another_generation_is_refused_and_reported_failed(
+    nats_server: NatsServer, job: str
+) -> None:
     me = identity(job)
     async with client(nats_server.url) as (nc, js):
         acks = await Collector.on(nc, s.worker_status(job))
-        ref = await put_object(
-            js, s.plan_object_name(job, 1, "short"), msgspec.json.encode(slices()[DEVICES[0]])
-        )
-        lying = msgspec.structs.replace(ref, size=ref.size + 1)
+        index = slice_index(job, 1)
+        await put_object(js, index.name(0), msgspec.json.encode(slices()[DEVICES[0]].stored(7)))
         async with running(Companion(me, RecordingHooks(), url=nats_server.url)):
-            await publish(nc, s.worker_command(job, me.worker_id), prepare(job, 1, lying))
+            await publish(nc, s.worker_commands(job), prepare(job, 1, index))
             (ack,) = await statuses(acks, 1)
-    assert ack.phase == "failed" and ack.error is not None and "the Prepare says" in ack.error
+    assert ack.phase == "failed" and ack.error is not None and "$.generation" in ack.error
+
+
+async def test_a_worker_in_neither_world_ignores_the_broadcast_prepare(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    spare = identity(job, Device("node009", 0))
+    async with client(nats_server.url) as (nc, js):
+        acks = await Collector.on(nc, s.worker_status(job))
+        await put_slices(js, job, 1)
+        async with running(Companion(spare, hooks, url=nats_server.url)):
+            await publish(nc, s.worker_commands(job), prepare(job, 1))
+            await publish(nc, s.worker_commands(job), switch(job, 1))
+            await asyncio.sleep(0.3)
+    assert hooks.calls == [] and acks.messages == []
+
+
+async def test_a_lost_device_of_the_old_world_ignores_the_broadcast_prepare(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    me = identity(job, DEVICES[3])
+    async with client(nats_server.url) as (nc, js):
+        acks = await Collector.on(nc, s.worker_status(job))
+        await put_slices(js, job, 1)
+        async with running(Companion(me, hooks, url=nats_server.url)):
+            await publish(nc, s.worker_commands(job), prepare(job, 1, lost=(DEVICES[3],)))
+            await asyncio.sleep(0.3)
+    assert hooks.calls == [] and acks.messages == []
+
+
+async def test_an_old_rank_leaving_the_job_takes_part_and_gets_what_it_sends(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    me = identity(job, DEVICES[3])  # in the old world, not in the new one
+    async with (
+        client(nats_server.url) as (nc, _),
+        running(Companion(me, hooks, url=nats_server.url)) as companion,
+    ):
+        await prepared(nc, job, companion, hooks)
+    ((_, plan),) = hooks.named("prepare")  # type: ignore[misc]
+    assert isinstance(plan, Plan) and plan.tasks == slices()[DEVICES[3]].tasks
+    assert plan.tasks and all(plan.old.placement.devices[t.src] == DEVICES[3] for t in plan.tasks)
 
 
 async def test_a_hook_that_raises_is_reported_failed_and_the_companion_keeps_running(
@@ -544,8 +587,7 @@ def test_command_box_hands_commands_over_in_arrival_order() -> None:
     box = CommandBox()
     assert not box.pending and box.take() == []
     plan = slices()[DEVICES[0]].to_plan()
-    ref = ObjectRef(bucket="liver-plans", name="j/1/x", size=1)
-    box.on_prepare(prepare("j", 1, ref), plan)
+    box.on_prepare(prepare("j", 1), plan)
     box.on_switch(switch("j", 1))
     box.on_abort(abort("j", 1))
     assert box.pending

@@ -1,53 +1,84 @@
-"""A worker's plan slice is decoded strictly and checked against its Prepare and its device."""
+"""A worker's plan slice is found from the job-wide Prepare, read with errors that say what timed out,
+decoded strictly and checked against the Prepare and its device."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 from companion_helpers import DEVICES, NEW_LAYOUT, prepare, slices
 
 from liver.shared.codec import MessageError
-from liver.shared.layout import Device, ParallelLayout
-from liver.shared.messages import ObjectRef
+from liver.shared.layout import Device
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion_plan import decode_slice
+from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice, view_of
 
-REF = ObjectRef(bucket="liver-plans", name="job/1/s1-00000", size=1)
-PREPARE = prepare("job", 1, REF)
+PREPARE = prepare("job", 1)
 ME = DEVICES[0]
 
 
+def stored(device: Device = ME, generation: int = 1) -> bytes:
+    return msgspec.json.encode(slices()[device].stored(generation))
+
+
 def raw() -> dict[str, Any]:
-    return msgspec.json.decode(msgspec.json.encode(slices()[ME]))
+    return msgspec.json.decode(stored())
 
 
 def refused(data: dict[str, Any] | bytes, device: Device = ME) -> MessageError:
     payload = data if isinstance(data, bytes) else msgspec.json.encode(data)
     with pytest.raises(MessageError) as caught:
         decode_slice(payload, PREPARE, device)
-    assert caught.value.expected == "PlanSlice"
+    assert caught.value.expected == "SliceFile"
     return caught.value
 
 
-def test_a_valid_slice_becomes_the_plan_of_this_device() -> None:
-    plan = decode_slice(msgspec.json.encode(slices()[ME]), PREPARE, ME)
+def test_a_valid_slice_becomes_the_plan_of_this_device_with_the_prepares_worlds() -> None:
+    plan = decode_slice(stored(), PREPARE, ME)
     assert isinstance(plan, Plan)
     assert plan.tasks == slices()[ME].tasks
+    assert plan.old == slices()[ME].old and plan.new == slices()[ME].new
     assert plan.new.layout == NEW_LAYOUT
+
+
+def test_the_stored_slice_repeats_no_world() -> None:
+    assert {"old", "new"}.isdisjoint(raw())
+    assert len(stored()) < len(msgspec.json.encode(slices()[ME]))
 
 
 def test_a_slice_of_another_device_is_refused() -> None:
     assert refused(raw(), device=DEVICES[1]).path == "$.device"
 
 
-def test_a_slice_for_another_target_layout_is_refused() -> None:
-    other = prepare("job", 1, REF)
-    other = msgspec.structs.replace(other, layout=ParallelLayout(tp=1, pp=2, dp=1))
-    with pytest.raises(MessageError) as caught:
-        decode_slice(msgspec.json.encode(slices()[ME]), other, ME)
-    assert caught.value.path == "$.new.layout"
+def test_a_slice_of_another_generation_is_refused() -> None:
+    assert refused(stored(generation=2)).path == "$.generation"
+
+
+def test_a_slice_of_the_first_format_is_refused_by_its_version() -> None:
+    data = raw()
+    data["schema_version"] = 1
+    assert refused(data).path == "$.schema_version"
+
+
+def test_every_participant_finds_its_slice_by_its_index_in_both_worlds() -> None:
+    view = view_of(PREPARE)
+    assert list(view.slice_of) == list(slices())  # the transfer service's order
+    assert view.slice_name(PREPARE, DEVICES[3]) == PREPARE.slices.name(3)
+
+
+def test_a_lost_device_and_a_device_of_neither_world_take_no_part() -> None:
+    lost = prepare("job", 1, lost=(DEVICES[3],))
+    assert not view_of(lost).participates(DEVICES[3])
+    assert view_of(lost).participates(DEVICES[2])  # leaving, but alive: it sends
+    assert not view_of(PREPARE).participates(Device("node009", 0))
+
+
+def test_the_view_is_built_once_per_prepare() -> None:
+    assert view_of(PREPARE) is view_of(PREPARE)
 
 
 def test_malformed_json_is_refused_at_the_root() -> None:
@@ -97,4 +128,40 @@ def test_a_task_that_does_not_involve_this_device_is_refused() -> None:
 
 
 def raw_of(device: Device) -> dict[str, Any]:
-    return msgspec.json.decode(msgspec.json.encode(slices()[device]))
+    return msgspec.json.decode(stored(device))
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+
+
+class _StalledStream:
+    """A JetStream context whose requests never answer (``hang``) or time out themselves (``timeout``)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    async def stream_info(self, stream: str) -> Any:
+        return SimpleNamespace(config=SimpleNamespace(allow_direct=True))
+
+    async def get_msg(self, *args: Any, **kwargs: Any) -> Any:
+        if self.how == "timeout":
+            raise nats.errors.TimeoutError
+        await asyncio.sleep(60)
+
+
+async def test_a_read_that_runs_out_of_its_time_says_which_object_how_long_and_where_it_stopped() -> None:
+    fetcher = PlanFetcher(_StalledStream("hang"))  # type: ignore[arg-type]
+    with pytest.raises(PlanFetchError) as caught:
+        await fetcher.fetch_object("liver-plans", "job/1/s1-00002", 0.05)
+    text = str(caught.value)
+    assert "liver-plans/job/1/s1-00002" in text
+    assert "not read within the 0.05 s allowed" in text and "the object's metadata" in text
+
+
+async def test_a_request_that_times_out_is_not_reported_as_the_whole_read_timing_out() -> None:
+    fetcher = PlanFetcher(_StalledStream("timeout"))  # type: ignore[arg-type]
+    with pytest.raises(PlanFetchError) as caught:
+        await fetcher.fetch_object("liver-plans", "job/1/s1-00002", 30.0)
+    text = str(caught.value)
+    assert "request timeout" in text and "allowed 30 s" in text
+    assert "not read within" not in text

@@ -54,11 +54,8 @@ async def publish(nc: Client, subject: str, message: Message) -> None:
 
 
 async def prepare_all(nc: Client, job: SimulatedJob, generation: int = 1) -> None:
-    refs = await put_slices(nc.jetstream(), job.settings.job_id, generation)
-    for worker in job.workers:
-        ref = refs[worker.identity.device]
-        command = prepare(job.settings.job_id, generation, ref)
-        await publish(nc, s.worker_command(job.settings.job_id, worker.identity.worker_id), command)
+    await put_slices(nc.jetstream(), job.settings.job_id, generation)
+    await publish(nc, s.worker_commands(job.settings.job_id), prepare(job.settings.job_id, generation))
 
 
 def acks(collector: Collector) -> list[WorkerStatus]:

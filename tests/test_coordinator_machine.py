@@ -59,6 +59,7 @@ from liver.shared.messages import (
     PlanSummary,
     Prepare,
     ResizeRequested,
+    SliceIndex,
     Switch,
     TopologyPlanned,
     TransferPlanned,
@@ -66,6 +67,7 @@ from liver.shared.messages import (
     WorkerStatus,
 )
 from liver.shared.model import PRESETS
+from liver.shared.plan import slice_devices
 from liver.shared.subjects import plan_object_name
 
 NOW = datetime(2026, 1, 2, 12, 0, tzinfo=UTC)
@@ -127,7 +129,7 @@ def plan_topology(request: TopologyRequest) -> TopologyPlanned | PlanningFailed:
 def plan_transfer(
     topology: TopologyPlanned, max_receive_bytes: int = MiB, verified: bool = True
 ) -> TransferPlanned:
-    devices = sorted(set(topology.from_placement.devices) | set(topology.placement.devices))
+    devices = slice_devices(topology.from_placement, topology.placement)
     g = topology.generation
     return TransferPlanned(
         job_id=topology.job_id,
@@ -141,6 +143,9 @@ def plan_transfer(
                 ref=ObjectRef(bucket="liver-plans", name=plan_object_name(JOB, g, worker(d)), size=64),
             )
             for d in devices
+        ),
+        slices=SliceIndex(
+            bucket="liver-plans", prefix=plan_object_name(JOB, g, "s1") + "-", count=len(devices)
         ),
         summary=PlanSummary(
             tasks=8,
@@ -328,9 +333,20 @@ class Driver:
 
     def ready(self, skip: tuple[str, ...] = ()) -> None:
         for cmd in self.commands(Prepare):
-            if cmd.worker_id not in skip:
-                assert cmd.worker_id is not None
-                self.status(cmd.worker_id, cmd.command.generation, "ready")
+            for w in self.takers(cmd):
+                if w not in skip:
+                    self.status(w, cmd.command.generation, "ready")
+
+    def takers(self, cmd: SendCommand) -> list[str]:
+        """The workers that act on a broadcast Prepare: those on a device of either world, not lost."""
+        assert cmd.worker_id is None and isinstance(cmd.command, Prepare)
+        p = cmd.command
+        out = []
+        for device in slice_devices(p.from_placement, p.placement):
+            member = self.core.membership.on_device(device)
+            if device not in p.lost and member is not None:
+                out.append(member.worker_id)
+        return out
 
     def participants(self) -> list[str]:
         assert self.kv.record is not None and self.kv.record.pending is not None
@@ -474,18 +490,36 @@ def test_handoff_begins_with_a_recorded_generation_before_any_request() -> None:
     assert request.generation == 1 and request.from_generation == 0
 
 
-def test_prepare_goes_to_every_old_and_new_worker_with_its_own_plan_slice() -> None:
+def test_one_prepare_is_broadcast_with_both_worlds_and_where_the_slices_are() -> None:
     d = started()
     d.warn("evt-1", "node001")
     d.write()
     d.topology()
     d.transfer()
-    prepares = d.commands(Prepare)
-    assert sorted(c.worker_id or "" for c in prepares) == sorted(worker(dev) for dev in WORLD)
-    for cmd in prepares:
-        assert cmd.worker_id is not None and cmd.command.plan.name.endswith(cmd.worker_id)
-        assert cmd.command.generation == 1 and cmd.command.from_generation == 0
-        assert cmd.command.deadline <= d.now + timedelta(seconds=120 - CONFIG.margin_s)
+    (cmd,) = d.commands(Prepare)
+    p = cmd.command
+    assert cmd.worker_id is None  # the job-wide subject
+    assert isinstance(p, Prepare)
+    assert (p.generation, p.from_generation) == (1, 0)
+    assert p.from_placement == Placement(tuple(WORLD)) and p.lost == ()
+    assert p.slices == SliceIndex(
+        bucket="liver-plans", prefix=plan_object_name(JOB, 1, "s1") + "-", count=len(WORLD)
+    )
+    assert p.deadline <= d.now + timedelta(seconds=120 - CONFIG.margin_s)
+    assert sorted(d.takers(cmd)) == sorted(worker(dev) for dev in WORLD)
+
+
+def test_a_lost_worker_of_the_old_world_is_named_in_the_prepare_and_takes_no_part() -> None:
+    d = started()
+    d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node terminated"))
+    d.write()
+    d.topology()
+    d.transfer()
+    (cmd,) = d.commands(Prepare)
+    p = cmd.command
+    assert isinstance(p, Prepare)
+    assert WORLD[3] in p.from_placement.devices and p.lost == (WORLD[3],)
+    assert worker(WORLD[3]) not in d.takers(cmd)
 
 
 def test_prepare_names_the_store_of_the_worker_that_runs_the_new_rank_0() -> None:
@@ -494,10 +528,9 @@ def test_prepare_names_the_store_of_the_worker_that_runs_the_new_rank_0() -> Non
     d.write()
     d.topology()
     d.transfer()
-    prepares = d.commands(Prepare)
-    rank0 = prepares[0].command.placement.devices[0]
-    stores = {c.command.store for c in prepares}
-    assert stores == {f"{rank0.node}:{29500 + rank0.index}"}
+    (cmd,) = d.commands(Prepare)
+    rank0 = cmd.command.placement.devices[0]
+    assert cmd.command.store == f"{rank0.node}:{29500 + rank0.index}"
 
 
 def test_switch_is_sent_only_after_the_switch_intent_is_recorded() -> None:
@@ -571,11 +604,15 @@ def test_scale_out_brings_the_offered_devices_into_the_new_world() -> None:
     assert committed.layout.world_size == 6
 
 
-def test_cleanup_releases_the_plan_of_the_committed_generation() -> None:
+def test_cleanup_releases_the_committed_generations_plan_objects_by_name() -> None:
     d = started()
     d.warn("evt-1", "node001")
     d.run()
-    assert [a.generation for a in d.log if isinstance(a, ReleasePlan)] == [1]
+    (release,) = [a for a in d.log if isinstance(a, ReleasePlan)]
+    assert release.generation == 1 and release.bucket == "liver-plans"
+    prefix = plan_object_name(JOB, 1, "s1") + "-"
+    slices = [f"{prefix}{i:05d}" for i in range(len(WORLD))]
+    assert release.objects == (plan_object_name(JOB, 1), *slices)  # by name: no listing of the store
 
 
 # -- aborts -----------------------------------------------------------------------------------------------
@@ -667,6 +704,32 @@ def test_worker_failing_during_the_switch_falls_back_to_the_checkpoint() -> None
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback" and "NCCL timeout" in aborted.reason
     assert [(s.outcome, s.generation) for s in d.settled()] == [("checkpoint_fallback", 1)]
+
+
+def test_a_fallback_world_reported_before_the_abort_is_recorded_is_adopted_after_it() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.ready()
+    d.write()
+    d.commands(Switch)
+    d.status(WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint")
+    assert d.core.phase is Phase.ABORTED
+    d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
+    assert d.notes("world_started_deferred") and not d.notes("world_started_ignored")
+    d.write()  # the abort lands: DOWN, then the deferred world is recorded
+    d.write()
+    assert d.core.phase is Phase.STABLE
+    assert d.kv.record is not None and d.kv.record.live and d.kv.record.generation == 2
+
+
+def test_a_world_reported_during_a_handoff_that_keeps_the_old_world_is_dropped() -> None:
+    d = started()
+    handoff_prepared(d)
+    d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
+    d.status(WORLD[0], 1, "failed", error="out of memory building the shadow world")
+    d.write()
+    assert d.core.phase is Phase.STABLE
+    assert d.kv.record is not None and d.kv.record.generation == 0 and not d.has(WriteRecord)
 
 
 def test_topology_planning_failure_aborts_keeping_the_old_world() -> None:
@@ -972,13 +1035,12 @@ def test_stale_ack_from_a_cancelled_generation_is_ignored_and_reported() -> None
     d.write()
     d.topology()
     d.transfer()
-    prepares = d.commands(Prepare)
+    (cmd,) = d.commands(Prepare)
     for dev in WORLD:
         d.status(dev, 1, "ready")
     assert len(d.notes("stale_ack_ignored")) == 4 and d.core.wait is Wait.PREPARED
-    for cmd in prepares:
-        assert cmd.worker_id is not None
-        d.status(cmd.worker_id, 2, "ready")
+    for w in d.takers(cmd):
+        d.status(w, 2, "ready")
     assert d.core.phase is Phase.READY
 
 
@@ -994,11 +1056,10 @@ def test_ack_from_a_worker_outside_the_handoff_is_ignored() -> None:
 def test_repeated_ready_ack_counts_once() -> None:
     d = started()
     handoff_prepared(d)
-    prepares = d.commands(Prepare)
-    first = prepares[0].worker_id
-    assert first is not None
-    for _ in range(len(prepares)):
-        d.status(first, 1, "ready")
+    (cmd,) = d.commands(Prepare)
+    takers = d.takers(cmd)
+    for _ in range(len(takers)):
+        d.status(takers[0], 1, "ready")
     assert d.core.wait is Wait.PREPARED
 
 
@@ -1047,9 +1108,21 @@ def test_input_for_another_job_is_rejected_naming_the_field() -> None:
 
 def test_presence_contradicting_membership_is_rejected_naming_the_field() -> None:
     d = started()
-    d.feed(Heartbeat(job_id=JOB, worker_id="intruder", device=WORLD[0], address="x:1", seq=1))
+    d.feed(Hello(job_id=JOB, worker_id=worker(WORLD[0]), device=WORLD[1], address="x:1"))
     (note,) = d.notes("input_rejected")
     assert note.fields["field"] == "device"
+
+
+def test_a_heartbeat_that_overtakes_its_hello_changes_nothing_and_warns_nothing() -> None:
+    d = started()
+    holder = worker(WORLD[0])
+    d.feed(Heartbeat(job_id=JOB, worker_id="fresh", device=WORLD[0], address="x:1", seq=0))
+    assert d.core.membership.on_device(WORLD[0]).worker_id == holder  # type: ignore[union-attr]
+    assert not d.notes("input_rejected") and d.notes("heartbeat_before_hello")
+    d.feed(Hello(job_id=JOB, worker_id="fresh", device=WORLD[0], address="x:1"))
+    d.feed(Heartbeat(job_id=JOB, worker_id="fresh", device=WORLD[0], address="x:1", seq=1))
+    assert d.core.membership.on_device(WORLD[0]).worker_id == "fresh"  # type: ignore[union-attr]
+    assert not d.notes("input_rejected")
 
 
 # -- compare-and-set --------------------------------------------------------------------------------------
@@ -1562,11 +1635,12 @@ class RandomEvents(RuleBasedStateMachine):
         elif d.has(RequestTransfer):
             d.transfer()
         elif prepares := d.commands(Prepare):
-            failing = data.draw(st.sampled_from([None] * 5 + [c.worker_id for c in prepares]))
-            for cmd in prepares:
-                phase, error = ("failed", "random") if cmd.worker_id == failing else ("ready", None)
+            takers = [(w, c.command.generation) for c in prepares for w in d.takers(c)]
+            failing = data.draw(st.sampled_from([None] * 5 + [w for w, _ in takers]))
+            for w, generation in takers:
+                phase, error = ("failed", "random") if w == failing else ("ready", None)
                 for other in self.drivers:
-                    other.status(cmd.worker_id or "", cmd.command.generation, phase, error=error)
+                    other.status(w, generation, phase, error=error)
         elif switches := d.commands(Switch):
             generation = switches[-1].command.generation
             record = self.kv.record

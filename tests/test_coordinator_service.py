@@ -210,14 +210,20 @@ class FakeWorkers:
 
     async def _on_direct(self, msg: Msg) -> None:
         worker = msg.subject.rsplit(".", 1)[-1]
-        command = decode(msg.data, WorkerCommand)
-        self.received.append((worker, command))
-        if isinstance(command, Prepare):
-            self.prepared.setdefault(command.generation, set()).add(worker)
-            self._spawn(self._answer(worker, command.generation, "ready", self.ready))
+        self.received.append((worker, decode(msg.data, WorkerCommand)))
 
     async def _on_broadcast(self, msg: Msg) -> None:
         command = decode(msg.data, WorkerCommand)
+        if isinstance(command, Prepare):
+            # One Prepare for the job: the workers on a device of either world that is not lost act.
+            takers = set(command.from_placement.devices) | set(command.placement.devices)
+            takers -= set(command.lost)
+            for worker, device in sorted(self.devices.items()):
+                if device in takers:
+                    self.received.append((worker, command))
+                    self.prepared.setdefault(command.generation, set()).add(worker)
+                    self._spawn(self._answer(worker, command.generation, "ready", self.ready))
+            return
         for worker in sorted(self.prepared.get(command.generation, ())):
             self.received.append((worker, command))
             if isinstance(command, Switch):
@@ -478,6 +484,30 @@ async def test_a_spot_warning_runs_through_every_service_to_a_committed_scale_in
     assert not rig.outcomes(rig.aborted, GenerationAborted)
 
 
+async def test_the_committed_generations_plan_objects_are_deleted(rig: Rig) -> None:
+    async with (
+        running(CoordinatorService(settings(rig.job)), rig.url),
+        running(Ingester(IngesterSettings(ack_wait_s=2.0, retry_delay_s=0.1)), rig.url),
+    ):
+        await rig.start_world()
+        await rig.live()
+        warning = SpotWarning(
+            job_id=rig.job, event_id="spot-1", node="node001", provider="aws", notice_s=60.0
+        )
+        await rig.publish(s.SPOT_WARNING, warning)
+        await committed(rig)
+        store = await rig.js.object_store(s.OBJECT_STORE_PLANS)
+
+        async def released() -> bool:
+            try:
+                infos = await store.list(ignore_deletes=True)
+            except nats.js.errors.NotFoundError:  # nothing left in the store at all
+                return True
+            return not [i for i in infos if (i.name or "").startswith(f"{rig.job}/1/")]
+
+        await eventually(released, what="generation 1's plan file and slices deleted")
+
+
 async def test_a_scale_request_adds_the_offered_node_to_the_world(rig: Rig) -> None:
     requests = await Collector.on(rig.nc, s.topology_request(rig.job))
     async with (
@@ -619,8 +649,35 @@ async def test_bad_input_is_reported_and_the_coordinator_carries_on(rig: Rig) ->
     assert errors[seq].field == "$.remove[0].index"
     assert errors[other].field == "$.job_id"
     dead = await stored(rig.js, s.STREAM_DEAD_LETTERS.name, s.dead_letters("coordinator"))
-    kept = {int(d.headers[s.HEADER_ORIGINAL_SEQUENCE]) for d in dead if d.headers}
+    kept = {
+        int(d.headers[s.HEADER_ORIGINAL_SEQUENCE])
+        for d in dead
+        if d.headers and s.HEADER_ORIGINAL_SEQUENCE in d.headers
+    }
     assert {seq, other} <= kept
+
+
+async def test_bad_worker_input_becomes_an_error_event_and_a_dead_letter(rig: Rig) -> None:
+    beat = b'{"schema_version": 1, "kind": "worker_heartbeat"}'
+    async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
+        await rig.start_world()
+        await rig.live()
+        await rig.nc.publish(s.worker_heartbeat(rig.job), beat)
+        await rig.nc.publish(s.worker_status(rig.job), b"not json")
+        service = hosted.service
+        assert isinstance(service, CoordinatorService)
+        await until(lambda: service.counts["worker_rejected"] == 2, what="worker input rejected")
+        await until(
+            lambda: len([e for e in error_events(rig.errors) if e.stream_sequence is None]) == 2,
+            what="error events for the worker input",
+        )
+    errors = {e.subject: e for e in error_events(rig.errors) if e.stream_sequence is None}
+    assert errors[s.worker_heartbeat(rig.job)].field.startswith("$")
+    assert errors[s.worker_status(rig.job)].payload == "not json"
+    dead = await stored(rig.js, s.STREAM_DEAD_LETTERS.name, s.dead_letters("coordinator"))
+    kept = {(d.headers or {}).get(s.HEADER_ORIGINAL_SUBJECT): d.data for d in dead}
+    assert kept[s.worker_heartbeat(rig.job)] == beat
+    assert kept[s.worker_status(rig.job)] == b"not json"
 
 
 async def test_two_coordinators_racing_to_commit_let_exactly_one_win(rig: Rig) -> None:

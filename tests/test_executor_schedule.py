@@ -22,7 +22,14 @@ from liver.worker_runtime.executor import (
     ranks_on_device,
     stream_plan,
 )
-from liver.worker_runtime.executor_schedule import build_schedule, region_is_contiguous
+from liver.worker_runtime.executor_schedule import (
+    Schedule,
+    Step,
+    align,
+    buffer_bytes,
+    build_schedule,
+    region_is_contiguous,
+)
 
 
 class NoNetwork:
@@ -105,6 +112,75 @@ def test_group_ranks_outside_the_group_are_refused() -> None:
     plan = tp2_to_dp2()
     with pytest.raises(PlanMismatch, match=r"group_ranks.new names group ranks \[5\]"):
         build_schedule(plan, 0, 0, GroupRanks(old=(0, 1), new=(0, 5)), 0, 2, 1024)
+
+
+def tp2_to_tp4(budget: int) -> Plan:
+    """Row-parallel slices leave their TP2 shards non-contiguous: sent from copies."""
+    return build_plan(
+        PRESETS["tiny-gpt"],
+        default_world(ParallelLayout(2, 1, 1)),
+        default_world(ParallelLayout(4, 1, 1)),
+        budget_bytes=budget,
+    )
+
+
+def schedules(plan: Plan, message_bytes: int, copy_budget: int | None = None) -> list[Schedule]:
+    ranks = GroupRanks.by_device(plan)
+    n = max(max(ranks.old), max(ranks.new)) + 1
+    out = []
+    for g in range(n):
+        old_rank = ranks.old.index(g) if g in ranks.old else None
+        new_rank = ranks.new.index(g) if g in ranks.new else None
+        out.append(
+            build_schedule(plan, old_rank, new_rank, ranks, g, n, message_bytes, copy_budget=copy_budget)
+        )
+    return out
+
+
+@pytest.mark.parametrize("budget", [4096, 64 * 1024, 1 << 20])
+def test_staged_pieces_and_send_copies_share_one_buffer_within_the_budget(budget: int) -> None:
+    plan = tp2_to_tp4(budget)
+    copying = 0
+    for sched in schedules(plan, message_bytes=8 * 1024):
+        assert sched.buffer_bytes <= plan.budget_bytes
+        for step in sched.steps():
+            assert step.staging_bytes <= sched.buffer_bytes
+            if step.copy_bytes:
+                copying += 1
+                assert align(step.staging_bytes) + step.largest_copy <= sched.buffer_bytes
+    assert copying > 0, "the scenario should send from copies"
+
+
+def test_pieces_are_at_most_half_the_budget_whatever_message_bytes_says() -> None:
+    plan = tp2_to_tp4(4096)
+    sends = [m for sched in schedules(plan, message_bytes=1 << 30) for st in sched.steps() for m in st.sends]
+    assert any(m.copy for m in sends)
+    assert all(m.nbytes <= 2048 for m in sends if m.copy)
+
+
+def test_a_step_that_leaves_no_room_for_one_send_copy_is_refused_naming_it() -> None:
+    crowded = Step(
+        layer=3,
+        round=1,
+        tag=0,
+        recvs=(),
+        sends=(),
+        copies=(),
+        staging_bytes=60_000,
+        release_after=(),
+        copy_bytes=16_384,
+        largest_copy=8192,
+    )
+    with pytest.raises(PlanMismatch, match=r"layer 3 round 1: new rank 2 stages 60000 bytes.*65536"):
+        buffer_bytes([crowded], 65_536, 16_384, old_rank=1, new_rank=2)
+
+
+def test_the_buffer_holds_the_largest_step_and_its_copies_up_to_their_budget() -> None:
+    staged = Step(3, 0, 0, (), (), (), 1000, (), 0, 0)
+    copying = Step(3, 1, 0, (), (), (), 100, (), 40_000, 8192)
+    # 100 staged bytes, aligned to 104, then two pieces' worth (the copy budget) above them.
+    assert buffer_bytes([staged, copying], 1 << 20, 16_384, 0, 0) == 104 + 16_384
+    assert buffer_bytes([staged, copying], 10_000, 16_384, 0, 0) == 10_000
 
 
 def test_old_state_of_the_wrong_shape_is_refused_naming_the_tensor() -> None:

@@ -152,6 +152,7 @@ CROSSINGS = [
     ("topology", s.topology_planned("job-p"), s.transfer_planned("job-p")),
     ("topology", s.planning_failed("job-p"), s.topology_request("job-p")),
     ("transfer", s.transfer_planned("job-p"), s.topology_planned("job-p")),
+    ("transfer", s.planning_failed("job-p"), s.topology_request("job-p")),
     ("coordinator", s.worker_command("job-p", "w1"), s.resize_requested("job-p")),
     ("coordinator", s.GENERATION_COMMITTED, s.SPOT_WARNING),
     ("worker", s.worker_status("job-p"), s.worker_command("job-p", "w2")),

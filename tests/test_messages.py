@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import msgspec
 import pytest
 
 from liver.shared import messages as m
@@ -20,6 +21,7 @@ NEW = ParallelLayout(tp=2, pp=3, dp=1)
 OLD_PLACEMENT = Placement(grid_devices(2, 4))
 NEW_PLACEMENT = Placement(grid_devices(2, 4)[:6])
 REF = m.ObjectRef(bucket="liver-plans", name="job-1/1/plan", size=12345, digest="SHA-256=abc")
+SLICES = m.SliceIndex(bucket="liver-plans", prefix="job-1/1/s1-", count=8)
 
 
 def samples() -> dict[type, m.Message]:
@@ -89,6 +91,7 @@ def samples() -> dict[type, m.Message]:
             generation=1,
             plan=REF,
             workers=(m.WorkerPlanRef(device=Device("node000", 0), ref=REF),),
+            slices=m.SliceIndex(bucket="liver-plans", prefix="job-1/1/s1-", count=1),
             summary=m.PlanSummary(
                 tasks=120,
                 tasks_coalesced=40,
@@ -132,9 +135,13 @@ def samples() -> dict[type, m.Message]:
             event_id="evt-1",
             from_generation=0,
             generation=1,
+            from_layout=OLD,
+            from_placement=OLD_PLACEMENT,
             layout=NEW,
             placement=NEW_PLACEMENT,
+            lost=(OLD_PLACEMENT.devices[7],),
             plan=REF,
+            slices=SLICES,
             staging_bytes=256 * 2**20,
             deadline=NOW,
         ),
@@ -353,6 +360,31 @@ def test_an_impossible_nested_layout_names_the_layout() -> None:
 # -- checks across fields ---------------------------------------------------------------------------
 
 
+def test_a_prepare_whose_lost_device_is_not_in_the_old_world_is_refused() -> None:
+    data = payload(samples()[m.Prepare], lost=[{"node": "node009", "index": 0}])
+    error = rejected(data, m.Prepare)
+    assert error.path == "$.lost[0]" and "not in the old world" in error.reason
+
+
+def test_a_prepare_whose_lost_device_the_new_world_uses_is_refused() -> None:
+    data = payload(samples()[m.Prepare], lost=[{"node": "node000", "index": 0}])
+    assert rejected(data, m.Prepare).path == "$.lost[0]"
+
+
+def test_a_prepare_with_a_slice_count_other_than_the_two_worlds_devices_is_refused() -> None:
+    data = payload(
+        samples()[m.Prepare], slices={"bucket": "liver-plans", "prefix": "job-1/1/s1-", "count": 6}
+    )
+    error = rejected(data, m.Prepare)
+    assert error.path == "$.slices.count" and "8 devices" in error.reason
+
+
+def test_a_slice_index_names_each_device_by_its_index() -> None:
+    assert SLICES.name(0) == "job-1/1/s1-00000" and SLICES.names()[-1] == "job-1/1/s1-00007"
+    with pytest.raises(ValueError, match="`index`"):
+        SLICES.name(8)
+
+
 def test_a_spot_warning_needs_a_notice_or_a_deadline() -> None:
     error = rejected(payload(SPOT, notice_s=None, deadline=None), m.SpotWarning)
     assert error.path == "$.notice_s"
@@ -497,3 +529,56 @@ def test_an_error_event_for_a_huge_unknown_field_name_stays_decodable() -> None:
     )
     assert event.field.startswith("$.zzz")
     assert decode(encode(event), m.ErrorEvent) == event
+
+
+# -- TopologyPlanned.lost: devices of the current world that are gone ---------------------------------
+
+PLANNED = m.TopologyPlanned(
+    job_id="job-1",
+    event_id="evt-1",
+    from_generation=0,
+    generation=1,
+    model=PRESETS["tiny-gpt"],
+    from_layout=OLD,
+    from_placement=OLD_PLACEMENT,
+    layout=NEW,
+    placement=NEW_PLACEMENT,
+    candidates=(m.Candidate(layout=NEW, score=1.0, fits=True),),
+    explanation="node001:2 and node001:3 failed",
+)
+GONE = OLD_PLACEMENT.devices[6:]
+"""Devices of the current world that the new placement (the first six) leaves out."""
+
+
+def test_a_planned_topology_without_lost_devices_round_trips_and_loses_none() -> None:
+    data = payload(PLANNED, lost=None)
+    assert b'"lost"' not in data
+    assert decode(data, m.TopologyPlanned).lost == ()
+
+
+def test_a_planned_topology_with_lost_devices_round_trips() -> None:
+    planned = msgspec.structs.replace(PLANNED, lost=GONE)
+    assert decode(encode(planned), m.TopologyPlanned) == planned
+    assert decode(encode(planned), m.TopologyPlanned).lost == GONE
+
+
+def test_a_lost_device_must_belong_to_the_current_world() -> None:
+    error = rejected(payload(PLANNED, lost=[{"node": "node009", "index": 0}]), m.TopologyPlanned)
+    assert error.path == "$.lost[0]"
+    assert "not in the current world" in str(error)
+
+
+def test_a_lost_device_cannot_hold_a_rank_of_the_new_world() -> None:
+    error = rejected(payload(PLANNED, lost=[{"node": "node000", "index": 1}]), m.TopologyPlanned)
+    assert error.path == "$.lost[0]"
+    assert "new placement uses it" in str(error)
+
+
+def test_a_lost_device_with_a_bad_node_id_names_its_position() -> None:
+    bad = [{"node": "node001", "index": 3}, {"node": "bad node", "index": 0}]
+    assert rejected(payload(PLANNED, lost=bad), m.TopologyPlanned).path == "$.lost[1].node"
+
+
+def test_a_lost_device_cannot_be_listed_twice() -> None:
+    twice = [{"node": "node001", "index": 3}, {"node": "node001", "index": 3}]
+    assert rejected(payload(PLANNED, lost=twice), m.TopologyPlanned).path == "$.lost[1]"

@@ -6,14 +6,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from liver.services.transfer.placement import bytes_moved
-from liver.services.transfer.planner import build_plan, default_world, plan_resize, plan_stats
+from liver.services.transfer.placement import DEFAULT_INTER_NODE_WEIGHT, bytes_moved, cost_matrix
+from liver.services.transfer.planner import (
+    NoSurvivingSource,
+    build_plan,
+    default_world,
+    plan_resize,
+    plan_stats,
+)
 from liver.shared.boxes import intersect, volume
-from liver.shared.layout import Device, ParallelLayout, Placement, default_devices
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, default_devices
 from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.plan import Plan, Task, WorldConfig
 from liver.shared.plan_check import verify_plan
@@ -252,3 +259,159 @@ def test_a_budget_below_one_element_is_refused():
     old = default_world(ParallelLayout(1, 1, 1))
     with pytest.raises(ValueError, match="budget"):
         build_plan(m, old, old, budget_bytes=2)
+
+
+# -- lost devices: gone before the handoff, so they can neither send nor receive ---------------------------
+
+
+@st.composite
+def scenarios_with_losses(draw) -> tuple[Scenario, frozenset[Device]]:
+    """A scenario and some of the old devices the new world does not use, lost."""
+    sc = draw(scenarios())
+    kept = set(sc.new_devices)
+    gone = [d for d in sc.old.placement.devices if d not in kept]
+    lost = draw(st.lists(st.sampled_from(gone), unique=True, min_size=1)) if gone else []
+    return sc, frozenset(lost)
+
+
+def _a_class_lost_every_replica(old: WorldConfig, lost: frozenset[Device]) -> bool:
+    """Whether some (stage, TP rank) of the old world has no surviving DP replica."""
+    lay = old.layout
+    devices = old.placement.devices
+    return any(
+        all(devices[lay.rank_of(tp, dp, pp)] in lost for dp in range(lay.dp))
+        for pp in range(lay.pp)
+        for tp in range(lay.tp)
+    )
+
+
+@PROPERTY
+@given(scenarios_with_losses())
+def test_no_task_ever_has_a_lost_source(case: tuple[Scenario, frozenset[Device]]):
+    sc, lost = case
+    try:
+        rp = plan_resize(sc.model, sc.old, sc.new_layout, sc.new_devices, budget_bytes=sc.budget, lost=lost)
+    except NoSurvivingSource:
+        return  # the next test says when that may happen
+    old_dev = sc.old.placement.devices
+    assert not [t for t in rp.plan.tasks if old_dev[t.src] in lost]
+    report = verify_plan(rp.plan, lost=lost)
+    assert report.ok, report.errors
+
+
+@PROPERTY
+@given(scenarios_with_losses())
+def test_planning_fails_only_when_every_holder_of_some_state_is_lost(
+    case: tuple[Scenario, frozenset[Device]],
+):
+    sc, lost = case
+    try:
+        plan_resize(sc.model, sc.old, sc.new_layout, sc.new_devices, budget_bytes=sc.budget, lost=lost)
+    except NoSurvivingSource as exc:
+        assert exc.holders and set(exc.holders) <= lost
+        assert _a_class_lost_every_replica(sc.old, lost)
+        assert exc.tensor in {t.name for t in sc.model.tensors()}
+
+
+def _dp2_on_two_nodes() -> WorldConfig:
+    """TP2 x DP2: replica 0 on node a (ranks 0, 1), replica 1 on node b (ranks 2, 3)."""
+    devices = (Device("a", 0), Device("a", 1), Device("b", 0), Device("b", 1))
+    return WorldConfig(ParallelLayout(2, 1, 2), Placement(devices))
+
+
+def test_a_dp2_job_losing_a_device_sources_its_shard_from_the_surviving_replica():
+    m = PRESETS["tiny-gpt"]
+    old = _dp2_on_two_nodes()
+    lost = {Device("a", 0)}  # rank 0: TP rank 0 of replica 0; its twin is rank 2 on node b
+    # A fresh device on node a takes the lost one's place: the neighbour a lost device used to be.
+    new = WorldConfig(
+        ParallelLayout(2, 1, 2), Placement((Device("a", 2), Device("a", 1), *old.placement.devices[2:]))
+    )
+    plan = build_plan(m, old, new, lost=lost)
+    qkv = next(
+        i for i, t in enumerate(plan.tensors) if t.name == "decoder.layers.0.self_attention.linear_qkv.weight"
+    )
+    assert {t.src for t in plan.tasks if t.dst == 0 and any(ti == qkv for ti, _ in t.slices)} == {2}
+    assert {t.src for t in plan.tasks if t.dst == 0} == {1, 2}  # replicated norms from the neighbour
+    report = verify_plan(plan, lost=lost)
+    assert report.ok, report.errors
+
+
+def test_without_the_lost_set_the_same_plan_would_read_the_lost_device():
+    m = PRESETS["tiny-gpt"]
+    old = _dp2_on_two_nodes()
+    new = WorldConfig(
+        ParallelLayout(2, 1, 2), Placement((Device("a", 2), Device("a", 1), *old.placement.devices[2:]))
+    )
+    plan = build_plan(m, old, new)
+    assert 0 in {t.src for t in plan.tasks}  # the same-node holder: why the planner must be told
+    report = verify_plan(plan, lost={Device("a", 0)})
+    assert not report.ok and any("lost device a:0" in e for e in report.errors)
+
+
+def test_a_dp1_job_losing_a_device_cannot_be_planned_and_names_the_tensor_and_the_device():
+    m = PRESETS["tiny-gpt"]
+    old = default_world(ParallelLayout(2, 1, 1))  # node000:0 and node000:1, no replica
+    new = WorldConfig(ParallelLayout(1, 1, 2), Placement((Device("node000", 0), Device("node001", 0))))
+    with pytest.raises(NoSurvivingSource) as info:
+        build_plan(m, old, new, lost={Device("node000", 1)})
+    exc = info.value
+    assert exc.holders == (Device("node000", 1),)
+    assert exc.tensor in str(exc) and "node000:1" in str(exc)
+
+
+def test_a_replicated_tensor_is_taken_from_another_tp_rank_so_the_tensor_named_is_truly_lost():
+    m = PRESETS["tiny-gpt"]
+    # TP2 x PP2: stage 1's TP rank 0 (rank 2) is lost; its layer norms survive on TP rank 1 (rank 3),
+    # its column and row shards nowhere.
+    old = default_world(ParallelLayout(2, 2, 1))
+    lost = {old.placement.devices[2]}
+    fresh = Device("node001", 0)
+    new = WorldConfig(
+        ParallelLayout(2, 2, 1), Placement((*old.placement.devices[:2], fresh, old.placement.devices[3]))
+    )
+    with pytest.raises(NoSurvivingSource) as info:
+        build_plan(m, old, new, lost=lost)
+    tensor = next(t for t in m.tensors() if t.name == info.value.tensor)
+    assert tensor.rule != "replicated"
+    assert info.value.holders == (old.placement.devices[2],)
+
+
+def test_a_lost_device_cannot_hold_a_new_rank():
+    m = PRESETS["tiny-gpt"]
+    old = _dp2_on_two_nodes()
+    with pytest.raises(LayoutError, match="lost: device a:0 is lost but the new placement uses it"):
+        build_plan(m, old, old, lost={Device("a", 0)})
+    report = verify_plan(build_plan(m, old, old), lost={Device("a", 0)})
+    assert any("new rank 0 is placed on lost device a:0" in e for e in report.errors)
+
+
+def test_a_lost_device_outside_the_old_world_is_refused():
+    m = PRESETS["tiny-gpt"]
+    old = _dp2_on_two_nodes()
+    with pytest.raises(LayoutError, match="lost: device z:0 is not in the old world"):
+        build_plan(m, old, old, lost={Device("z", 0)})
+
+
+def test_a_lost_neighbour_makes_its_state_cost_as_much_as_state_from_another_node():
+    m = msgspec.structs.replace(PRESETS["tiny-gpt"], tied_embeddings=False)
+    # PP2 on node a: stage 1 (a:1) shares no state with stage 0 (a:0) once embeddings are untied.
+    old = WorldConfig(ParallelLayout(1, 2, 1), Placement((Device("a", 0), Device("a", 1))))
+    devices = (Device("a", 0), Device("a", 2))
+    alive = cost_matrix(m, old, devices, old.layout)
+    gone = cost_matrix(m, old, devices, old.layout, lost={Device("a", 1)})
+    # New stage 1 on the fresh a:2: its state was next door on a:1, and now comes from another node,
+    # all but the optimizer's step counter (8 bytes), which every stage holds, a:0 included.
+    step = 8
+    assert gone[1, 1] - step == DEFAULT_INTER_NODE_WEIGHT * (alive[1, 1] - step) > 0
+    assert gone[0, 0] == alive[0, 0] == 0  # a:0 keeps its own stage either way
+
+
+def test_the_optimised_placement_with_losses_still_moves_the_same_bytes_as_its_plan():
+    m = PRESETS["tiny-gpt"]
+    old = _dp2_on_two_nodes()
+    lost = {Device("a", 0)}
+    devices = (Device("a", 2), Device("a", 1), Device("b", 0), Device("b", 1))
+    rp = plan_resize(m, old, ParallelLayout(1, 1, 4), devices, lost=lost)
+    assert verify_plan(rp.plan, lost=lost).ok
+    assert bytes_moved(m, old, rp.plan.new) == rp.stats.bytes_moved

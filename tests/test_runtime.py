@@ -26,6 +26,7 @@ from liver.shared.plan import Plan, PlanSlice, WorldConfig
 from liver.shared.views import view
 from liver.worker_runtime.handoff import Role
 from liver.worker_runtime.runtime import (
+    CheckpointOptions,
     LiveRuntime,
     Phase,
     ResizeRejected,
@@ -242,6 +243,19 @@ def test_options_out_of_range_are_refused_naming_the_field(field: str, value: fl
         RuntimeOptions(**{field: value})
 
 
+@pytest.mark.parametrize(("field", "value"), [("root", ""), ("every", 0), ("keep_last", 0)])
+def test_checkpoint_options_out_of_range_are_refused_naming_the_field(field: str, value: object) -> None:
+    fields: dict[str, Any] = {"root": "/shared/ckpt", field: value}
+    with pytest.raises(ValueError, match=rf"`checkpoint\.{field}`"):
+        CheckpointOptions(**fields)
+
+
+def test_checkpoints_need_a_factory_that_can_save_and_fall_back() -> None:
+    options = RuntimeOptions(checkpoint=CheckpointOptions(root="/shared/ckpt"))
+    with pytest.raises(ValueError, match=r"`options\.checkpoint`: the factory ToyFactory cannot"):
+        LiveRuntime(ToyFactory(), job=JOB, device=DEVICES[2], options=options)
+
+
 # -- commands and deadlines, on two processes ------------------------------------------------------------
 
 GATED, COMMANDED, MISSED, RECOVERED = 1, 2, 3, 4
@@ -371,3 +385,53 @@ def test_after_aborted_handoffs_the_job_still_reshards_and_keeps_one_generation(
     for found in toy_runs:
         assert RECOVERED in found["generation_at"]
         assert found["live_generations"] == (RECOVERED,)
+
+
+# -- a lost old rank without a checkpoint to fall back to ------------------------------------------------
+
+ONE = ParallelLayout(tp=1, pp=1, dp=1)
+
+
+def lost_rank_process(proc: Proc, plan: Plan) -> dict[str, Any]:
+    """Process 1 (leaving) dies in its first streaming step; process 0 stays without a checkpoint."""
+    import os
+
+    from liver.shared.logs import configure_logging
+
+    configure_logging(level="CRITICAL")
+
+    def die(generation: int, layer: int, rnd: int) -> None:
+        os._exit(0)
+
+    address = StoreAddress("127.0.0.1", proc.store.port)
+    runtime = LiveRuntime(
+        ToyFactory(),
+        job=JOB,
+        device=DEVICES[proc.rank],
+        store=address,
+        initial=WorldSpec(job=JOB, generation=0, layout=TP2, placement=world_config(TP2, 0, 1).placement),
+        options=RuntimeOptions(control_timeout_s=20, build_timeout_s=20),
+        on_stream_step=die if proc.rank == 1 else None,
+    )
+    trainer = runtime.step()
+    runtime.request_resize(1, ONE, plan.new.placement, plan, address)
+    assert runtime.wait_prepared(20)
+    assert trainer is not None
+    trainer.train_step()
+    try:
+        runtime.step()
+    except Exception as error:  # what the training loop sees
+        return {"type": type(error).__name__, "message": str(error), "world": runtime.world}
+    return {"type": None}
+
+
+@pytest.mark.slow
+def test_without_a_checkpoint_a_handoff_that_lost_an_old_rank_fails_saying_none_was_configured() -> None:
+    plan = plan_between(world_config(TP2, 0, 1), world_config(ONE, 0))
+    survivor, lost = run_world(lost_rank_process, 2, args=(plan,), timeout_s=120, wait_for={0})
+    assert lost.status == "died"
+    found = survivor.unwrap()
+    assert found["type"] == "NoCheckpointConfigured"
+    assert "the old world cannot be restored" in found["message"]
+    assert "no checkpoint was configured" in found["message"]
+    assert found["world"] is None

@@ -222,3 +222,10 @@ def test_a_decision_round_trips_through_json() -> None:
     decision = choose_topology(LLAMA, SETUP, CPU_SMALL, _world(ParallelLayout(2, 2, 2)), grid_devices(3, 4))
     data = msgspec.json.encode(decision)
     assert msgspec.json.decode(data, type=TopologyDecision) == decision
+
+
+def test_a_lost_device_offered_as_a_target_is_refused() -> None:
+    current = _world(ParallelLayout(1, 1, 4), 4)
+    lost = current.placement.devices[3]
+    with pytest.raises(TopologyError, match=f"devices: device {lost} is lost"):
+        choose_topology(GPT, SETUP, CPU_SMALL, current, current.placement.devices, lost=(lost,))

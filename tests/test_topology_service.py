@@ -29,6 +29,8 @@ from liver.services.topology.settings import (
     TopologyConfigError,
     TopologySettings,
 )
+from liver.services.transfer.core import plan_transfer, planning_failed
+from liver.services.transfer.planner import NoSurvivingSource
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
@@ -36,6 +38,7 @@ from liver.shared.messages import PlanningFailed, TopologyPlanned, TopologyReque
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import WorldConfig
+from liver.shared.plan_check import verify_plan
 
 MiB = 1 << 20
 MODEL = PRESETS["tiny-gpt"]
@@ -177,6 +180,41 @@ def test_a_live_layout_the_model_cannot_use_is_a_planning_failure() -> None:
 
 ENV = {MODEL_ENV: "tiny-gpt", HARDWARE_ENV: "cpu-small", GLOBAL_BATCH_ENV: "8", SEQUENCE_LENGTH_ENV: "32"}
 """A complete default profile in the environment."""
+
+# -- lost devices: the answer leaves them out and passes them on to the transfer planner ---------------
+
+
+def test_lost_devices_hold_no_rank_and_travel_on_in_the_answer() -> None:
+    planned = answer(ask(remove=(), lost=(WORLD[3],)), PROFILE, SETTINGS, NOW).message
+    assert isinstance(planned, TopologyPlanned)
+    assert WORLD[3] not in planned.placement.devices
+    assert planned.lost == (WORLD[3],)
+    assert decode(encode(planned), TopologyPlanned).lost == (WORLD[3],)
+
+
+def test_a_lost_device_with_a_surviving_replica_is_planned_around_from_the_answer_alone() -> None:
+    # WORLD[3] ran TP rank 1 of replica 1; WORLD[1] holds the same shard.
+    planned = answer(ask(remove=(), lost=(WORLD[3],)), PROFILE, SETTINGS, NOW).message
+    assert isinstance(planned, TopologyPlanned)
+    transfer = plan_transfer(planned, budget_bytes=1 << 20)
+    assert verify_plan(transfer.plan, lost=planned.lost).ok
+    assert WORLD[3] not in {transfer.plan.old.placement.devices[t.src] for t in transfer.plan.tasks}
+
+
+def test_state_lost_with_every_replica_passes_the_topology_planner_and_fails_the_transfer_planner() -> None:
+    # Every layout needs all the state, so only the transfer planner, which finds the tensor that
+    # survives nowhere, can say what is missing; the coordinator aborts on either stage's failure.
+    request = ask(remove=(), lost=(WORLD[1], WORLD[3]))  # both replicas of TP rank 1
+    planned = answer(request, PROFILE, SETTINGS, NOW).message
+    assert isinstance(planned, TopologyPlanned)
+    with pytest.raises(NoSurvivingSource) as info:
+        plan_transfer(planned, budget_bytes=1 << 20)
+    failed = planning_failed(planned, info.value)
+    assert (failed.stage, failed.generation, failed.event_id) == ("transfer", 1, "evt-1")
+    assert (
+        info.value.tensor in failed.reason and "node000:1" in failed.reason and "node001:1" in failed.reason
+    )
+
 
 # -- configuration --------------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -17,10 +17,10 @@ from liver.services.transfer.service import BUDGET_ENV, TransferService, Transfe
 from liver.shared import subjects as s
 from liver.shared.codec import decode, encode
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
-from liver.shared.messages import Candidate, ObjectRef, TopologyPlanned, TransferPlanned
+from liver.shared.messages import Candidate, ObjectRef, PlanningFailed, TopologyPlanned, TransferPlanned
 from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import Plan, PlanSlice, WorldConfig
+from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_devices
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import decode_plan
 
@@ -140,16 +140,33 @@ async def test_each_device_slice_holds_exactly_the_tasks_it_sends_or_receives(ri
     plan = decode_plan(await rig.fetch(out.plan))
     old_rank, new_rank = plan.old.placement.rank_on(), plan.new.placement.rank_on()
     for worker in out.workers:
-        piece = msgspec.json.decode(await rig.fetch(worker.ref), type=PlanSlice)
-        assert piece.device == worker.device
+        piece = msgspec.json.decode(await rig.fetch(worker.ref), type=SliceFile)
+        assert piece.device == worker.device and piece.generation == out.generation
         src, dst = old_rank.get(worker.device), new_rank.get(worker.device)
         expected = [t for t in plan.tasks if t.src == src or t.dst == dst]
         assert list(piece.tasks) == expected
-        as_plan = piece.to_plan()
+        as_plan = piece.with_worlds(plan.old, plan.new).to_plan()
         assert as_plan.tensors == plan.tensors
         assert as_plan.tasks_of(rank_src=src) == plan.tasks_of(rank_src=src)
         if dst is not None:
             assert as_plan.tasks_of(rank_dst=dst) == plan.tasks_of(rank_dst=dst)
+
+
+async def test_every_slice_is_named_by_its_devices_index_in_both_worlds(rig: Rig) -> None:
+    await rig.publish(SCALE_IN)
+    out = await rig.planned.one(TransferPlanned)
+    devices = slice_devices(SCALE_IN.from_placement, SCALE_IN.placement)
+    assert out.slices.count == len(devices) == len(out.workers)
+    assert out.slices.bucket == s.OBJECT_STORE_PLANS
+    for i, (device, worker) in enumerate(zip(devices, out.workers, strict=True)):
+        assert worker.device == device and worker.ref.name == out.slices.name(i)
+
+
+async def test_a_slice_repeats_no_world(rig: Rig) -> None:
+    await rig.publish(SCALE_IN)
+    out = await rig.planned.one(TransferPlanned)
+    raw = msgspec.json.decode(await rig.fetch(out.workers[0].ref))
+    assert {"old", "new"}.isdisjoint(raw) and raw["schema_version"] == SLICE_SCHEMA_VERSION
 
 
 async def test_a_plan_larger_than_a_message_is_stored_whole(conn: Conn) -> None:
@@ -169,8 +186,17 @@ async def test_a_plan_larger_than_a_message_is_stored_whole(conn: Conn) -> None:
 class DropsATask:
     """A planner with a bug: it forgets the last task of every plan."""
 
-    def __call__(self, model: ModelSpec, old: WorldConfig, new: WorldConfig, budget: int, opt: bool) -> Plan:
-        plan = build_plan(model, old, new, budget, opt)
+    def __call__(
+        self,
+        model: ModelSpec,
+        old: WorldConfig,
+        new: WorldConfig,
+        budget: int,
+        opt: bool,
+        *,
+        lost: Collection[Device] = (),
+    ) -> Plan:
+        plan = build_plan(model, old, new, budget, opt, lost=lost)
         return msgspec.structs.replace(plan, tasks=plan.tasks[:-1])
 
 
@@ -248,3 +274,41 @@ def test_the_staging_budget_comes_from_the_environment() -> None:
 def test_a_bad_budget_in_the_environment_is_named(value: str) -> None:
     with pytest.raises(ValueError, match=BUDGET_ENV):
         TransferSettings.from_env({BUDGET_ENV: value})
+
+
+# -- lost devices: gone before the handoff, so no state may come from them ----------------------------
+
+# Rank 4 (TP rank 0 of stage 1, replica 0) ran on node001:0; its replica, rank 6, on node001:2.
+REPLICA_LOST = (OLD_DEVICES[4],)
+BOTH_REPLICAS_LOST = (OLD_DEVICES[4], OLD_DEVICES[6])
+
+
+async def test_a_lost_devices_state_comes_from_its_surviving_replica(rig: Rig) -> None:
+    await rig.publish(msgspec.structs.replace(SCALE_IN, lost=REPLICA_LOST))
+    out = await rig.planned.one(TransferPlanned)
+    plan = decode_plan(await rig.fetch(out.plan))
+    assert verify_plan(plan, lost=REPLICA_LOST).ok
+    sources = {plan.old.placement.devices[t.src] for t in plan.tasks}
+    assert OLD_DEVICES[4] not in sources
+    assert OLD_DEVICES[6] in sources
+
+
+async def test_state_held_only_by_lost_devices_is_a_transfer_planning_failure(conn: Conn) -> None:
+    failures = await Collector.on(conn.nc, s.planning_failed(JOB))
+    service = TransferService(FAST)
+    async with running(service, conn.url):
+        rig = await rig_for(conn, service)
+        await rig.publish(msgspec.structs.replace(SCALE_IN, lost=BOTH_REPLICAS_LOST))
+        failed = await failures.one(PlanningFailed)
+        assert (failed.job_id, failed.event_id, failed.generation, failed.stage) == (
+            JOB,
+            "evt-1",
+            5,
+            "transfer",
+        )
+        assert "no surviving device holds part of decoder.layers." in failed.reason
+        assert "node001:0" in failed.reason and "node001:2" in failed.reason
+        await eventually(rig.settled, what="the topology message is acknowledged")
+        assert service.stats()["failed"] == 1
+        assert rig.planned.messages == [] and rig.errors.messages == []
+        assert await stored(rig.js, s.STREAM_CONTROL.name, s.transfer_planned(JOB)) == []

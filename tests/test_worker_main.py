@@ -11,8 +11,9 @@ import msgspec
 import pytest
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.messages import Abort, ObjectRef, Prepare, Switch
+from liver.shared.messages import Abort, ObjectRef, Prepare, SliceIndex, Switch
 from liver.worker_runtime.bridge import RuntimeBridge, store_address
+from liver.worker_runtime.fallback import FallbackReport
 from liver.worker_runtime.handoff import Role, SwitchReport
 from liver.worker_runtime.metrics import MetricsLog, Step, Stopped, read_lines
 from liver.worker_runtime.runtime import AbortReport, Phase, RuntimeEvent
@@ -65,9 +66,12 @@ def prepare(store: str | None = "10.0.0.7:29500") -> Prepare:
         event_id="evt-1",
         from_generation=3,
         generation=4,
+        from_layout=LAYOUT,
+        from_placement=Placement((A,)),
         layout=LAYOUT,
         placement=Placement((A,)),
-        plan=ObjectRef(bucket="liver-plans", name="job-1/gen4/s-0", size=10),
+        plan=ObjectRef(bucket="liver-plans", name="job-1/gen4/plan", size=10),
+        slices=SliceIndex(bucket="liver-plans", prefix="job-1/gen4/s-", count=1),
         staging_bytes=1 << 20,
         deadline=DEADLINE,
         store=store,
@@ -188,6 +192,39 @@ def test_the_open_generation_is_the_prepared_one_until_it_switches() -> None:
     assert b.open_generation is None
 
 
+def test_a_fallback_to_the_checkpoint_is_acked_failed_at_once_saying_so() -> None:
+    b, _, acks = bridge()
+    b.on_prepare(prepare(), object())  # type: ignore[arg-type]
+    abort = AbortReport(generation=4, stage="commit", reason="old rank 1 is gone", iteration=12)
+    b.on_event(RuntimeEvent(generation=4, phase=Phase.FALLING_BACK, iteration=12, abort=abort))
+    assert acks.sent == [
+        {
+            "phase": "failed",
+            "generation": 4,
+            "error": "commit: old rank 1 is gone; falling back to the last checkpoint",
+        }
+    ]
+    assert b.open_generation is None
+
+
+def test_the_restart_from_the_checkpoint_is_not_acked() -> None:
+    b, _, acks = bridge()
+    fallback = FallbackReport(
+        failed_generation=4,
+        generation=5,
+        role=Role.STAY,
+        rank=0,
+        checkpoint="/ckpt/iter_0000010",
+        iteration=10,
+        reached_iteration=12,
+        steps_lost=2,
+        reason="old rank 1 is gone",
+        seconds=3.0,
+    )
+    b.on_event(RuntimeEvent(generation=5, phase=Phase.FELL_BACK, iteration=10, fallback=fallback))
+    assert acks.sent == []
+
+
 def test_preparing_is_not_acked() -> None:
     b, _, acks = bridge()
     b.on_event(RuntimeEvent(generation=4, phase=Phase.PREPARING))
@@ -258,6 +295,21 @@ def test_a_layout_the_batch_cannot_split_over_is_refused() -> None:
 def test_an_unknown_model_is_refused_naming_the_presets() -> None:
     with pytest.raises(ValueError, match=r"`model`.*tiny-gpt"):
         WorkerSettings(job_id=JOB, node="n0", device=0, model="gpt-17")
+
+
+def test_a_checkpoint_directory_gives_the_runtime_its_checkpoints_and_fallback() -> None:
+    settings = WorkerSettings(
+        job_id=JOB, node="n0", device=0, checkpoint_dir="/shared/ckpt", checkpoint_every=50, checkpoint_keep=3
+    )
+    checkpoint = settings.runtime_options().checkpoint
+    assert checkpoint is not None
+    assert (checkpoint.root, checkpoint.every, checkpoint.keep_last) == ("/shared/ckpt", 50, 3)
+    assert WorkerSettings(job_id=JOB, node="n0", device=0).runtime_options().checkpoint is None
+
+
+def test_a_checkpoint_interval_without_a_directory_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="`checkpoint_every`"):
+        WorkerSettings(job_id=JOB, node="n0", device=0, checkpoint_every=50)
 
 
 def test_the_worker_id_defaults_to_node_and_device_as_a_subject_token() -> None:
@@ -337,3 +389,26 @@ def test_liver_worker_arguments_become_the_settings() -> None:
     assert settings.initial is not None and settings.initial_rank == 1
     assert settings.initial.placement == Placement((A, B)) and settings.initial.store == "127.0.0.1:29500"
     assert (settings.max_steps, settings.metrics, settings.name) == (7, "/tmp/m.jsonl", "w-n0-1")
+
+
+def test_liver_worker_checkpoint_arguments_become_the_settings() -> None:
+    from liver.cli import worker_cmd
+
+    parser = worker_cmd.argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    checkpoints = ["--checkpoint-dir", "/shared/ckpt", "--checkpoint-every", "50", "--checkpoint-keep", "3"]
+    args = parser.parse_args(["--job", JOB, "--node", "n0", "--device", "0", "--standby", *checkpoints])
+    settings = worker_cmd.settings_from(args)
+    assert (settings.checkpoint_dir, settings.checkpoint_every, settings.checkpoint_keep) == (
+        "/shared/ckpt",
+        50,
+        3,
+    )
+
+
+def test_liver_worker_checkpoint_interval_without_a_directory_is_refused(capsys: Any) -> None:
+    from liver.cli import worker_cmd
+
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--checkpoint-every", "5"]
+    assert worker_cmd.main(argv) == 2
+    assert "checkpoint_every" in capsys.readouterr().err

@@ -9,8 +9,8 @@ transfer planner stored as the transfer service stores them:
     gen 2  TP1 on p0    -> TP2 on p0,p2     scale-out: p2 warms up, joins at the cut
     gen 3  TP2 on p0,p2 -> TP1 on p0        prepared, then aborted: both keep training in gen 2
 
-Each Prepare names p0's store (the address p0 announced in its hello), as the coordinator does for the
-worker that runs the new rank 0. The test then stops the job through the stop file.
+Each Prepare (one for the whole job) names p0's store (the address p0 announced in its hello), as the
+coordinator does for the worker that runs the new rank 0. The test then stops the job through the stop file.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from liver.shared.messages import (
     Hello,
     ObjectRef,
     Prepare,
+    SliceIndex,
     Switch,
     WorkerStatus,
     WorldStarted,
@@ -124,31 +125,30 @@ async def prepare_all(nc: Client, bus: Bus, generation: int, old: WorldConfig, n
     plan = build_plan(MODEL, old, new, BUDGET, True)
     js = nc.jetstream()
     store = await js.object_store(s.OBJECT_STORE_PLANS)
-    refs: dict[Device, ObjectRef] = {}
-    for i, piece in enumerate(device_slices(plan, True)):
-        name = s.plan_object_name(JOB, generation, f"s-{i}")
-        data = msgspec.json.encode(piece)
-        info = await store.put(name, data)
-        refs[piece.device] = ObjectRef(
-            bucket=s.OBJECT_STORE_PLANS, name=name, size=len(data), digest=info.digest
-        )
+    pieces = device_slices(plan, True)
+    index = SliceIndex(
+        bucket=s.OBJECT_STORE_PLANS, prefix=s.plan_object_name(JOB, generation, "s") + "-", count=len(pieces)
+    )
+    for i, piece in enumerate(pieces):  # in slice_devices order, as the transfer service stores them
+        await store.put(index.name(i), msgspec.json.encode(piece.stored(generation)))
     rank0 = bus.hellos[worker_id(new.placement.devices[0])]
     participants = sorted({*old.placement.devices, *new.placement.devices})
-    deadline = datetime.now(UTC) + timedelta(seconds=PHASE_TIMEOUT_S)
-    for device in participants:
-        prepare = Prepare(
-            job_id=JOB,
-            event_id=f"evt-{generation}",
-            from_generation=generation - 1,
-            generation=generation,
-            layout=new.layout,
-            placement=new.placement,
-            plan=refs[device],
-            staging_bytes=BUDGET,
-            deadline=deadline,
-            store=rank0.address,
-        )
-        await nc.publish(s.worker_command(JOB, worker_id(device)), encode(prepare))
+    prepare = Prepare(
+        job_id=JOB,
+        event_id=f"evt-{generation}",
+        from_generation=generation - 1,
+        generation=generation,
+        from_layout=old.layout,
+        from_placement=old.placement,
+        layout=new.layout,
+        placement=new.placement,
+        plan=ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=s.plan_object_name(JOB, generation), size=1),
+        slices=index,
+        staging_bytes=BUDGET,
+        deadline=datetime.now(UTC) + timedelta(seconds=PHASE_TIMEOUT_S),
+        store=rank0.address,
+    )
+    await nc.publish(s.worker_commands(JOB), encode(prepare))  # one Prepare for the whole job
     names = {worker_id(d) for d in participants}
     await bus.until(
         f"ready of generation {generation}",

@@ -6,8 +6,8 @@ coordinator's topology request, the planners' answers, the Switch broadcast, the
 sample of the bench's processes at each of them (a read of a few ``/proc`` files), and otherwise does
 as little as possible in its callbacks (messages are decoded afterwards), so that its timestamps are
 the bus's and not the bench's. It also counts heartbeats (background traffic to subtract from
-per-event counts), remembers every worker that said hello, and keeps the Prepare one probe worker
-received.
+per-event counts), remembers every worker that said hello, and keeps the handoff's Prepare (one
+job-wide broadcast, which the probe worker takes part in).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from liver.shared.messages import (
     GenerationAborted,
     GenerationCommitted,
     Hello,
+    Prepare,
     Switch,
     WorkerCommand,
 )
@@ -83,7 +84,6 @@ class Observer:
             self._subs.append(await self.nc.subscribe(subject, cb=self._stage_cb(stage)))
         for subject, cb in (
             (s.worker_commands(job), self._on_broadcast),
-            (s.worker_command(job, self.probe_worker), self._on_probe),
             (s.GENERATION_COMMITTED, self._on_outcome),
             (s.GENERATION_ABORTED, self._on_outcome),
             (s.worker_hello(job), self._on_hello),
@@ -142,16 +142,14 @@ class Observer:
             command = decode(msg.data, WorkerCommand)
         except MessageError:
             return
-        if isinstance(command, Switch) and "switch" not in current.arrivals:
+        if isinstance(command, Prepare) and "prepare" not in current.arrivals:
+            current.arrivals["prepare"] = now
+            current.raw["prepare"] = msg.data
+        elif isinstance(command, Switch) and "switch" not in current.arrivals:
             current.arrivals["switch"] = now
             current.cpu["switch"] = self._sample()
         elif isinstance(command, Abort) and "abort" not in current.arrivals:
             current.arrivals["abort"] = now
-
-    async def _on_probe(self, msg: Msg) -> None:
-        current = self.current
-        if current is not None and "prepare" not in current.raw:
-            current.raw["prepare"] = msg.data
 
     async def _on_outcome(self, msg: Msg) -> None:
         now = time.perf_counter()

@@ -26,7 +26,7 @@ STAGE_GAPS: Final = (
     ("switch", "switch", "outcome"),
 )
 """Each stage of a handoff: its name and the arrivals it lies between (``None``: the publication).
-``prepare`` is the coordinator sending every Prepare, the workers reading their slices and
+``prepare`` is the coordinator sending the Prepare, the workers reading their slices and
 answering ready, and the switch intent recorded; ``switch`` is the switched acks and the commit."""
 
 
@@ -96,28 +96,27 @@ class EventRecord(msgspec.Struct, kw_only=True):
 
 
 class ContractReport(msgspec.Struct, kw_only=True):
-    """What the per-worker Prepare and plan slice cost at this size, timed on their own in the bench.
+    """What the handoff's Prepare and one plan slice cost at this size, timed on their own in the bench.
 
-    ``*_per_event`` multiply one message's figure by the workers taking part (every worker of the
-    larger world): the coordinator encodes and publishes each worker's Prepare, and the simulated job,
-    one process for all workers, decodes all of them; a real worker decodes only its own, in
-    parallel with the others.
+    The Prepare is one job-wide broadcast: the coordinator encodes and publishes it once, and the
+    simulated job (one subscription for all its workers) decodes it once; a real worker decodes its
+    own copy, in parallel with the others. Each participant decodes and checks its own slice.
     """
 
     participants: int
     prepare_bytes: int
-    prepare_placement_bytes: int
-    prepare_plan_ref_bytes: int
+    prepare_placement_bytes: int  # the old and the new placement, each carried once
+    prepare_plan_ref_bytes: int  # how every worker finds its slice (``SliceIndex``)
     prepare_encode_ms: float
     prepare_decode_ms: float  # decoded as a worker does: WorkerCommand, every field checked
     prepare_bytes_per_event: int
     coordinator_encode_ms_per_event: float
     sim_prepare_decode_ms_per_event: float
     broadcast_prepare_bytes: int
-    """One job-wide Prepare carrying the placement once and each device's plan reference: what a
-    broadcast contract would publish per handoff instead of ``prepare_bytes_per_event``."""
+    """What the coordinator publishes per handoff for the Prepare (one broadcast: ``prepare_bytes``);
+    the per-worker contract it replaced published ``participants`` copies of an O(devices) message."""
     slice_bytes: int
-    slice_world_bytes: int  # the old and new WorldConfig (layout + placement) inside the slice
+    slice_world_bytes: int  # worlds repeated inside the slice: none since slice schema version 2
     slice_tasks: int
     slice_decode_ms: float  # decode_slice: decoded and checked against the Prepare and the device
     slice_bytes_per_event: int  # every device's slice, as stored in the object store
@@ -326,17 +325,14 @@ def print_report(report: BenchReport) -> None:
         c = r.contract
         if c is not None:
             print(
-                f"  Prepare: {_size(c.prepare_bytes)} each ({_size(c.prepare_placement_bytes)} placement), "
-                f"x{c.participants} = {_size(c.prepare_bytes_per_event)} per event; encode "
-                f"{c.prepare_encode_ms:.3f} ms, decode {c.prepare_decode_ms:.3f} ms each "
-                f"({c.coordinator_encode_ms_per_event:,.1f} ms / {c.sim_prepare_decode_ms_per_event:,.1f} ms "
-                f"per event); a broadcast Prepare would be {_size(c.broadcast_prepare_bytes)} once",
+                f"  Prepare: one broadcast of {_size(c.prepare_bytes)} "
+                f"({_size(c.prepare_placement_bytes)} placements) for {c.participants} participants; "
+                f"encode {c.prepare_encode_ms:.3f} ms, decode {c.prepare_decode_ms:.3f} ms",
                 file=out,
             )
             print(
-                f"  slice: {_size(c.slice_bytes)} ({_size(c.slice_world_bytes)} old + new world, "
-                f"{c.slice_tasks} tasks), decode {c.slice_decode_ms:.3f} ms; "
-                f"{_size(c.slice_bytes_per_event)} stored per event",
+                f"  slice: {_size(c.slice_bytes)} ({c.slice_tasks} tasks), decode and check "
+                f"{c.slice_decode_ms:.3f} ms; {_size(c.slice_bytes_per_event)} stored per event",
                 file=out,
             )
             if c.transfer_unreported_ms is not None:

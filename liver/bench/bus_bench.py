@@ -24,9 +24,8 @@ Per event, from the moment the event is published (:mod:`._bus_observer`):
   and payload bytes the server received from and delivered to the services and workers (``/connz``,
   heartbeats subtracted).
 
-The Prepare one worker received and its plan slice are also timed on their own (``contract``): each
-worker's Prepare carries the whole new placement, so the coordinator encodes and publishes N copies of
-an O(N) message per handoff, and each slice carries the old and the new placement.
+The handoff's Prepare (one job-wide broadcast carrying both placements once) and one worker's plan
+slice (its tasks only: the worlds come from the Prepare) are also timed on their own (``contract``).
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ from liver.shared.messages import (
 )
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import PlanSlice
+from liver.shared.plan import SliceFile
 from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice
 from liver.worker_runtime.companion_sim import SimSettings
 
@@ -669,13 +668,12 @@ class SizeRun:
         if not isinstance(prepare, Prepare) or prepare.generation != planned.generation:
             return None
         device = self.probe.device
-        piece = msgspec.json.decode(piece_bytes, type=PlanSlice)
+        piece = msgspec.json.decode(piece_bytes, type=SliceFile)
         participants = len(planned.workers)
         reps = max(5, min(200, 20_000 // self.n))
         encode_s = _median_time(lambda: encode(prepare), reps)
         decode_s = _median_time(lambda: decode(data, WorkerCommand), reps)
         slice_s = _median_time(lambda: decode_slice(piece_bytes, prepare, device), reps)
-        refs = [msgspec.json.encode(w) for w in planned.workers]
         unreported = None
         if "topology_planned" in timeline.raw:
             topology = decode(timeline.raw["topology_planned"], TopologyPlanned)
@@ -684,19 +682,20 @@ class SizeRun:
             wall = time.perf_counter() - t0
             timed = again.summary.plan_seconds + again.verify_seconds + again.encode_seconds
             unreported = (wall - timed) * 1e3
+        placements = msgspec.json.encode(prepare.from_placement), msgspec.json.encode(prepare.placement)
         return ContractReport(
             participants=participants,
             prepare_bytes=len(data),
-            prepare_placement_bytes=len(msgspec.json.encode(prepare.placement)),
-            prepare_plan_ref_bytes=len(msgspec.json.encode(prepare.plan)),
+            prepare_placement_bytes=sum(map(len, placements)),
+            prepare_plan_ref_bytes=len(msgspec.json.encode(prepare.slices)),
             prepare_encode_ms=encode_s * 1e3,
             prepare_decode_ms=decode_s * 1e3,
-            prepare_bytes_per_event=len(data) * participants,
-            coordinator_encode_ms_per_event=encode_s * 1e3 * participants,
-            sim_prepare_decode_ms_per_event=decode_s * 1e3 * participants,
-            broadcast_prepare_bytes=len(data) - len(msgspec.json.encode(prepare.plan)) + sum(map(len, refs)),
+            prepare_bytes_per_event=len(data),
+            coordinator_encode_ms_per_event=encode_s * 1e3,
+            sim_prepare_decode_ms_per_event=decode_s * 1e3,
+            broadcast_prepare_bytes=len(data),
             slice_bytes=len(piece_bytes),
-            slice_world_bytes=len(msgspec.json.encode(piece.old)) + len(msgspec.json.encode(piece.new)),
+            slice_world_bytes=0,
             slice_tasks=len(piece.tasks),
             slice_decode_ms=slice_s * 1e3,
             slice_bytes_per_event=sum(w.ref.size for w in planned.workers),

@@ -14,9 +14,9 @@ What is measured, all in the same run and the same processes:
   bytes as one tensor with one send/recv, all pairs at once, between buffers already in memory; best of
   ``--repeat``. One untimed exchange warms the connections first, and each repeat runs the raw exchange
   and both stream modes in a rotating order, so drift and warm-up favour none of them.
-* **Memory**: the executor's own ledger of what it allocated beyond the state (staging buffer, send
-  copies, the layer under assembly) against the bound ``B + largest new layer shard``, where ``B``
-  (``--budget-mib``) is split into the plan's staging budget and the send-copy budget. As an OS-level
+* **Memory**: the executor's own ledger of what it allocated beyond the state (its one buffer for
+  staged pieces and send copies, the layer under assembly) against the bound ``B + largest new layer
+  shard``, where ``B`` (``--budget-mib``) is the plan's budget, send copies included. As an OS-level
   cross-check, the process's resident-set high-water mark during the stream less the resident set
   before it and the new state.
 * **Bit-exactness**: every element's value is a function of its tensor and global index, so each
@@ -157,15 +157,13 @@ def local_devices(n: int) -> tuple[Device, ...]:
     return tuple(Device("node000", i) for i in range(n))
 
 
-def budget_split(budget_bytes: int) -> tuple[int, int, int]:
-    """``B`` -> (plan staging budget, send-copy budget, message bytes): send copies get a quarter of
-    ``B`` (two pieces in flight), the staging buffer the rest, so that everything the executor holds
-    beyond the layer under assembly stays within ``B``."""
+def message_split(budget_bytes: int) -> tuple[int, int]:
+    """``B`` -> (send-copy budget, message bytes): pieces of an eighth of ``B``, two of them in flight.
+    The executor keeps both inside its one buffer of at most ``B`` (the plan's budget)."""
     if budget_bytes < 64 * KIB:
         raise ValueError(f"--budget-mib: at least 64 KiB, got {budget_bytes / MIB:g} MiB")
     message = min(MAX_MESSAGE_BYTES, budget_bytes // 8) // 8 * 8
-    copies = 2 * message
-    return budget_bytes - copies, copies, message
+    return 2 * message, message
 
 
 # -- synthetic content: every element is a function of (tensor, global index) ------------------------
@@ -575,11 +573,12 @@ class MemoryRow(msgspec.Struct, frozen=True, kw_only=True):
     process: int
     old_rank: int | None
     new_rank: int | None
-    budget_bytes: int  # B: staging budget + send-copy budget
-    staging_bytes: int  # the staging buffer the executor allocated (<= the plan's staging budget)
-    peak_send_copy_bytes: int
+    budget_bytes: int  # B: the plan's budget for the executor's buffer, send copies included
+    buffer_bytes: int  # the one buffer the executor allocated (<= B)
+    staging_bytes: int  # the most one step staged in it
+    peak_send_copy_bytes: int  # the most send copies alive in it at once
     largest_new_layer_bytes: int
-    peak_extra_bytes: int  # the executor's ledger: staging + send copies + the layer under assembly
+    peak_extra_bytes: int  # the executor's ledger: the buffer + the layer under assembly
     bound_bytes: int  # B + largest new layer shard
     within_bound: bool
     rss_extra_bytes: int | None  # OS view: resident high-water during a stream - before - new state
@@ -647,9 +646,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     model: ModelSpec
     state_bytes: int
     requested_bytes: int
-    budget_bytes: int
-    staging_budget_bytes: int
-    send_copy_budget_bytes: int
+    budget_bytes: int  # B: the plan's budget
+    send_copy_budget_bytes: int  # the most send copies alive at once, inside the buffer
     message_bytes: int
     repeat: int
     loop_steps: int
@@ -752,7 +750,7 @@ def run(args: argparse.Namespace) -> int:
     v = _resolve(args)
     old_layout, new_layout = reshape_layouts(args.reshape, args.procs)
     budget = int(v["budget_mib"] * MIB)
-    staging, copies, message = budget_split(budget)
+    copies, message = message_split(budget)
     requested = int(v["size_mib"] * MIB)
     model = synthetic_model(requested)
     devices = local_devices(args.procs)
@@ -760,7 +758,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         WorldConfig(old_layout, Placement(devices)),
         WorldConfig(new_layout, Placement(devices)),
-        budget_bytes=staging,
+        budget_bytes=budget,
     )
     pstats = plan_stats(plan)
     group_timeout = min(args.timeout, 300.0)
@@ -775,7 +773,6 @@ def run(args: argparse.Namespace) -> int:
         state_bytes=state_bytes(model),
         requested_bytes=requested,
         budget_bytes=budget,
-        staging_budget_bytes=staging,
         send_copy_budget_bytes=copies,
         message_bytes=message,
         repeat=v["repeat"],
@@ -906,14 +903,13 @@ def _memory_row(p: ProcessResult, budget: int) -> MemoryRow:
         old_rank=p.old_rank,
         new_rank=p.new_rank,
         budget_bytes=budget,
+        buffer_bytes=max(s.buffer_bytes for s in stats),
         staging_bytes=max(s.staging_bytes for s in stats),
         peak_send_copy_bytes=max(s.peak_send_copy_bytes for s in stats),
         largest_new_layer_bytes=largest,
         peak_extra_bytes=max(s.peak_extra_bytes for s in stats),
         bound_bytes=bound,
-        within_bound=all(
-            s.peak_extra_bytes <= bound and s.staging_bytes + s.send_copy_budget <= budget for s in stats
-        ),
+        within_bound=all(s.peak_extra_bytes <= budget + s.largest_new_layer_bytes for s in stats),
         rss_extra_bytes=max(rss) if rss else None,
         new_state_bytes=p.new_state_bytes,
     )
@@ -1085,8 +1081,9 @@ def _print_report(r: BenchReport) -> None:
         f"{c.procs} processes ({c.backend})"
     )
     out.append(
-        f"B {_size(c.budget_bytes)} = staging {_size(c.staging_budget_bytes)} + send copies "
-        f"{_size(c.send_copy_budget_bytes)} (messages {_size(c.message_bytes)}); {c.rounds} streaming rounds"
+        f"B {_size(c.budget_bytes)}: one buffer for staged pieces and send copies (at most "
+        f"{_size(c.send_copy_budget_bytes)} of copies, messages {_size(c.message_bytes)}); "
+        f"{c.rounds} streaming rounds"
     )
     out.append("")
     out.append(f"moved over the network   {_size(s.bytes_moved)}   (copied locally {_size(s.bytes_local)})")
@@ -1115,13 +1112,20 @@ def _print_report(r: BenchReport) -> None:
         f"({s.tensors_checked} shards per repeat and mode)"
     )
     out.append("")
-    out.append("process  old  new   staging  send copies  largest layer  peak extra     bound   RSS extra")
+    out.append(
+        "extra memory per process: peak (buffer + layer under assembly) <= B + largest new layer shard"
+    )
+    out.append(
+        f"{'process':>7}  {'old':>3}  {'new':>3}  {'buffer':>10}  ({'staged':>9} {'copies':>9})  "
+        f"{'largest layer':>13}  {'peak extra':>10}  {'B + layer':>9}  {'RSS extra':>10}"
+    )
     for m in r.memory:
         rss = _size(m.rss_extra_bytes) if m.rss_extra_bytes is not None else "n/a"
         out.append(
-            f"{m.process:>7}  {_rank(m.old_rank):>3}  {_rank(m.new_rank):>3}  {_size(m.staging_bytes):>9}  "
-            f"{_size(m.peak_send_copy_bytes):>11}  {_size(m.largest_new_layer_bytes):>13}  "
-            f"{_size(m.peak_extra_bytes):>10}  {_size(m.bound_bytes):>9}  {rss:>10}"
+            f"{m.process:>7}  {_rank(m.old_rank):>3}  {_rank(m.new_rank):>3}  {_size(m.buffer_bytes):>10}  "
+            f"({_size(m.staging_bytes):>9} {_size(m.peak_send_copy_bytes):>9})  "
+            f"{_size(m.largest_new_layer_bytes):>13}  {_size(m.peak_extra_bytes):>10}  "
+            f"{_size(m.bound_bytes):>9}  {rss:>10}"
         )
     out.append("")
     out.append("                      preallocated        allocating")

@@ -86,6 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=16, help="sequence length (default 16)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ckpt = p.add_argument_group("checkpoints (the fallback when a handoff cannot complete)")
+    ckpt.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="shared directory of the job's checkpoints (default: none)"
+    )
+    ckpt.add_argument(
+        "--checkpoint-every", type=int, metavar="N", help="save a checkpoint every N iterations"
+    )
+    ckpt.add_argument(
+        "--checkpoint-keep", type=int, default=2, metavar="K", help="checkpoints kept (default 2)"
+    )
 
 
 def settings_from(args: argparse.Namespace) -> WorkerSettings:
@@ -124,6 +134,9 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
         stop_file=args.stop_file,
         heartbeat_s=args.heartbeat_s,
         threads=args.threads,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_keep=args.checkpoint_keep,
     )
 
 

@@ -9,6 +9,8 @@ Giving up on a message never loses it:
 - input that can never be valid (:func:`reject`): an ``ErrorEvent`` naming the field goes to
   ``liver.errors.<service>``, the raw message with its headers to ``liver.dlq.<service>``, and only
   then is the original terminated;
+- core-NATS input (worker traffic, in no stream) that can never be valid (:func:`reject_unstored`):
+  the same error event and dead-letter copy, deduplicated by a digest of the payload;
 - a message that kept failing for another reason (a transient fault that did not clear) exhausts the
   consumer's ``max_deliver``; JetStream then announces it with an advisory, and
   :class:`MaxDeliveriesWatch` copies it from the stream to the dead letters.
@@ -19,6 +21,7 @@ retried after a crash, or made by two instances of a service at once, is stored 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -261,6 +264,35 @@ async def reject(js: JetStreamContext, source: str, msg: Msg, error: MessageErro
     # caller: an operator searching the log for their event id finds the rejection too.
     with bind_message(job_id=event.job_id, event_id=event.event_id, stream_sequence=meta.sequence.stream):
         log.warning("message_rejected", field=error.path, reason=error.reason)
+    return event
+
+
+async def reject_unstored(
+    js: JetStreamContext, source: str, *, subject: str, data: bytes, error: MessageError
+) -> ErrorEvent:
+    """Report core-NATS input (a worker's hello, heartbeat or ack) that can never be valid.
+
+    Such messages are in no stream, so nothing can be terminated or replayed from a sequence: the
+    ``ErrorEvent`` and the dead-letter copy are the only record, and they make it durable. Both are
+    named by a digest of subject and payload, so a worker repeating the same bad message every
+    heartbeat is stored once per dedup window rather than flooding the streams.
+    """
+    digest = hashlib.blake2b(subject.encode() + b"\0" + bytes(data), digest_size=12).hexdigest()
+    event = error_event(source=source, subject=subject, data=data, error=error)
+    await js.publish(
+        s.errors(source), encode(event), headers={s.HEADER_MSG_ID: f"error-{source}-core-{digest}"}
+    )
+    await js.publish(
+        s.dead_letters(source),
+        data,
+        headers={
+            s.HEADER_ORIGINAL_SUBJECT: subject,
+            s.HEADER_ERROR: " ".join(f"{error.path}: {error.reason}".split())[:1000],
+            s.HEADER_MSG_ID: f"dlq-core-{digest}",
+        },
+    )
+    with bind_message(job_id=event.job_id, event_id=event.event_id):
+        log.warning("message_rejected", subject=subject, field=error.path, reason=error.reason)
     return event
 
 

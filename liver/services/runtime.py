@@ -37,6 +37,7 @@ from nats.micro.service import Service as MicroService
 
 from liver.services import bus as b
 from liver.services.bus import ensure_consumer
+from liver.services.pull import ContinuousPull
 from liver.shared.connection import connect_options
 from liver.shared.logs import bind_message
 from liver.shared.nats_server import nats_url
@@ -116,6 +117,13 @@ class PullConsumer:
     The handler acknowledges or terminates the message itself. When it raises, the message is
     nak'ed with ``retry_delay_s`` (the last error is kept for the dead letter, see
     :meth:`last_error`), and after ``max_deliver`` attempts JetStream gives up on it.
+
+    Messages come from a :class:`~liver.services.pull.ContinuousPull`: each is handled as soon as it
+    arrives. ``batch`` is the most messages this instance holds at once (in hand and prefetched), so
+    ``batch=1`` leaves every other message to other instances on the same durable.
+    ``fetch_timeout_s`` is how long one pull request lives on the server; an idle request shows it is
+    alive every ``heartbeat_s``, and one silent for two heartbeats (lost in a server restart) is
+    replaced, so a long expiry costs nothing in latency or recovery.
     """
 
     def __init__(
@@ -126,8 +134,9 @@ class PullConsumer:
         config: api.ConsumerConfig,
         handler: Handler,
         batch: int = 16,
-        fetch_timeout_s: float = 1.0,
+        fetch_timeout_s: float = 30.0,
         retry_delay_s: float = 1.0,
+        heartbeat_s: float = 1.0,
     ) -> None:
         if config.durable_name is None:
             raise ValueError("a PullConsumer needs a durable consumer")
@@ -136,10 +145,19 @@ class PullConsumer:
         self.durable: str = config.durable_name
         self._config = config
         self._handler = handler
-        self._batch = batch
-        self._fetch_timeout_s = fetch_timeout_s
         self._retry_delay_s = retry_delay_s
-        self._sub: JetStreamContext.PullSubscription | None = None
+        # nats-py keeps a JetStreamContext's connection and API prefix (which carries the domain) private;
+        # the pull request is sent on that connection to that prefix's MSG.NEXT subject.
+        self._pull = ContinuousPull(
+            js._nc,
+            api_prefix=js._prefix,
+            stream=stream,
+            durable=self.durable,
+            size=batch,
+            expires_s=fetch_timeout_s,
+            heartbeat_s=heartbeat_s,
+            backoff_s=retry_delay_s,
+        )
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._idle = True
@@ -149,11 +167,11 @@ class PullConsumer:
 
     async def start(self) -> None:
         await ensure_consumer(self._js, self.stream, self._config)
-        self._sub = await self._js.pull_subscribe_bind(self.durable, stream=self.stream)
+        await self._pull.start()
         self._task = asyncio.create_task(self._run(), name=f"consume-{self.stream}-{self.durable}")
 
     async def stop(self) -> None:
-        """Stop fetching; a message being handled is finished first, fetched-but-unstarted ones nak'ed."""
+        """Stop taking messages; a message being handled is finished first, prefetched ones nak'ed."""
         self._stopping = True
         task, self._task = self._task, None
         if task is not None:
@@ -161,40 +179,27 @@ class PullConsumer:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._sub is not None:
-            # A pull subscription whose last fetch timed out holds a status message nobody reads; drain
-            # would wait on it for its whole timeout. Unsubscribing drops it.
-            sub, self._sub = self._sub, None
+        for msg in await self._pull.close():
             with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+                await msg.nak()
 
     def last_error(self, sequence: int) -> str | None:
         """What the last failed attempt at stream ``sequence`` raised, if it failed here."""
         return self._errors.get(sequence)
 
     async def _run(self) -> None:
-        assert self._sub is not None
         while not self._stopping:
             self._idle = True
             try:
-                msgs = await self._sub.fetch(self._batch, timeout=self._fetch_timeout_s)
-            except nats.errors.TimeoutError:
-                continue
+                msg = await self._pull.next()
             except Exception as exc:
-                # Disconnected or the server is restarting: the client reconnects on its own. Anything
-                # else is logged and retried too: a consumer task that died would stop the service silently.
-                log.warning("fetch_failed", stream=self.stream, consumer=self.durable, error=repr(exc))
+                # A consumer task that died would stop the service silently: log, wait, go on.
+                log.exception("pull_failed", stream=self.stream, consumer=self.durable, error=repr(exc))
                 await asyncio.sleep(self._retry_delay_s)
                 continue
             finally:
                 self._idle = False
-            for i, msg in enumerate(msgs):
-                if self._stopping:
-                    for rest in msgs[i:]:
-                        with contextlib.suppress(nats.errors.Error):
-                            await rest.nak()
-                    return
-                await self._one(msg)
+            await self._one(msg)
 
     async def _one(self, msg: Msg) -> None:
         meta = msg.metadata

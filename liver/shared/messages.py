@@ -291,7 +291,9 @@ class TopologyPlanned(Message, kw_only=True, tag="topology_planned"):
 
     Published on ``liver.topology.planned.<job>`` by the topology planner; consumed by the transfer
     planner and the coordinator. It carries the model and the current world too, so the transfer
-    planner can plan from this message alone (and a replay of the stream can re-plan).
+    planner can plan from this message alone (and a replay of the stream can re-plan). ``lost`` are
+    devices of the current world that are already gone (the request's ``lost``): the new world does not
+    use them and the transfer planner takes no state from them.
     """
 
     job_id: JobId
@@ -306,12 +308,20 @@ class TopologyPlanned(Message, kw_only=True, tag="topology_planned"):
     candidates: Annotated[tuple[Candidate, ...], Meta(min_length=1)]
     explanation: Explanation
     deadline: Timestamp | None = None
+    lost: tuple[Device, ...] = ()
 
     def _validate(self) -> None:
         if self.generation <= self.from_generation:
             raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
         _check_world(self.from_layout, self.from_placement, "from_placement")
         _check_world(self.layout, self.placement, "placement")
+        _check_devices(self.lost, "lost")
+        old, new = set(self.from_placement.devices), set(self.placement.devices)
+        for i, device in enumerate(self.lost):
+            if device not in old:
+                raise _invalid(f"lost[{i}]", f"device {device} is not in the current world")
+            if device in new:
+                raise _invalid(f"lost[{i}]", f"device {device} is lost but the new placement uses it")
 
 
 class ObjectRef(Part):
@@ -329,6 +339,27 @@ class WorkerPlanRef(Part):
 
     device: Device
     ref: ObjectRef
+
+
+class SliceIndex(Part):
+    """Where every device finds its plan slice, without one reference per device on the bus.
+
+    Device ``d``'s slice is the object :meth:`name` ``(i)`` of ``bucket``, ``i`` being ``d``'s index in
+    :func:`liver.shared.plan.slice_devices` of the old and the new placement; ``count`` is the number of
+    slices (every device of either world has one, empty or not).
+    """
+
+    bucket: Token
+    prefix: ObjectName
+    count: Count
+
+    def name(self, index: int) -> str:
+        if not 0 <= index < self.count:
+            raise ValueError(f"`index`: {index} is not a slice index below {self.count}")
+        return f"{self.prefix}{index:05d}"
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.name(i) for i in range(self.count))
 
 
 class PlanSummary(Part):
@@ -351,7 +382,7 @@ class TransferPlanned(Message, kw_only=True, tag="transfer_planned"):
     """A verified transfer plan is stored; here is where each device finds its part.
 
     Published on ``liver.transfer.planned.<job>`` by the transfer planner; consumed by the coordinator,
-    which hands each worker its reference in :class:`Prepare`.
+    which passes :attr:`slices` on to every worker in one :class:`Prepare`.
     """
 
     job_id: JobId
@@ -360,6 +391,9 @@ class TransferPlanned(Message, kw_only=True, tag="transfer_planned"):
     generation: Generation
     plan: ObjectRef
     workers: tuple[WorkerPlanRef, ...]
+    """Each device's slice with its size and digest, in :attr:`slices` order (for audits and benches;
+    workers find their slice through :attr:`slices`)."""
+    slices: SliceIndex
     summary: PlanSummary
     deadline: Timestamp | None = None
 
@@ -367,6 +401,10 @@ class TransferPlanned(Message, kw_only=True, tag="transfer_planned"):
         if self.generation <= self.from_generation:
             raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
         _check_devices(tuple(w.device for w in self.workers), "workers")
+        if self.workers and len(self.workers) != self.slices.count:
+            raise _invalid(
+                "slices.count", f"{self.slices.count} slices, but {len(self.workers)} devices have one"
+            )
 
 
 class PlanningFailed(Message, kw_only=True, tag="planning_failed"):
@@ -448,17 +486,29 @@ class Heartbeat(WorkerPresence, kw_only=True, tag="worker_heartbeat"):
 class Prepare(Message, kw_only=True, tag="prepare"):
     """Build the shadow world of ``generation`` and fetch your part of the plan; then report ready.
 
-    Published on ``liver.worker.cmd.<job>.<worker>`` by the coordinator (each worker gets its own
-    plan reference); consumed by the worker companion. Nothing of the active world may change (I4).
+    Published once per handoff on ``liver.worker.cmd.<job>`` (every worker of the job receives it) by
+    the coordinator; consumed by the worker companion. It carries what every participant needs once:
+    both worlds, the devices that take no part, the deadline, the store, and where the slices are.
+
+    The participants are the devices of either world except ``lost`` (old-world devices whose worker
+    is gone): an old rank that leaves the job sends its state, a new one receives. A worker on any
+    other device ignores the message. A participant reads its slice at ``slices.name(i)``, ``i`` its
+    device's index in :func:`liver.shared.plan.slice_devices` ``(from_placement, placement)``.
+    Nothing of the active world may change (I4).
     """
 
     job_id: JobId
     event_id: EventId
     from_generation: Generation
     generation: Generation
+    from_layout: ParallelLayout
+    from_placement: Placement
     layout: ParallelLayout
     placement: Placement
+    lost: tuple[Device, ...] = ()
     plan: ObjectRef
+    """The whole plan file (for audits; a worker reads only its slice)."""
+    slices: SliceIndex
     staging_bytes: Count
     deadline: Timestamp
     store: Address | None = None
@@ -470,7 +520,20 @@ class Prepare(Message, kw_only=True, tag="prepare"):
     def _validate(self) -> None:
         if self.generation <= self.from_generation:
             raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
+        _check_world(self.from_layout, self.from_placement, "from_placement")
         _check_world(self.layout, self.placement, "placement")
+        _check_devices(self.lost, "lost")
+        old, new = set(self.from_placement.devices), set(self.placement.devices)
+        for i, device in enumerate(self.lost):
+            if device not in old:
+                raise _invalid(f"lost[{i}]", f"device {device} is not in the old world")
+            if device in new:
+                raise _invalid(f"lost[{i}]", f"device {device} is lost but the new placement uses it")
+        if self.slices.count != len(old | new):
+            raise _invalid(
+                "slices.count",
+                f"{self.slices.count} slices for the {len(old | new)} devices of the two worlds",
+            )
 
 
 class Switch(Message, kw_only=True, tag="switch"):

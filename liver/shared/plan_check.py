@@ -6,7 +6,9 @@ It recomputes every view from the model and layouts (it trusts nothing the plann
 2. every slice lies inside what its destination holds under the new layout;
 3. the slices a new rank receives for a tensor cover its box exactly once (no gap, no overlap);
 4. a task is ``local`` exactly when source and destination run on the same device;
-5. no new rank receives more than the staging budget over the network in one streaming round.
+5. no new rank receives more than the staging budget over the network in one streaming round;
+6. given the devices that are lost (gone before the handoff), no task sends from one or delivers to
+   one: a plan that reads a lost device's memory would hang or fail mid-transfer.
 
 The worker runtime can run it on its own part of a plan before executing it.
 """
@@ -14,12 +16,12 @@ The worker runtime can run it on its own part of a plan before executing it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import msgspec
 
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
-from liver.shared.layout import ParallelLayout
+from liver.shared.layout import Device, ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, Slice, Task
 from liver.shared.views import Shard, holding_stages, tp_shard
@@ -69,8 +71,9 @@ class _Enough(Exception):
     """Raised once ``max_errors`` reasons are collected: more would only repeat them."""
 
 
-def verify_plan(plan: Plan, max_errors: int = 20) -> VerifyReport:
-    """Check ``plan`` against the views of its own model and layouts; see the module docstring."""
+def verify_plan(plan: Plan, max_errors: int = 20, lost: Collection[Device] = ()) -> VerifyReport:
+    """Check ``plan`` against the views of its own model and layouts, and against the ``lost`` devices;
+    see the module docstring."""
     errors: list[str] = []
     counts = [0, 0]  # shards, slices checked
 
@@ -80,7 +83,7 @@ def verify_plan(plan: Plan, max_errors: int = 20) -> VerifyReport:
             raise _Enough
 
     try:
-        _check(plan, fail, counts)
+        _check(plan, fail, counts, frozenset(lost))
     except _Enough:
         pass
     except ValueError as exc:  # the plan's own model and layouts disagree
@@ -88,7 +91,7 @@ def verify_plan(plan: Plan, max_errors: int = 20) -> VerifyReport:
     return VerifyReport(not errors, tuple(errors), counts[0], counts[1])
 
 
-def _check(plan: Plan, fail: Callable[[str], None], counts: list[int]) -> None:
+def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: frozenset[Device]) -> None:
     model = plan.model
     model.check_layout(plan.old.layout)
     model.check_layout(plan.new.layout)
@@ -101,6 +104,9 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int]) -> None:
     # Plans share slice tuples between DP replicas and layers of the same shape; a check of the same
     # tuple between ranks of the same (TP rank, stage) classes gives the same answer, so it runs once.
     memo: dict[tuple[int, int, int, int, int], int | None] = {}
+    for rank, device in enumerate(new_dev):
+        if device in lost:
+            fail(f"new rank {rank} is placed on lost device {device}")
     incoming: dict[int, list[tuple[Slice, ...]]] = defaultdict(list)
     round_bytes: dict[tuple[int, int, int], int] = defaultdict(int)
     for task in plan.tasks:
@@ -110,6 +116,8 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int]) -> None:
             continue
         if task.local != (old_dev[task.src] == new_dev[task.dst]):
             fail(f"{where}: local={task.local} does not match the devices")
+        if lost and old_dev[task.src] in lost:
+            fail(f"{where}: source rank {task.src} is on lost device {old_dev[task.src]}")
         sc, dc = old_v.coords[task.src], new_v.coords[task.dst]
         key = (id(task.slices), sc.tp, sc.pp, dc.tp, dc.pp)
         nbytes = memo.get(key, -1)

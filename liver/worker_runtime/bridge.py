@@ -17,6 +17,12 @@ process that left (the coordinator waits for every participant, leavers included
 the runtime gave up on its own, ``failed`` with the stage and the reason, so that the coordinator aborts
 at once instead of at its deadline. A handoff the coordinator aborted is acked ``aborted``.
 
+A handoff that failed with the old world gone (``falling_back``: the runtime restarts from its last
+checkpoint) is acked ``failed`` too, with a reason that says so, the moment the runtime knows: the
+coordinator, past its switch, records that as a checkpoint fallback and waits (DOWN) for the restarted
+world, which the worker that runs its rank 0 announces with ``WorldStarted`` (generation = the failed
+one + 1). The restart itself (``fell_back``) has no ack: no generation of the coordinator's is open.
+
 Why the runtime's deadline is later than the Prepare's: the Prepare's deadline is when the coordinator
 must have sent ``Switch``; the switch itself may run until the handoff's hard deadline, which the
 Prepare does not carry. Were the runtime to give up at the Prepare's deadline, a ``Switch`` sent just
@@ -176,7 +182,7 @@ class RuntimeBridge:
             self._log.warning("bridge.event_before_attach", phase=str(event.phase))
             return
         g = event.generation
-        if event.phase in (Phase.SWITCHED, Phase.LEFT, Phase.ABORTED) and self._open == g:
+        if event.phase in (Phase.SWITCHED, Phase.LEFT, Phase.ABORTED, Phase.FALLING_BACK) and self._open == g:
             self._open = None
         if event.phase is Phase.READY:
             report("ready", generation=g)
@@ -192,6 +198,19 @@ class RuntimeBridge:
                 pause_s=r.pause_s,
                 bytes_sent=r.bytes_sent,
                 bytes_received=r.bytes_received,
+            )
+        elif event.phase is Phase.FALLING_BACK:
+            abort = event.abort
+            why = "the old world is gone" if abort is None else f"{abort.stage}: {abort.reason}"
+            report("failed", generation=g, error=f"{why}; falling back to the last checkpoint")
+        elif event.phase is Phase.FELL_BACK and event.fallback is not None:
+            f = event.fallback
+            self._log.warning(
+                "bridge.fell_back",
+                generation=f.generation,
+                failed_generation=f.failed_generation,
+                checkpoint=f.checkpoint,
+                iteration=f.iteration,
             )
         elif event.phase is Phase.ABORTED:
             with self._lock:

@@ -21,12 +21,15 @@ optimizer's state either (:mod:`megatron_state`), so it is refused rather than s
 
 Besides tensors, a checkpoint holds a manifest (``liver_manifest.json``): the model, the layout it was
 saved at, the train config, the :class:`TrainingProgress` (iteration, data position, LR schedule) and
-every saving rank's RNG streams. A load at the layout the checkpoint was saved at restores each rank's
-own streams, so the job continues as if it had not stopped. At any other layout no saved stream has a
-meaning (a stream belongs to a rank's place: its TP slice of a dropout mask, its stage), so every rank
-is reseeded from the job's seed, the checkpoint's iteration and its new coordinates exactly as a live
-switch reseeds (:func:`liver.worker_runtime.megatron_job.reseed`): a fallback and a live reshard to
-the same layout then continue identically, with dropout too.
+every saving rank's RNG streams. What a load does with them follows the one rule of
+:func:`liver.worker_runtime.megatron_job.resume_streams`: a plain restart at the layout the checkpoint
+was saved at restores each rank's own streams, so the job continues as if it had not stopped. At any
+other layout no saved stream has a meaning (a stream belongs to a rank's place: its TP slice of a
+dropout mask, its stage), and the fail-stop fallback is a move even at the saved layout (the devices
+changed: a rank that replaced a lost one never held its streams); there every rank is reseeded from the
+job's seed, the checkpoint's iteration and its new coordinates exactly as a live switch reseeds, so a
+fallback and a live reshard into the same layout from the same iteration continue identically, with
+dropout too.
 
 Atomicity: ranks write into ``.tmp-iter_NNNNNNN``; when every rank has written, rank 0 writes the
 manifest, syncs the files, renames the directory to ``iter_NNNNNNN`` and only then replaces the
@@ -508,10 +511,12 @@ def _check_compatible(manifest: CheckpointManifest, trainer: MegatronTrainer, pa
         raise CheckpointError("load_checkpoint needs a freshly built trainer that has not stepped")
 
 
-def rng_streams_for(manifest: CheckpointManifest, layout: ParallelLayout, rank: int) -> RngState | None:
-    """The saved streams ``rank`` continues, or ``None`` when the layout changed and the rank must be
-    reseeded instead (see the module docstring)."""
-    if layout != manifest.layout:
+def rng_streams_for(
+    manifest: CheckpointManifest, layout: ParallelLayout, rank: int, *, moved: bool = False
+) -> RngState | None:
+    """The saved streams ``rank`` continues, or ``None`` when the job moved (a fallback) or the layout
+    changed, and the rank must be reseeded instead (see the module docstring)."""
+    if moved or layout != manifest.layout:
         return None
     return manifest.rng[rank]
 
@@ -528,12 +533,16 @@ def _set_adam_step(trainer: MegatronTrainer, step: int) -> None:
                 inner.state[param]["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
 
 
-def load_checkpoint(trainer: MegatronTrainer, checkpoint: str | os.PathLike[str]) -> CheckpointManifest:
+def load_checkpoint(
+    trainer: MegatronTrainer, checkpoint: str | os.PathLike[str], *, moved: bool = False
+) -> CheckpointManifest:
     """Load a checkpoint saved at any layout into a freshly built trainer (a collective over its world).
 
     Parameters, master weights and Adam moments are read with reshape; the Adam step, the progress and
-    (where the layout allows, see :func:`rng_streams_for`) the RNG streams come from the manifest. The
-    loaded state is checked against the view function before it is returned.
+    (for a plain restart at the saved layout, see :func:`rng_streams_for`) the RNG streams come from the
+    manifest. ``moved``: the job moved to other devices (the fallback), so the streams are reseeded as a
+    live switch reseeds them. The loaded state is checked against the view function before it is
+    returned.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -548,12 +557,11 @@ def load_checkpoint(trainer: MegatronTrainer, checkpoint: str | os.PathLike[str]
     trainer.gpt.load_state_dict(loaded["model"], strict=True)
     trainer.optimizer.load_state_dict(loaded["optimizer"])
     _set_adam_step(trainer, manifest.adam_step)
-    rng = rng_streams_for(manifest, trainer.layout, trainer.groups.rank)
-    restore_progress(trainer, msgspec.structs.replace(manifest.progress, rng=rng))
-    if rng is None:
-        from liver.worker_runtime.megatron_job import reseed
+    from liver.worker_runtime.megatron_job import resume_streams
 
-        reseed(manifest.config, manifest.iteration, trainer.layout, trainer.groups.rank)
+    rng = rng_streams_for(manifest, trainer.layout, trainer.groups.rank, moved=moved)
+    restore_progress(trainer, msgspec.structs.replace(manifest.progress, rng=None))
+    resume_streams(manifest.config, manifest.iteration, trainer.layout, trainer.groups.rank, rng)
     local_state(trainer)  # the loaded state still agrees with the view function
     log.info(
         "checkpoint.loaded",
@@ -627,7 +635,8 @@ def fall_back_to_checkpoint(
     replacements have formed the new world (``groups``, adopted as the default world; the old world is
     the caller's to release) and call this together. Whatever the old world did after its last
     checkpoint is lost and redone (``reached_iteration``, the last step it completed, gives
-    ``steps_lost``); the result trains exactly as any job that loads that checkpoint at ``layout``.
+    ``steps_lost``); the result trains exactly as a live switch into ``layout`` at the checkpoint's
+    iteration would (the random streams are reseeded as after a move, even at the saved layout).
     """
     from liver.worker_runtime.megatron_build import check_default_world
     from liver.worker_runtime.megatron_train import build_trainer
@@ -641,7 +650,7 @@ def fall_back_to_checkpoint(
             f"reached_iteration: {reached_iteration} is before the latest checkpoint ({manifest.iteration})"
         )
     trainer = build_trainer(spec, layout, config, groups=groups, corpus=corpus)
-    load_checkpoint(trainer, checkpoint)
+    load_checkpoint(trainer, checkpoint, moved=True)
     seconds = time.perf_counter() - started
     log.warning(
         "checkpoint.fallback",

@@ -2,7 +2,9 @@
 
 The agent says hello, beats, reads its commands (its own subject and the job-wide one), fetches its plan
 slice on ``Prepare``, hands each command to the runtime through :class:`RuntimeHooks`, and publishes the
-runtime's acks. It is separate from the thread that hosts it (:mod:`.companion`) so that a simulated job
+runtime's acks. The Prepare is one job-wide broadcast: the agent takes part only when its device is in
+either world and not among the Prepare's ``lost``, and finds its slice by its device's index. It is
+separate from the thread that hosts it (:mod:`.companion`) so that a simulated job
 (:mod:`.companion_sim`) can run a thousand agents on one loop and one connection.
 
 The rules it keeps, because the coordinator relies on them:
@@ -15,6 +17,8 @@ The rules it keeps, because the coordinator relies on them:
 * **Only one shadow world at a time (I2).** A Prepare of a newer generation ends an older one that has
   not switched: the runtime gets ``on_abort`` for it first. A Prepare older than one already seen is
   stale and ignored.
+* **A Prepare that is not for this worker is dropped first**, before any other rule: a spare or a
+  lost device neither acks nor ends a handoff of its own because of it.
 * **Bad input never stops the worker.** A command that does not decode, or a plan slice that does not
   check, becomes an ``ErrorEvent`` naming the field (and, for a slice, a "failed" ack so the coordinator
   aborts at once instead of at its deadline).
@@ -54,7 +58,7 @@ from liver.shared.messages import (
     WorkerStatus,
 )
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice
+from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice, view_of
 
 log = structlog.get_logger(__name__)
 
@@ -208,8 +212,12 @@ class WorkerAgent:
         presence: Presence | None = None,
         settings: AgentSettings | None = None,
         fetcher: PlanFetcher | None = None,
+        broadcast: bool = True,
     ) -> None:
+        """``broadcast=False``: the host reads the job-wide command subject once for many agents and
+        hands each decoded command to :meth:`handle_command` (a simulated job does)."""
         self.nc = nc
+        self._broadcast = broadcast
         self.identity = identity
         self.hooks = hooks
         self.presence = presence or Presence()
@@ -242,7 +250,10 @@ class WorkerAgent:
     async def start(self) -> None:
         """Subscribe to this worker's commands, say hello and start beating."""
         job, worker = self.identity.job_id, self.identity.worker_id
-        for subject in (s.worker_command(job, worker), s.worker_commands(job)):
+        subjects = [s.worker_command(job, worker)]
+        if self._broadcast:
+            subjects.append(s.worker_commands(job))
+        for subject in subjects:
             self._subs.append(await self.nc.subscribe(subject, cb=self._on_command))
         # Round trip: once start returns, the server has the subscriptions and no command can be missed.
         await self.nc.flush()
@@ -332,7 +343,7 @@ class WorkerAgent:
 
     def _enter(self, h: Handoff) -> None:
         """After the switch, heartbeats speak for the new world (or for none: a leaving worker)."""
-        rank = h.prepare.placement.rank_on().get(self.identity.device)
+        rank = view_of(h.prepare).new_rank.get(self.identity.device)
         self.presence.world = None if rank is None else World(h.prepare.generation, rank)
 
     # -- commands ---------------------------------------------------------------------------------------
@@ -351,20 +362,27 @@ class WorkerAgent:
             except MessageError as error:
                 await self._reject(msg.subject, msg.data, error)
                 return
-            with bind_message(command):
-                try:
-                    match command:
-                        case Prepare():
-                            self._on_prepare(command)
-                        case Switch():
-                            self._on_switch(command)
-                        case Abort():
-                            self._on_abort(command)
-                except Exception:
-                    # A bug here must not take the worker off the bus: log it and keep reading.
-                    self._log.exception("command_handling_failed")
+            self.handle_command(command)
+
+    def handle_command(self, command: Prepare | Switch | Abort) -> None:
+        """Act on a decoded command of this worker's job (the host checked the job)."""
+        with bind_message(command):
+            try:
+                match command:
+                    case Prepare():
+                        self._on_prepare(command)
+                    case Switch():
+                        self._on_switch(command)
+                    case Abort():
+                        self._on_abort(command)
+            except Exception:
+                # A bug here must not take the worker off the bus: log it and keep reading.
+                self._log.exception("command_handling_failed")
 
     def _on_prepare(self, prepare: Prepare) -> None:
+        if not view_of(prepare).participates(self.identity.device):
+            self._log.debug("prepare_not_for_this_worker", device=str(self.identity.device))
+            return
         g = prepare.generation
         h = self._handoffs.get(g)
         if h is not None:
@@ -414,19 +432,25 @@ class WorkerAgent:
                 h, f"the prepare deadline {prepare.deadline.isoformat()} passed before the plan was read"
             )
             return
-        ref = prepare.plan
+        bucket = prepare.slices.bucket
+        name = view_of(prepare).slice_name(prepare, self.identity.device)
         try:
-            data = await self._fetcher.fetch(ref, timeout_s)
+            data = await self._fetcher.fetch_object(bucket, name, timeout_s)
         except PlanFetchError as exc:
             if h.stage is Stage.FETCHING:
-                self._fail(h, f"plan slice not read: {exc}")
+                limit = (
+                    f"fetch_timeout_s = {self.settings.fetch_timeout_s:g} s"
+                    if timeout_s == self.settings.fetch_timeout_s
+                    else f"the prepare deadline {prepare.deadline.isoformat()}"
+                )
+                self._fail(h, f"plan slice of generation {prepare.generation} not read ({limit}): {exc}")
             return
         try:
             plan = decode_slice(data, prepare, self.identity.device)
         except MessageError as error:
-            await self._reject(f"object {ref.bucket}/{ref.name}", data, error)
+            await self._reject(f"object {bucket}/{name}", data, error)
             if h.stage is Stage.FETCHING:
-                self._fail(h, f"plan slice {ref.bucket}/{ref.name} refused: {error}")
+                self._fail(h, f"plan slice {bucket}/{name} refused: {error}")
             return
         if h.stage is not Stage.FETCHING:
             self._log.info("plan_read_after_end", generation=prepare.generation, stage=h.stage.value)

@@ -1,10 +1,14 @@
-"""A worker's part of a transfer plan: fetched from the object store, checked, turned into a ``Plan``.
+"""A worker's part of a transfer plan: found from the job-wide ``Prepare``, fetched from the object
+store, checked, turned into a ``Plan``.
 
-The slice comes from another process through storage, and the executor trusts it: a task that names a
-rank outside the world, a box outside its tensor or a byte count that disagrees with its boxes would make
+The Prepare carries both worlds once for the whole job; :func:`view_of` derives from it, once per
+message (a simulated job hands the same Prepare to a thousand workers), whether a device takes part and
+the name of its slice. The slice (a :class:`~liver.shared.plan.SliceFile`: tasks without the worlds)
+comes from another process through storage, and the executor trusts it: a task that names a rank
+outside the world, a box outside its tensor or a byte count that disagrees with its boxes would make
 the handoff send the wrong bytes or wait for bytes that never come. So the slice is decoded strictly and
-checked against the ``Prepare`` that pointed to it and against this worker's device before anything is
-built from it; every failure is a :class:`~liver.shared.codec.MessageError` whose path names the field.
+checked against the Prepare and against this worker's device before anything is built from it; every
+failure is a :class:`~liver.shared.codec.MessageError` whose path names the field.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ import base64
 import hashlib
 import json
 import re
-from typing import Final
+import threading
+import time
+from collections import OrderedDict
+from typing import Final, NamedTuple
 
 import msgspec
 import nats.errors
@@ -30,15 +37,28 @@ from nats.js.object_store import (
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device, LayoutError
 from liver.shared.messages import ObjectRef, Prepare
-from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, PlanSlice
+from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_devices
 
-EXPECTED: Final = "PlanSlice"
-_DECODER: Final = msgspec.json.Decoder(PlanSlice)
+EXPECTED: Final = "SliceFile"
+_DECODER: Final = msgspec.json.Decoder(SliceFile)
+_VIEWS_KEPT: Final = 4
 _AT = re.compile(r"^(?P<reason>.*) - at `(?P<path>\$[^`]*)`$", re.S)
 
 
 class PlanFetchError(RuntimeError):
     """The slice could not be read (missing object, digest or size mismatch, bus failure or timeout)."""
+
+
+class _Progress:
+    """Which request a read is waiting for, so that a timeout can say where it stopped."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.step = "the stream's configuration"
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
 
 
 class PlanFetcher:
@@ -51,6 +71,9 @@ class PlanFetcher:
     and sequence, one request each and no consumer; with the stream's direct get (object stores allow
     it) those requests bypass the JetStream API queue, which a thousand readers would otherwise fill.
     The digest is checked here, as ``get`` does.
+
+    Two limits apply: the whole read's ``timeout_s``, and each request's own (the JetStream context's,
+    5 s by default in nats-py); errors say which one ran out, at which step, after how long.
     """
 
     def __init__(self, js: JetStreamContext) -> None:
@@ -59,25 +82,54 @@ class PlanFetcher:
 
     async def fetch(self, ref: ObjectRef, timeout_s: float) -> bytes:
         """The object's bytes, checked against the reference's size and digest and the stored digest."""
-        try:
-            return await asyncio.wait_for(self._fetch(ref), timeout_s)
-        except TimeoutError:
-            raise PlanFetchError(f"{ref.bucket}/{ref.name}: not read within {timeout_s:.3g} s") from None
-        except nats.js.errors.NotFoundError:
-            raise PlanFetchError(f"{ref.bucket}/{ref.name}: no such object") from None
-        except nats.errors.Error as exc:
-            raise PlanFetchError(f"{ref.bucket}/{ref.name}: {type(exc).__name__} {exc}".strip()) from None
+        return await self.fetch_object(ref.bucket, ref.name, timeout_s, size=ref.size, digest=ref.digest)
 
-    async def _fetch(self, ref: ObjectRef) -> bytes:
-        where = f"{ref.bucket}/{ref.name}"
-        stream = OBJ_STREAM_TEMPLATE.format(bucket=ref.bucket)
-        direct = self._direct.get(ref.bucket)
+    async def fetch_object(
+        self,
+        bucket: str,
+        name: str,
+        timeout_s: float,
+        *,
+        size: int | None = None,
+        digest: str | None = None,
+    ) -> bytes:
+        """Object ``name`` of ``bucket``, checked against the stored digest (and ``size`` and ``digest``
+        when the caller knows them)."""
+        where = f"{bucket}/{name}"
+        progress = _Progress()
+        try:
+            return await asyncio.wait_for(self._fetch(bucket, name, size, digest, progress), timeout_s)
+        except nats.errors.TimeoutError:
+            # A subclass of TimeoutError: one request timed out, not the read as a whole.
+            raise PlanFetchError(
+                f"object {where}: the request for {progress.step} got no reply within the client's "
+                f"request timeout ({progress.elapsed_s:.3g} s into a read allowed {timeout_s:.3g} s)"
+            ) from None
+        except TimeoutError:
+            raise PlanFetchError(
+                f"object {where}: not read within the {timeout_s:.3g} s allowed (gave up after "
+                f"{progress.elapsed_s:.3g} s, waiting for {progress.step})"
+            ) from None
+        except nats.js.errors.NotFoundError:
+            raise PlanFetchError(f"object {where}: no such object") from None
+        except nats.errors.Error as exc:
+            raise PlanFetchError(
+                f"object {where}: {type(exc).__name__} {exc} while reading {progress.step}".strip()
+            ) from None
+
+    async def _fetch(
+        self, bucket: str, name: str, size: int | None, digest: str | None, progress: _Progress
+    ) -> bytes:
+        where = f"{bucket}/{name}"
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+        direct = self._direct.get(bucket)
         if direct is None:
             config = (await self._js.stream_info(stream)).config
-            direct = self._direct[ref.bucket] = bool(config.allow_direct)
-        key = base64.urlsafe_b64encode(ref.name.encode()).decode()
+            direct = self._direct[bucket] = bool(config.allow_direct)
+        key = base64.urlsafe_b64encode(name.encode()).decode()
+        progress.step = "the object's metadata"
         meta = await self._js.get_msg(
-            stream, subject=OBJ_META_PRE_TEMPLATE.format(bucket=ref.bucket, obj=key), direct=direct
+            stream, subject=OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=key), direct=direct
         )
         try:
             info = api.ObjectInfo.from_response(json.loads(meta.data or b""))
@@ -85,29 +137,77 @@ class PlanFetcher:
             raise PlanFetchError(f"{where}: unreadable object metadata ({exc})") from None
         if info.deleted:
             raise PlanFetchError(f"{where}: no such object (deleted)")
-        if ref.digest is not None and info.digest != ref.digest:
+        if digest is not None and info.digest != digest:
             raise PlanFetchError(
-                f"{where}: digest {info.digest} is not the {ref.digest} the Prepare names (the object was "
+                f"{where}: digest {info.digest} is not the {digest} the reference names (the object was "
                 "replaced)"
             )
         if info.is_link():
             raise PlanFetchError(f"{where}: is a link; plans are stored as plain objects")
-        if (info.size or 0) != ref.size:
-            raise PlanFetchError(f"{where}: {info.size or 0} bytes stored, the Prepare says {ref.size}")
-        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=ref.bucket, obj=info.nuid)
+        if size is not None and (info.size or 0) != size:
+            raise PlanFetchError(f"{where}: {info.size or 0} bytes stored, the reference says {size}")
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
         parts: list[bytes] = []
         seq = 0
-        for _ in range(info.chunks or 0):
+        chunks = info.chunks or 0
+        for k in range(chunks):
+            progress.step = f"chunk {k + 1} of {chunks}"
             msg = await self._js.get_msg(stream, seq=seq + 1, subject=subject, next=True, direct=direct)
             parts.append(msg.data or b"")
             seq = msg.seq or seq + 1
         data = b"".join(parts)
-        if len(data) != ref.size:
-            raise PlanFetchError(f"{where}: read {len(data)} bytes, the Prepare says {ref.size}")
-        digest = OBJ_DIGEST_TYPE + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-        if info.digest is not None and digest != info.digest:
-            raise PlanFetchError(f"{where}: the bytes read hash to {digest}, the store says {info.digest}")
+        expected = info.size if size is None else size
+        if expected is not None and len(data) != expected:
+            raise PlanFetchError(f"{where}: read {len(data)} bytes, expected {expected}")
+        actual = OBJ_DIGEST_TYPE + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        if info.digest is not None and actual != info.digest:
+            raise PlanFetchError(f"{where}: the bytes read hash to {actual}, the store says {info.digest}")
         return data
+
+
+class PrepareView(NamedTuple):
+    """What a worker derives from a job-wide Prepare (see :func:`view_of`)."""
+
+    old: WorldConfig
+    new: WorldConfig
+    slice_of: dict[Device, int]
+    """Each participant's slice index (devices in ``lost`` take no part and have none here)."""
+    new_rank: dict[Device, int]
+
+    def participates(self, device: Device) -> bool:
+        return device in self.slice_of
+
+    def slice_name(self, prepare: Prepare, device: Device) -> str:
+        return prepare.slices.name(self.slice_of[device])
+
+
+_views: OrderedDict[int, tuple[Prepare, PrepareView]] = OrderedDict()
+_views_lock = threading.Lock()
+
+
+def view_of(prepare: Prepare) -> PrepareView:
+    """The two worlds, the participants' slice indices and the new ranks of ``prepare``.
+
+    O(devices) to build, so it is built once per message object and shared: a simulated job hands one
+    decoded Prepare to all of its workers, which would otherwise make a handoff O(devices^2).
+    """
+    key = id(prepare)
+    with _views_lock:
+        hit = _views.get(key)
+        if hit is not None and hit[0] is prepare:
+            return hit[1]
+    old = WorldConfig(prepare.from_layout, prepare.from_placement)
+    new = WorldConfig(prepare.layout, prepare.placement)
+    lost = set(prepare.lost)
+    slice_of = {
+        d: i for i, d in enumerate(slice_devices(prepare.from_placement, prepare.placement)) if d not in lost
+    }
+    view = PrepareView(old=old, new=new, slice_of=slice_of, new_rank=prepare.placement.rank_on())
+    with _views_lock:
+        _views[key] = (prepare, view)
+        while len(_views) > _VIEWS_KEPT:
+            _views.popitem(last=False)
+    return view
 
 
 def decode_slice(data: bytes, prepare: Prepare, device: Device) -> Plan:
@@ -117,30 +217,30 @@ def decode_slice(data: bytes, prepare: Prepare, device: Device) -> Plan:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _translate(exc) from None
     check_slice(piece, prepare, device)
-    return piece.to_plan()
+    view = view_of(prepare)
+    return piece.with_worlds(view.old, view.new).to_plan()
 
 
-def check_slice(piece: PlanSlice, prepare: Prepare, device: Device) -> None:
+def check_slice(piece: SliceFile, prepare: Prepare, device: Device) -> None:
     """Refuse a slice that is not this device's part of the plan ``prepare`` describes."""
-    if piece.schema_version != PLAN_SCHEMA_VERSION:
-        _fail("$.schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {piece.schema_version}")
+    if piece.schema_version != SLICE_SCHEMA_VERSION:
+        _fail("$.schema_version", f"expected {SLICE_SCHEMA_VERSION}, got {piece.schema_version}")
+    if piece.generation != prepare.generation:
+        _fail(
+            "$.generation",
+            f"the slice is for generation {piece.generation}, the Prepare for {prepare.generation}",
+        )
     if piece.device != device:
         _fail("$.device", f"the slice is for {piece.device}, this worker runs on {device}")
-    if piece.new.layout != prepare.layout:
-        _fail(
-            "$.new.layout",
-            f"{piece.new.layout.describe()} is not the layout {prepare.layout.describe()} of the Prepare",
-        )
-    if piece.new.placement != prepare.placement:
-        _fail("$.new.placement", "differs from the placement of the Prepare")
-    old_devices, new_devices = piece.old.placement.devices, piece.new.placement.devices
-    if device not in old_devices and device not in new_devices:
-        _fail("$.device", f"{device} is in neither the old nor the new world")
-    for world in ("old", "new"):
+    old_devices, new_devices = prepare.from_placement.devices, prepare.placement.devices
+    if not view_of(prepare).participates(device):
+        _fail("$.device", f"{device} takes no part in the handoff the Prepare describes")
+    for layout in (prepare.from_layout, prepare.layout):
         try:
-            piece.model.check_layout(getattr(piece, world).layout)
+            piece.model.check_layout(layout)
         except LayoutError as exc:
-            _fail(f"$.{world}.layout", f"model {piece.model.name!r} cannot use it: {exc}")
+            reason = f"model {piece.model.name!r} cannot use the Prepare's {layout.describe()}: {exc}"
+            _fail("$.model", reason)
     if piece.budget_bytes < 1:
         _fail("$.budget_bytes", f"must be >= 1, got {piece.budget_bytes}")
     tensors = piece.model.tensors(piece.optimizer)

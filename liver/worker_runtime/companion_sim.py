@@ -7,7 +7,9 @@ store and checked, acks with the cut iteration, the bytes the slice says this de
 pause), so the control plane can be tested, demonstrated and benchmarked end to end without a model.
 
 All workers share one event loop and one connection: a thousand training processes would need a
-thousand threads and sockets, and what is measured is the control plane, not the client.
+thousand threads and sockets, and what is measured is the control plane, not the client. The job reads
+the job-wide command subject once and hands each decoded command to every worker (the Prepare is one
+O(devices) message: a copy per worker on one connection would cost the simulation O(devices^2)).
 
 Faults are injected per worker and phase (``fail``: ack "failed"; ``hang``: never ack but keep beating;
 ``crash``: go silent, as a reclaimed node does). The job's iteration advances every ``iteration_s``;
@@ -35,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from liver.shared import subjects as s
-from liver.shared.codec import MessageError, decode, encode
+from liver.shared.codec import MessageError, decode, encode, error_event
 from liver.shared.connection import connect_options
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import (
@@ -43,11 +45,13 @@ from liver.shared.messages import (
     GenerationCommitted,
     Prepare,
     Switch,
+    WorkerCommand,
     WorkerPhase,
     WorldStarted,
 )
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion_agent import (
+    SOURCE,
     AgentSettings,
     Presence,
     Stage,
@@ -305,6 +309,7 @@ class SimulatedJob:
         self._cuts: dict[int, int] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._committed: Subscription | None = None
+        self._broadcast: Subscription | None = None
         self._leaving: set[asyncio.Task[None]] = set()
         self._presences: list[Presence] = []
 
@@ -329,11 +334,18 @@ class SimulatedJob:
             worker = SimulatedWorker(self, index, identity)
             presence = Presence(world=world, iteration=self.iteration)
             worker.agent = WorkerAgent(
-                self.nc, identity, worker, presence=presence, settings=agent_settings, fetcher=fetcher
+                self.nc,
+                identity,
+                worker,
+                presence=presence,
+                settings=agent_settings,
+                fetcher=fetcher,
+                broadcast=False,
             )
             self.workers.append(worker)
             self._presences.append(presence)
         self._committed = await self.nc.subscribe(s.GENERATION_COMMITTED, cb=self._on_committed)
+        self._broadcast = await self.nc.subscribe(s.worker_commands(settings.job_id), cb=self._on_broadcast)
         await asyncio.gather(*(w.agent.start() for w in self.workers if w.agent is not None))
         await self.nc.flush()
         if settings.layout is not None:
@@ -353,9 +365,10 @@ class SimulatedJob:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-        if self._committed is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._committed.unsubscribe()
+        for sub in (self._committed, self._broadcast):
+            if sub is not None:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
         for worker in self.workers:
             worker.cancel_timers()
         await asyncio.gather(*self._leaving, return_exceptions=True)
@@ -405,6 +418,27 @@ class SimulatedJob:
             self.iteration += 1
             for presence in self._presences:
                 presence.iteration = self.iteration
+
+    async def _on_broadcast(self, msg: Msg) -> None:
+        """A job-wide command: decoded once, then handed to every worker still on the bus."""
+        try:
+            command = decode(msg.data, WorkerCommand)
+            if command.job_id != self.settings.job_id:
+                raise MessageError(
+                    type(command).__name__,
+                    "$.job_id",
+                    f"{command.job_id!r} is not this job {self.settings.job_id!r}",
+                )
+        except MessageError as error:
+            log.warning("command_rejected", field=error.path, reason=error.reason, subject=msg.subject)
+            event = error_event(source=SOURCE, subject=msg.subject, data=msg.data, error=error)
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(s.errors(SOURCE), encode(event))
+            return
+        for worker in self.active:
+            assert worker.agent is not None
+            worker.agent.counts.commands += 1
+            worker.agent.handle_command(command)
 
     async def _on_committed(self, msg: Msg) -> None:
         try:

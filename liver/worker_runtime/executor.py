@@ -4,25 +4,28 @@ Every process that runs an old rank, a new rank or both (one device can host one
 :func:`stream_plan` with the same plan and options. The executor walks the plan's steps ``(layer,
 round)`` in order. In each step it first posts every receive (so a peer's send can always complete),
 then its sends, then copies the slices that stay on this device, then waits. Receives land in place in
-the new shard when the destination region is contiguous, otherwise in one staging buffer allocated once
-and reused; staged pieces are then copied into the new shards. Sends go straight from the old storage
+the new shard when the destination region is contiguous, otherwise in one buffer allocated once and
+reused; staged pieces are then copied into the new shards. Sends go straight from the old storage
 unless the slice is not contiguous there; such slices are cut into pieces of ``message_bytes`` and sent
-from contiguous copies, at most ``send_copy_bytes`` of them alive at once. The same code drives gloo on
+from contiguous copies made in the same buffer, above the step's staged bytes, at most
+``send_copy_bytes`` of them alive at once (a ring: the oldest send is waited for when the next copy
+does not fit). The same code drives gloo on
 CPU and NCCL on GPU: it only needs ``send``/``recv`` on a process group. There is no barrier between
 layers: completion is tracked per message, so a process only ever waits for the peers it exchanges with,
 and because every process posts a step's receives before anything that could block, the step order
 alone rules out deadlock.
 
-Memory (invariant I2). The extra memory the executor allocates is the staging buffer (sized to the
-largest step this process stages, never more than ``plan.budget_bytes``), the live send copies, and the
-new shards of the layer being assembled (earlier layers' shards are the new state, not extra), so::
+Memory (invariant I2). The extra memory the executor allocates is the one buffer (sized to what this
+process's largest step stages plus its send copies, never more than ``B = plan.budget_bytes``) and the
+new shards of the layer being assembled (earlier layers' shards are the new state, not extra; shards
+given in ``into`` are the caller's and never extra), so::
 
-    peak_extra_bytes <= staging_bytes + send_copy_bytes + largest_new_layer_bytes
-    staging_bytes   <= plan.budget_bytes
+    peak_extra_bytes <= B + largest_new_layer_bytes
 
-The send-copy term is separate from the staging buffer on purpose: it cannot share it without letting
-two processes that both stage a full budget wait on each other's sends. Callers that want one total
-figure build the plan with ``budget_bytes = total - send_copy_bytes``.
+A step's send copies cannot wait for its staged pieces to be copied out (two processes doing that to
+each other would deadlock), so both must fit in ``B`` at once: pieces are at most half of ``B``, and a
+plan in which some step stages so much that one piece no longer fits beside it is refused before any
+message with a :class:`PlanMismatch` naming the step (see ``executor_schedule.buffer_bytes``).
 
 Old state versus invariant I4. Freeing each old layer as soon as no later step reads it keeps the
 footprint near ``max(old, new)`` plus the extra, but a failure after the first free leaves a state that
@@ -66,6 +69,7 @@ from liver.worker_runtime.executor_schedule import (
     Region,
     Schedule,
     Step,
+    align,
     build_schedule,
     devices_in_stream_order,
     ranks_on_device,
@@ -174,10 +178,11 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Cap on this process's network bytes (sent + received) per second; ``None``: as fast as it goes.
     It is enforced between steps, so a small plan budget gives a smoother rate."""
     message_bytes: int = 32 * MIB
-    """Piece size for slices that are not contiguous in their source shard."""
+    """Piece size for slices that are not contiguous in their source shard (at most half of the plan's
+    budget whatever is given, so a piece fits in the buffer beside a step's staged bytes)."""
     send_copy_bytes: int | None = None
-    """Most bytes of contiguous send copies alive at once; ``None``: two pieces (copy one while the
-    other is on the wire)."""
+    """Most bytes of contiguous send copies alive at once (inside the buffer, so within ``B``); ``None``:
+    two pieces (copy one while the other is on the wire)."""
     direct_receive: bool = True
     """Receive a piece straight into the new shard when its region there is contiguous."""
     release_old: bool = False
@@ -224,12 +229,13 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes_sent: int
     bytes_received: int
     bytes_local: int
-    budget_bytes: int  # the plan's staging budget B
-    staging_bytes: int  # the staging buffer this process allocated (<= B)
+    budget_bytes: int  # B: the plan's budget for the buffer
+    buffer_bytes: int  # the one buffer this process allocated for staged pieces and send copies (<= B)
+    staging_bytes: int  # the most one step staged in it
     send_copy_budget: int
-    peak_send_copy_bytes: int
+    peak_send_copy_bytes: int  # the most send copies alive in it at once
     largest_new_layer_bytes: int
-    peak_extra_bytes: int  # staging + live send copies + the layer under assembly
+    peak_extra_bytes: int  # the buffer + the layer under assembly: <= B + largest_new_layer_bytes
     peak_footprint_bytes: int  # old state still held + new state + extra
     old_bytes: int
     old_bytes_released: int
@@ -276,6 +282,7 @@ def stream_plan(
         group.size(),
         opts.message_bytes,
         opts.direct_receive,
+        opts.send_copy_bytes,
     )
     dev = _pick_device(device, old_state)
     _check_state(plan, schedule.old_shards, old_state, "old_state", dev, exact=True)
@@ -338,8 +345,38 @@ class _Pending(NamedTuple):
     work: Work
     msg: PeerMessage
     direction: Literal["send", "recv"]
-    copy_bytes: int  # >0: the send goes from a copy of that size, freed when it completes
+    copy_bytes: int  # >0: the send goes from a copy of that size in the buffer, freed when it completes
     buffer: torch.Tensor  # keeps the message's memory alive until the work is done
+
+
+class _CopyRing:
+    """Where the next send copy goes in ``[lo, hi)`` of the buffer: pieces are placed in order and
+    freed oldest first (the order their sends are waited for), wrapping to ``lo`` when the end is full."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.live: deque[tuple[int, int]] = deque()  # (offset, bytes), oldest first
+
+    def place(self, nbytes: int) -> int | None:
+        """An offset where ``nbytes`` fit now, or None until the oldest piece is freed."""
+        if not self.live:
+            if self.lo + nbytes > self.hi:
+                raise AssertionError(f"send copy of {nbytes} bytes does not fit in [{self.lo}, {self.hi})")
+            return self.lo
+        first = self.live[0][0]
+        last, size = self.live[-1]
+        head = last + size
+        if last >= first:  # not wrapped: free above the newest piece, then below the oldest
+            if head + nbytes <= self.hi:
+                return head
+            return self.lo if self.lo + nbytes <= first else None
+        return head if head + nbytes <= first else None
+
+    def push(self, offset: int, nbytes: int) -> None:
+        self.live.append((offset, nbytes))
+
+    def pop(self) -> None:
+        self.live.popleft()
 
 
 class _Stream:
@@ -364,7 +401,7 @@ class _Stream:
         self.on_step = on_step
         self.mem = MemoryLedger()
         self.new: dict[int, torch.Tensor] = {}
-        self.staging = torch.empty(0, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
         self.released = False
         self.released_bytes = 0
         self.sent = self.received = self.local = 0
@@ -378,20 +415,21 @@ class _Stream:
         self.t0 = t0
         old_bytes = sum(t.numel() * t.element_size() for t in self.old.values())
         self.mem.add("old", old_bytes)
-        if self.s.staging_bytes:
-            self.staging = torch.empty(self.s.staging_bytes, dtype=torch.uint8, device=self.device)
-            self.mem.add("staging", self.s.staging_bytes)
+        if self.s.buffer_bytes:
+            self.buffer = torch.empty(self.s.buffer_bytes, dtype=torch.uint8, device=self.device)
+            self.mem.add("buffer", self.s.buffer_bytes)
         self.log.info(
             "stream.start",
             steps=sum(len(lw.steps) for lw in self.s.layers),
-            staging_bytes=self.s.staging_bytes,
+            buffer_bytes=self.s.buffer_bytes,
             release_old=self.opts.release_old,
         )
         if self.opts.release_old:
             for ti in self.s.unread_old:
                 self._release(ti)
         layers = [self._layer(lw) for lw in self.s.layers]
-        self.staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.mem.sub("buffer", self.s.buffer_bytes)
         stats = StreamStats(
             old_rank=self.s.old_rank,
             new_rank=self.s.new_rank,
@@ -401,8 +439,9 @@ class _Stream:
             bytes_received=self.received,
             bytes_local=self.local,
             budget_bytes=self.plan.budget_bytes,
-            staging_bytes=self.s.staging_bytes,
-            send_copy_budget=self.opts.copy_budget,
+            buffer_bytes=self.s.buffer_bytes,
+            staging_bytes=self.mem.peak["staged"],
+            send_copy_budget=self.s.copy_budget,
             peak_send_copy_bytes=self.mem.peak["send_copies"],
             largest_new_layer_bytes=max((lw.new_bytes for lw in self.s.layers), default=0),
             peak_extra_bytes=self.mem.peak_extra,
@@ -483,17 +522,22 @@ class _Stream:
             buf = self._recv_buffer(msg)
             work = self._post(step, msg, "recv", lambda b=buf, m=msg: self.group.recv([b], m.peer, step.tag))
             recvs.append(_Pending(work, msg, "recv", 0, buf))
+        self.mem.add("staged", step.staging_bytes)
         sends: list[_Pending] = []
-        copied: deque[int] = deque()  # indices into sends of those holding a copy
+        copied: deque[int] = deque()  # indices into sends of those holding a copy, oldest first
+        lo = align(step.staging_bytes)
+        ring = _CopyRing(lo, min(self.s.buffer_bytes, lo + max(self.s.copy_budget, step.largest_copy)))
         wait_s = 0.0
         for msg in step.sends:
             src = _view(self.old[msg.tensor], msg.region)
             copy_bytes = 0
             if msg.copy:
-                while copied and self.mem.now["send_copies"] + msg.nbytes > self.opts.copy_budget:
+                copy_bytes = align(msg.nbytes)
+                while (at := ring.place(copy_bytes)) is None:
                     wait_s += self._wait(step, sends[copied.popleft()], deadline)
-                src = src.contiguous()
-                copy_bytes = msg.nbytes
+                    ring.pop()
+                src = self._in_buffer(at, msg).copy_(src)
+                ring.push(at, copy_bytes)
                 self.mem.add("send_copies", copy_bytes)
                 copied.append(len(sends))
             elif not src.is_contiguous():
@@ -516,6 +560,7 @@ class _Stream:
             if p.copy_bytes == 0:
                 wait_s += self._wait(step, p, deadline)
             self.sent += p.msg.nbytes
+        self.mem.sub("staged", step.staging_bytes)
         if self.opts.release_old:
             for ti in step.release_after:
                 self._release(ti)
@@ -529,9 +574,11 @@ class _Stream:
                     f"schedule marked {self.plan.tensors[msg.tensor].name}{msg.box} contiguous"
                 )
             return buf
+        return self._in_buffer(msg.staging_offset, msg)
+
+    def _in_buffer(self, offset: int, msg: PeerMessage) -> torch.Tensor:
         dtype = TORCH_DTYPES[self.plan.tensors[msg.tensor].dtype]
-        raw = self.staging[msg.staging_offset : msg.staging_offset + msg.nbytes]
-        return raw.view(dtype).view(_extent(msg.region))
+        return self.buffer[offset : offset + msg.nbytes].view(dtype).view(_extent(msg.region))
 
     def _post(
         self, step: Step, msg: PeerMessage, direction: Literal["send", "recv"], call: Callable[[], Work]
@@ -578,7 +625,7 @@ class _Stream:
             old_state_intact=err.old_state_intact,
         )
         self.new.clear()
-        self.staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         return err
 
     def _release(self, ti: int) -> None:

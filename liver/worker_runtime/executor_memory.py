@@ -8,32 +8,44 @@ from __future__ import annotations
 
 from typing import Literal
 
-Extra = Literal["staging", "send_copies", "assembly"]
-"""Memory that exists only because a transfer is running: the staging buffer, contiguous copies of
-non-contiguous slices being sent, and the new shards of the layer being assembled."""
+Extra = Literal["buffer", "assembly"]
+"""Memory that exists only because a transfer is running: the one buffer (staged pieces and contiguous
+copies of non-contiguous slices being sent, allocated once, at most ``B``) and the new shards of the
+layer being assembled."""
 
 Held = Literal["old", "new"]
 """Training state: old shards not yet released, and new shards of finished layers."""
 
+Inside = Literal["staged", "send_copies"]
+"""How much of the buffer is in use; counted for the report, never on top of the buffer itself."""
+
 
 class MemoryLedger:
-    """Current and peak bytes per category; ``peak_extra`` is the figure the staging budget bounds."""
+    """Current and peak bytes per category; ``peak_extra`` is the figure ``B`` + the largest new layer
+    shard bounds."""
 
     def __init__(self) -> None:
-        self.now: dict[str, int] = {"staging": 0, "send_copies": 0, "assembly": 0, "old": 0, "new": 0}
+        self.now: dict[str, int] = {
+            "buffer": 0,
+            "assembly": 0,
+            "old": 0,
+            "new": 0,
+            "staged": 0,
+            "send_copies": 0,
+        }
         self.peak: dict[str, int] = dict(self.now)
         self.peak_extra = 0
         self.peak_footprint = 0
 
-    def add(self, what: Extra | Held, nbytes: int) -> None:
+    def add(self, what: Extra | Held | Inside, nbytes: int) -> None:
         self.now[what] += nbytes
         if self.now[what] > self.peak[what]:
             self.peak[what] = self.now[what]
-        extra = self.now["staging"] + self.now["send_copies"] + self.now["assembly"]
+        extra = self.now["buffer"] + self.now["assembly"]
         self.peak_extra = max(self.peak_extra, extra)
         self.peak_footprint = max(self.peak_footprint, extra + self.now["old"] + self.now["new"])
 
-    def sub(self, what: Extra | Held, nbytes: int) -> None:
+    def sub(self, what: Extra | Held | Inside, nbytes: int) -> None:
         self.now[what] -= nbytes
         if self.now[what] < 0:
             raise AssertionError(f"memory ledger: {what} went negative ({self.now[what]})")

@@ -4,12 +4,18 @@ Sender and receiver never exchange metadata: each side derives the same message 
 alone. For every task the slices go in the task's order; a slice that is contiguous in its source's
 local tensor is one message (sent straight from the old storage), a slice that is not is cut with
 :func:`liver.shared.boxes.split` into pieces of at most ``message_bytes`` so the sender's contiguous
-copies stay bounded. Both sides therefore must use the same ``message_bytes``.
+copies stay bounded (pieces are also at most half of the plan's budget). Both sides therefore must use
+the same ``message_bytes``.
 
 On the receiving side a piece whose destination region is contiguous in the new local tensor can be
 received in place (``direct_receive``); every other piece gets an offset in the staging buffer. Offsets
 are assigned in decreasing item size, so every offset is a multiple of its element size without padding
 and the staging need of a step is exactly the bytes it stages, which the planner keeps within the budget.
+
+One buffer holds both what a step stages and the contiguous copies it sends: the copies use the part
+above the step's staged bytes. :func:`buffer_bytes` sizes it (never more than the plan's budget ``B``)
+and refuses a plan in which some step stages so much that one send piece no longer fits beside it, so
+the executor's extra memory is the buffer plus the layer under assembly, within ``B`` plus that layer.
 """
 
 from __future__ import annotations
@@ -106,6 +112,8 @@ class Step(NamedTuple):
     copies: tuple[LocalCopy, ...]
     staging_bytes: int
     release_after: tuple[int, ...]  # old tensors this process reads for the last time in this step
+    copy_bytes: int = 0  # its sends from contiguous copies, each rounded up to ALIGN
+    largest_copy: int = 0  # the largest of them, rounded up to ALIGN
 
 
 class LayerWork(NamedTuple):
@@ -126,10 +134,20 @@ class Schedule(NamedTuple):
     layers: tuple[LayerWork, ...]
     unread_old: tuple[int, ...]  # old tensors no task of this plan reads from this process
     staging_bytes: int  # the largest staging need of any step (at most the plan's budget)
+    buffer_bytes: int  # the one buffer for staged pieces and send copies (at most the plan's budget)
+    copy_budget: int  # the most bytes of send copies alive at once
 
     def steps(self) -> Iterator[Step]:
         for lw in self.layers:
             yield from lw.steps
+
+
+ALIGN = 8
+"""Send copies start at multiples of the widest element size, so any dtype can view them."""
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def step_tag(layer: int, rnd: int) -> int:
@@ -217,11 +235,16 @@ def build_schedule(
     group_size: int,
     message_bytes: int,
     direct_receive: bool = True,
+    copy_budget: int | None = None,
 ) -> Schedule:
-    """The messages, copies and staging offsets of one process; raises :class:`PlanMismatch`."""
+    """The messages, copies, staging offsets and buffer size of one process; raises
+    :class:`PlanMismatch`. ``copy_budget`` caps the send copies alive at once (default two pieces)."""
     _check_identity(plan, old_rank, new_rank, ranks, group_rank, group_size)
     if message_bytes < 8:
         raise PlanMismatch(f"message_bytes must be at least 8 (one element), got {message_bytes}")
+    # Pieces of at most half of B, so a piece and a step's staged bytes fit in B together unless the
+    # step stages more than half of it; both sides derive the same size from the plan.
+    message_bytes = min(message_bytes, max(ALIGN, plan.budget_bytes // 2 // ALIGN * ALIGN))
     tensors = plan.tensors
     old_shards = _shards(plan, old_rank, old=True)
     new_shards = _shards(plan, new_rank, old=False)
@@ -328,6 +351,7 @@ def build_schedule(
         staging_max = max(staging_max, need)
         recvs_placed.sort(key=lambda m: m.peer_rank)
         sends.sort(key=lambda m: m.peer_rank)
+        copied = [align(m.nbytes) for m in sends if m.copy]
         steps_by_layer[layer].append(
             Step(
                 layer,
@@ -338,6 +362,8 @@ def build_schedule(
                 tuple(copies),
                 need,
                 tuple(release[(layer, rnd)]),
+                sum(copied),
+                max(copied, default=0),
             )
         )
     layers = []
@@ -345,9 +371,50 @@ def build_schedule(
         idx = tuple(new_by_layer.get(layer, ()))
         nbytes = sum(_numel(new_shards[ti].local_shape) * tensors[ti].itemsize for ti in idx)
         layers.append(LayerWork(layer, idx, nbytes, tuple(steps_by_layer.get(layer, ()))))
+    every_step = [st for lw in layers for st in lw.steps]
+    cap = 2 * message_bytes if copy_budget is None else copy_budget
+    buffer = buffer_bytes(every_step, plan.budget_bytes, cap, old_rank, new_rank)
     return Schedule(
-        old_rank, new_rank, group_rank, old_shards, new_shards, tuple(layers), unread, staging_max
+        old_rank,
+        new_rank,
+        group_rank,
+        old_shards,
+        new_shards,
+        tuple(layers),
+        unread,
+        staging_max,
+        buffer,
+        cap,
     )
+
+
+def buffer_bytes(
+    steps: Sequence[Step], budget: int, copy_budget: int, old_rank: int | None, new_rank: int | None
+) -> int:
+    """The one buffer's size: the most any step needs for its staged pieces plus up to ``copy_budget``
+    of send copies above them, capped at ``budget``.
+
+    Raises :class:`PlanMismatch` when a step stages so much that one send piece no longer fits beside
+    it within ``budget``: a stream that held them apart would exceed ``B``, and one that made the
+    copies wait for the staged pieces could deadlock with a peer doing the same.
+    """
+    want = 0
+    for st in steps:
+        need = st.staging_bytes
+        if st.copy_bytes:
+            need = align(need) + max(st.largest_copy, min(copy_budget, st.copy_bytes))
+        want = max(want, need)
+    size = min(want, budget)
+    for st in steps:
+        if st.copy_bytes and align(st.staging_bytes) + st.largest_copy > size:
+            raise PlanMismatch(
+                f"layer {st.layer} round {st.round}: new rank {new_rank} stages {st.staging_bytes} bytes "
+                f"and old rank {old_rank} sends a non-contiguous piece of {st.largest_copy} bytes from a "
+                f"contiguous copy; both must fit in the plan's budget of {budget} bytes: plan with a "
+                f"budget of at least {align(st.staging_bytes) + st.largest_copy} or use a smaller "
+                f"message_bytes"
+            )
+    return size
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -25,7 +25,8 @@ collective it waits in, fails within moments instead of at a timeout; every proc
 the commit succeed rolls back: the new world is released and the old world becomes the default again
 (a collective over the old world, so every old member takes part). Training then continues on the old
 world as if no handoff had been tried. If the old world itself cannot be restored (one of its processes
-is gone: fail-stop), :class:`HandoffFailed` says so and the job falls back to its checkpoint.
+is gone: fail-stop), :class:`HandoffFailed` says so, after releasing the old world, and the job falls
+back to its checkpoint (:mod:`.fallback`).
 
 Where the pause goes (:class:`SwitchReport`): ``switch`` is steps 1, 2 and 6 (agreement), ``transfer``
 step 4, ``rebuild`` steps 3, 5 and 7. The pause runs from the moment this process learned the cut (the
@@ -130,7 +131,21 @@ class HandoffAborted(RuntimeError):
 
 class HandoffFailed(RuntimeError):
     """The handoff failed and the old world could not be restored (a process of it is gone): the job must
-    fall back to its last checkpoint (I4's fail-stop branch)."""
+    fall back to its last checkpoint (I4's fail-stop branch; :class:`~.runtime.LiveRuntime` does when it
+    has a checkpoint configured). ``stage`` and ``reason`` are the handoff's failure."""
+
+    def __init__(self, generation: int, stage: str, reason: str, restore_error: str) -> None:
+        self.generation = generation
+        self.stage = stage
+        self.reason = reason
+        self.restore_error = restore_error
+        super().__init__(
+            f"handoff to generation {generation} failed at {stage} ({reason}) and the old world cannot be "
+            f"restored ({restore_error})"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[int, str, str, str]]:
+        return type(self), (self.generation, self.stage, self.reason, self.restore_error)
 
 
 class SwitchReport(msgspec.Struct, kw_only=True):
@@ -265,7 +280,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         # Outside the except block, so that the traceback (whose frames hold the stream group) is gone:
         # the groups must really be destroyed for the peers to notice.
         new_trainer = into = None
-        _roll_back(h, captured_rng)
+        _roll_back(h, captured_rng, stage, failure)
         raise HandoffAborted(h.generation, stage, failure)
 
     # Committed: from here on the new world is the job's. Release the old one.
@@ -363,8 +378,11 @@ def _commit(stream: StreamGroup, timeout: timedelta) -> None:
         raise RuntimeError("a process of the handoff reported a failure")
 
 
-def _roll_back(h: Handoff[T], captured_rng: object) -> None:
-    """Undo everything this process did for the handoff, and make its peers notice at once."""
+def _roll_back(h: Handoff[T], captured_rng: object, stage: str, failure: str) -> None:
+    """Undo everything this process did for the handoff, and make its peers notice at once.
+
+    When the old world cannot be restored it is released too: its other survivors, waiting in the same
+    restoring collective, then fail at once instead of at the control timeout."""
     h.stream.release()
     if h.new_world is not None:
         h.new_world.release()
@@ -374,10 +392,10 @@ def _roll_back(h: Handoff[T], captured_rng: object) -> None:
     try:
         h.old_world.adopt_as_default(h.control_timeout)
     except Exception as error:
-        raise HandoffFailed(
-            f"generation {h.generation} aborted and the old world {h.old_world!r} cannot be restored "
-            f"({_first_line(error)}): fall back to the last checkpoint"
-        ) from error
+        restore_error = f"{h.old_world!r}: {_first_line(error)}"
+        h.old_world.release()
+        gc.collect()
+        raise HandoffFailed(h.generation, stage, failure, restore_error) from error
     h.factory.restore_rng(captured_rng)
 
 

@@ -6,15 +6,19 @@ world, read and load its local state, and carry its progress. :meth:`MegatronJob
 way a fresh trainer continues from a given state, used by the live switch and by any restart that
 loads a gathered or checkpointed state, so that both continue identically.
 
-Random streams across a reshard. A rank's streams (torch's generator, the model-parallel tracker,
+Random streams across a move. A rank's streams (torch's generator, the model-parallel tracker,
 Python's ``random``) belong to its place in the layout: which TP slice of a dropout mask it draws, which
 stage it is. After a layout change those places are different, and no old stream has a meaning in the
-new layout (Megatron's own checkpoints drop RNG state when TP or PP change). So every switch reseeds
-every rank of the new world from ``(config.seed, the cut's iteration, its new coordinates)``
-(:func:`reseed`), exactly as a restart at the new layout from the state at that iteration does. Runs
-are therefore reproducible, and a live reshard and a checkpoint reload at the same layout continue bit
-for bit, with dropout too. Between switches the streams run on unchanged; a handoff that is rolled back
-restores the streams it found at the cut.
+new layout (Megatron's own checkpoints drop RNG state when TP or PP change). One rule,
+:func:`resume_streams`, decides for every path that resumes a trainer from a state it did not train to
+itself: a job that *moved* (a live switch, or the checkpoint fallback after a failed one) reseeds every
+rank of the new world from ``(config.seed, the iteration, its new coordinates)`` (:func:`reseed`),
+whatever the layout, even an unchanged one on other devices (a device that replaced another never held
+its streams); only a plain restart of a job that did not move (a load at the saved layout, same ranks)
+continues the saved streams. So a live switch and a fallback into the same layout from the same
+iteration continue bit for bit, with dropout too, and a restart in place continues as if it had not
+stopped. Between switches the streams run on unchanged; a handoff that is rolled back restores the
+streams it found at the cut.
 """
 
 from __future__ import annotations
@@ -67,6 +71,24 @@ def reseed(config: TrainConfig, iteration: int, layout: ParallelLayout, rank: in
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
     random.seed(seed)
     return seed
+
+
+def resume_streams(
+    config: TrainConfig,
+    iteration: int,
+    layout: ParallelLayout,
+    rank: int,
+    continued: RngState | None = None,
+) -> None:
+    """Set this process's random streams for ``rank`` of ``layout`` resuming after ``iteration``.
+
+    The one rule (see the module docstring): ``continued``, the streams this very rank of this very
+    layout had at ``iteration``, are put back; without them (every move) the rank is reseeded.
+    """
+    if continued is not None:
+        restore_rng_state(continued)
+    else:
+        reseed(config, iteration, layout, rank)
 
 
 class MegatronJob:
@@ -144,13 +166,37 @@ class MegatronJob:
             progress = msgspec.json.decode(progress, type=TrainingProgress)
         load_local_state(trainer, state)
         restore_progress(trainer, msgspec.structs.replace(progress, rng=None))
-        reseed(self.config, progress.iteration, trainer.layout, trainer.groups.rank)
+        resume_streams(self.config, progress.iteration, trainer.layout, trainer.groups.rank)
         log.debug(
             "megatron_job.resumed",
             layout=trainer.layout.describe(),
             rank=trainer.groups.rank,
             iteration=progress.iteration,
         )
+
+    def save_checkpoint(self, trainer: MegatronTrainer, root: str, keep_last: int) -> str:
+        """A durable ``dist_checkpointing`` checkpoint of ``trainer`` under ``root`` (a collective)."""
+        from liver.worker_runtime.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(trainer, root, keep_last=keep_last))
+
+    def fall_back(
+        self, world: World, root: str, reached_iteration: int | None
+    ) -> tuple[MegatronTrainer, str]:
+        """A trainer for ``world`` restarted from the latest checkpoint under ``root`` (I4's fail-stop
+        branch); its random streams follow the move rule, as after a live switch."""
+        from liver.worker_runtime.checkpoint import fall_back_to_checkpoint
+
+        fallback = fall_back_to_checkpoint(
+            root,
+            self.spec,
+            world.layout,
+            self.config,
+            groups=groups_from_world(world),
+            corpus=self.corpus,
+            reached_iteration=reached_iteration,
+        )
+        return fallback.trainer, str(fallback.checkpoint)
 
     def dispose(self, trainer: MegatronTrainer) -> None:
         """Free the storage of the parameters, master weights, Adam moments and DDP gradient buffers.

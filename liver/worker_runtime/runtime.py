@@ -22,6 +22,12 @@ then builds its groups, so that no rank of the active world ever waits for a col
 Failure (I4): a preparation that fails or misses its deadline, or an :meth:`LiveRuntime.abort`, makes
 the next vote abort on every rank; a handoff that fails before its commit is rolled back everywhere.
 Either way training continues on the old world, and :attr:`LiveRuntime.history` records why.
+If the old world cannot be restored (one of its processes is gone: fail-stop) and the runtime has a
+checkpoint configured (``RuntimeOptions.checkpoint``, which also makes it save one every ``every``
+iterations), the processes of the new world agree on it through the new generation's store and restart
+on the new layout, as generation ``failed + 1``, from the last durable checkpoint (:mod:`.fallback`):
+``step`` returns that trainer, at the checkpoint's iteration. Processes of the old world only leave.
+Without a checkpoint the failure is raised (:class:`~.fallback.NoCheckpointConfigured`).
 The runtime never imports the services: plans come in from outside.
 """
 
@@ -41,9 +47,20 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
 from liver.worker_runtime.cut import NO_TARGET, Verdict, vote
 from liver.worker_runtime.executor import StreamOptions
+from liver.worker_runtime.fallback import (
+    CheckpointingFactory,
+    CheckpointOptions,
+    FallbackReport,
+    HandoffOutcome,
+    NoCheckpointConfigured,
+    OutcomeVerdict,
+    await_outcome,
+    post_outcome,
+)
 from liver.worker_runtime.handoff import (
     Handoff,
     HandoffAborted,
+    HandoffFailed,
     Role,
     SwitchReport,
     TrainerFactory,
@@ -61,7 +78,10 @@ from liver.worker_runtime.world import (
 
 __all__ = [
     "AbortReport",
+    "CheckpointOptions",
+    "FallbackReport",
     "LiveRuntime",
+    "NoCheckpointConfigured",
     "Phase",
     "ResizeRejected",
     "ResizeRequest",
@@ -75,6 +95,10 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+
+_OUTCOME_POST_TIMEOUT_S = 5.0
+"""Longest wait to reach the new generation's store to write a handoff's outcome (it answered moments
+before, unless the process hosting it is the one that failed)."""
 
 
 class ResizeRejected(RuntimeError):
@@ -97,6 +121,8 @@ class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     join_timeout_s: float | None = None
     """How long a process outside every world waits for a request that takes it in (None: forever)."""
     stream: StreamOptions = StreamOptions()
+    checkpoint: CheckpointOptions | None = None
+    """Periodic checkpoints, and the fallback to them when a handoff loses the old world (None: neither)."""
 
     def __post_init__(self) -> None:
         if self.vote_every < 1:
@@ -114,6 +140,9 @@ class Phase(StrEnum):
     SWITCHED = "switched"  # committed: training continues on the new world
     ABORTED = "aborted"  # given up; training continues on the old world (or a joiner keeps waiting)
     LEFT = "left"  # committed, and this process is in the new world no more
+    FALLING_BACK = "falling_back"  # the handoff failed and the old world is gone: restarting from the
+    # checkpoint (the event's generation is the failed one; a leaver stops here)
+    FELL_BACK = "fell_back"  # restarted from the checkpoint as generation failed + 1: training goes on
 
 
 class AbortReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +163,7 @@ class RuntimeEvent(msgspec.Struct, frozen=True, kw_only=True):
     iteration: int | None = None
     report: SwitchReport | None = None
     abort: AbortReport | None = None
+    fallback: FallbackReport | None = None
 
 
 # -- the runtime --------------------------------------------------------------------------------------------
@@ -147,6 +177,7 @@ class LiveRuntime(Generic[T]):
     ``store`` is where the initial world's store listens. ``on_event`` hears every phase change (from
     the thread that caused it: keep it short). ``on_stream_step(generation, layer, round)`` is called
     before each streaming step (progress reports; raising cancels the handoff, which then rolls back).
+    ``options.checkpoint`` needs a factory that can checkpoint (:class:`~.fallback.CheckpointingFactory`).
     """
 
     def __init__(
@@ -166,10 +197,18 @@ class LiveRuntime(Generic[T]):
                 raise ValueError(f"`initial.job`: {initial.job!r} is not the runtime's job {job!r}")
             if initial.rank_of(device) is not None and store is None:
                 raise ValueError("`store`: needed to build the initial world this device is in")
+        options = options or RuntimeOptions()
+        if options.checkpoint is not None and not all(
+            callable(getattr(factory, name, None)) for name in ("save_checkpoint", "fall_back")
+        ):
+            raise ValueError(
+                f"`options.checkpoint`: the factory {type(factory).__name__} cannot save or load "
+                "checkpoints (it needs save_checkpoint and fall_back)"
+            )
         self.factory = factory
         self.job = job
         self.device = device
-        self.options = options or RuntimeOptions()
+        self.options = options
         self._initial = initial if initial is not None and initial.rank_of(device) is not None else None
         self._initial_store = store
         self._on_event = on_event
@@ -182,7 +221,8 @@ class LiveRuntime(Generic[T]):
         self._left = False
         self._closed = False
         self._handed_out_at: float | None = None
-        self.history: list[SwitchReport | AbortReport] = []
+        self._saved_at: int | None = None  # the iteration of the last periodic checkpoint (or the loaded one)
+        self.history: list[SwitchReport | AbortReport | FallbackReport] = []
         self._log = log.bind(job=job, device=str(device))
 
     # -- what the runtime is ------------------------------------------------------------------------------
@@ -210,6 +250,10 @@ class LiveRuntime(Generic[T]):
     @property
     def aborts(self) -> list[AbortReport]:
         return [r for r in self.history if isinstance(r, AbortReport)]
+
+    @property
+    def fallbacks(self) -> list[FallbackReport]:
+        return [r for r in self.history if isinstance(r, FallbackReport)]
 
     @property
     def last_switch(self) -> SwitchReport | None:
@@ -293,6 +337,20 @@ class LiveRuntime(Generic[T]):
             if self._pending is not None and self._pending.generation == generation:
                 self._pending.allowed = True
 
+    def wait_prepared(self, timeout_s: float) -> bool:
+        """Block until the pending generation's groups are built (True) or have failed or ``timeout_s``
+        passed (False). For a loop that would rather pause at this boundary than switch at a later one
+        (benchmarks, tests); it is a local wait, no collective, so every rank may call it or not."""
+        with self._cond:
+            prep = self._pending
+        if prep is None or not prep.started:
+            return False
+        try:
+            prep.wait_built(timeout_s)
+        except (TimeoutError, WorldError):
+            return False
+        return True
+
     def abort(self, generation: int, reason: str) -> None:
         """Give ``generation`` up: the next vote aborts it on every rank. A no-op for other generations."""
         with self._cond:
@@ -314,6 +372,7 @@ class LiveRuntime(Generic[T]):
             return self._start()
         assert self._world is not None
         iteration = self.factory.iteration(self._trainer)
+        self._save_if_due(iteration)
         if iteration % self.options.vote_every:
             return self._trainer
         with self._cond:
@@ -405,10 +464,26 @@ class LiveRuntime(Generic[T]):
             new_trainer, report = switch(handoff, cut_at)
         except HandoffAborted as aborted:
             self._trainer = old_trainer
-            self._give_up(prep, aborted.stage, aborted.reason, iteration, time.perf_counter() - cut_at)
-            return self._trainer
+            kept = HandoffOutcome(
+                verdict=OutcomeVerdict.KEPT, reached_iteration=iteration, reason=aborted.reason
+            )
+            agreed = self._post_outcome(prep, kept)
+            if agreed.verdict is OutcomeVerdict.KEPT:
+                self._give_up(prep, aborted.stage, aborted.reason, iteration, time.perf_counter() - cut_at)
+                return self._trainer
+            # Another survivor found the old world gone: it can no longer be trusted here either.
+            assert self._world is not None
+            self._world.release()
+            self._world = self._trainer = None
+            del old_trainer
+            failed = HandoffFailed(prep.generation, aborted.stage, aborted.reason, agreed.reason)
+            return self._fail_stop(prep, failed, iteration, cut_at)
+        except HandoffFailed as failed:
+            # Fail-stop: the old world is gone (switch released it); nothing of it can train any more.
+            self._world = None
+            del old_trainer
+            return self._fail_stop(prep, failed, iteration, cut_at)
         except BaseException:
-            # HandoffFailed (fail-stop) or worse: nothing here can train any more.
             with self._cond:
                 self._pending = None
             prep.discard()
@@ -440,6 +515,13 @@ class LiveRuntime(Generic[T]):
                 )
                 new_trainer, report = switch(handoff, None)
             except HandoffAborted as aborted:
+                failed_at = time.perf_counter()
+                outcome = self._joiners_outcome(prep, aborted)
+                if outcome is not None and outcome.verdict is OutcomeVerdict.FALLBACK:
+                    failed = HandoffFailed(prep.generation, aborted.stage, aborted.reason, outcome.reason)
+                    trainer = self._fail_stop(prep, failed, outcome.reached_iteration, failed_at)
+                    assert trainer is not None
+                    return trainer
                 self._give_up(prep, aborted.stage, aborted.reason, None)
                 continue
             except (WorldError, TimeoutError, RuntimeError) as error:
@@ -451,6 +533,169 @@ class LiveRuntime(Generic[T]):
             trainer = self._committed(prep, report, handoff.new_world, new_trainer)
             assert trainer is not None
             return trainer
+
+    # -- checkpoints and the fail-stop fallback --------------------------------------------------------------
+    def _save_if_due(self, iteration: int) -> None:
+        """The periodic checkpoint: at every ``every``-th boundary, once (a collective over the world)."""
+        checkpoint = self.options.checkpoint
+        if checkpoint is None or checkpoint.every is None or iteration == 0 or iteration % checkpoint.every:
+            return
+        if self._saved_at == iteration:
+            return
+        assert self._trainer is not None
+        factory: CheckpointingFactory[T] = self.factory  # type: ignore[assignment]
+        started = time.perf_counter()
+        path = factory.save_checkpoint(self._trainer, checkpoint.root, checkpoint.keep_last)
+        self._saved_at = iteration
+        self._log.info(
+            "runtime.checkpoint_saved",
+            iteration=iteration,
+            checkpoint=path,
+            seconds=round(time.perf_counter() - started, 4),
+        )
+
+    def _post_outcome(self, prep: Preparation, outcome: HandoffOutcome) -> HandoffOutcome:
+        """Tell the joiners (and any other survivor) what this old-world process found; the outcome
+        every process follows. Where the store cannot be reached, this process's own finding stands."""
+        try:
+            return post_outcome(
+                prep.request.store,
+                self.job,
+                prep.generation,
+                outcome,
+                timedelta(seconds=min(self.options.control_timeout_s, _OUTCOME_POST_TIMEOUT_S)),
+            )
+        except RuntimeError as error:
+            self._log.warning(
+                "runtime.outcome_not_posted", generation=prep.generation, error=repr(error)[:300]
+            )
+            return outcome
+
+    def _joiners_outcome(self, prep: Preparation, aborted: HandoffAborted) -> HandoffOutcome | None:
+        """What the old world found, for a joiner whose handoff broke. One that broke while entering
+        never met the old world's processes past the cut: they gave the handoff up before it began."""
+        if aborted.stage == "enter":
+            return None
+        return await_outcome(
+            prep.request.store,
+            self.job,
+            prep.generation,
+            timedelta(seconds=self.options.control_timeout_s),
+        )
+
+    def _fail_stop(
+        self, prep: Preparation, failed: HandoffFailed, reached: int | None, failed_at: float
+    ) -> T | None:
+        """The handoff to ``prep`` failed and the old world is gone: fall back, or say why not."""
+        with self._cond:
+            if self._pending is prep:
+                self._pending = None
+        prep.discard()
+        checkpoint = self.options.checkpoint
+        if prep.role is not Role.JOIN:
+            verdict = OutcomeVerdict.LOST if checkpoint is None else OutcomeVerdict.FALLBACK
+            self._post_outcome(
+                prep, HandoffOutcome(verdict=verdict, reached_iteration=reached, reason=str(failed))
+            )
+        if checkpoint is None:
+            self._log.error("runtime.handoff_failed", generation=prep.generation, error=str(failed))
+            raise NoCheckpointConfigured(
+                failed.generation, failed.stage, failed.reason, failed.restore_error
+            ) from failed
+        abort = AbortReport(
+            generation=prep.generation,
+            stage=failed.stage,
+            reason=str(failed),
+            iteration=reached,
+            pause_s=time.perf_counter() - failed_at,
+        )
+        self._log.error(
+            "runtime.falling_back", generation=prep.generation, role=str(prep.role), error=str(failed)
+        )
+        self._emit(
+            RuntimeEvent(generation=prep.generation, phase=Phase.FALLING_BACK, iteration=reached, abort=abort)
+        )
+        if prep.role is Role.LEAVE:
+            self.history.append(
+                FallbackReport(
+                    failed_generation=prep.generation,
+                    generation=prep.generation + 1,
+                    role=prep.role,
+                    rank=None,
+                    checkpoint=None,
+                    iteration=None,
+                    reached_iteration=reached,
+                    steps_lost=None,
+                    reason=str(failed),
+                    seconds=time.perf_counter() - failed_at,
+                )
+            )
+            self._world, self._trainer, self._left = None, None, True
+            self._log.info("runtime.left", generation=prep.generation, why="fallback")
+            return None
+        return self._fall_back(prep, checkpoint, str(failed), reached, failed_at)
+
+    def _fall_back(
+        self,
+        prep: Preparation,
+        checkpoint: CheckpointOptions,
+        reason: str,
+        reached: int | None,
+        failed_at: float,
+    ) -> T:
+        """Restart on the failed generation's layout and placement, as the next generation, from the
+        latest checkpoint (every process of the new world does, at once)."""
+        generation = prep.generation + 1
+        with self._cond:
+            self._newest_generation = max(self._newest_generation, generation)
+        spec = WorldSpec(
+            job=self.job,
+            generation=generation,
+            layout=prep.request.layout,
+            placement=prep.request.placement,
+        )
+        world = build_world(
+            spec,
+            self.device,
+            prep.request.store,
+            backend=self.options.backend,
+            timeout=timedelta(seconds=self.options.build_timeout_s),
+        )
+        factory: CheckpointingFactory[T] = self.factory  # type: ignore[assignment]
+        try:
+            world.adopt_as_default(timedelta(seconds=self.options.control_timeout_s))
+            trainer, path = factory.fall_back(world, checkpoint.root, reached)
+        except BaseException:
+            world.release()
+            raise
+        iteration = self.factory.iteration(trainer)
+        self._world, self._trainer, self._saved_at = world, trainer, iteration
+        report = FallbackReport(
+            failed_generation=prep.generation,
+            generation=generation,
+            role=prep.role,
+            rank=world.rank,
+            checkpoint=path,
+            iteration=iteration,
+            reached_iteration=reached,
+            steps_lost=None if reached is None else reached - iteration,
+            reason=reason,
+            seconds=time.perf_counter() - failed_at,
+        )
+        self.history.append(report)
+        self._log.warning(
+            "runtime.fell_back",
+            generation=generation,
+            rank=world.rank,
+            checkpoint=path,
+            iteration=iteration,
+            steps_lost=report.steps_lost,
+            seconds=round(report.seconds, 4),
+        )
+        self._emit(
+            RuntimeEvent(generation=generation, phase=Phase.FELL_BACK, iteration=iteration, fallback=report)
+        )
+        return trainer
 
     def _wait_for_request(self, give_up_at: float | None) -> Preparation:
         with self._cond:

@@ -17,6 +17,13 @@ The pieces, in the order they start:
 4. **The loop**: ``step()`` at every iteration boundary, ``train_step()`` in between, a metrics line per
    step (:mod:`.metrics`). Rank 0 of the first world announces it (``WorldStarted``) once it is built.
 
+Checkpoints (``checkpoint_dir``, optional): the runtime saves one every ``checkpoint_every`` iterations
+and, when a handoff fails because processes of the old world are gone, restarts the new world from the
+latest one (:mod:`.fallback`): this worker acks the generation "failed" at once (the coordinator records
+a checkpoint fallback), and once the restarted world (the failed generation + 1) has loaded, its rank 0
+announces it with ``WorldStarted`` and every member's heartbeats speak for it. Without a directory such
+a failure ends the worker (exit 1) with an error that says no checkpoint was configured.
+
 How a worker ends. All ranks of a world must stop at the same boundary, or the ones still training wait
 in a collective for the ones gone; so a worker stops only on a rule every rank evaluates alike: after
 ``max_steps`` iterations, or at the iteration written in ``stop_file`` (whoever stops the job writes an
@@ -51,7 +58,7 @@ from liver.worker_runtime.train_config import TrainConfig
 
 if TYPE_CHECKING:
     from liver.worker_runtime.companion import Companion
-    from liver.worker_runtime.runtime import LiveRuntime, RuntimeEvent
+    from liver.worker_runtime.runtime import LiveRuntime, RuntimeEvent, RuntimeOptions
 
 log = structlog.get_logger(__name__)
 
@@ -108,9 +115,18 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     announce_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
     threads: Annotated[int, Meta(ge=1)] = 1
     """torch intra-op threads: several workers share a host's cores."""
+    checkpoint_dir: str | None = None
+    """Shared directory of the job's checkpoints; None: no checkpoints and no fallback to one."""
+    checkpoint_every: Annotated[int, Meta(ge=1)] | None = None
+    """Save every N iterations (None: never save here; a fallback still loads what is in the directory)."""
+    checkpoint_keep: Annotated[int, Meta(ge=1)] = 2
 
     def __post_init__(self) -> None:
         validate_token(self.job_id, "job_id")
+        if self.checkpoint_dir is not None and not self.checkpoint_dir:
+            raise ValueError("`checkpoint_dir`: must not be empty (leave it out for no checkpoints)")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError("`checkpoint_every`: needs `checkpoint_dir`, where the checkpoints go")
         if self.worker_id:
             validate_token(self.worker_id, "worker_id")
         if self.model not in PRESETS:
@@ -137,6 +153,22 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def name(self) -> str:
         return self.worker_id or _UNSAFE.sub("_", f"w-{self.node}-{self.device}")[:128]
+
+    def runtime_options(self) -> RuntimeOptions:
+        """How this worker's runtime waits, and where it checkpoints."""
+        from liver.worker_runtime.fallback import CheckpointOptions
+        from liver.worker_runtime.runtime import RuntimeOptions
+
+        checkpoint = None
+        if self.checkpoint_dir is not None:
+            checkpoint = CheckpointOptions(
+                root=self.checkpoint_dir, every=self.checkpoint_every, keep_last=self.checkpoint_keep
+            )
+        return RuntimeOptions(
+            control_timeout_s=self.control_timeout_s,
+            build_timeout_s=self.build_timeout_s,
+            checkpoint=checkpoint,
+        )
 
     @property
     def initial_rank(self) -> int | None:
@@ -219,7 +251,7 @@ class _Worker:
         from liver.worker_runtime.companion import Companion
         from liver.worker_runtime.companion_agent import AgentSettings, WorkerIdentity, World
         from liver.worker_runtime.megatron_job import MegatronJob
-        from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
+        from liver.worker_runtime.runtime import LiveRuntime
         from liver.worker_runtime.world import WorldSpec, host_store
 
         s = self.settings
@@ -257,7 +289,7 @@ class _Worker:
             device=s.device_id,
             store=initial_store,
             initial=initial,
-            options=RuntimeOptions(control_timeout_s=s.control_timeout_s, build_timeout_s=s.build_timeout_s),
+            options=s.runtime_options(),
             on_event=on_event,
         )
         companion = Companion(
@@ -312,6 +344,7 @@ class _Worker:
             ):
                 self._announce(world.layout, world.placement)
         why = "left"
+        fallbacks_seen = 0
         while trainer is not None:
             assert self.iteration is not None
             reason = stop.why(self.iteration)
@@ -336,19 +369,44 @@ class _Worker:
             trainer = runtime.step()
             if trainer is not None and self.iteration is not None:
                 self.iteration = runtime.factory.iteration(trainer)
+            if len(runtime.fallbacks) > fallbacks_seen:
+                fallbacks_seen = len(runtime.fallbacks)
+                self._after_fallback(runtime, companion)
         self.log.info("worker.done", why=why, iteration=self.iteration, left=runtime.left)
         self._record(Stopped, why=why, iteration=self.iteration)
         runtime.close()
         return EXIT_OK
 
-    def _announce(self, layout: ParallelLayout, placement: Placement) -> None:
+    def _after_fallback(self, runtime: LiveRuntime[Any], companion: Companion) -> None:
+        """The job restarted from its checkpoint in a world of its own: heartbeats speak for it, and its
+        rank 0 announces it (the coordinator waits for that after recording the fallback)."""
+        from liver.worker_runtime.companion_agent import World
+
+        world = runtime.world
+        report = runtime.fallbacks[-1]
+        if world is None:  # it left: the restarted world does not include this device
+            return
+        companion.set_world(World(world.generation, world.rank))
+        self.log.warning(
+            "worker.fell_back",
+            generation=world.generation,
+            rank=world.rank,
+            checkpoint=report.checkpoint,
+            iteration=report.iteration,
+            steps_lost=report.steps_lost,
+        )
+        if world.rank == 0:
+            self._announce(world.layout, world.placement, world.generation)
+
+    def _announce(self, layout: ParallelLayout, placement: Placement, generation: int | None = None) -> None:
         from liver.worker_runtime.announce import publish_world_started
 
         s = self.settings
-        assert s.initial is not None
-        message = WorldStarted(
-            job_id=s.job_id, generation=s.initial.generation, layout=layout, placement=placement
-        )
+        assert s.initial is not None or generation is not None
+        if generation is None:
+            assert s.initial is not None
+            generation = s.initial.generation
+        message = WorldStarted(job_id=s.job_id, generation=generation, layout=layout, placement=placement)
         asyncio.run(publish_world_started(message, self.url, self.environ, timeout_s=s.announce_timeout_s))
 
     def _record_event(self, event: RuntimeEvent) -> None:

@@ -71,9 +71,13 @@ class WriteMembership(Action):
 
 
 class ReleasePlan(Action):
-    """The plan of ``generation`` is no longer needed: its objects may be deleted."""
+    """The plan of ``generation`` is no longer needed: delete ``objects`` (the plan file and every
+    slice, named by ``TransferPlanned``) from ``bucket``. Empty when the coordinator does not know the
+    names (a handoff resumed after a restart): the objects then expire with the store's TTL."""
 
     generation: Generation
+    bucket: str = ""
+    objects: tuple[str, ...] = ()
 
 
 SettleOutcome = Literal["committed", "aborted", "checkpoint_fallback", "no_change"]

@@ -6,7 +6,7 @@
     DOWN ───────────────────────► STABLE ─────────────────────────────┐
      ▲                             ▲  ▲                               ▼  CAS: begin g (issued = g)
      │                             │  │                            PREPARE   plan topology, plan transfer,
-     │                             │  │                               │      Prepare -> each participant
+     │                             │  │                               │      Prepare -> the job (broadcast)
      │                             │  │                               ▼  all "ready"; CAS: switch intent
      │                             │  │                             READY
      │                             │  │                               │  Switch -> every worker
@@ -50,7 +50,6 @@ Why it is built this way:
 
 from __future__ import annotations
 
-import copy as _copy
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -58,7 +57,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Final
 
-from msgspec.structs import force_setattr, replace
+from msgspec.structs import replace
 
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import (
@@ -68,7 +67,6 @@ from liver.shared.messages import (
     Heartbeat,
     Hello,
     JobMembership,
-    ObjectRef,
     Prepare,
     ResizeRequested,
     Switch,
@@ -106,7 +104,7 @@ from .events import (
     WorkerLost,
     WorldStarted,
 )
-from .membership import Membership, MembershipError
+from .membership import HelloPending, Membership, MembershipError
 from .record import GenerationRecord, Participant, PendingHandoff, Trigger
 
 
@@ -220,18 +218,6 @@ class _Handoff:
         return None
 
 
-def _with_plan(prepare: Prepare, plan: ObjectRef) -> Prepare:
-    """``prepare`` for another worker's plan slice, without validating the world again.
-
-    Validating a Prepare checks its whole placement, so building one per worker from scratch costs
-    O(workers) each: a second for a 1,024-worker job. Only ``plan`` differs between the workers' copies,
-    and it comes from a TransferPlanned that was validated when it was decoded.
-    """
-    copy = _copy.copy(prepare)
-    force_setattr(copy, "plan", plan)
-    return copy
-
-
 class Coordinator:
     """The coordinator of one job. Feed it with :meth:`handle`; carry out what it returns, in order.
 
@@ -251,6 +237,7 @@ class Coordinator:
         self._inflight: GenerationRecord | None = None
         self._handoff: _Handoff | None = None
         self._deferred: _Stop | None = None
+        self._early_world: WorldStarted | None = None
         self._queue: list[Trigger] = []
         self._departing: set[Device] = set()
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -547,7 +534,7 @@ class Coordinator:
     def _stand_down(self, stored: GenerationRecord | None, revision: int, why: str) -> None:
         """Someone else owns the job now: adopt what they stored and send nothing more."""
         dropped = self._handoff.generation if self._handoff is not None else None
-        self._inflight, self._handoff, self._deferred = None, None, None
+        self._inflight, self._handoff, self._deferred, self._early_world = None, None, None, None
         if stored is not None:
             self._record, self._revision = stored, revision
         self._note(
@@ -567,6 +554,14 @@ class Coordinator:
         if self._wrong_job(event.job_id, "world_started"):
             return
         record = self._record
+        if self._handoff is not None and self._phase is not Phase.DOWN:
+            # The workers of a failed handoff restart from the checkpoint on their own and may report
+            # their world before this coordinator has recorded the abort that sends it DOWN: keep the
+            # newest such report for then instead of losing it (nothing would send it again).
+            if self._early_world is None or event.generation > self._early_world.generation:
+                self._early_world = event
+            self._note("info", "world_started_deferred", generation=event.generation)
+            return
         if self._phase is not Phase.DOWN or self._inflight is not None:
             self._note("warning", "world_started_ignored", reason=f"the coordinator is {self._phase.value}")
             return
@@ -875,7 +870,8 @@ class Coordinator:
     # -- preparing ------------------------------------------------------------------------------------------
 
     def _send_prepares(self) -> None:
-        """Send every participant its Prepare, once each participant's device has a known worker."""
+        """Broadcast the Prepare once every participant's device has a known worker (the acks are
+        counted against those workers)."""
         h = self._handoff
         assert h is not None and h.transfer is not None and h.placement is not None and h.layout is not None
         world = self._world()
@@ -905,28 +901,43 @@ class Coordinator:
             self._note("info", "waiting_for_workers", devices=[str(d) for d in missing])
             return
         h.participants = participants
-        refs = {w.device: w.ref for w in h.transfer.workers}
-        deadline = self._prepare_deadline(h)
+        # One broadcast for the whole job: a Prepare per worker repeated the O(workers) placement to
+        # every worker (29 MiB per handoff at 1,024 workers). Each worker decides from the two worlds
+        # and ``lost`` whether it takes part, and finds its slice by its device's index.
+        try:
+            prepare = self._prepare(h, world)
+        except ValueError as exc:
+            reason = f"the plan does not fit the worlds it was made for: {exc}"
+            self._request_stop(_Stop(reason, replan=False))
+            return
+        self._emit(SendCommand(command=prepare))
+        self._wait = Wait.PREPARED
+        self._note("info", "prepare_sent", participants=len(participants), deadline=prepare.deadline)
+
+    def _prepare(self, h: _Handoff, world: frozenset[Device]) -> Prepare:
+        """The job-wide Prepare of ``h``; raises ``ValueError`` naming the field that does not fit."""
+        assert h.transfer is not None and h.placement is not None and h.layout is not None
+        assert self._record is not None
         # Every worker hosts a rendezvous store at the address it announced; the new world's rank 0
         # runs the new generation's (it is a participant, so its worker is known here).
         rank0 = self.membership.on_device(h.placement.devices[0])
-        common = Prepare(
+        new_devices = frozenset(h.placement.devices)
+        return Prepare(
             job_id=self.job_id,
             event_id=h.event_id,
             from_generation=h.from_generation,
             generation=h.generation,
+            from_layout=self._record.layout,
+            from_placement=self._record.placement,
             layout=h.layout,
             placement=h.placement,
+            lost=tuple(sorted((world & self._lost(h.triggers)) - new_devices)),
             plan=h.transfer.plan,
+            slices=h.transfer.slices,
             staging_bytes=self.config.staging_bytes,
-            deadline=deadline,
+            deadline=self._prepare_deadline(h),
             store=None if rank0 is None else rank0.address,
         )
-        for worker, device in participants.items():
-            command = _with_plan(common, refs.get(device, h.transfer.plan))
-            self._emit(SendCommand(command=command, worker_id=worker))
-        self._wait = Wait.PREPARED
-        self._note("info", "prepare_sent", participants=len(participants), deadline=deadline)
 
     def _on_status(self, event: WorkerStatus) -> None:
         if self._wrong_job(event.job_id, "worker_status"):
@@ -1084,10 +1095,19 @@ class Coordinator:
         self._move(Phase.COMMITTED, f"generation {h.generation} is live")
         self._settle(h.triggers, "committed", h.generation)
         self._move(Phase.CLEANUP, "releasing the old generation's resources")
-        self._emit(ReleasePlan(generation=h.generation))
-        self._handoff, self._deferred = None, None
+        self._release_plan(h)
+        self._handoff, self._deferred, self._early_world = None, None, None
         self._move(Phase.STABLE, "cleanup done")
         self._begin()
+
+    def _release_plan(self, h: _Handoff) -> None:
+        """Have the handoff's plan objects deleted by name (no listing of the store)."""
+        t = h.transfer
+        if t is None:
+            self._emit(ReleasePlan(generation=h.generation))
+            return
+        names = (t.plan.name, *t.slices.names())
+        self._emit(ReleasePlan(generation=h.generation, bucket=t.slices.bucket, objects=names))
 
     # -- stopping ------------------------------------------------------------------------------------------
 
@@ -1149,13 +1169,17 @@ class Coordinator:
         )
         self._publish(aborted)
         if h.transfer is not None or h.switch_sent:
-            self._emit(ReleasePlan(generation=h.generation))
+            self._release_plan(h)
         self._handoff, self._deferred = None, None
         if aborted.outcome == "checkpoint_fallback":
             self._note("error", "checkpoint_fallback", generation=aborted.generation, reason=aborted.reason)
             self._settle(h.triggers, "checkpoint_fallback", aborted.generation)
             self._move(Phase.DOWN, "checkpoint fallback: the job restarts from its last checkpoint")
+            early, self._early_world = self._early_world, None
+            if early is not None:
+                self._on_world_started(early)
             return
+        self._early_world = None
         if stop.replan:
             self._queue = h.triggers + self._queue
         else:
@@ -1206,6 +1230,9 @@ class Coordinator:
     def _on_presence(self, event: Hello | Heartbeat) -> None:
         try:
             change = self.membership.observe(event, self.now)
+        except HelloPending as exc:
+            self._note("debug", "heartbeat_before_hello", worker_id=event.worker_id, reason=exc.reason)
+            return
         except MembershipError as exc:
             self._note(
                 "warning",

@@ -38,6 +38,17 @@ class MembershipError(ValueError):
         super().__init__(f"`{field}`: {reason}")
 
 
+class HelloPending(MembershipError):
+    """A heartbeat from a worker not yet known, on a device another worker holds.
+
+    Hello and heartbeat travel on two subjects that the coordinator reads through two subscriptions,
+    so a fresh worker's first beat can be handled before its hello even though the worker sent the
+    hello first. The beat is dropped without changing anything: the hello that follows replaces the
+    holder, and the next beat counts. It is also what a process that was replaced but still beats sends,
+    so the beat alone may never take a device.
+    """
+
+
 class Member(msgspec.Struct, kw_only=True):
     """What the coordinator knows of one live worker."""
 
@@ -145,7 +156,7 @@ class Membership:
             )
         if known is None and holder is not None:
             if isinstance(presence, Heartbeat):
-                raise MembershipError(
+                raise HelloPending(
                     "device",
                     f"{presence.device} belongs to worker {holder.worker_id!r}; "
                     f"{presence.worker_id!r} must say hello before it can take the device",

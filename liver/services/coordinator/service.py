@@ -19,7 +19,7 @@ reported); :class:`RequestTransfer` needs nothing, because the transfer planner 
 topologies from the stream itself and the core ignores plans of targets it dropped; commands go to one
 worker's subject or the job's; outcomes are published with their dedup id; membership is put in
 ``liver-membership`` for the ingester; :class:`Settle` acknowledges the held resize requests
-(:mod:`.adapter`); :class:`ReleasePlan` deletes the generation's plan objects in the background;
+(:mod:`.adapter`); :class:`ReleasePlan` deletes the generation's plan objects by name in the background;
 notes are logged.
 
 On start the core is restored from the stored record (resuming or aborting a handoff a predecessor
@@ -102,6 +102,8 @@ not spin the loop."""
 TICK_SLACK_S: Final = 0.005
 """The core acts when ``now`` is *past* a deadline."""
 PUBLISH_ATTEMPTS: Final = 3
+RELEASE_CONCURRENCY: Final = 32
+"""Object deletions in flight at once when a plan is released (each is three round trips)."""
 
 
 def control_subjects(job_id: str) -> dict[str, type]:
@@ -359,27 +361,37 @@ class CoordinatorService:
 
     async def _on_presence(self, msg: Msg) -> None:
         into = Hello if msg.subject == s.worker_hello(self.job_id) else Heartbeat
-        event = self._decode_worker(msg, into)
+        event = await self._decode_worker(msg, into)
         if event is not None:
             with bind_message(event):
                 await self._feed(event)
 
     async def _on_status(self, msg: Msg) -> None:
-        event = self._decode_worker(msg, WorkerStatus)
+        event = await self._decode_worker(msg, WorkerStatus)
         if event is not None:
             with bind_message(event):
                 await self._feed(event)
 
-    def _decode_worker(self, msg: Msg, into: type) -> Any:
-        """Worker traffic is not stored, so bad input is logged and counted (no dead letter)."""
+    async def _decode_worker(self, msg: Msg, into: type) -> Any:
+        """Worker traffic is core NATS (in no stream): bad input becomes an error event and a
+        dead letter made from the payload itself, as for stored input; only if JetStream cannot take
+        them is it just logged (a worker's heartbeat must never stall the coordinator)."""
+        assert self._js is not None
         try:
             return decode(msg.data, into)
         except MessageError as error:
             self.counts["worker_rejected"] += 1
-            with bind_message(job_id=self.job_id):
-                log.warning(
-                    "worker_message_rejected", subject=msg.subject, field=error.path, reason=error.reason
-                )
+            try:
+                await b.reject_unstored(self._js, SOURCE, subject=msg.subject, data=msg.data, error=error)
+            except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+                with bind_message(job_id=self.job_id):
+                    log.warning(
+                        "worker_message_rejected",
+                        subject=msg.subject,
+                        field=error.path,
+                        reason=error.reason,
+                        report_failed=repr(exc),
+                    )
             return None
 
     async def _follow_record(self) -> None:
@@ -538,7 +550,7 @@ class CoordinatorService:
                     settled_generation=action.generation,
                 )
             case ReleasePlan():
-                self._spawn(self._release_plan(action.generation), f"release-{action.generation}")
+                self._spawn(self._release_plan(action), f"release-{action.generation}")
             case _:
                 raise TypeError(f"not a coordinator action: {type(action).__name__}")
 
@@ -557,27 +569,43 @@ class CoordinatorService:
                 await asyncio.sleep(self.settings.retry_delay_s)
         raise AssertionError("unreachable")
 
-    async def _release_plan(self, generation: int) -> None:
-        """Delete the generation's plan objects; they expire with the store's TTL if this fails."""
+    async def _release_plan(self, action: ReleasePlan) -> None:
+        """Delete the generation's plan objects by the names the core took from ``TransferPlanned``.
+
+        No listing: a list reads the metadata of every object in the store (every job's, for the
+        store's whole TTL). What is not deleted here expires with the TTL.
+        """
         assert self._js is not None
-        prefix = s.plan_object_name(self.job_id, generation).rsplit("/", 1)[0] + "/"
-        with bind_message(job_id=self.job_id, generation=generation):
+        with bind_message(job_id=self.job_id, generation=action.generation):
+            if not action.objects:
+                log.info("plan_release_skipped", why="the plan's object names are not known here")
+                return
             try:
-                store = await self._js.object_store(s.OBJECT_STORE_PLANS)
-                infos = await store.list(ignore_deletes=True)
+                store = await self._js.object_store(action.bucket)
             except nats.js.errors.NotFoundError:
-                return  # no store, or nothing in it
+                return  # no store: nothing to delete
             except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
                 log.warning("plan_release_failed", error=repr(exc))
                 return
-            names = [i.name for i in infos if i.name and i.name.startswith(prefix)]
-            for name in names:
+            deleted = missing = 0
+            failed: list[str] = []
+
+            async def delete(name: str) -> None:
+                nonlocal deleted, missing
                 try:
                     await store.delete(name)
+                    deleted += 1
+                except nats.js.errors.NotFoundError:
+                    missing += 1
                 except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
-                    log.warning("plan_release_failed", object=name, error=repr(exc))
-                    return
-            log.info("plan_released", objects=len(names))
+                    failed.append(name)
+                    if len(failed) == 1:
+                        log.warning("plan_release_failed", object=name, error=repr(exc))
+
+            names = action.objects
+            for start in range(0, len(names), RELEASE_CONCURRENCY):
+                await asyncio.gather(*(delete(n) for n in names[start : start + RELEASE_CONCURRENCY]))
+            log.info("plan_released", objects=deleted, missing=missing, failed=len(failed))
 
     async def _reject(self, msg: Msg, error: MessageError) -> None:
         assert self._js is not None

@@ -2,7 +2,8 @@
 decision, and the message that answers the coordinator.
 
 The device pool is the live world less what leaves (``remove``) and what is gone (``lost``), plus what
-is offered (``add``). A ``target_devices`` below the pool's size keeps the devices that hold state
+is offered (``add``). ``lost`` travels on in ``TopologyPlanned`` so that the transfer planner takes no
+state from those devices. A ``target_devices`` below the pool's size keeps the devices that hold state
 first, whole nodes with the most state first, so that TP groups stay on one node and the fewest bytes
 move; a target above it cannot be met and fails. A request whose deadline has passed fails without
 planning: the coordinator has aborted it already, and a plan would only make the transfer planner work.
@@ -112,6 +113,7 @@ def answer(
             top=settings.top,
             tp_across_nodes=settings.tp_across_nodes,
             staging_bytes=settings.staging_bytes,
+            lost=request.lost,
         )
     except (TopologyError, SetupError) as exc:
         return Answer(failed(request, str(exc)), None)
@@ -129,5 +131,6 @@ def answer(
         candidates=decision.message_candidates(),
         explanation=explanation,
         deadline=request.deadline,
+        lost=request.lost,
     )
     return Answer(planned, decision)

@@ -19,6 +19,14 @@ says so. Among layouts within ``tolerance`` of the best estimated throughput the
 moves the fewest bytes wins (the current layout on unchanged devices moves none), then the current
 layout, then the faster: a lower bound ranks them so only a few are placed, and each placement's bytes
 are exact (:func:`.placement.bytes_moved`).
+
+Devices of the current world that are ``lost`` are not in ``devices`` (they can hold no new rank), and
+the transfer planner takes no state from them. The bytes-moved tie-break needs no change for that: it
+counts the new state less what each new rank finds on its own device, and a byte that must move is
+sent once whichever surviving replica sends it. Only the placement's weighting of bytes from a
+neighbour on the same node versus another node depends on who can send, so the placement's cost matrix
+gets ``lost`` too. Whether the state survives at all does not depend on the candidate (every layout
+needs all of it), so the transfer planner, which finds the tensor without a surviving holder, says so.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -182,6 +190,7 @@ class _Chooser:
         tp_across_nodes: bool,
         staging_bytes: int,
         inter_node_weight: float,
+        lost: Collection[Device] = (),
     ) -> None:
         self.model = model
         self.setup = setup
@@ -194,7 +203,8 @@ class _Chooser:
         self.nodes: dict[str, list[Device]] = {}
         for d in devices:
             self.nodes.setdefault(d.node, []).append(d)
-        self.surviving = set(current.placement.devices)
+        self.lost = frozenset(lost)
+        self.surviving = set(current.placement.devices) - self.lost
         self._selections: dict[tuple[int, int], tuple[Device, ...] | None] = {}
         self._overlaps: dict[ParallelLayout, Overlap] = {}
 
@@ -298,11 +308,11 @@ class _Chooser:
         layout = scored.score.layout
         if scored.score.tp_within_node and len({d.node for d in scored.devices}) > 1:
             placement = node_local_placement(
-                self.model, self.current, scored.devices, layout, self.inter_node_weight
+                self.model, self.current, scored.devices, layout, self.inter_node_weight, lost=self.lost
             )
         else:
             placement = optimized_placement(
-                self.model, self.current, scored.devices, layout, True, self.inter_node_weight
+                self.model, self.current, scored.devices, layout, True, self.inter_node_weight, lost=self.lost
             )
         world = WorldConfig(layout, placement)
         return placement, bytes_moved(self.model, self.current, world, self.overlap(layout))
@@ -330,15 +340,20 @@ def choose_topology(
     tp_across_nodes: bool = False,
     staging_bytes: int = DEFAULT_BUDGET_BYTES,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+    lost: Collection[Device] = (),
 ) -> TopologyDecision:
     """The target layout and placement for ``model`` on ``devices`` (surviving and added devices),
-    coming from ``current`` (see the module docstring). Raises :class:`TopologyError` naming the reason
-    when no layout of any number of the devices is valid and fits."""
+    coming from ``current`` of which the ``lost`` devices are gone (see the module docstring). Raises
+    :class:`TopologyError` naming the reason when no layout of any number of the devices is valid and
+    fits, or when ``devices`` names a lost device."""
     started = time.perf_counter()
     devices = tuple(devices)
     _validate(model, setup, current, devices, tolerance, top, staging_bytes)
+    gone = sorted(set(lost) & set(devices))
+    if gone:
+        raise TopologyError(f"devices: device {gone[0]} is lost and cannot hold a rank")
     chooser = _Chooser(
-        model, setup, hardware, current, devices, tp_across_nodes, staging_bytes, inter_node_weight
+        model, setup, hardware, current, devices, tp_across_nodes, staging_bytes, inter_node_weight, lost
     )
     everything = chooser.evaluate_count(len(devices))
     scored = everything

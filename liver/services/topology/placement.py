@@ -11,7 +11,7 @@ the choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -35,10 +35,12 @@ def node_local_placement(
     devices: Sequence[Device],
     layout: ParallelLayout,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+    *,
+    lost: Collection[Device] = (),
 ) -> Placement:
     """A cheap placement of ``layout`` on ``devices`` under the transfer planner's cost matrix with
     every TP group on one node (see the module docstring). Each node must hold a multiple of
-    ``layout.tp`` of the devices."""
+    ``layout.tp`` of the devices; ``lost`` devices of ``old`` send nothing."""
     tp = layout.tp
     if len(devices) != layout.world_size or len(set(devices)) != len(devices):
         raise LayoutError(
@@ -53,7 +55,7 @@ def node_local_placement(
             f"{layout.describe()}: node {uneven[0]} has {len(nodes[uneven[0]])} devices, "
             f"not a multiple of tp={tp}"
         )
-    cost = cost_matrix(model, old, devices, layout, True, inter_node_weight)
+    cost = cost_matrix(model, old, devices, layout, True, inter_node_weight, lost=lost)
     rows, cols = linear_sum_assignment(cost)
     free = np.empty(layout.world_size, dtype=np.intp)
     free[rows] = cols

@@ -7,28 +7,46 @@ can avoid moving, so that every handoff reports how much its placement saved.
 
 A plan that fails the independent verification is refused (:class:`~liver.shared.codec.MessageError`
 at ``$``): publishing it would have workers execute a transfer that loses or duplicates state.
+
+The message's ``lost`` devices are gone: no state is taken from them (the planner picks among the
+surviving DP replicas) and the verification proves it. When some state survives nowhere the answer is
+a :class:`~liver.shared.messages.PlanningFailed` (:func:`planning_failed`): the input was sound, the job
+cannot continue live, and the coordinator falls back to the checkpoint.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Collection
+from typing import NamedTuple, Protocol
 
 import msgspec
 
 from liver.services.transfer.placement import local_lower_bound, rank_order_placement
-from liver.services.transfer.planner import build_plan, plan_stats
+from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device, LayoutError, ParallelLayout
-from liver.shared.messages import PlanSummary, TopologyPlanned
+from liver.shared.messages import PlanningFailed, PlanSummary, TopologyPlanned
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan, PlanSlice, Task, WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import encode_plan
 
-Planner = Callable[[ModelSpec, WorldConfig, WorldConfig, int, bool], Plan]
-"""``build_plan``'s signature: the service takes it as a parameter so a test can hand it a faulty one."""
+
+class Planner(Protocol):
+    """``build_plan``'s signature: the service takes it as a parameter so a test can hand it a faulty one."""
+
+    def __call__(
+        self,
+        model: ModelSpec,
+        old: WorldConfig,
+        new: WorldConfig,
+        budget_bytes: int,
+        optimizer: bool,
+        *,
+        lost: Collection[Device] = (),
+    ) -> Plan: ...
+
 
 VERIFY_ERRORS_REPORTED = 5
 
@@ -40,7 +58,8 @@ class PlannedTransfer(NamedTuple):
     plan_file: bytes
     """The plan in the plan-file format (``docs/plan-format.md``): the auditable whole."""
     slice_files: tuple[bytes, ...]
-    """``slices`` encoded as JSON, in the same order: what each device fetches."""
+    """``slices`` as :class:`~liver.shared.plan.SliceFile` JSON (no worlds), in the same order, which is
+    :func:`~liver.shared.plan.slice_devices`'s: what each device fetches."""
     verify_seconds: float
     encode_seconds: float
     """Writing the plan file lists every rank's shards: for a large job it costs more than planning."""
@@ -60,16 +79,19 @@ def plan_transfer(
     optimizer: bool = True,
     planner: Planner = build_plan,
 ) -> PlannedTransfer:
-    """The verified plan for ``msg``, its summary and each device's slice; raises :class:`MessageError`."""
+    """The verified plan for ``msg``, its summary and each device's slice; raises :class:`MessageError`
+    for input that cannot be planned, :class:`NoSurvivingSource` when state was held only by ``lost``
+    devices (answer it with :func:`planning_failed`)."""
     model = msg.model
     _check_layout(model, msg.from_layout, "$.from_layout")
     _check_layout(model, msg.layout, "$.layout")
     old = WorldConfig(msg.from_layout, msg.from_placement)
     new = WorldConfig(msg.layout, msg.placement)
+    lost = msg.lost
     t0 = time.perf_counter()
-    plan = planner(model, old, new, budget_bytes, optimizer)
+    plan = planner(model, old, new, budget_bytes, optimizer, lost=lost)
     plan_seconds = time.perf_counter() - t0
-    report = verify_plan(plan)
+    report = verify_plan(plan, lost=lost)
     verify_seconds = time.perf_counter() - t0 - plan_seconds
     if not report.ok:
         shown = "; ".join(report.errors[:VERIFY_ERRORS_REPORTED])
@@ -84,7 +106,9 @@ def plan_transfer(
     if baseline == msg.placement:
         rank_order_bytes = stats.bytes_moved
     else:
-        baseline_plan = planner(model, old, WorldConfig(msg.layout, baseline), budget_bytes, optimizer)
+        baseline_plan = planner(
+            model, old, WorldConfig(msg.layout, baseline), budget_bytes, optimizer, lost=lost
+        )
         rank_order_bytes = plan_stats(baseline_plan).bytes_moved
     summary = PlanSummary(
         tasks=stats.slices,
@@ -101,7 +125,7 @@ def plan_transfer(
     slices = device_slices(plan, optimizer)
     t1 = time.perf_counter()
     plan_file = encode_plan(plan)
-    slice_files = tuple(msgspec.json.encode(piece) for piece in slices)
+    slice_files = tuple(msgspec.json.encode(piece.stored(msg.generation)) for piece in slices)
     return PlannedTransfer(
         plan=plan,
         summary=summary,
@@ -110,6 +134,17 @@ def plan_transfer(
         slice_files=slice_files,
         verify_seconds=verify_seconds,
         encode_seconds=time.perf_counter() - t1,
+    )
+
+
+def planning_failed(msg: TopologyPlanned, error: NoSurvivingSource) -> PlanningFailed:
+    """The answer to ``msg`` when the state its world needs survives on no device."""
+    return PlanningFailed(
+        job_id=msg.job_id,
+        event_id=msg.event_id,
+        generation=msg.generation,
+        stage="transfer",
+        reason=str(error)[:2000],
     )
 
 

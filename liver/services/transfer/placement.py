@@ -2,8 +2,9 @@
 
 ``cost[j, d]`` estimates what it costs to run new rank ``j`` on device ``d``: the bytes of ``j``'s new
 state that ``d`` does not hold already, with bytes that must cross nodes weighted ``inter_node_weight``
-times more than bytes a neighbour on the same node can provide. The exact bytes a placement moves are
-computed by the planner afterwards; the matrix is only the objective.
+times more than bytes a neighbour on the same node can provide (a lost neighbour provides nothing).
+The exact bytes a placement moves are computed by the planner afterwards; the matrix is only the
+objective.
 
 Data-parallel replicas hold the same data, so overlap depends only on (stage, TP rank) of the old rank
 on ``d`` and of ``j``: it is computed once per pair of those classes (a few hundred numbers for a
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -74,11 +75,13 @@ def optimized_placement(
     new: ParallelLayout,
     optimizer: bool = True,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+    *,
+    lost: Collection[Device] = (),
 ) -> Placement:
     """The placement minimising weighted bytes moved (exact for the cost matrix, via the Hungarian
     method in ``scipy.optimize.linear_sum_assignment``)."""
     _check_devices(new_devices, new)
-    cost = cost_matrix(model, old, new_devices, new, optimizer, inter_node_weight)
+    cost = cost_matrix(model, old, new_devices, new, optimizer, inter_node_weight, lost=lost)
     rows, cols = linear_sum_assignment(cost)
     devices = [None] * len(rows)
     for j, d in zip(rows, cols):
@@ -93,14 +96,18 @@ def cost_matrix(
     new: ParallelLayout,
     optimizer: bool = True,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
+    *,
+    lost: Collection[Device] = (),
 ) -> np.ndarray:
-    """``cost[new rank, device index in new_devices]`` (see the module docstring)."""
+    """``cost[new rank, device index in new_devices]`` (see the module docstring); old ranks on
+    ``lost`` devices count as no neighbour's state, since the planner takes nothing from them."""
     ol = old.layout
     overlap, need_cls = class_overlap(model, ol, new, optimizer)
     n_cls = new.pp * new.tp
     overlap = overlap.reshape(ol.pp * ol.tp, n_cls)
     need = need_cls.reshape(n_cls)
-    old_rank = old.placement.rank_on()
+    gone = frozenset(lost)
+    old_rank = {d: r for d, r in old.placement.rank_on().items() if d not in gone}
 
     def old_class(d: Device) -> int | None:
         r = old_rank.get(d)
@@ -110,7 +117,7 @@ def cost_matrix(
         return c.pp * ol.tp + c.tp
 
     node_classes: dict[str, set[int]] = defaultdict(set)
-    for d in old.placement.devices:
+    for d in old_rank:
         node_classes[d.node].add(old_class(d))  # type: ignore[arg-type]
     node_cover = {
         node: np.minimum(need, overlap[sorted(cls)].sum(axis=0)) for node, cls in node_classes.items()

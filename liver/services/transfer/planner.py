@@ -7,7 +7,9 @@ Pure computation on metadata (no I/O). The steps:
    distinct geometry, not per tensor).
 2. For each new rank that holds the group, one source per piece key: the old rank on the same device
    if it holds the piece (locality, a copy instead of a send), else a holder on the same node, else the
-   holder that has sent the fewest bytes so far (balance across DP replicas).
+   holder that has sent the fewest bytes so far (balance across DP replicas). Holders on ``lost``
+   devices (gone before the handoff: fail-stop, or a warning that came too late) are never candidates;
+   a piece whose every holder is lost cannot be rebuilt and planning fails (:class:`NoSurvivingSource`).
 3. Coalescing: all slices one source sends one destination for a layer become one task.
 4. Streaming: per layer, a destination receives at most ``budget_bytes`` over the network per round;
    bigger layers take several rounds, and a slice bigger than the budget is cut into boxes.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import chain
 from operator import itemgetter
 from typing import NamedTuple
@@ -41,6 +43,28 @@ from .placement import (
 )
 
 DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
+LOST_DEVICES_NAMED = 8
+"""How many lost devices a :class:`NoSurvivingSource` message lists before it only counts the rest."""
+
+
+class NoSurvivingSource(ValueError):
+    """Part of the training state was held only by lost devices, so no transfer plan can rebuild it.
+
+    Not a bug in the plan's inputs: the job cannot continue live and must fall back to its checkpoint
+    (the transfer service reports it as a ``PlanningFailed``, which the coordinator turns into that).
+    """
+
+    def __init__(self, tensor: str, holders: Sequence[Device], lost: Sequence[Device]) -> None:
+        self.tensor = tensor
+        self.holders = tuple(holders)
+        self.lost = tuple(sorted(lost))
+        named = ", ".join(map(str, self.lost[:LOST_DEVICES_NAMED]))
+        more = len(self.lost) - LOST_DEVICES_NAMED
+        super().__init__(
+            f"no surviving device holds part of {tensor}: its holders "
+            f"{', '.join(map(str, self.holders))} are all lost "
+            f"(lost devices: {named}{f' and {more} more' if more > 0 else ''})"
+        )
 
 
 class PlanStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,31 +90,56 @@ def build_plan(
     new: WorldConfig,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     optimizer: bool = True,
+    *,
+    lost: Collection[Device] = (),
 ) -> Plan:
-    """The plan that moves the training state of ``model`` from ``old`` to ``new``."""
+    """The plan that moves the training state of ``model`` from ``old`` to ``new``, taking nothing from
+    the ``lost`` devices of ``old``; raises :class:`NoSurvivingSource` when some state survives nowhere."""
     model.check_layout(old.layout)
     model.check_layout(new.layout)
     tensors = model.tensors(optimizer)
     if budget_bytes < max(t.itemsize for t in tensors):
         raise ValueError(f"budget_bytes ({budget_bytes}) is smaller than one element")
-    coalesced = _choose_sources(model, tensors, old, new)
+    lost = _check_lost(lost, old, new)
+    coalesced = _choose_sources(model, tensors, old, new, lost)
     tasks = _stream(coalesced, tensors, old, new, budget_bytes)
     return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
+
+
+def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) -> frozenset[Device]:
+    """``lost`` as a set, refused when it names a device outside the old world or one the new world
+    uses (a lost device can neither send nor receive)."""
+    out = frozenset(lost)
+    if not out:
+        return out
+    unknown = sorted(out - set(old.placement.devices))
+    if unknown:
+        raise LayoutError(f"lost: device {unknown[0]} is not in the old world")
+    used = sorted(out & set(new.placement.devices))
+    if used:
+        raise LayoutError(f"lost: device {used[0]} is lost but the new placement uses it")
+    return out
 
 
 class _Sources:
     """Source choice for pieces of one new rank's shard (step 2 of the module docstring)."""
 
-    def __init__(self, old: WorldConfig) -> None:
+    def __init__(self, old: WorldConfig, lost: frozenset[Device]) -> None:
         self.layout = old.layout
         self.coords = [old.layout.coords(r) for r in range(old.layout.world_size)]
-        self.rank_on = old.placement.rank_on()
+        self.alive = [d not in lost for d in old.placement.devices]
+        self.any_lost = bool(lost)
+        self.rank_on = {d: r for d, r in old.placement.rank_on().items() if d not in lost}
         self.on_node: dict[str, list[int]] = defaultdict(list)
         for r, d in enumerate(old.placement.devices):
-            self.on_node[d.node].append(r)
+            if d not in lost:
+                self.on_node[d.node].append(r)
         self.sent = [0] * old.layout.world_size
+        self.devices = old.placement.devices
 
     def choose(self, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int) -> int:
+        """The source rank for a piece held by old TP rank ``key`` (or any) on ``stages``; -1 when every
+        holder is lost."""
         r = self.rank_on.get(dev)
         if r is not None:
             c = self.coords[r]
@@ -107,14 +156,30 @@ class _Sources:
                 best = r
         if best >= 0:
             return best
-        lay = self.layout
-        tp = fallback_tp if key == ANY else key
+        best = self._least_loaded(fallback_tp if key == ANY else key, stages)
+        if best < 0 and key == ANY and self.any_lost:
+            # A replicated piece: every TP rank of the stages holds it, not only the usual one.
+            for tp in range(self.layout.tp):
+                r = self._least_loaded(tp, stages)
+                if r >= 0 and (best < 0 or self.sent[r] < self.sent[best]):
+                    best = r
+        return best
+
+    def _least_loaded(self, tp: int, stages: tuple[int, ...]) -> int:
+        lay, alive, sent = self.layout, self.alive, self.sent
+        best = -1
         for pp in stages:
             for dp in range(lay.dp):
                 r = lay.rank_of(tp, dp, pp)
-                if best < 0 or self.sent[r] < self.sent[best]:
+                if alive[r] and (best < 0 or sent[r] < sent[best]):
                     best = r
         return best
+
+    def holders(self, key: int, stages: tuple[int, ...]) -> list[Device]:
+        """The old devices holding a piece (all of them lost, when asked): for the error."""
+        lay = self.layout
+        tps = range(lay.tp) if key == ANY else (key,)
+        return [self.devices[lay.rank_of(tp, dp, pp)] for pp in stages for tp in tps for dp in range(lay.dp)]
 
 
 class _Chunk(NamedTuple):
@@ -145,14 +210,18 @@ def _relative_templates(
 
 
 def _choose_sources(
-    model: ModelSpec, tensors: tuple[TensorSpec, ...], old: WorldConfig, new: WorldConfig
+    model: ModelSpec,
+    tensors: tuple[TensorSpec, ...],
+    old: WorldConfig,
+    new: WorldConfig,
+    lost: frozenset[Device],
 ) -> dict[tuple[int, int, int], list[_Chunk]]:
     """``(layer, src, dst) -> chunks``: steps 1-3 of the module docstring."""
     ol, nl = old.layout, new.layout
     groups: dict[tuple[int, str], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.layer, t.home), []).append(i)
-    sources = _Sources(old)
+    sources = _Sources(old, lost)
     old_dev, new_dev = old.placement.devices, new.placement.devices
     templates: dict[tuple, list] = {}
     out: dict[tuple[int, int, int], list[_Chunk]] = defaultdict(list)
@@ -187,6 +256,10 @@ def _choose_sources(
                     dev = new_dev[dst]
                     for key, chunk in chunks:
                         src = sources.choose(key, s_old, dev, fallback_tp)
+                        if src < 0:
+                            raise NoSurvivingSource(
+                                tensors[chunk.slices[0][0]].name, sources.holders(key, s_old), lost
+                            )
                         if old_dev[src] != dev:
                             sources.sent[src] += chunk.nbytes
                         out[(layer, src, dst)].append(chunk)
@@ -388,8 +461,11 @@ def plan_resize(
     optimize: bool = True,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
     compare_rank_order: bool = True,
+    *,
+    lost: Collection[Device] = (),
 ) -> ResizePlan:
-    """Place ``new_layout`` on ``new_devices`` and plan the transfer (the transfer service's core)."""
+    """Place ``new_layout`` on ``new_devices`` and plan the transfer (the transfer service's core), with
+    no state taken from the ``lost`` devices of ``old``."""
     model.check_layout(new_layout)
     if len(new_devices) != new_layout.world_size:
         raise LayoutError(
@@ -397,15 +473,19 @@ def plan_resize(
         )
     t0 = time.perf_counter()
     if optimize:
-        placement = optimized_placement(model, old, new_devices, new_layout, optimizer, inter_node_weight)
+        placement = optimized_placement(
+            model, old, new_devices, new_layout, optimizer, inter_node_weight, lost=lost
+        )
     else:
         placement = rank_order_placement(old, new_devices, new_layout)
     t1 = time.perf_counter()
-    plan = build_plan(model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer)
+    plan = build_plan(model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer, lost=lost)
     t2 = time.perf_counter()
     stats = plan_stats(plan)
     rank_order_bytes = stats.bytes_moved
     if optimize and compare_rank_order:
+        # Which surviving replica sends a byte does not change how many bytes cross devices: ``lost``
+        # does not enter the count.
         baseline = rank_order_placement(old, new_devices, new_layout)
         rank_order_bytes = bytes_moved(model, old, WorldConfig(new_layout, baseline), optimizer)
     return ResizePlan(

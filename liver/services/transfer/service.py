@@ -3,13 +3,16 @@
 Per message: decode strictly; plan and verify in a worker thread (a large plan takes seconds, and the
 event loop must keep answering discovery and acknowledging progress meanwhile); store the full plan
 file and one slice per device in the ``liver-plans`` object store (a large job's plan is far over the
-1 MiB message limit); then publish ``TransferPlanned`` with a reference per device and the summary.
+1 MiB message limit); then publish ``TransferPlanned`` with the slices' naming rule (``SliceIndex``: a
+worker derives its slice's name from the two placements), a reference per device and the summary.
 
 Names derive from the ``TopologyPlanned``'s stream sequence, so a redelivery (after a crash, say)
 rewrites the same objects and republishes the same ``Nats-Msg-Id`` (JetStream drops the copy), while a
 re-plan of the same generation gets objects of its own and cannot overwrite a plan workers are reading.
 Invalid input or a plan that fails verification: an ``ErrorEvent``, a dead letter, no
-``TransferPlanned``.
+``TransferPlanned``. State that survives only on the message's ``lost`` devices: a ``PlanningFailed``
+(stage ``transfer``) naming the tensor and the lost devices, under the same message id a plan would
+have had; the coordinator aborts the generation and the job falls back to its checkpoint.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from nats.js.object_store import ObjectStore
 from liver.services import bus as b
 from liver.services.runtime import Bus, DeadLetteringConsumer, keep_in_progress
 from liver.services.transfer import core
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, build_plan
+from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
-from liver.shared.messages import ObjectRef, TopologyPlanned, TransferPlanned, WorkerPlanRef
+from liver.shared.messages import ObjectRef, SliceIndex, TopologyPlanned, TransferPlanned, WorkerPlanRef
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +107,7 @@ class TransferService:
         self._js: JetStreamContext | None = None
         self._store: ObjectStore | None = None
         self._consumer: DeadLetteringConsumer | None = None
-        self.counts = {"received": 0, "planned": 0, "rejected": 0}
+        self.counts = {"received": 0, "planned": 0, "failed": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
@@ -164,6 +167,9 @@ class TransferService:
             except MessageError as error:
                 await self._reject(msg, error)
                 return
+            except NoSurvivingSource as error:
+                await self._fail(msg, topology, error)
+                return
             seq = msg.metadata.sequence.stream
             out = await self._store_plan(topology, planned, seq)
             await self._js.publish(
@@ -196,7 +202,14 @@ class TransferService:
     ) -> TransferPlanned:
         job, generation = topology.job_id, topology.generation
         plan_ref = await self._put(s.plan_object_name(job, generation, f"plan-s{seq}"), planned.plan_file)
-        names = [s.plan_object_name(job, generation, f"s{seq}-{i:05d}") for i in range(len(planned.slices))]
+        # Slice i is named by its index in slice_devices(old, new): workers derive their slice's name from
+        # the Prepare's two placements instead of receiving a reference each.
+        index = SliceIndex(
+            bucket=s.OBJECT_STORE_PLANS,
+            prefix=s.plan_object_name(job, generation, f"s{seq}") + "-",
+            count=len(planned.slices),
+        )
+        names = index.names()
         refs: list[ObjectRef] = []
         # Puts are round trips; a job of a thousand devices needs them in flight together, in batches so
         # that a huge job does not queue thousands of publishes at once.
@@ -212,6 +225,7 @@ class TransferService:
             generation=generation,
             plan=plan_ref,
             workers=tuple(WorkerPlanRef(device=p.device, ref=r) for p, r in zip(planned.slices, refs)),
+            slices=index,
             summary=planned.summary,
             deadline=topology.deadline,
         )
@@ -220,6 +234,22 @@ class TransferService:
         assert self._store is not None
         info = await self._store.put(name, data)
         return ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=name, size=len(data), digest=info.digest)
+
+    async def _fail(self, msg: Msg, topology: TopologyPlanned, error: NoSurvivingSource) -> None:
+        assert self._js is not None
+        await self._js.publish(
+            s.planning_failed(topology.job_id),
+            encode(core.planning_failed(topology, error)),
+            headers={s.HEADER_MSG_ID: f"transfer-{msg.metadata.stream}-{msg.metadata.sequence.stream}"},
+        )
+        await msg.ack()
+        self.counts["failed"] += 1
+        log.warning(
+            "transfer_planning_failed",
+            tensor=error.tensor,
+            lost=[str(d) for d in error.lost],
+            reason=str(error),
+        )
 
     async def _reject(self, msg: Msg, error: MessageError) -> None:
         assert self._js is not None
