@@ -46,3 +46,28 @@ def test_help_lists_every_command_without_importing_them(capsys):
     out = capsys.readouterr().out
     for name in ("plan", "serve", "worker", "workers", "demo", "sim", "bench"):
         assert name in out
+
+
+def test_plan_with_a_lost_replica_reads_everything_from_the_survivor(tmp_path, capsys):
+    from liver.shared.plan_file import read_plan
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny-gpt", "--from", "1,1,2", "--to", "1,1,1", "--per-node", "1"]
+    assert main([*argv, "--lost", "node001", "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"] is True
+    plan = read_plan(str(out))
+    assert plan.new.placement.devices == plan.old.placement.devices[:1]
+    assert {t.src for t in plan.tasks} == {0}
+
+
+def test_plan_whose_state_was_only_on_lost_devices_says_the_job_falls_back(capsys):
+    argv = ["plan", "--model", "tiny-gpt", "--from", "2,1,1", "--to", "1,1,1", "--per-node", "1"]
+    assert main([*argv, "--lost", "node001:0"]) == 1
+    err = capsys.readouterr().err
+    assert "no live transfer is possible" in err and "node001:0" in err and "checkpoint" in err
+
+
+def test_plan_refuses_a_lost_device_outside_the_old_world(capsys):
+    argv = ["plan", "--model", "tiny-gpt", "--from", "2,1,1", "--to", "1,1,1"]
+    assert main([*argv, "--lost", "node007:3"]) == 2
+    assert "--lost: 'node007:3' is not a device" in capsys.readouterr().err

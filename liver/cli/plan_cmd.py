@@ -8,8 +8,8 @@ import time
 
 import msgspec
 
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, plan_resize
-from liver.shared.layout import ParallelLayout, Placement, default_devices, parse_devices
+from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, plan_resize
+from liver.shared.layout import Device, ParallelLayout, Placement, default_devices, parse_devices
 from liver.shared.model import load_model
 from liver.shared.plan import WorldConfig
 from liver.shared.plan_check import verify_plan
@@ -57,6 +57,29 @@ def layout_arg(text: str) -> ParallelLayout:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_lost(text: str, old_devices: tuple[Device, ...]) -> tuple[Device, ...]:
+    """``NODE`` (every device of it) or ``NODE:I`` items, each naming devices of the old world."""
+    by_node: dict[str, list[Device]] = {}
+    for d in old_devices:
+        by_node.setdefault(d.node, []).append(d)
+    lost: list[Device] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        node, sep, index = item.rpartition(":")
+        if not sep:
+            if item not in by_node:
+                raise ValueError(f"--lost: {item!r} is not a node of the old world")
+            lost.extend(by_node[item])
+        elif index.isdigit() and Device(node, int(index)) in old_devices:
+            lost.append(Device(node, int(index)))
+        else:
+            raise ValueError(f"--lost: {item!r} is not a device (NODE:INDEX) of the old world")
+    if not lost:
+        raise ValueError("--lost: name at least one node or device")
+    return tuple(dict.fromkeys(lost))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan the state transfer of one resize and print its summary")
     p.add_argument(
@@ -68,6 +91,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--devices",
         help="new device set: NxM, drop:NODE,..., or add:NxM (default: the old devices, trimmed or "
         "extended by whole nodes)",
+    )
+    p.add_argument(
+        "--lost",
+        metavar="NODE[:I],...",
+        help="old devices that are gone (a whole node, or one device): no state is read from them, and "
+        "the default new device set leaves them out",
     )
     p.add_argument("--per-node", type=int, default=8, help="devices per node of the old world (default 8)")
     p.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_BYTES / MIB, help="staging buffer B")
@@ -90,29 +119,41 @@ def run(args: argparse.Namespace) -> int:
     model.check_layout(args.old)
     model.check_layout(args.new)
     old_devices = default_devices(args.old.world_size, args.per_node)
+    lost = parse_lost(args.lost, old_devices) if args.lost else ()
+    alive = tuple(d for d in old_devices if d not in lost)
     if args.devices:
         new_devices = parse_devices(args.devices, old_devices)
-    elif args.new.world_size <= len(old_devices):
-        new_devices = old_devices[: args.new.world_size]
+        reused = [str(d) for d in new_devices if d in lost]
+        if reused:
+            raise ValueError(f"--lost: {', '.join(reused[:8])} also in the new device set (--devices)")
+    elif args.new.world_size <= len(alive):
+        new_devices = alive[: args.new.world_size]
     else:
-        extra = args.new.world_size - len(old_devices)
+        extra = args.new.world_size - len(alive)
         per = min(args.per_node, extra) if args.new.world_size > args.per_node else args.new.world_size
-        new_devices = parse_devices(f"add:{-(-extra // per)}x{per}", old_devices)[: args.new.world_size]
+        added = parse_devices(f"add:{-(-extra // per)}x{per}", old_devices)[len(old_devices) :]
+        new_devices = (alive + added)[: args.new.world_size]
     old = WorldConfig(args.old, Placement(old_devices))
-    rp = plan_resize(
-        model,
-        old,
-        args.new,
-        new_devices,
-        budget_bytes=int(args.budget_mib * MIB),
-        optimizer=not args.params_only,
-        optimize=not args.rank_order,
-    )
+    try:
+        rp = plan_resize(
+            model,
+            old,
+            args.new,
+            new_devices,
+            budget_bytes=int(args.budget_mib * MIB),
+            optimizer=not args.params_only,
+            optimize=not args.rank_order,
+            lost=lost,
+        )
+    except NoSurvivingSource as exc:
+        print(f"liver plan: no live transfer is possible: {exc}", file=sys.stderr)
+        print("liver plan: a job in this state falls back to its last checkpoint", file=sys.stderr)
+        return 1
     report = None
     verify_seconds = None
     if not args.no_verify:
         t0 = time.perf_counter()
-        report = verify_plan(rp.plan)
+        report = verify_plan(rp.plan, lost=lost)
         verify_seconds = time.perf_counter() - t0
     if args.out:
         write_plan(rp.plan, args.out)
