@@ -11,8 +11,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.object_store import ObjectStore
 
+from liver.services.bus import ensure_kv
 from liver.services.transfer.core import device_slices
 from liver.services.transfer.planner import build_plan
+from liver.services.transfer.store import PlanWriter
 from liver.shared import subjects as s
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import Abort, ObjectRef, Prepare, SliceIndex, Switch
@@ -65,6 +67,19 @@ async def put_slices(js: JetStreamContext, job: str, generation: int, tag: str =
     index = slice_index(job, generation, tag)
     for i, piece in enumerate(slices().values()):  # device_slices' order is slice_devices'
         await put_object(js, index.name(i), msgspec.json.encode(piece.stored(generation)))
+    return index
+
+
+async def put_slice_entries(js: JetStreamContext, job: str, generation: int, tag: str = "s1") -> SliceIndex:
+    """Every device's slice of :func:`plan` stored as the transfer service stores them now: key-value
+    entries (each fits a message), through the service's own writer."""
+    objects = await plans_store(js)
+    await ensure_kv(js, s.KV_PLAN_SLICES, description="plan slices", ttl_s=600.0)
+    writer = PlanWriter(
+        js, objects, object_bucket=s.OBJECT_STORE_PLANS, kv_bucket=s.KV_PLAN_SLICES, kv_max_bytes=1 << 19
+    )
+    files = [msgspec.json.encode(piece.stored(generation)) for piece in slices().values()]
+    index, _ = await writer.put_slices(s.plan_object_name(job, generation, tag) + "-", files)
     return index
 
 

@@ -23,6 +23,7 @@ from companion_helpers import (
     abort,
     prepare,
     put_object,
+    put_slice_entries,
     put_slices,
     slice_index,
     slices,
@@ -322,6 +323,38 @@ async def test_a_plan_slice_for_another_device_is_refused_and_reported_failed(
     assert ack.phase == "failed" and ack.generation == 1
     assert ack.error is not None and "$.device" in ack.error
     assert error.field == "$.device"
+    assert hooks.calls == []
+
+
+async def test_prepare_reads_a_slice_stored_as_a_key_value_entry(nats_server: NatsServer, job: str) -> None:
+    hooks = RecordingHooks()
+    async with (
+        client(nats_server.url) as (nc, js),
+        running(Companion(identity(job), hooks, url=nats_server.url)),
+    ):
+        index = await put_slice_entries(js, job, 1)
+        assert index.kv_bucket == s.KV_PLAN_SLICES and index.objects == ()
+        await publish(nc, s.worker_commands(job), prepare(job, 1, index))
+        await eventually(lambda: _true(len(hooks.named("prepare")) == 1), what="on_prepare called")
+    ((_, plan),) = hooks.named("prepare")  # type: ignore[misc]
+    assert isinstance(plan, Plan) and plan.tasks == slices()[DEVICES[0]].tasks
+
+
+async def test_a_missing_slice_entry_is_reported_failed_naming_its_key_after_the_fetch_timeout(
+    nats_server: NatsServer, job: str
+) -> None:
+    hooks = RecordingHooks()
+    settings = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=0.5)
+    async with client(nats_server.url) as (nc, js):
+        acks = await Collector.on(nc, s.worker_status(job))
+        index = await put_slice_entries(js, job, 1)  # the bucket exists; the keys below do not
+        elsewhere = msgspec.structs.replace(index, prefix=s.plan_object_name(job, 1, "nothing") + "-")
+        async with running(Companion(identity(job), hooks, url=nats_server.url, settings=settings)):
+            await publish(nc, s.worker_commands(job), prepare(job, 1, elsewhere))
+            (ack,) = await statuses(acks, 1)
+    assert ack.phase == "failed" and ack.error is not None
+    assert f"key-value entry {s.KV_PLAN_SLICES}/{job}.1.nothing.00000: no such entry" in ack.error
+    assert "fetch_timeout_s = 0.5 s" in ack.error
     assert hooks.calls == []
 
 

@@ -4,16 +4,23 @@ decoded strictly and checked against the Prepare and its device."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import nats.errors
 import pytest
+from bus_helpers import client
 from companion_helpers import DEVICES, NEW_LAYOUT, prepare, slices
+from nats.js import JetStreamContext
 
+from liver.services import bus as b
+from liver.shared import subjects as s
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device
+from liver.shared.nats_server import NatsServer
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice, view_of
 
@@ -165,3 +172,73 @@ async def test_a_request_that_times_out_is_not_reported_as_the_whole_read_timing
     text = str(caught.value)
     assert "request timeout" in text and "allowed 30 s" in text
     assert "not read within" not in text
+
+
+async def test_a_read_of_an_entry_that_runs_out_of_its_time_says_which_key_how_long_and_what_it_awaited() -> (
+    None
+):
+    fetcher = PlanFetcher(_StalledStream("hang"))  # type: ignore[arg-type]
+    with pytest.raises(PlanFetchError) as caught:
+        await fetcher.fetch_entry("liver-slices", "job.1.s1.00002", 0.05)
+    text = str(caught.value)
+    assert "key-value entry liver-slices/job.1.s1.00002" in text
+    assert "not read within the 0.05 s allowed" in text and "waiting for the entry" in text
+
+
+async def test_an_entry_request_that_times_out_is_not_reported_as_the_whole_read_timing_out() -> None:
+    fetcher = PlanFetcher(_StalledStream("timeout"))  # type: ignore[arg-type]
+    with pytest.raises(PlanFetchError) as caught:
+        await fetcher.fetch_entry("liver-slices", "job.1.s1.00002", 30.0)
+    text = str(caught.value)
+    assert "liver-slices/job.1.s1.00002" in text
+    assert "request timeout" in text and "allowed 30 s" in text and "not read within" not in text
+
+
+@pytest.fixture
+def server() -> Iterator[NatsServer]:
+    with NatsServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+async def js(server: NatsServer) -> AsyncIterator[JetStreamContext]:
+    async with client(server.url) as (_, js):
+        await b.ensure_kv(js, s.KV_PLAN_SLICES, description="test", ttl_s=60.0)
+        yield js
+
+
+async def test_a_missing_slice_entry_is_named_by_its_key_once_the_read_has_waited_its_time(
+    js: JetStreamContext,
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(PlanFetchError) as caught:
+        await PlanFetcher(js).fetch_entry(s.KV_PLAN_SLICES, "job.1.s1.00002", 0.3)
+    assert time.monotonic() - started >= 0.3, "a missing entry is looked for again until the time is up"
+    text = str(caught.value)
+    assert f"key-value entry {s.KV_PLAN_SLICES}/job.1.s1.00002: no such entry" in text
+    assert "allowed 0.3 s" in text
+
+
+async def test_a_slice_entry_that_appears_while_the_worker_waits_is_read(js: JetStreamContext) -> None:
+    kv = await js.key_value(s.KV_PLAN_SLICES)
+    read = asyncio.create_task(PlanFetcher(js).fetch_entry(s.KV_PLAN_SLICES, "job.1.s1.00003", 5.0))
+    await asyncio.sleep(0.1)
+    await kv.put("job.1.s1.00003", b"late")
+    assert await read == b"late"
+
+
+async def test_a_deleted_slice_entry_fails_at_once_saying_the_plan_was_released(js: JetStreamContext) -> None:
+    kv = await js.key_value(s.KV_PLAN_SLICES)
+    await kv.put("job.1.s1.00004", b"gone soon")
+    await kv.delete("job.1.s1.00004")
+    started = time.monotonic()
+    with pytest.raises(PlanFetchError, match=r"liver-slices/job\.1\.s1\.00004: deleted .*released"):
+        await PlanFetcher(js).fetch_entry(s.KV_PLAN_SLICES, "job.1.s1.00004", 5.0)
+    assert time.monotonic() - started < 2.0
+
+
+async def test_a_slice_in_a_bucket_that_does_not_exist_is_refused_naming_the_bucket(
+    js: JetStreamContext,
+) -> None:
+    with pytest.raises(PlanFetchError, match=r"entry no-such-bucket/k\.00001: the bucket does not exist"):
+        await PlanFetcher(js).fetch_entry("no-such-bucket", "k.00001", 1.0)

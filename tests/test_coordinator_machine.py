@@ -127,7 +127,10 @@ def plan_topology(request: TopologyRequest) -> TopologyPlanned | PlanningFailed:
 
 
 def plan_transfer(
-    topology: TopologyPlanned, max_receive_bytes: int = MiB, verified: bool = True
+    topology: TopologyPlanned,
+    max_receive_bytes: int = MiB,
+    verified: bool = True,
+    slices: SliceIndex | None = None,
 ) -> TransferPlanned:
     devices = slice_devices(topology.from_placement, topology.placement)
     g = topology.generation
@@ -144,9 +147,8 @@ def plan_transfer(
             )
             for d in devices
         ),
-        slices=SliceIndex(
-            bucket="liver-plans", prefix=plan_object_name(JOB, g, "s1") + "-", count=len(devices)
-        ),
+        slices=slices
+        or SliceIndex(bucket="liver-plans", prefix=plan_object_name(JOB, g, "s1") + "-", count=len(devices)),
         summary=PlanSummary(
             tasks=8,
             tasks_coalesced=4,
@@ -613,6 +615,25 @@ def test_cleanup_releases_the_committed_generations_plan_objects_by_name() -> No
     prefix = plan_object_name(JOB, 1, "s1") + "-"
     slices = [f"{prefix}{i:05d}" for i in range(len(WORLD))]
     assert release.objects == (plan_object_name(JOB, 1), *slices)  # by name: no listing of the store
+
+
+def test_cleanup_releases_slice_entries_by_their_key_pattern_and_slice_objects_by_name() -> None:
+    d = started()
+    d.warn("evt-1", "node001")
+    index = SliceIndex(
+        bucket="liver-plans",
+        prefix=plan_object_name(JOB, 1, "s1") + "-",
+        count=len(WORLD),
+        kv_bucket="liver-slices",
+        objects=(1,),
+    )
+    while not d.has(RequestTransfer):
+        d.write() if d.has(WriteRecord) else d.topology()
+    d.transfer(slices=index)
+    d.run()
+    (release,) = [a for a in d.log if isinstance(a, ReleasePlan)]
+    assert release.objects == (plan_object_name(JOB, 1), index.name(1))
+    assert (release.kv_bucket, release.kv_keys) == ("liver-slices", f"{JOB}.1.s1.*")
 
 
 # -- aborts -----------------------------------------------------------------------------------------------

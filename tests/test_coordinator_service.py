@@ -64,6 +64,7 @@ from liver.shared.messages import (
     SpotWarning,
     Switch,
     TopologyRequest,
+    TransferPlanned,
     WorkerCommand,
     WorkerStatus,
     WorldStarted,
@@ -88,7 +89,9 @@ TOPOLOGY = TopologySettings(
     progress_every_s=1.0,
     retry_delay_s=0.1,
 )
-TRANSFER = TransferSettings(ack_wait_s=5.0, progress_every_s=1.0, retry_delay_s=0.1)
+TRANSFER = TransferSettings(ack_wait_s=5.0, progress_every_s=1.0, retry_delay_s=0.1, kv_slice_max_bytes=2048)
+"""The scale-in's slices are about 0.5 KB (the staying devices) and 3.3 KB (the leaving ones): a
+2 KB limit stores some as entries and some as objects, so that a release meets both."""
 BEAT_S = 0.2
 
 
@@ -484,7 +487,8 @@ async def test_a_spot_warning_runs_through_every_service_to_a_committed_scale_in
     assert not rig.outcomes(rig.aborted, GenerationAborted)
 
 
-async def test_the_committed_generations_plan_objects_are_deleted(rig: Rig) -> None:
+async def test_the_committed_generations_plan_objects_and_slice_entries_are_deleted(rig: Rig) -> None:
+    planned = await Collector.on(rig.nc, s.transfer_planned(rig.job))
     async with (
         running(CoordinatorService(settings(rig.job)), rig.url),
         running(Ingester(IngesterSettings(ack_wait_s=2.0, retry_delay_s=0.1)), rig.url),
@@ -496,7 +500,11 @@ async def test_the_committed_generations_plan_objects_are_deleted(rig: Rig) -> N
         )
         await rig.publish(s.SPOT_WARNING, warning)
         await committed(rig)
+        plan = await planned.one(TransferPlanned)
+        index = plan.slices
+        assert 0 < len(index.objects) < index.count, "both kinds of slice are stored (TRANSFER's limit)"
         store = await rig.js.object_store(s.OBJECT_STORE_PLANS)
+        entries = await rig.js.key_value(s.KV_PLAN_SLICES)
 
         async def released() -> bool:
             try:
@@ -505,7 +513,19 @@ async def test_the_committed_generations_plan_objects_are_deleted(rig: Rig) -> N
                 return True
             return not [i for i in infos if (i.name or "").startswith(f"{rig.job}/1/")]
 
-        await eventually(released, what="generation 1's plan file and slices deleted")
+        async def entry_missing(key: str) -> bool:
+            try:
+                await entries.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return True
+            return False
+
+        async def entries_released() -> bool:
+            keys = [index.key(i) for i in range(index.count) if not index.in_objects(i)]
+            return all([await entry_missing(k) for k in keys])
+
+        await eventually(released, what="generation 1's plan file and slice objects deleted")
+        await eventually(entries_released, what="generation 1's slice entries deleted")
 
 
 async def test_a_scale_request_adds_the_offered_node_to_the_world(rig: Rig) -> None:

@@ -118,7 +118,9 @@ def test_there_is_one_user_per_role_and_each_password_comes_from_its_variable() 
 
 def test_every_stream_bucket_and_store_the_config_names_is_one_liver_uses() -> None:
     known = {spec.name for spec in s.STREAMS}
-    known |= {f"KV_{bucket}" for bucket in (s.KV_GENERATIONS, s.KV_MEMBERSHIP, s.KV_EVENTS_SEEN)}
+    known |= {
+        f"KV_{bucket}" for bucket in (s.KV_GENERATIONS, s.KV_MEMBERSHIP, s.KV_EVENTS_SEEN, s.KV_PLAN_SLICES)
+    }
     known.add(f"OBJ_{s.OBJECT_STORE_PLANS}")
     named = {name for name in map(stream_named, quoted_subjects()) if name is not None}
     assert named, "the config names no stream at all"

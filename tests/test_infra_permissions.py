@@ -22,6 +22,7 @@ from liver.shared import subjects as s
 from liver.shared.codec import encode
 from liver.shared.messages import SpotWarning
 from liver.shared.nats_server import NatsServer
+from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError
 
 
 class Rig:
@@ -200,6 +201,30 @@ async def test_a_worker_receives_its_commands_but_not_the_workers_reports(rig: R
         await commands.wait_for(1)
         await nc.subscribe(s.WORKER_STATUS_ANY)
         await refused(errors, "subscription", s.WORKER_STATUS_ANY)
+
+
+async def test_slice_entries_are_written_by_the_transfer_planner_read_by_workers_purged_by_the_coordinator(
+    rig: Rig,
+) -> None:
+    key, bucket = "job-p.1.s1.00000", s.KV_PLAN_SLICES
+    async with (
+        connected(rig.url, *rig.login("transfer")) as (transfer, transfer_errors),
+        connected(rig.url, *rig.login("worker")) as (worker, errors),
+        connected(rig.url, *rig.login("coordinator")) as (coordinator, coordinator_errors),
+    ):
+        kv = await b.ensure_kv(transfer.jetstream(), bucket, description="test", ttl_s=60.0)
+        await kv.put(key, b"slice")
+        fetcher = PlanFetcher(worker.jetstream())
+        assert await fetcher.fetch_entry(bucket, key, 5.0) == b"slice"
+        await worker.publish(f"$KV.{bucket}.{key}", b"forged")
+        await refused(errors, "publish", f"$KV.{bucket}.{key}")
+        await worker.publish(f"$JS.API.STREAM.PURGE.KV_{bucket}", b"")
+        await refused(errors, "publish", f"$JS.API.STREAM.PURGE.KV_{bucket}")
+        assert await fetcher.fetch_entry(bucket, key, 5.0) == b"slice", "the forged write did not land"
+        await coordinator.jetstream().purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.job-p.1.s1.*")
+        with pytest.raises(PlanFetchError, match="no such entry"):
+            await fetcher.fetch_entry(bucket, key, 0.2)
+        assert transfer_errors == [] and coordinator_errors == []
 
 
 async def test_the_server_logs_every_refusal_it_reports(rig: Rig) -> None:

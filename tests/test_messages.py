@@ -385,6 +385,31 @@ def test_a_slice_index_names_each_device_by_its_index() -> None:
         SLICES.name(8)
 
 
+def test_a_slice_is_a_key_value_entry_with_a_dotted_key_unless_listed_as_an_object() -> None:
+    index = m.SliceIndex(
+        bucket="liver-plans", prefix="job-1/3/s7-", count=4, kv_bucket="liver-slices", objects=(2,)
+    )
+    assert index.location(0) == m.SliceLocation("kv", "liver-slices", "job-1.3.s7.00000")
+    assert index.location(2) == m.SliceLocation("object", "liver-plans", "job-1/3/s7-00002")
+    assert index.object_names() == ("job-1/3/s7-00002",) and index.kv_keys_pattern() == "job-1.3.s7.*"
+    assert SLICES.location(3).store == "object", "without a key-value bucket every slice is an object"
+
+
+@pytest.mark.parametrize(
+    ("fields", "path"),
+    [
+        pytest.param({"prefix": "job-1//s7-"}, "$.slices.prefix", id="empty-key-token"),
+        pytest.param({"objects": [3, 1]}, "$.slices.objects[1]", id="objects-out-of-order"),
+        pytest.param({"objects": [8]}, "$.slices.objects[0]", id="object-index-past-the-count"),
+        pytest.param({"kv_bucket": None, "objects": [1]}, "$.slices.objects", id="objects-without-a-bucket"),
+    ],
+)
+def test_a_bad_slice_index_is_refused_naming_the_field(fields: dict[str, object], path: str) -> None:
+    slices = {"bucket": "liver-plans", "prefix": "job-1/1/s1-", "count": 8, "kv_bucket": "liver-slices"}
+    slices.update(fields)
+    assert rejected(payload(samples()[m.Prepare], slices=slices), m.Prepare).path == path
+
+
 def test_a_spot_warning_needs_a_notice_or_a_deadline() -> None:
     error = rejected(payload(SPOT, notice_s=None, deadline=None), m.SpotWarning)
     assert error.path == "$.notice_s"

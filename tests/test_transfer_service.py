@@ -73,6 +73,11 @@ class Rig:
         return (await self.js.publish(s.topology_planned(JOB), data)).seq
 
     async def fetch(self, ref: ObjectRef) -> bytes:
+        """A plan object or a slice, from the store its reference names, checked against the reference."""
+        if ref.bucket == s.KV_PLAN_SLICES:
+            entry = await (await self.js.key_value(ref.bucket)).get(ref.name)
+            assert entry.value is not None and len(entry.value) == ref.size
+            return entry.value
         store = await self.js.object_store(ref.bucket)
         result = await store.get(ref.name)
         assert result.info.digest == ref.digest
@@ -157,9 +162,10 @@ async def test_every_slice_is_named_by_its_devices_index_in_both_worlds(rig: Rig
     out = await rig.planned.one(TransferPlanned)
     devices = slice_devices(SCALE_IN.from_placement, SCALE_IN.placement)
     assert out.slices.count == len(devices) == len(out.workers)
-    assert out.slices.bucket == s.OBJECT_STORE_PLANS
+    assert (out.slices.bucket, out.slices.kv_bucket) == (s.OBJECT_STORE_PLANS, s.KV_PLAN_SLICES)
     for i, (device, worker) in enumerate(zip(devices, out.workers, strict=True)):
-        assert worker.device == device and worker.ref.name == out.slices.name(i)
+        where = out.slices.location(i)
+        assert worker.device == device and (worker.ref.bucket, worker.ref.name) == (where.bucket, where.name)
 
 
 async def test_a_slice_repeats_no_world(rig: Rig) -> None:

@@ -655,8 +655,8 @@ class SizeRun:
         plan's objects deleted once the handoff ends)."""
         await timeline.planned.wait()
         planned = decode(timeline.raw["transfer_planned"], TransferPlanned)
-        ref = next((w.ref for w in planned.workers if w.device == self.probe.device), None)
-        return None if ref is None else await PlanFetcher(self.js).fetch(ref, 60.0)
+        i = next((i for i, w in enumerate(planned.workers) if w.device == self.probe.device), None)
+        return None if i is None else await PlanFetcher(self.js).fetch_slice(planned.slices.location(i), 60.0)
 
     def _contract(self, timeline: Timeline, piece_bytes: bytes | None) -> ContractReport | None:
         data = timeline.raw.get("prepare")

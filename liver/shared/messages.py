@@ -17,9 +17,10 @@ is a comparison and a stale ack is recognisable at a glance.
 
 from __future__ import annotations
 
+import bisect
 import re
 from datetime import datetime, timedelta
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -36,6 +37,8 @@ NODE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,252}$"
 (``ip-10-0-1-7.ec2.internal``, ``aws:///us-east-1a/i-0abc``)."""
 
 _NODE = re.compile(NODE_PATTERN)
+_KV_KEY_TOKEN = re.compile(r"^[A-Za-z0-9_=-]+$")
+"""One token of a key-value key (NATS also allows ``/``, which slice keys replace by ``.``)."""
 
 JobId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe job id")]
 EventId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe id of the triggering event")]
@@ -341,25 +344,107 @@ class WorkerPlanRef(Part):
     ref: ObjectRef
 
 
+class SliceLocation(NamedTuple):
+    """Where one slice is stored: an entry of a key-value bucket or an object of an object store."""
+
+    store: Literal["kv", "object"]
+    bucket: str
+    name: str
+    """The entry's key or the object's name."""
+
+    def __str__(self) -> str:
+        kind = "key-value entry" if self.store == "kv" else "object"
+        return f"{kind} {self.bucket}/{self.name}"
+
+
 class SliceIndex(Part):
     """Where every device finds its plan slice, without one reference per device on the bus.
 
-    Device ``d``'s slice is the object :meth:`name` ``(i)`` of ``bucket``, ``i`` being ``d``'s index in
-    :func:`liver.shared.plan.slice_devices` of the old and the new placement; ``count`` is the number of
-    slices (every device of either world has one, empty or not).
+    Device ``d``'s slice has index ``i``, ``d``'s position in :func:`liver.shared.plan.slice_devices`
+    of the old and the new placement; ``count`` is the number of slices (every device of either world
+    has one, empty or not). Slice ``i`` is the entry :meth:`key` ``(i)`` of the key-value bucket
+    ``kv_bucket``, unless ``i`` is listed in ``objects`` (a slice too large for one message): that one,
+    like every slice when ``kv_bucket`` is ``None``, is the object :meth:`name` ``(i)`` of the object
+    store ``bucket``. A reader thus makes one read in the store that holds its slice, and the
+    coordinator can delete them all by name (:meth:`location`, ``docs/plan-format.md``).
     """
 
     bucket: Token
     prefix: ObjectName
     count: Count
+    kv_bucket: Token | None = None
+    objects: tuple[NonNegative, ...] = ()
+    """The slices stored as objects although ``kv_bucket`` is set, in increasing order."""
+
+    def __post_init__(self) -> None:
+        if self.kv_bucket is None:
+            if self.objects:
+                raise _invalid("objects", "lists slices stored as objects, but without `kv_bucket` all are")
+            return
+        tokens = self.kv_prefix[:-1].split(".")
+        bad = next((t for t in tokens if _KV_KEY_TOKEN.match(t) is None), None)
+        if bad is not None:
+            raise _invalid(
+                "prefix",
+                f"{self.prefix!r} makes the key prefix {self.kv_prefix!r}, whose part {bad!r} is not "
+                "1+ ASCII letters, digits, '_', '=' or '-'",
+            )
+        for k, i in enumerate(self.objects):
+            if i >= self.count:
+                raise _invalid(f"objects[{k}]", f"{i} is not a slice index below {self.count}")
+            if k and i <= self.objects[k - 1]:
+                raise _invalid(f"objects[{k}]", f"{i} does not follow {self.objects[k - 1]} (in order)")
 
     def name(self, index: int) -> str:
-        if not 0 <= index < self.count:
-            raise ValueError(f"`index`: {index} is not a slice index below {self.count}")
+        """Object name of slice ``index`` (``<prefix><index:05d>``)."""
+        self._check(index)
         return f"{self.prefix}{index:05d}"
 
     def names(self) -> tuple[str, ...]:
         return tuple(self.name(i) for i in range(self.count))
+
+    @property
+    def kv_prefix(self) -> str:
+        """``prefix`` as the keys' first tokens: ``/`` become ``.`` and a final ``-`` becomes ``.``
+        (``job-1/3/s7-`` gives ``job-1.3.s7.``), so that a plan's keys share a subject prefix."""
+        dotted = self.prefix.replace("/", ".")
+        if dotted.endswith("-"):
+            dotted = dotted[:-1] + "."
+        return dotted if dotted.endswith(".") else dotted + "."
+
+    def key(self, index: int) -> str:
+        """Key-value key of slice ``index`` (``<kv_prefix><index:05d>``, e.g. ``job-1.3.s7.00042``)."""
+        self._check(index)
+        return f"{self.kv_prefix}{index:05d}"
+
+    def in_objects(self, index: int) -> bool:
+        """Whether slice ``index`` is an object of ``bucket`` (rather than an entry of ``kv_bucket``)."""
+        self._check(index)
+        if self.kv_bucket is None:
+            return True
+        k = bisect.bisect_left(self.objects, index)
+        return k < len(self.objects) and self.objects[k] == index
+
+    def location(self, index: int) -> SliceLocation:
+        if self.in_objects(index):
+            return SliceLocation("object", self.bucket, self.name(index))
+        assert self.kv_bucket is not None
+        return SliceLocation("kv", self.kv_bucket, self.key(index))
+
+    def object_names(self) -> tuple[str, ...]:
+        """The names of the slices stored as objects (all of them without ``kv_bucket``)."""
+        if self.kv_bucket is None:
+            return self.names()
+        return tuple(self.name(i) for i in self.objects)
+
+    def kv_keys_pattern(self) -> str | None:
+        """A subject pattern matching every key of this index and no other (``job-1.3.s7.*``); ``None``
+        without ``kv_bucket``."""
+        return None if self.kv_bucket is None else f"{self.kv_prefix}*"
+
+    def _check(self, index: int) -> None:
+        if not 0 <= index < self.count:
+            raise ValueError(f"`index`: {index} is not a slice index below {self.count}")
 
 
 class PlanSummary(Part):
@@ -391,8 +476,9 @@ class TransferPlanned(Message, kw_only=True, tag="transfer_planned"):
     generation: Generation
     plan: ObjectRef
     workers: tuple[WorkerPlanRef, ...]
-    """Each device's slice with its size and digest, in :attr:`slices` order (for audits and benches;
-    workers find their slice through :attr:`slices`)."""
+    """Each device's slice with its size (and, for an object, its digest), in :attr:`slices` order:
+    ``ref.bucket`` and ``ref.name`` are the slice's :meth:`SliceIndex.location` (for audits and
+    benches; workers find their slice through :attr:`slices`)."""
     slices: SliceIndex
     summary: PlanSummary
     deadline: Timestamp | None = None
@@ -492,8 +578,8 @@ class Prepare(Message, kw_only=True, tag="prepare"):
 
     The participants are the devices of either world except ``lost`` (old-world devices whose worker
     is gone): an old rank that leaves the job sends its state, a new one receives. A worker on any
-    other device ignores the message. A participant reads its slice at ``slices.name(i)``, ``i`` its
-    device's index in :func:`liver.shared.plan.slice_devices` ``(from_placement, placement)``.
+    other device ignores the message. A participant reads its slice at ``slices.location(i)``, ``i``
+    its device's index in :func:`liver.shared.plan.slice_devices` ``(from_placement, placement)``.
     Nothing of the active world may change (I4).
     """
 

@@ -230,7 +230,13 @@ KV_EVENTS_SEEN: Final = "liver-events-seen"
 has passed."""
 
 OBJECT_STORE_PLANS: Final = "liver-plans"
-"""Transfer plans and per-worker slices: a large job's plan exceeds the 1 MiB message limit."""
+"""Transfer plans, and the per-device slices too large for :data:`KV_PLAN_SLICES`: a large job's plan
+exceeds the 1 MiB message limit."""
+
+KV_PLAN_SLICES: Final = "liver-slices"
+"""Per-device plan slices that fit one message, key = :meth:`liver.shared.messages.SliceIndex.key`
+(``<job>.<generation>.s<seq>.<index>``): one put to write and one direct get to read, where an object
+costs several round trips each way. History 1; entries expire with the plan store's TTL."""
 
 
 def plan_object_name(job_id: str, generation: int, part: str = "plan") -> str:

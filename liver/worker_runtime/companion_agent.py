@@ -432,10 +432,9 @@ class WorkerAgent:
                 h, f"the prepare deadline {prepare.deadline.isoformat()} passed before the plan was read"
             )
             return
-        bucket = prepare.slices.bucket
-        name = view_of(prepare).slice_name(prepare, self.identity.device)
+        where = view_of(prepare).slice_location(prepare, self.identity.device)
         try:
-            data = await self._fetcher.fetch_object(bucket, name, timeout_s)
+            data = await self._fetcher.fetch_slice(where, timeout_s)
         except PlanFetchError as exc:
             if h.stage is Stage.FETCHING:
                 limit = (
@@ -448,9 +447,9 @@ class WorkerAgent:
         try:
             plan = decode_slice(data, prepare, self.identity.device)
         except MessageError as error:
-            await self._reject(f"object {bucket}/{name}", data, error)
+            await self._reject(str(where), data, error)
             if h.stage is Stage.FETCHING:
-                self._fail(h, f"plan slice {bucket}/{name} refused: {error}")
+                self._fail(h, f"plan slice {where} refused: {error}")
             return
         if h.stage is not Stage.FETCHING:
             self._log.info("plan_read_after_end", generation=prepare.generation, stage=h.stage.value)

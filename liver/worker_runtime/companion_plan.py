@@ -1,5 +1,5 @@
-"""A worker's part of a transfer plan: found from the job-wide ``Prepare``, fetched from the object
-store, checked, turned into a ``Plan``.
+"""A worker's part of a transfer plan: found from the job-wide ``Prepare``, fetched from the key-value
+bucket or the object store, checked, turned into a ``Plan``.
 
 The Prepare carries both worlds once for the whole job; :func:`view_of` derives from it, once per
 message (a simulated job hands the same Prepare to a thousand workers), whether a device takes part and
@@ -36,7 +36,7 @@ from nats.js.object_store import (
 
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device, LayoutError
-from liver.shared.messages import ObjectRef, Prepare
+from liver.shared.messages import ObjectRef, Prepare, SliceLocation
 from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_devices
 
 EXPECTED: Final = "SliceFile"
@@ -45,8 +45,16 @@ _VIEWS_KEPT: Final = 4
 _AT = re.compile(r"^(?P<reason>.*) - at `(?P<path>\$[^`]*)`$", re.S)
 
 
+KV_OPERATION: Final = "KV-Operation"
+"""The header of a key-value delete or purge marker (``DEL`` / ``PURGE``): the key has no value."""
+
+MISSING_RETRY_S: Final = (0.02, 0.05, 0.1, 0.2, 0.5)
+"""Pauses between reads of a key-value entry that is not there yet (then the last one, repeatedly)."""
+
+
 class PlanFetchError(RuntimeError):
-    """The slice could not be read (missing object, digest or size mismatch, bus failure or timeout)."""
+    """The slice could not be read (missing entry or object, digest or size mismatch, bus failure or
+    timeout)."""
 
 
 class _Progress:
@@ -55,6 +63,8 @@ class _Progress:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.step = "the stream's configuration"
+        self.misses = 0
+        """Reads that found no entry yet."""
 
     @property
     def elapsed_s(self) -> float:
@@ -62,7 +72,12 @@ class _Progress:
 
 
 class PlanFetcher:
-    """Reads plan objects for one connection with single-message reads instead of the client's ``get``.
+    """Reads plan slices for one connection with single-message reads instead of the client's ``get``.
+
+    A slice in the key-value bucket (:meth:`fetch_entry`, the common case) is one direct get of the
+    key's last message. An entry that is not there is read again after a short pause until the read's
+    time runs out (with direct gets a replica may answer before it has the entry), and the error then
+    names the key; a delete marker (the plan was released) fails at once.
 
     The client's object-store ``get`` creates an ordered consumer per read. When a thousand workers read
     their slices at the same moment that is a thousand consumers created and deleted on the plan
@@ -79,6 +94,69 @@ class PlanFetcher:
     def __init__(self, js: JetStreamContext) -> None:
         self._js = js
         self._direct: dict[str, bool] = {}
+
+    async def fetch_slice(self, where: SliceLocation, timeout_s: float) -> bytes:
+        """The slice's bytes from the store that holds it (``SliceIndex.location``)."""
+        if where.store == "kv":
+            return await self.fetch_entry(where.bucket, where.name, timeout_s)
+        return await self.fetch_object(where.bucket, where.name, timeout_s)
+
+    async def fetch_entry(self, bucket: str, key: str, timeout_s: float) -> bytes:
+        """The value of ``key`` in key-value bucket ``bucket``, waiting up to ``timeout_s`` for it to
+        appear."""
+        where = f"key-value entry {bucket}/{key}"
+        progress = _Progress()
+        try:
+            return await asyncio.wait_for(self._entry(bucket, key, progress), timeout_s)
+        except nats.errors.TimeoutError:
+            raise PlanFetchError(
+                f"{where}: the request for {progress.step} got no reply within the client's request "
+                f"timeout ({progress.elapsed_s:.3g} s into a read allowed {timeout_s:.3g} s)"
+            ) from None
+        except TimeoutError:
+            if progress.misses:
+                raise PlanFetchError(
+                    f"{where}: no such entry (read {progress.misses} times over {progress.elapsed_s:.3g} s; "
+                    f"the read was allowed {timeout_s:.3g} s)"
+                ) from None
+            raise PlanFetchError(
+                f"{where}: not read within the {timeout_s:.3g} s allowed (gave up after "
+                f"{progress.elapsed_s:.3g} s, waiting for {progress.step})"
+            ) from None
+        except nats.js.errors.NotFoundError:
+            raise PlanFetchError(f"{where}: the bucket does not exist") from None
+        except nats.errors.Error as exc:
+            raise PlanFetchError(
+                f"{where}: {type(exc).__name__} {exc} while reading {progress.step}".strip()
+            ) from None
+
+    async def _entry(self, bucket: str, key: str, progress: _Progress) -> bytes:
+        stream = f"KV_{bucket}"
+        direct = await self._allows_direct(stream)
+        subject = f"$KV.{bucket}.{key}"
+        while True:
+            progress.step = "the entry" if not progress.misses else f"the entry (read {progress.misses + 1})"
+            try:
+                msg = await self._js.get_msg(stream, subject=subject, direct=direct)
+            except nats.js.errors.NotFoundError:
+                progress.misses += 1
+                await asyncio.sleep(MISSING_RETRY_S[min(progress.misses, len(MISSING_RETRY_S)) - 1])
+                continue
+            operation = (msg.headers or {}).get(KV_OPERATION)
+            if operation is not None:
+                raise PlanFetchError(
+                    f"key-value entry {bucket}/{key}: deleted ({operation}; the plan was released)"
+                )
+            if msg.subject is not None and msg.subject != subject:
+                raise PlanFetchError(f"key-value entry {bucket}/{key}: the server returned {msg.subject}")
+            return msg.data or b""
+
+    async def _allows_direct(self, stream: str) -> bool:
+        direct = self._direct.get(stream)
+        if direct is None:
+            config = (await self._js.stream_info(stream)).config
+            direct = self._direct[stream] = bool(config.allow_direct)
+        return direct
 
     async def fetch(self, ref: ObjectRef, timeout_s: float) -> bytes:
         """The object's bytes, checked against the reference's size and digest and the stored digest."""
@@ -122,10 +200,7 @@ class PlanFetcher:
     ) -> bytes:
         where = f"{bucket}/{name}"
         stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
-        direct = self._direct.get(bucket)
-        if direct is None:
-            config = (await self._js.stream_info(stream)).config
-            direct = self._direct[bucket] = bool(config.allow_direct)
+        direct = await self._allows_direct(stream)
         key = base64.urlsafe_b64encode(name.encode()).decode()
         progress.step = "the object's metadata"
         meta = await self._js.get_msg(
@@ -179,6 +254,9 @@ class PrepareView(NamedTuple):
 
     def slice_name(self, prepare: Prepare, device: Device) -> str:
         return prepare.slices.name(self.slice_of[device])
+
+    def slice_location(self, prepare: Prepare, device: Device) -> SliceLocation:
+        return prepare.slices.location(self.slice_of[device])
 
 
 _views: OrderedDict[int, tuple[Prepare, PrepareView]] = OrderedDict()

@@ -2,9 +2,10 @@
 
 Each simulated worker is a :class:`~.companion_agent.WorkerAgent` (the same code a training process
 runs) whose runtime hooks only answer: "ready" after a Prepare, "switched" after a Switch, each after
-``ack_delay_s``. Everything on the bus is real (hellos, heartbeats, plan slices read from the object
-store and checked, acks with the cut iteration, the bytes the slice says this device receives and the
-pause), so the control plane can be tested, demonstrated and benchmarked end to end without a model.
+``ack_delay_s``. Everything on the bus is real (hellos, heartbeats, plan slices read from the
+key-value bucket or the object store through the same fetcher and checked, acks with the cut
+iteration, the bytes the slice says this device receives and the pause), so the control plane can be
+tested, demonstrated and benchmarked end to end without a model.
 
 All workers share one event loop and one connection: a thousand training processes would need a
 thousand threads and sockets, and what is measured is the control plane, not the client. The job reads

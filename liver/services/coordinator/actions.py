@@ -71,13 +71,17 @@ class WriteMembership(Action):
 
 
 class ReleasePlan(Action):
-    """The plan of ``generation`` is no longer needed: delete ``objects`` (the plan file and every
-    slice, named by ``TransferPlanned``) from ``bucket``. Empty when the coordinator does not know the
-    names (a handoff resumed after a restart): the objects then expire with the store's TTL."""
+    """The plan of ``generation`` is no longer needed: delete ``objects`` (the plan file and the slices
+    stored as objects, named by ``TransferPlanned``) from ``bucket``, and the entries of ``kv_bucket``
+    whose keys match ``kv_keys`` (the plan's other slices: one pattern, see
+    ``SliceIndex.kv_keys_pattern``). Empty when the coordinator does not know the names (a handoff
+    resumed after a restart): objects and entries then expire with their TTL."""
 
     generation: Generation
     bucket: str = ""
     objects: tuple[str, ...] = ()
+    kv_bucket: str = ""
+    kv_keys: str = ""
 
 
 SettleOutcome = Literal["committed", "aborted", "checkpoint_fallback", "no_change"]

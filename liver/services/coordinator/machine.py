@@ -1106,8 +1106,17 @@ class Coordinator:
         if t is None:
             self._emit(ReleasePlan(generation=h.generation))
             return
-        names = (t.plan.name, *t.slices.names())
-        self._emit(ReleasePlan(generation=h.generation, bucket=t.slices.bucket, objects=names))
+        names = (t.plan.name, *t.slices.object_names())
+        pattern = t.slices.kv_keys_pattern()
+        self._emit(
+            ReleasePlan(
+                generation=h.generation,
+                bucket=t.slices.bucket,
+                objects=names,
+                kv_bucket=t.slices.kv_bucket or "",
+                kv_keys=pattern or "",
+            )
+        )
 
     # -- stopping ------------------------------------------------------------------------------------------
 

@@ -570,28 +570,57 @@ class CoordinatorService:
         raise AssertionError("unreachable")
 
     async def _release_plan(self, action: ReleasePlan) -> None:
-        """Delete the generation's plan objects by the names the core took from ``TransferPlanned``.
+        """Delete the generation's plan by the names the core took from ``TransferPlanned``: the
+        objects one by one (a bounded number in flight), the key-value slices with one purge of the
+        stream filtered on the plan's key pattern (one request for a thousand entries, and no delete
+        markers left behind).
 
         No listing: a list reads the metadata of every object in the store (every job's, for the
         store's whole TTL). What is not deleted here expires with the TTL.
         """
-        assert self._js is not None
         with bind_message(job_id=self.job_id, generation=action.generation):
-            if not action.objects:
+            if not action.objects and not action.kv_keys:
                 log.info("plan_release_skipped", why="the plan's object names are not known here")
                 return
-            try:
-                store = await self._js.object_store(action.bucket)
-            except nats.js.errors.NotFoundError:
-                return  # no store: nothing to delete
-            except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
-                log.warning("plan_release_failed", error=repr(exc))
-                return
-            deleted = missing = 0
-            failed: list[str] = []
+            (deleted, missing, failed), purged = await asyncio.gather(
+                self._delete_objects(action.bucket, action.objects), self._purge_entries(action)
+            )
+            log.info("plan_released", objects=deleted, missing=missing, failed=failed, entries=purged)
 
-            async def delete(name: str) -> None:
-                nonlocal deleted, missing
+    async def _purge_entries(self, action: ReleasePlan) -> str:
+        """Purge the plan's slice entries; what became of them (for the log)."""
+        assert self._js is not None
+        if not action.kv_bucket or not action.kv_keys:
+            return "none"
+        subject = f"$KV.{action.kv_bucket}.{action.kv_keys}"
+        try:
+            await self._js.purge_stream(f"KV_{action.kv_bucket}", subject=subject)
+        except nats.js.errors.NotFoundError:
+            return "no bucket"
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("plan_release_failed", entries=subject, error=repr(exc))
+            return "failed"
+        return "purged"
+
+    async def _delete_objects(self, bucket: str, names: tuple[str, ...]) -> tuple[int, int, int]:
+        """Delete ``names`` from object store ``bucket``: (deleted, missing, failed)."""
+        assert self._js is not None
+        if not names:
+            return 0, 0, 0
+        try:
+            store = await self._js.object_store(bucket)
+        except nats.js.errors.NotFoundError:
+            return 0, len(names), 0  # no store: nothing to delete
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("plan_release_failed", bucket=bucket, error=repr(exc))
+            return 0, 0, len(names)
+        deleted = missing = 0
+        failed: list[str] = []
+        window = asyncio.Semaphore(RELEASE_CONCURRENCY)
+
+        async def delete(name: str) -> None:
+            nonlocal deleted, missing
+            async with window:
                 try:
                     await store.delete(name)
                     deleted += 1
@@ -602,10 +631,8 @@ class CoordinatorService:
                     if len(failed) == 1:
                         log.warning("plan_release_failed", object=name, error=repr(exc))
 
-            names = action.objects
-            for start in range(0, len(names), RELEASE_CONCURRENCY):
-                await asyncio.gather(*(delete(n) for n in names[start : start + RELEASE_CONCURRENCY]))
-            log.info("plan_released", objects=deleted, missing=missing, failed=len(failed))
+        await asyncio.gather(*(delete(n) for n in names))
+        return deleted, missing, len(failed)
 
     async def _reject(self, msg: Msg, error: MessageError) -> None:
         assert self._js is not None

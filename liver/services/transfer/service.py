@@ -2,13 +2,16 @@
 
 Per message: decode strictly; plan and verify in a worker thread (a large plan takes seconds, and the
 event loop must keep answering discovery and acknowledging progress meanwhile); store the full plan
-file and one slice per device in the ``liver-plans`` object store (a large job's plan is far over the
-1 MiB message limit); then publish ``TransferPlanned`` with the slices' naming rule (``SliceIndex``: a
-worker derives its slice's name from the two placements), a reference per device and the summary.
+file in the ``liver-plans`` object store (a large job's plan is far over the 1 MiB message limit) and
+one slice per device, as an entry of the ``liver-slices`` key-value bucket or, when too large for one
+message, as an object (:mod:`.store`); then publish ``TransferPlanned`` with the slices' naming rule
+(``SliceIndex``: a worker derives its slice's location from the two placements), a reference per
+device and the summary.
 
 Names derive from the ``TopologyPlanned``'s stream sequence, so a redelivery (after a crash, say)
-rewrites the same objects and republishes the same ``Nats-Msg-Id`` (JetStream drops the copy), while a
-re-plan of the same generation gets objects of its own and cannot overwrite a plan workers are reading.
+rewrites the same objects and entries and republishes the same ``Nats-Msg-Id`` (JetStream drops the
+copy), while a re-plan of the same generation gets names of its own and cannot overwrite a plan workers
+are reading.
 Invalid input or a plan that fails verification: an ``ErrorEvent``, a dead letter, no
 ``TransferPlanned``. State that survives only on the message's ``lost`` devices: a ``PlanningFailed``
 (stage ``transfer``) naming the tensor and the lost devices, under the same message id a plan would
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Mapping
 from typing import Final
 
@@ -26,25 +30,21 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.object_store import ObjectStore
 
 from liver.services import bus as b
 from liver.services.runtime import Bus, DeadLetteringConsumer, keep_in_progress
-from liver.services.transfer import core
+from liver.services.transfer import core, store
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
-from liver.shared.messages import ObjectRef, SliceIndex, TopologyPlanned, TransferPlanned, WorkerPlanRef
+from liver.shared.messages import TopologyPlanned, TransferPlanned, WorkerPlanRef
 
 log = structlog.get_logger(__name__)
 
 SOURCE: Final = "transfer"
 BUDGET_ENV: Final = "LIVER_TRANSFER_BUDGET_BYTES"
 """Staging budget per destination and streaming round, in bytes (the worker's staging buffer)."""
-
-PUT_CONCURRENCY: Final = 32
-"""Object-store puts in flight at once while storing a plan's slices."""
 
 MIN_BUDGET_BYTES: Final = 8
 """The largest element (int64): a smaller budget cannot move anything."""
@@ -61,6 +61,10 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How often a long planning run tells JetStream it is still working (well under ``ack_wait_s``)."""
     retry_delay_s: float = 2.0
     plans_ttl_s: float = 7 * b.DAY_S
+    """How long plan objects and slice entries live if nobody deletes them (a missed release)."""
+    kv_slice_max_bytes: int = store.KV_SLICE_MAX_BYTES
+    """Slices up to this size (and half the server's ``max_payload``) are key-value entries; larger
+    ones are objects."""
 
     def __post_init__(self) -> None:
         s.validate_token(self.durable, "durable")
@@ -68,6 +72,8 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"budget_bytes must be >= {MIN_BUDGET_BYTES}, got {self.budget_bytes}")
         if self.max_deliver < 1:
             raise ValueError(f"max_deliver must be >= 1, got {self.max_deliver}")
+        if self.kv_slice_max_bytes < 0:
+            raise ValueError(f"kv_slice_max_bytes must be >= 0, got {self.kv_slice_max_bytes}")
         for field in ("ack_wait_s", "progress_every_s", "retry_delay_s", "plans_ttl_s"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
@@ -105,18 +111,32 @@ class TransferService:
         self.settings = settings or TransferSettings()
         self._planner = planner
         self._js: JetStreamContext | None = None
-        self._store: ObjectStore | None = None
+        self._writer: store.PlanWriter | None = None
         self._consumer: DeadLetteringConsumer | None = None
         self.counts = {"received": 0, "planned": 0, "failed": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
         await b.ensure_streams(js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS))
-        self._store = await b.ensure_object_store(
+        objects = await b.ensure_object_store(
             js,
             s.OBJECT_STORE_PLANS,
             description="Transfer plans and per-device slices, by job, generation and request.",
             ttl_s=self.settings.plans_ttl_s,
+        )
+        await b.ensure_kv(
+            js,
+            s.KV_PLAN_SLICES,
+            description="Per-device plan slices that fit one message, by job, generation and request.",
+            ttl_s=self.settings.plans_ttl_s,
+        )
+        self._writer = store.PlanWriter(
+            js,
+            objects,
+            object_bucket=s.OBJECT_STORE_PLANS,
+            kv_bucket=s.KV_PLAN_SLICES,
+            kv_max_bytes=store.kv_limit(bus.nc.max_payload, self.settings.kv_slice_max_bytes),
+            timeout_s=self.settings.ack_wait_s,
         )
         config = b.pull_consumer_config(
             self.settings.durable,
@@ -171,7 +191,9 @@ class TransferService:
                 await self._fail(msg, topology, error)
                 return
             seq = msg.metadata.sequence.stream
+            stored_at = time.perf_counter()
             out = await self._store_plan(topology, planned, seq)
+            store_seconds = time.perf_counter() - stored_at
             await self._js.publish(
                 s.transfer_planned(topology.job_id),
                 encode(out),
@@ -195,29 +217,23 @@ class TransferService:
                 plan_object=out.plan.name,
                 plan_bytes=out.plan.size,
                 devices=len(out.workers),
+                slices_as_objects=len(out.slices.objects),
+                store_seconds=round(store_seconds, 4),
             )
 
     async def _store_plan(
         self, topology: TopologyPlanned, planned: core.PlannedTransfer, seq: int
     ) -> TransferPlanned:
+        assert self._writer is not None
         job, generation = topology.job_id, topology.generation
-        plan_ref = await self._put(s.plan_object_name(job, generation, f"plan-s{seq}"), planned.plan_file)
-        # Slice i is named by its index in slice_devices(old, new): workers derive their slice's name from
-        # the Prepare's two placements instead of receiving a reference each.
-        index = SliceIndex(
-            bucket=s.OBJECT_STORE_PLANS,
-            prefix=s.plan_object_name(job, generation, f"s{seq}") + "-",
-            count=len(planned.slices),
+        plan_name = s.plan_object_name(job, generation, f"plan-s{seq}")
+        # Slice i is named by its index in slice_devices(old, new): workers derive their slice's location
+        # from the Prepare's two placements instead of receiving a reference each.
+        prefix = s.plan_object_name(job, generation, f"s{seq}") + "-"
+        plan_ref, (index, refs) = await asyncio.gather(
+            self._writer.put_object(plan_name, planned.plan_file),
+            self._writer.put_slices(prefix, planned.slice_files),
         )
-        names = index.names()
-        refs: list[ObjectRef] = []
-        # Puts are round trips; a job of a thousand devices needs them in flight together, in batches so
-        # that a huge job does not queue thousands of publishes at once.
-        for start in range(0, len(names), PUT_CONCURRENCY):
-            batch = zip(
-                names[start : start + PUT_CONCURRENCY], planned.slice_files[start : start + PUT_CONCURRENCY]
-            )
-            refs.extend(await asyncio.gather(*(self._put(name, data) for name, data in batch)))
         return TransferPlanned(
             job_id=job,
             event_id=topology.event_id,
@@ -229,11 +245,6 @@ class TransferService:
             summary=planned.summary,
             deadline=topology.deadline,
         )
-
-    async def _put(self, name: str, data: bytes) -> ObjectRef:
-        assert self._store is not None
-        info = await self._store.put(name, data)
-        return ObjectRef(bucket=s.OBJECT_STORE_PLANS, name=name, size=len(data), digest=info.digest)
 
     async def _fail(self, msg: Msg, topology: TopologyPlanned, error: NoSurvivingSource) -> None:
         assert self._js is not None
