@@ -1272,6 +1272,21 @@ def test_restore_after_the_switch_intent_resumes_and_commits_once() -> None:
     assert [(m.generation, type(m).__name__) for m in d.published()] == [(1, "GenerationCommitted")]
 
 
+def test_a_commit_resumed_after_a_restart_purges_the_generations_slice_entries_by_prefix() -> None:
+    d = started()
+    switching(d)
+    d.restart()
+    for dev in WORLD:
+        d.beat(dev)
+    d.commands(Switch)
+    d.pending.append(SendCommand(command=Switch(job_id=JOB, generation=1, deadline=d.now)))
+    d.switched()
+    d.write()
+    (release,) = [a for a in d.log if isinstance(a, ReleasePlan)]
+    assert (release.generation, release.objects) == (1, ())
+    assert (release.kv_bucket, release.kv_keys) == ("liver-slices", f"{JOB}.1.>")
+
+
 def test_restore_after_the_switch_with_a_silent_participant_falls_back() -> None:
     d = started()
     switching(d)

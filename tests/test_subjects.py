@@ -114,3 +114,17 @@ def test_a_generation_outcome_has_one_dedup_id_per_job_and_generation() -> None:
     assert s.generation_msg_id("job-7", 3) == s.generation_msg_id("job-7", 3)
     assert s.generation_msg_id("job-7", 3) != s.generation_msg_id("job-7", 4)
     assert s.generation_msg_id("job-7", 3) != s.generation_msg_id("job-8", 3)
+
+
+def test_a_generations_slice_key_pattern_covers_the_keys_of_each_of_its_plans() -> None:
+    from liver.shared.messages import SliceIndex
+
+    index = SliceIndex(
+        bucket=s.OBJECT_STORE_PLANS,
+        prefix=s.plan_object_name("job-1", 3, "s7") + "-",
+        count=2,
+        kv_bucket=s.KV_PLAN_SLICES,
+    )
+    pattern = s.slice_keys_of_generation("job-1", 3)
+    assert pattern == "job-1.3.>" and index.key(1).startswith(pattern[:-1])
+    assert not index.key(1).startswith(s.slice_keys_of_generation("job-1", 33)[:-1])

@@ -246,6 +246,12 @@ def plan_object_name(job_id: str, generation: int, part: str = "plan") -> str:
     return f"{validate_token(job_id, 'job_id')}/{generation}/{validate_token(part, 'part')}"
 
 
+def slice_keys_of_generation(job_id: str, generation: int) -> str:
+    """Subject pattern of every :data:`KV_PLAN_SLICES` key of one generation's plans, whatever their
+    sequence (``job-1.3.>``): what a coordinator that lost the plan's names purges."""
+    return plan_object_name(job_id, generation, "x").rsplit("/", 1)[0].replace("/", ".") + ".>"
+
+
 def topology_request_msg_id(job_id: str, generation: int) -> str:
     """``Nats-Msg-Id`` of the coordinator's request for generation ``generation``'s topology: each
     generation is requested once (a re-plan gets a new generation), so a retry is dropped."""

@@ -74,8 +74,9 @@ class ReleasePlan(Action):
     """The plan of ``generation`` is no longer needed: delete ``objects`` (the plan file and the slices
     stored as objects, named by ``TransferPlanned``) from ``bucket``, and the entries of ``kv_bucket``
     whose keys match ``kv_keys`` (the plan's other slices: one pattern, see
-    ``SliceIndex.kv_keys_pattern``). Empty when the coordinator does not know the names (a handoff
-    resumed after a restart): objects and entries then expire with their TTL."""
+    ``SliceIndex.kv_keys_pattern``). For a handoff resumed after a restart the names are not known:
+    ``objects`` is empty (they expire with the store's TTL) and ``kv_keys`` covers the generation's
+    whole key prefix (``subjects.slice_keys_of_generation``)."""
 
     generation: Generation
     bucket: str = ""

@@ -75,7 +75,12 @@ from liver.shared.messages import (
     WorkerDevice,
     WorkerStatus,
 )
-from liver.shared.subjects import generation_msg_id, validate_token
+from liver.shared.subjects import (
+    KV_PLAN_SLICES,
+    generation_msg_id,
+    slice_keys_of_generation,
+    validate_token,
+)
 
 from .actions import (
     Action,
@@ -1104,7 +1109,15 @@ class Coordinator:
         """Have the handoff's plan objects deleted by name (no listing of the store)."""
         t = h.transfer
         if t is None:
-            self._emit(ReleasePlan(generation=h.generation))
+            # Resumed after a restart: the names are lost, but the small slices (all but an oversized
+            # few) share the generation's key prefix; the plan file and oversized slices expire.
+            self._emit(
+                ReleasePlan(
+                    generation=h.generation,
+                    kv_bucket=KV_PLAN_SLICES,
+                    kv_keys=slice_keys_of_generation(self.job_id, h.generation),
+                )
+            )
             return
         names = (t.plan.name, *t.slices.object_names())
         pattern = t.slices.kv_keys_pattern()
