@@ -101,9 +101,12 @@ def test_extra_memory_stays_within_b_plus_the_largest_new_layer(report: dict[str
 def test_throughput_and_ceiling_come_from_the_same_bytes(report: dict[str, Any]) -> None:
     s, config = report["stream"], report["config"]
     assert s["bytes_moved"] > 0
-    for field in ("raw_seconds", "into_seconds", "alloc_seconds"):
+    for field in ("raw_seconds", "floor_seconds", "into_seconds", "alloc_seconds"):
         assert len(s[field]) == config["repeat"], field
     assert s["raw_ceiling_bytes_per_s"] == pytest.approx(s["bytes_moved"] / min(s["raw_seconds"]))
+    assert s["floor_bytes_per_s"] == pytest.approx(s["bytes_moved"] / min(s["floor_seconds"]))
+    assert s["floor_ratio"] == pytest.approx(s["floor_bytes_per_s"] / s["raw_ceiling_bytes_per_s"])
+    assert s["ratio_to_floor"] == pytest.approx(s["throughput_bytes_per_s"] / s["floor_bytes_per_s"])
     assert s["throughput_bytes_per_s"] == pytest.approx(s["bytes_moved"] / min(s["into_seconds"]))
     assert s["alloc_throughput_bytes_per_s"] == pytest.approx(s["bytes_moved"] / min(s["alloc_seconds"]))
     assert s["ratio"] == pytest.approx(s["throughput_bytes_per_s"] / s["raw_ceiling_bytes_per_s"])
@@ -181,6 +184,7 @@ def test_table_mode_prints_the_breakdown_and_the_checks(capsys: pytest.CaptureFi
     assert stream_bench.run(_args(*argv)) == 0
     out = capsys.readouterr().out
     assert "raw send/recv ceiling" in out and "stream, preallocated" in out and "layer  rounds" in out
+    assert "raw + local copies" in out
     assert "MUST PASS  bit-exact new shards" in out
     assert "MUST PASS  extra memory <= B + largest new layer shard" in out
 

@@ -131,10 +131,13 @@ def identity(plan: Plan, rank: int) -> tuple[int | None, int | None]:
     return ranks_on_device(plan, devices_in_stream_order(plan)[rank])
 
 
-def reshard(w: World, plan: Plan, options: StreamOptions) -> Report:
+def reshard(w: World, plan: Plan, options: StreamOptions, preallocate: bool = False) -> Report:
     old_rank, new_rank = identity(plan, w.rank)
     old_state = state_of(plan, old_rank, old=True)
     before = checksum(old_state)
+    into = None
+    if preallocate:  # filled with -1, so a region the stream misses cannot pass
+        into = {ti: torch.full_like(t, -1) for ti, t in state_of(plan, new_rank, old=False).items()}
     result = stream_plan(
         plan,
         old_rank=old_rank,
@@ -142,6 +145,7 @@ def reshard(w: World, plan: Plan, options: StreamOptions) -> Report:
         group=w.group,
         group_ranks=GroupRanks.by_device(plan),
         old_state=old_state,
+        into=into,
         options=options,
     )
     expected = state_of(plan, new_rank, old=False)
@@ -166,9 +170,9 @@ def reshard(w: World, plan: Plan, options: StreamOptions) -> Report:
     )
 
 
-def run_reshard(plan: Plan, options: StreamOptions = OPTIONS) -> list[Report]:
+def run_reshard(plan: Plan, options: StreamOptions = OPTIONS, preallocate: bool = False) -> list[Report]:
     size = len(devices_in_stream_order(plan))
-    return [o.unwrap() for o in run_world(reshard, size, (plan, options), timeout_s=45)]
+    return [o.unwrap() for o in run_world(reshard, size, (plan, options, preallocate), timeout_s=45)]
 
 
 def assert_resharded(reports: list[Report]) -> None:
@@ -253,6 +257,32 @@ def test_staged_receives_give_the_same_shards_as_receiving_in_place() -> None:
     reports = run_reshard(plan, StreamOptions(timeout_s=20.0, message_bytes=8 * KIB, direct_receive=False))
     assert_resharded(reports)
     assert all(r.stats.staging_bytes > 0 for r in reports if r.stats.bytes_received)
+
+
+def largest_step_staging(plan: Plan, rank: int, options: StreamOptions) -> int:
+    old_rank, new_rank = identity(plan, rank)
+    size = len(devices_in_stream_order(plan))
+    ranks = GroupRanks.by_device(plan)
+    return build_schedule(plan, old_rank, new_rank, ranks, rank, size, options.message_bytes).staging_bytes
+
+
+def test_streaming_into_preallocated_shards_posts_the_next_step_ahead_within_the_bound() -> None:
+    # TP2 -> TP1 x DP2 in 11 steps, 8 of them staging row-parallel slices, each at most a quarter of B.
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)), budget=256 * KIB)
+    reports = run_reshard(plan, preallocate=True)
+    assert_resharded(reports)
+    for rank, r in enumerate(reports):
+        one_step = largest_step_staging(plan, rank, OPTIONS)
+        assert 0 < one_step < r.stats.staging_bytes, "two steps' staged pieces should be in flight at once"
+
+
+def test_preallocated_streams_that_send_from_copies_stay_bit_exact() -> None:
+    # PP2 -> TP2: slices leave their old shard non-contiguous, so steps with send copies are not posted
+    # ahead and run with the whole buffer above their staged pieces.
+    plan = plan_for("tiny-gpt", world("1,2,1", range(2)), world("2,1,1", range(2)))
+    reports = run_reshard(plan, preallocate=True)
+    assert_resharded(reports)
+    assert any(r.stats.peak_send_copy_bytes > 0 for r in reports)
 
 
 def test_combined_change_tp_pp_dp_and_devices_is_bit_exact() -> None:

@@ -13,6 +13,7 @@ from liver.services.transfer.planner import build_plan, default_world
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
 from liver.shared.plan import Plan, WorldConfig
+from liver.shared.views import view
 from liver.worker_runtime.executor import (
     GroupRanks,
     PlanMismatch,
@@ -29,6 +30,7 @@ from liver.worker_runtime.executor_schedule import (
     buffer_bytes,
     build_schedule,
     region_is_contiguous,
+    view_key,
 )
 
 
@@ -247,3 +249,20 @@ def test_stream_error_survives_a_process_boundary() -> None:
     assert (back.layer, back.round, back.peer, back.peer_rank, back.old_state_intact) == (3, 1, 2, 5, True)
     assert str(back) == str(err)
     assert "layer 3 round 1 receiving from process 2 (old rank 5)" in str(err)
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt", "tiny-llama", "llama3-8b"])
+def test_tensors_that_share_a_view_key_have_one_view_in_every_layout(model: str) -> None:
+    """What lets the schedule derive shards once per parameter: nothing else of a tensor moves its view."""
+    spec = PRESETS[model]
+    tensors = spec.tensors(optimizer=True)
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for ti, t in enumerate(tensors):
+        groups.setdefault(view_key(t), []).append(ti)
+    assert any(len(g) >= 4 for g in groups.values()), "a parameter and its optimizer states share a key"
+    for tp, pp, dp in ((1, 1, 1), (2, 1, 1), (4, 2, 1), (2, 4, 2), (8, 1, 1)):
+        layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+        for rank in range(layout.world_size):
+            for members in groups.values():
+                views = {view(tensors[ti], spec, layout, rank) for ti in members}
+                assert len(views) == 1, (tensors[members[0]].name, layout.describe(), rank)

@@ -14,6 +14,10 @@ What is measured, all in the same run and the same processes:
   bytes as one tensor with one send/recv, all pairs at once, between buffers already in memory; best of
   ``--repeat``. One untimed exchange warms the connections first, and each repeat runs the raw exchange
   and both stream modes in a rotating order, so drift and warm-up favour none of them.
+* **Raw + local copies**: the raw exchange again, with each process copying the slices it keeps from
+  its old shards into its new ones (the executor's own local copies) on its main thread while the
+  messages are in flight. No executor of this plan can do less data movement, so this is the most it
+  can reach on the machine; the stream's ratio to it is the executor's own efficiency.
 * **Memory**: the executor's own ledger of what it allocated beyond the state (its one buffer for
   staged pieces and send copies, the layer under assembly) against the bound ``B + largest new layer
   shard``, where ``B`` (``--budget-mib``) is the plan's budget, send copies included. As an OS-level
@@ -68,6 +72,7 @@ from liver.worker_runtime.executor import (
     ranks_on_device,
     stream_plan,
 )
+from liver.worker_runtime.executor_schedule import build_schedule
 from liver.worker_runtime.world import (
     GroupKind,
     StoreAddress,
@@ -263,6 +268,7 @@ class ProcessResult(msgspec.Struct, frozen=True, kw_only=True):
     loop_alone: list[Segment]  # one per loop repeat
     loop_with: list[Segment]  # with a shadow preparation started on the first step
     raw_seconds: list[float]  # one per stream repeat
+    floor_seconds: list[float]  # the raw exchange with the local copies beside it, one per repeat
     into: StreamRuns  # streams into preallocated new shards
     alloc: StreamRuns  # streams that allocate their new shards
     tensors_checked: int  # per mode and repeat
@@ -428,18 +434,65 @@ def _measure_loop(
 # -- raw ceiling and the stream ------------------------------------------------------------------------
 
 
-def _raw_once(pg: Any, rank: int, pairs: tuple[tuple[int, int, int], ...], tag: int) -> float:
+def _raw_once(
+    pg: Any,
+    rank: int,
+    pairs: tuple[tuple[int, int, int], ...],
+    tag: int,
+    beside: Callable[[], None] | None = None,
+) -> float:
     """Every pair's bytes as one tensor, all pairs at once, between buffers already in memory (touched
-    before the clock starts); this process's seconds from the barrier to its last completion."""
+    before the clock starts); this process's seconds from the barrier to its last completion.
+    ``beside`` runs on this thread while the messages are in flight."""
     outgoing = [(dst, torch.empty(n, dtype=torch.uint8).fill_(1)) for src, dst, n in pairs if src == rank]
     incoming = [(src, torch.empty(n, dtype=torch.uint8).fill_(0)) for src, dst, n in pairs if dst == rank]
     _barrier(pg)
     t0 = time.perf_counter()
     works = [pg.recv([b], src, tag) for src, b in incoming]
     works += [pg.send([b], dst, tag) for dst, b in outgoing]
+    if beside is not None:
+        beside()
     for work in works:
         work.wait()
     return time.perf_counter() - t0
+
+
+def _local_copier(
+    plan: Plan,
+    rank: int,
+    options: StreamOptions,
+    old_state: dict[int, torch.Tensor],
+    into: dict[int, torch.Tensor],
+) -> Callable[[], None]:
+    """The slices that stay in this process, copied from its old shards into its new ones exactly as
+    the executor copies them (the same regions, from the executor's own schedule), and nothing else."""
+    old_rank, new_rank = ranks_on_device(plan, devices_in_stream_order(plan)[rank])
+    schedule = build_schedule(
+        plan,
+        old_rank,
+        new_rank,
+        GroupRanks.by_device(plan),
+        rank,
+        len(devices_in_stream_order(plan)),
+        options.message_bytes,
+        options.direct_receive,
+        options.send_copy_bytes,
+    )
+    pairs = [
+        (into[c.tensor], _index(c.dst), old_state[c.tensor], _index(c.src))
+        for step in schedule.steps()
+        for c in step.copies
+    ]
+
+    def copy() -> None:
+        for dst, dst_index, src, src_index in pairs:
+            dst[dst_index].copy_(src[src_index])
+
+    return copy
+
+
+def _index(region: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in region)
 
 
 def _malloc_trim() -> None:
@@ -471,10 +524,12 @@ def _reset_peak_rss() -> int | None:
     return None if now is None else now * KIB
 
 
-STREAM_MODES = ("raw", "into", "alloc")
-"""Per repeat, in rotating order: the raw exchange; the stream into preallocated new shards (the new
-model's storage, in memory already, as the raw exchange's buffers are); the stream allocating its new
-shards (first-touch page faults on the clock)."""
+STREAM_MODES = ("raw", "floor", "into", "alloc")
+"""Per repeat, in rotating order: the raw exchange; the raw exchange with this process's local copies
+done beside it (the floor: the data movement any executor of this plan must do, with none of its
+logic); the stream into preallocated new shards (the new model's storage, in memory already, as the
+raw exchange's buffers are); the stream allocating its new shards (first-touch page faults on the
+clock)."""
 
 _SENTINEL = -1  # no synthetic value is negative: a preallocated shard the stream missed cannot pass
 
@@ -494,8 +549,10 @@ def _measure_stream(
     new_bytes = sum(t.numel() * t.element_size() for t in into.values())
     say("process 0: warm-up exchange (untimed)")
     _raw_once(pg, rank, setup.pair_bytes, tag=999_999)
+    local_copies = _local_copier(plan, rank, setup.options, old_state, into)
     out: dict[str, Any] = {
         "raw_seconds": [],
+        "floor_seconds": [],
         "into": StreamRuns(),
         "alloc": StreamRuns(),
     }
@@ -505,6 +562,10 @@ def _measure_stream(
             say(f"process 0: repeat {r + 1} of {setup.repeat}: {mode}")
             if mode == "raw":
                 out["raw_seconds"].append(_raw_once(pg, rank, setup.pair_bytes, tag=1_000_000 + r))
+                continue
+            if mode == "floor":
+                seconds = _raw_once(pg, rank, setup.pair_bytes, tag=2_000_000 + r, beside=local_copies)
+                out["floor_seconds"].append(seconds)
                 continue
             given = None
             if mode == "into":
@@ -591,14 +652,18 @@ class StreamReport(msgspec.Struct, frozen=True, kw_only=True):
     bytes_moved: int  # over the network, all processes (the plan's bytes_moved)
     bytes_local: int
     raw_seconds: list[float]  # one tensor per pair, buffers in memory
+    floor_seconds: list[float]  # the same exchange with each process's local copies done beside it
     into_seconds: list[float]  # the stream into preallocated new shards
     into_executor_seconds: list[float]  # of which StreamStats.seconds (the rest: schedule and checks)
     alloc_seconds: list[float]  # the stream allocating its new shards
     alloc_executor_seconds: list[float]
     raw_ceiling_bytes_per_s: float  # bytes_moved / the fastest raw repeat
+    floor_bytes_per_s: float  # bytes_moved / the fastest floor repeat: the most any executor reaches here
+    floor_ratio: float  # floor / raw ceiling
     throughput_bytes_per_s: float  # bytes_moved / the fastest stream into preallocated shards
     ratio: float  # throughput / raw ceiling
     median_ratio: float  # the same over the medians
+    ratio_to_floor: float  # throughput / floor (best / best): the executor's own efficiency
     alloc_throughput_bytes_per_s: float  # bytes_moved / the fastest stream allocating its shards
     alloc_ratio: float
     alloc_median_ratio: float
@@ -841,6 +906,7 @@ def _report(
         return [max(pick(p, r) for p in results) for r in range(n)]
 
     raw = slowest(lambda p, r: p.raw_seconds[r])
+    floor = slowest(lambda p, r: p.floor_seconds[r])
     into = slowest(lambda p, r: p.into.seconds[r])
     alloc = slowest(lambda p, r: p.alloc.seconds[r])
     mismatched = [
@@ -854,14 +920,18 @@ def _report(
         bytes_moved=bytes_moved,
         bytes_local=bytes_local,
         raw_seconds=raw,
+        floor_seconds=floor,
         into_seconds=into,
         into_executor_seconds=slowest(lambda p, r: p.into.stats[r].seconds),
         alloc_seconds=alloc,
         alloc_executor_seconds=slowest(lambda p, r: p.alloc.stats[r].seconds),
         raw_ceiling_bytes_per_s=bytes_moved / min(raw),
+        floor_bytes_per_s=bytes_moved / min(floor),
+        floor_ratio=min(raw) / min(floor),
         throughput_bytes_per_s=bytes_moved / min(into),
         ratio=min(raw) / min(into),
         median_ratio=statistics.median(raw) / statistics.median(into),
+        ratio_to_floor=min(floor) / min(into),
         alloc_throughput_bytes_per_s=bytes_moved / min(alloc),
         alloc_ratio=min(raw) / min(alloc),
         alloc_median_ratio=statistics.median(raw) / statistics.median(alloc),
@@ -1033,7 +1103,9 @@ def _checks(stream: StreamReport, memory: list[MemoryRow], loop: LoopReport | No
             what=f"stream into preallocated shards >= {AIM_CEILING_RATIO:.0%} of the raw ceiling",
             passed=stream.ratio >= AIM_CEILING_RATIO,
             detail=f"{_rate(stream.throughput_bytes_per_s)} vs {ceiling} "
-            f"({stream.ratio:.1%} best/best, {stream.median_ratio:.1%} median/median)",
+            f"({stream.ratio:.1%} best/best, {stream.median_ratio:.1%} median/median; the raw exchange "
+            f"with the local copies beside it reaches {stream.floor_ratio:.1%}, the stream "
+            f"{stream.ratio_to_floor:.1%} of that)",
         ),
         Check(
             level="aim",
@@ -1095,8 +1167,13 @@ def _print_report(r: BenchReport) -> None:
         f"raw send/recv ceiling    {_rate(s.raw_ceiling_bytes_per_s):>10}   runs {runs(s.raw_seconds)} s"
     )
     out.append(
+        f"raw + local copies       {_rate(s.floor_bytes_per_s):>10}   runs {runs(s.floor_seconds)} s "
+        f"({s.floor_ratio:.1%} of the ceiling: the floor of any executor here)"
+    )
+    out.append(
         f"stream, preallocated     {_rate(s.throughput_bytes_per_s):>10}   runs {runs(s.into_seconds)} s "
-        f"({s.ratio:.1%} of the ceiling best/best, {s.median_ratio:.1%} median/median)"
+        f"({s.ratio:.1%} of the ceiling best/best, {s.median_ratio:.1%} median/median, "
+        f"{s.ratio_to_floor:.1%} of the floor)"
     )
     out.append(
         f"stream, allocating       {_rate(s.alloc_throughput_bytes_per_s):>10}   "

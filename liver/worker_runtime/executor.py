@@ -9,14 +9,21 @@ reused; staged pieces are then copied into the new shards. Sends go straight fro
 unless the slice is not contiguous there; such slices are cut into pieces of ``message_bytes`` and sent
 from contiguous copies made in the same buffer, above the step's staged bytes, at most
 ``send_copy_bytes`` of them alive at once (a ring: the oldest send is waited for when the next copy
-does not fit). The same code drives gloo on
-CPU and NCCL on GPU: it only needs ``send``/``recv`` on a process group. There is no barrier between
-layers: completion is tracked per message, so a process only ever waits for the peers it exchanges with,
-and because every process posts a step's receives before anything that could block, the step order
-alone rules out deadlock.
+does not fit). The same code drives gloo on CPU and NCCL on GPU: it only needs ``send``/``recv`` on a
+process group. There is no barrier between layers: completion is tracked per message, so a process
+only ever waits for the peers it exchanges with, and because every process posts a step's receives
+before anything that could block, the step order alone rules out deadlock.
+
+Posting ahead. When every new shard is given in ``into`` (nothing to allocate), the executor posts the
+next step's receives, then its sends, and does its local copies before it waits for the current step,
+when the next step's staged pieces fit in the buffer beside the current one's and neither step sends
+from copies; the buffer then holds two steps' staged pieces (still within ``B``). Receives and waits
+keep the step order, so the deadlock argument above holds unchanged. ``on_step`` is called before a
+step is posted, so possibly while the previous step is still in flight.
 
 Memory (invariant I2). The extra memory the executor allocates is the one buffer (sized to what this
-process's largest step stages plus its send copies, never more than ``B = plan.budget_bytes``) and the
+process's largest step stages plus its send copies, or to two steps' staged pieces when posting ahead,
+never more than ``B = plan.budget_bytes``) and the
 new shards of the layer being assembled (earlier layers' shards are the new state, not extra; shards
 given in ``into`` are the caller's and never extra), so::
 
@@ -39,7 +46,8 @@ storage returned (when a tensor owns all of its storage), and a :class:`StreamEr
 so the two modes can be measured against each other.
 
 Failure. Every wait has the step's deadline (``timeout_s`` from the moment the step's messages were
-posted). A dead peer (the transport reports a closed connection) or a silent one (the deadline passes)
+posted, or from the moment its wait starts when it was posted ahead). A dead peer (the transport
+reports a closed connection) or a silent one (the deadline passes)
 stops the stream with a :class:`StreamError` naming the peer process, its plan rank, the layer and the
 round. ``timeout_s`` must cover one step's transfer plus the skew between peers. The process group is
 not usable afterwards (gloo closes the pair on a timeout): destroy it. ``on_step`` may raise to cancel a
@@ -48,6 +56,7 @@ stream; the same holds then.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
@@ -209,7 +218,7 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 class LayerStats(msgspec.Struct, frozen=True, kw_only=True):
     layer: int
     rounds: int
-    seconds: float
+    seconds: float  # from its first step's posting to its last step's completion (may overlap the next)
     wait_seconds: float  # blocked on the network
     bytes_sent: int
     bytes_received: int
@@ -231,7 +240,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes_local: int
     budget_bytes: int  # B: the plan's budget for the buffer
     buffer_bytes: int  # the one buffer this process allocated for staged pieces and send copies (<= B)
-    staging_bytes: int  # the most one step staged in it
+    staging_bytes: int  # the most staged in it at once (two steps' pieces when posting ahead)
     send_copy_budget: int
     peak_send_copy_bytes: int  # the most send copies alive in it at once
     largest_new_layer_bytes: int
@@ -333,8 +342,14 @@ def _check_state(
             raise ValueError(f"{field}[{ti}] ({spec.name}) is not contiguous")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _index(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in region)
+
+
 def _view(t: torch.Tensor, region: Region) -> torch.Tensor:
-    return t[tuple(slice(lo, hi) for lo, hi in region)]
+    # The four tensors of a parameter (and every layer alike) share regions: one index per region.
+    return t[_index(region)]
 
 
 def _extent(region: Region) -> tuple[int, ...]:
@@ -347,6 +362,30 @@ class _Pending(NamedTuple):
     direction: Literal["send", "recv"]
     copy_bytes: int  # >0: the send goes from a copy of that size in the buffer, freed when it completes
     buffer: torch.Tensor  # keeps the message's memory alive until the work is done
+
+
+class _Posted:
+    """A step whose messages are posted and not yet all waited for."""
+
+    __slots__ = ("base", "copied", "deadline", "local", "recvs", "sends", "step", "wait_s")
+
+    def __init__(
+        self,
+        step: Step,
+        base: int,
+        recvs: list[_Pending],
+        sends: list[_Pending],
+        copied: deque[int],
+        deadline: float,
+    ) -> None:
+        self.step = step
+        self.base = base  # where its staged pieces start in the buffer
+        self.recvs = recvs
+        self.sends = sends
+        self.copied = copied  # indices into sends of those holding a copy, oldest first
+        self.deadline = deadline
+        self.wait_s = 0.0  # blocked while posting (waiting for room for a send copy)
+        self.local = 0  # bytes copied locally (when it was posted)
 
 
 class _CopyRing:
@@ -415,21 +454,32 @@ class _Stream:
         self.t0 = t0
         old_bytes = sum(t.numel() * t.element_size() for t in self.old.values())
         self.mem.add("old", old_bytes)
-        if self.s.buffer_bytes:
-            self.buffer = torch.empty(self.s.buffer_bytes, dtype=torch.uint8, device=self.device)
-            self.mem.add("buffer", self.s.buffer_bytes)
+        # With every new shard preallocated, posting the next step before this one is waited for costs
+        # only the next step's staged bytes: the buffer holds two steps' worth (never beyond B). A
+        # deeper window measured slower on CPU (the bigger buffer's first-touch page faults cost more
+        # than the overlap gains; docs/benchmarks.md). Allocating shards, it would cost a whole layer.
+        self.ahead = self.into is not None and all(ti in self.into for ti in self.s.new_shards)
+        size = self.s.buffer_bytes
+        if self.ahead:
+            staged = sum(align(st.staging_bytes) for st in self.s.steps() if not st.copy_bytes)
+            size = min(self.plan.budget_bytes, max(size, staged), 2 * size)
+        self.buffer_size = size
+        if size:
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self.mem.add("buffer", size)
         self.log.info(
             "stream.start",
             steps=sum(len(lw.steps) for lw in self.s.layers),
-            buffer_bytes=self.s.buffer_bytes,
+            buffer_bytes=size,
+            post_ahead=self.ahead,
             release_old=self.opts.release_old,
         )
         if self.opts.release_old:
             for ti in self.s.unread_old:
                 self._release(ti)
-        layers = [self._layer(lw) for lw in self.s.layers]
+        layers = self._layers()
         self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.mem.sub("buffer", self.s.buffer_bytes)
+        self.mem.sub("buffer", size)
         stats = StreamStats(
             old_rank=self.s.old_rank,
             new_rank=self.s.new_rank,
@@ -439,7 +489,7 @@ class _Stream:
             bytes_received=self.received,
             bytes_local=self.local,
             budget_bytes=self.plan.budget_bytes,
-            buffer_bytes=self.s.buffer_bytes,
+            buffer_bytes=size,
             staging_bytes=self.mem.peak["staged"],
             send_copy_budget=self.s.copy_budget,
             peak_send_copy_bytes=self.mem.peak["send_copies"],
@@ -460,33 +510,83 @@ class _Stream:
         )
         return StreamResult(dict(sorted(self.new.items())), stats)
 
-    # -- one layer ---------------------------------------------------------------------------------
+    # -- the walk: steps posted in order, finished in order ----------------------------------------
 
-    def _layer(self, lw: LayerWork) -> LayerStats:
-        t0 = time.perf_counter()
-        sent, received, local = self.sent, self.received, self.local
-        n_sent = n_recv = 0
-        owned = self._allocate(lw)
-        wait_s = 0.0
-        for step in lw.steps:
-            wait_s += self._step(step)
-            n_sent += len(step.sends)
-            n_recv += len(step.recvs)
-        self.mem.move("assembly", "new", owned)
-        stats = LayerStats(
-            layer=lw.layer,
-            rounds=len(lw.steps),
-            seconds=time.perf_counter() - t0,
-            wait_seconds=wait_s,
-            bytes_sent=self.sent - sent,
-            bytes_received=self.received - received,
-            bytes_local=self.local - local,
-            messages_sent=n_sent,
-            messages_received=n_recv,
-            new_bytes=lw.new_bytes,
-        )
-        self.log.debug("stream.layer", layer=lw.layer, seconds=round(stats.seconds, 5), rounds=stats.rounds)
-        return stats
+    def _layers(self) -> list[LayerStats]:
+        """Every step, in order; with ``self.ahead``, later steps are posted while earlier ones finish.
+
+        A step is posted early only when neither it nor any step in flight sends from copies and its
+        staged pieces fit in the buffer beside theirs (a FIFO ring: steps finish in the order they
+        were posted). Every process still posts each step's receives before anything it could block
+        on in that step, and blocks in step order, so the order alone still rules out deadlock.
+        """
+        flat = [(i, st) for i, lw in enumerate(self.s.layers) for st in lw.steps]
+        ring = _CopyRing(0, self.buffer_size)
+        posted: deque[_Posted] = deque()
+        opened: dict[int, tuple[float, int]] = {}  # layer index -> (start, bytes owned)
+        acc: dict[int, list[float | int]] = {}
+        out: list[LayerStats] = []
+        nxt = 0  # the next step of ``flat`` to post
+
+        def open_layer(i: int) -> None:
+            if i not in opened:
+                opened[i] = (time.perf_counter(), self._allocate(self.s.layers[i]))
+                acc[i] = [0.0, 0, 0, 0, 0, 0]  # wait s, sent, received, local, messages sent, received
+
+        def close_layer(i: int) -> None:
+            lw = self.s.layers[i]
+            start, owned = opened[i]
+            self.mem.move("assembly", "new", owned)
+            wait_s, sent, received, local, n_sent, n_recv = acc.pop(i)
+            stats = LayerStats(
+                layer=lw.layer,
+                rounds=len(lw.steps),
+                seconds=time.perf_counter() - start,
+                wait_seconds=float(wait_s),
+                bytes_sent=int(sent),
+                bytes_received=int(received),
+                bytes_local=int(local),
+                messages_sent=int(n_sent),
+                messages_received=int(n_recv),
+                new_bytes=lw.new_bytes,
+            )
+            self.log.debug(
+                "stream.layer", layer=lw.layer, seconds=round(stats.seconds, 5), rounds=stats.rounds
+            )
+            out.append(stats)
+
+        def can_post_ahead(st: Step) -> bool:
+            if not self.ahead or st.copy_bytes or any(p.step.copy_bytes for p in posted):
+                return False
+            return not st.staging_bytes or ring.place(align(st.staging_bytes)) is not None
+
+        for i, lw in enumerate(self.s.layers):
+            open_layer(i)
+            for _ in lw.steps:
+                batch: list[_Posted] = []
+                while nxt < len(flat) and ((not posted and not batch) or can_post_ahead(flat[nxt][1])):
+                    li, st = flat[nxt]
+                    open_layer(li)
+                    batch.append(self._post_recvs(st, ring))
+                    posted.append(batch[-1])
+                    nxt += 1
+                # Every receive of the batch before any of its sends: a peer's send only flows once
+                # the receive it matches is posted here.
+                for b in batch:
+                    self._post_sends(b)
+                for b in batch:
+                    b.local = self._copy_local(b.step)
+                done = posted.popleft()
+                before = (self.sent, self.received)
+                a = acc[i]
+                a[0] += self._finish_step(done, ring)
+                a[1] += self.sent - before[0]
+                a[2] += self.received - before[1]
+                a[3] += done.local
+                a[4] += len(done.step.sends)
+                a[5] += len(done.step.recvs)
+            close_layer(i)
+        return out
 
     def _allocate(self, lw: LayerWork) -> int:
         """The layer's new shards, padding rows zeroed; returns the bytes this executor allocated."""
@@ -511,62 +611,88 @@ class _Stream:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def _step(self, step: Step) -> float:
-        """Post, copy, wait, assemble; returns the seconds spent blocked on the network."""
+    def _post_recvs(self, step: Step, ring: _CopyRing) -> _Posted:
+        """Post the step's receives (staged ones into its part of the buffer)."""
         if self.on_step is not None:
             self.on_step(step.layer, step.round)
         self._throttle()
-        deadline = time.monotonic() + self.opts.timeout_s
-        recvs: list[_Pending] = []
+        base = 0
+        if step.staging_bytes:
+            at = ring.place(align(step.staging_bytes))
+            if at is None:
+                raise AssertionError(f"layer {step.layer} round {step.round}: posted without staging room")
+            base = at
+            ring.push(at, align(step.staging_bytes))
+        posted = _Posted(step, base, [], [], deque(), time.monotonic() + self.opts.timeout_s)
         for msg in step.recvs:
-            buf = self._recv_buffer(msg)
+            buf = self._recv_buffer(msg, base)
             work = self._post(step, msg, "recv", lambda b=buf, m=msg: self.group.recv([b], m.peer, step.tag))
-            recvs.append(_Pending(work, msg, "recv", 0, buf))
+            posted.recvs.append(_Pending(work, msg, "recv", 0, buf))
         self.mem.add("staged", step.staging_bytes)
-        sends: list[_Pending] = []
-        copied: deque[int] = deque()  # indices into sends of those holding a copy, oldest first
+        return posted
+
+    def _post_sends(self, posted: _Posted) -> None:
+        """Post the step's sends; one that sends from copies fills the part of the buffer above its
+        staged pieces, waiting for its own oldest copies when that part is full."""
+        step = posted.step
+        if not step.sends:
+            return
         lo = align(step.staging_bytes)
-        ring = _CopyRing(lo, min(self.s.buffer_bytes, lo + max(self.s.copy_budget, step.largest_copy)))
-        wait_s = 0.0
+        copies = _CopyRing(lo, min(self.buffer_size, lo + max(self.s.copy_budget, step.largest_copy)))
         for msg in step.sends:
             src = _view(self.old[msg.tensor], msg.region)
             copy_bytes = 0
             if msg.copy:
                 copy_bytes = align(msg.nbytes)
-                while (at := ring.place(copy_bytes)) is None:
-                    wait_s += self._wait(step, sends[copied.popleft()], deadline)
-                    ring.pop()
+                while (at := copies.place(copy_bytes)) is None:
+                    posted.wait_s += self._wait(step, posted.sends[posted.copied.popleft()], posted.deadline)
+                    copies.pop()
                 src = self._in_buffer(at, msg).copy_(src)
-                ring.push(at, copy_bytes)
+                copies.push(at, copy_bytes)
                 self.mem.add("send_copies", copy_bytes)
-                copied.append(len(sends))
+                posted.copied.append(len(posted.sends))
             elif not src.is_contiguous():
                 raise AssertionError(
                     f"schedule marked {self.plan.tensors[msg.tensor].name}{msg.box} contiguous"
                 )
             work = self._post(step, msg, "send", lambda b=src, m=msg: self.group.send([b], m.peer, step.tag))
-            sends.append(_Pending(work, msg, "send", copy_bytes, src))
+            posted.sends.append(_Pending(work, msg, "send", copy_bytes, src))
+
+    def _copy_local(self, step: Step) -> int:
+        """The slices that stay here, while the step's messages are in flight; returns the bytes."""
+        nbytes = 0
         for c in step.copies:
             _view(self.new[c.tensor], c.dst).copy_(_view(self.old[c.tensor], c.src))
-            self.local += c.nbytes
-        for p in recvs:
+            nbytes += c.nbytes
+        self.local += nbytes
+        return nbytes
+
+    def _finish_step(self, posted: _Posted, ring: _CopyRing) -> float:
+        """Wait, assemble staged pieces; returns the seconds spent blocked on the network.
+        The step's deadline runs from when it is posted or, if it was posted early, from now."""
+        step = posted.step
+        deadline = max(posted.deadline, time.monotonic() + self.opts.timeout_s)
+        wait_s = posted.wait_s
+        for p in posted.recvs:
             wait_s += self._wait(step, p, deadline)
             if p.msg.staging_offset >= 0:
                 _view(self.new[p.msg.tensor], p.msg.region).copy_(p.buffer)
             self.received += p.msg.nbytes
-        for i in copied:
-            wait_s += self._wait(step, sends[i], deadline)
-        for p in sends:
+        for i in posted.copied:
+            wait_s += self._wait(step, posted.sends[i], deadline)
+        for p in posted.sends:
             if p.copy_bytes == 0:
                 wait_s += self._wait(step, p, deadline)
             self.sent += p.msg.nbytes
         self.mem.sub("staged", step.staging_bytes)
+        if step.staging_bytes:
+            ring.pop()
         if self.opts.release_old:
             for ti in step.release_after:
                 self._release(ti)
         return wait_s
 
-    def _recv_buffer(self, msg: PeerMessage) -> torch.Tensor:
+    def _recv_buffer(self, msg: PeerMessage, base: int) -> torch.Tensor:
         if msg.staging_offset < 0:
             buf = _view(self.new[msg.tensor], msg.region)
             if not buf.is_contiguous():
@@ -574,7 +700,7 @@ class _Stream:
                     f"schedule marked {self.plan.tensors[msg.tensor].name}{msg.box} contiguous"
                 )
             return buf
-        return self._in_buffer(msg.staging_offset, msg)
+        return self._in_buffer(base + msg.staging_offset, msg)
 
     def _in_buffer(self, offset: int, msg: PeerMessage) -> torch.Tensor:
         dtype = TORCH_DTYPES[self.plan.tensors[msg.tensor].dtype]

@@ -174,24 +174,53 @@ def _local(box: Box, origin: Box) -> Region:
     return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
 
 
-def _pieces(
-    box: Box, src_region: Region, src_shape: tuple[int, ...], t: TensorSpec, message_bytes: int
-) -> list[Box]:
-    if region_is_contiguous(src_region, src_shape):
-        return [box]
-    return split(box, max(1, message_bytes // t.itemsize))
+class _Placed(NamedTuple):
+    """Where one slice sits in its source's and destination's local tensors."""
+
+    src_shard: Shard
+    dst_shard: Shard
+    src: Region
+    dst: Region
+    elements: int
+    src_contiguous: bool
+    dst_contiguous: bool
 
 
-def _shards(plan: Plan, rank: int | None, old: bool) -> dict[int, Shard]:
-    if rank is None:
-        return {}
-    world = plan.old if old else plan.new
-    out: dict[int, Shard] = {}
-    for ti, t in enumerate(plan.tensors):
-        s = view(t, plan.model, world.layout, rank)
-        if s is not None:
-            out[ti] = s
-    return out
+ViewKey = tuple[tuple[int, ...], str, str, int]
+
+
+def view_key(t: TensorSpec) -> ViewKey:
+    """Every field of a tensor that :func:`liver.shared.views.view` reads: tensors with one key have one
+    view in every layout. A parameter and its optimizer states share a key, so a schedule derives
+    shards and regions once per parameter instead of once per tensor (a quarter of the work)."""
+    return (t.shape, t.rule, t.home, t.layer)
+
+
+class _Views:
+    """``view`` memoized by :func:`view_key`, per layout and rank."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.keys = [view_key(t) for t in plan.tensors]
+        self.memo: dict[tuple[ViewKey, bool, int], Shard | None] = {}
+
+    def __call__(self, ti: int, rank: int, old: bool) -> Shard | None:
+        k = (self.keys[ti], old, rank)
+        if k in self.memo:
+            return self.memo[k]
+        layout = self.plan.old.layout if old else self.plan.new.layout
+        s = self.memo[k] = view(self.plan.tensors[ti], self.plan.model, layout, rank)
+        return s
+
+    def shards(self, rank: int | None, old: bool) -> dict[int, Shard]:
+        if rank is None:
+            return {}
+        out: dict[int, Shard] = {}
+        for ti in range(len(self.keys)):
+            s = self(ti, rank, old)
+            if s is not None:
+                out[ti] = s
+        return out
 
 
 def _check_identity(
@@ -246,32 +275,13 @@ def build_schedule(
     # step stages more than half of it; both sides derive the same size from the plan.
     message_bytes = min(message_bytes, max(ALIGN, plan.budget_bytes // 2 // ALIGN * ALIGN))
     tensors = plan.tensors
-    old_shards = _shards(plan, old_rank, old=True)
-    new_shards = _shards(plan, new_rank, old=False)
-    old_layout, new_layout = plan.old.layout, plan.new.layout
-    src_cache: dict[tuple[int, int], Shard | None] = {}
+    views = _Views(plan)
+    old_shards = views.shards(old_rank, old=True)
+    new_shards = views.shards(new_rank, old=False)
 
-    def src_shard(ti: int, src: int) -> Shard | None:
-        if src == old_rank:
-            return old_shards.get(ti)
-        key = (ti, src)
-        if key not in src_cache:
-            src_cache[key] = view(tensors[ti], plan.model, old_layout, src)
-        return src_cache[key]
-
-    dst_cache: dict[tuple[int, int], Shard | None] = {}
-
-    def dst_shard(ti: int, dst: int) -> Shard | None:
-        if dst == new_rank:
-            return new_shards.get(ti)
-        key = (ti, dst)
-        if key not in dst_cache:
-            dst_cache[key] = view(tensors[ti], plan.model, new_layout, dst)
-        return dst_cache[key]
-
-    def where(task: Task, ti: int, box: Box) -> tuple[Shard, Shard]:
+    def where(task: Task, ti: int, box: Box) -> _Placed:
         t = tensors[ti]
-        s, d = src_shard(ti, task.src), dst_shard(ti, task.dst)
+        s, d = views(ti, task.src, old=True), views(ti, task.dst, old=False)
         if s is None or s.box is None or not contains(s.box, box):
             raise PlanMismatch(
                 f"task layer {task.layer} round {task.round}: old rank {task.src} does not hold {t.name}{box}"
@@ -280,8 +290,18 @@ def build_schedule(
             raise PlanMismatch(
                 f"task layer {task.layer} round {task.round}: new rank {task.dst} does not need {t.name}{box}"
             )
-        return s, d
+        src, dst = _local(box, s.box), _local(box, d.box)
+        return _Placed(
+            s,
+            d,
+            src,
+            dst,
+            volume(box),
+            region_is_contiguous(src, s.local_shape),
+            region_is_contiguous(dst, d.local_shape),
+        )
 
+    placed: dict[tuple[ViewKey, int, int, Box], _Placed] = {}
     received: dict[int, int] = defaultdict(int)
     last_read: dict[int, tuple[int, int]] = {}
     by_step: dict[tuple[int, int], tuple[list[PeerMessage], list[PeerMessage], list[LocalCopy]]] = {}
@@ -304,14 +324,28 @@ def build_schedule(
                 last_read[ti] = (task.layer, task.round)
         for ti, box in task.slices:
             t = tensors[ti]
-            s, d = where(task, ti, box)
-            assert s.box is not None and d.box is not None
+            k = (views.keys[ti], task.src, task.dst, box)
+            p = placed.get(k)
+            if p is None:
+                p = placed[k] = where(task, ti, box)
             if receiving:
-                received[ti] += volume(box)
+                received[ti] += p.elements
             if task.local:
-                copies.append(LocalCopy(ti, _local(box, s.box), _local(box, d.box), volume(box) * t.itemsize))
+                copies.append(LocalCopy(ti, p.src, p.dst, p.elements * t.itemsize))
                 continue
-            for piece in _pieces(box, _local(box, s.box), s.local_shape, t, message_bytes):
+            if p.src_contiguous:  # one message, straight from the old storage
+                nbytes = p.elements * t.itemsize
+                if sending:
+                    sends.append(PeerMessage(dst_g, task.dst, ti, box, nbytes, p.src, False, -1))
+                else:
+                    staged = not (direct_receive and p.dst_contiguous)
+                    recvs.append(
+                        PeerMessage(src_g, task.src, ti, box, nbytes, p.dst, False, 0 if staged else -1)
+                    )
+                continue
+            s, d = p.src_shard, p.dst_shard
+            assert s.box is not None and d.box is not None
+            for piece in split(box, max(1, message_bytes // t.itemsize)):
                 nbytes = volume(piece) * t.itemsize
                 if sending:
                     src_region = _local(piece, s.box)
