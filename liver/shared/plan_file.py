@@ -50,10 +50,19 @@ class PlanFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 
 def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
-    ranks = tuple(
-        RankEntry(r, dev, _rank_shards(plan, world, r)) for r, dev in enumerate(world.placement.devices)
-    )
-    return WorldEntry(world.layout, ranks)
+    # A shard depends on the rank's TP and PP coordinates only (DP replicas hold the same state), so
+    # each distinct (tp, pp) is computed once: a 1,024-rank world at DP 512 has two, not 1,024.
+    layout = world.layout
+    by_coords: dict[tuple[int, int], tuple[ShardEntry, ...]] = {}
+    ranks = []
+    for r, dev in enumerate(world.placement.devices):
+        c = layout.coords(r)
+        key = (c.tp, c.pp)
+        shards = by_coords.get(key)
+        if shards is None:
+            shards = by_coords[key] = _rank_shards(plan, world, r)
+        ranks.append(RankEntry(r, dev, shards))
+    return WorldEntry(layout, tuple(ranks))
 
 
 def to_file(plan: Plan) -> PlanFile:
