@@ -71,6 +71,17 @@ KEEP_GENERATIONS: Final = 8
 _REASON_LIMIT: Final = 2000
 
 
+def decode_command(data: bytes, job_id: str) -> WorkerCommand:
+    """A command for ``job_id``'s workers; :class:`MessageError` naming the field otherwise (a command
+    of another job on this job's subject is a misconfigured publisher, not something to act on)."""
+    command = decode(data, WorkerCommand)
+    if command.job_id != job_id:
+        raise MessageError(
+            type(command).__name__, "$.job_id", f"{command.job_id!r} is not this job {job_id!r}"
+        )
+    return command
+
+
 class World(NamedTuple):
     """The generation a worker trains in and its rank there: what its heartbeats report."""
 
@@ -352,13 +363,7 @@ class WorkerAgent:
         with bind_message(subject=msg.subject):
             self.counts.commands += 1
             try:
-                command = decode(msg.data, WorkerCommand)
-                if command.job_id != self.identity.job_id:
-                    raise MessageError(
-                        type(command).__name__,
-                        "$.job_id",
-                        f"{command.job_id!r} is not this worker's job {self.identity.job_id!r}",
-                    )
+                command = decode_command(msg.data, self.identity.job_id)
             except MessageError as error:
                 await self._reject(msg.subject, msg.data, error)
                 return

@@ -21,7 +21,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from typing import Final, NamedTuple
+from collections.abc import Coroutine
+from typing import Any, Final, NamedTuple
 
 import msgspec
 import nats.errors
@@ -106,29 +107,9 @@ class PlanFetcher:
         appear."""
         where = f"key-value entry {bucket}/{key}"
         progress = _Progress()
-        try:
-            return await asyncio.wait_for(self._entry(bucket, key, progress), timeout_s)
-        except nats.errors.TimeoutError:
-            raise PlanFetchError(
-                f"{where}: the request for {progress.step} got no reply within the client's request "
-                f"timeout ({progress.elapsed_s:.3g} s into a read allowed {timeout_s:.3g} s)"
-            ) from None
-        except TimeoutError:
-            if progress.misses:
-                raise PlanFetchError(
-                    f"{where}: no such entry (read {progress.misses} times over {progress.elapsed_s:.3g} s; "
-                    f"the read was allowed {timeout_s:.3g} s)"
-                ) from None
-            raise PlanFetchError(
-                f"{where}: not read within the {timeout_s:.3g} s allowed (gave up after "
-                f"{progress.elapsed_s:.3g} s, waiting for {progress.step})"
-            ) from None
-        except nats.js.errors.NotFoundError:
-            raise PlanFetchError(f"{where}: the bucket does not exist") from None
-        except nats.errors.Error as exc:
-            raise PlanFetchError(
-                f"{where}: {type(exc).__name__} {exc} while reading {progress.step}".strip()
-            ) from None
+        return await _read(
+            where, self._entry(bucket, key, progress), timeout_s, progress, "the bucket does not exist"
+        )
 
     async def _entry(self, bucket: str, key: str, progress: _Progress) -> bytes:
         stream = f"KV_{bucket}"
@@ -173,27 +154,9 @@ class PlanFetcher:
     ) -> bytes:
         """Object ``name`` of ``bucket``, checked against the stored digest (and ``size`` and ``digest``
         when the caller knows them)."""
-        where = f"{bucket}/{name}"
         progress = _Progress()
-        try:
-            return await asyncio.wait_for(self._fetch(bucket, name, size, digest, progress), timeout_s)
-        except nats.errors.TimeoutError:
-            # A subclass of TimeoutError: one request timed out, not the read as a whole.
-            raise PlanFetchError(
-                f"object {where}: the request for {progress.step} got no reply within the client's "
-                f"request timeout ({progress.elapsed_s:.3g} s into a read allowed {timeout_s:.3g} s)"
-            ) from None
-        except TimeoutError:
-            raise PlanFetchError(
-                f"object {where}: not read within the {timeout_s:.3g} s allowed (gave up after "
-                f"{progress.elapsed_s:.3g} s, waiting for {progress.step})"
-            ) from None
-        except nats.js.errors.NotFoundError:
-            raise PlanFetchError(f"object {where}: no such object") from None
-        except nats.errors.Error as exc:
-            raise PlanFetchError(
-                f"object {where}: {type(exc).__name__} {exc} while reading {progress.step}".strip()
-            ) from None
+        read = self._fetch(bucket, name, size, digest, progress)
+        return await _read(f"object {bucket}/{name}", read, timeout_s, progress, "no such object")
 
     async def _fetch(
         self, bucket: str, name: str, size: int | None, digest: str | None, progress: _Progress
@@ -362,3 +325,34 @@ def _translate(exc: msgspec.MsgspecError) -> MessageError:
     if match is None:
         return MessageError(EXPECTED, "$", text)
     return MessageError(EXPECTED, match["path"], match["reason"])
+
+
+async def _read(
+    where: str, read: Coroutine[Any, Any, bytes], timeout_s: float, progress: _Progress, not_found: str
+) -> bytes:
+    """Run ``read`` within ``timeout_s``; every way it can fail becomes one :class:`PlanFetchError`
+    that names ``where``, the step it was waiting for and which limit ran out."""
+    try:
+        return await asyncio.wait_for(read, timeout_s)
+    except nats.errors.TimeoutError:
+        # A subclass of TimeoutError: one request timed out, not the read as a whole.
+        raise PlanFetchError(
+            f"{where}: the request for {progress.step} got no reply within the client's request "
+            f"timeout ({progress.elapsed_s:.3g} s into a read allowed {timeout_s:.3g} s)"
+        ) from None
+    except TimeoutError:
+        if progress.misses:
+            raise PlanFetchError(
+                f"{where}: no such entry (read {progress.misses} times over {progress.elapsed_s:.3g} s; "
+                f"the read was allowed {timeout_s:.3g} s)"
+            ) from None
+        raise PlanFetchError(
+            f"{where}: not read within the {timeout_s:.3g} s allowed (gave up after "
+            f"{progress.elapsed_s:.3g} s, waiting for {progress.step})"
+        ) from None
+    except nats.js.errors.NotFoundError:
+        raise PlanFetchError(f"{where}: {not_found}") from None
+    except nats.errors.Error as exc:
+        raise PlanFetchError(
+            f"{where}: {type(exc).__name__} {exc} while reading {progress.step}".strip()
+        ) from None

@@ -46,7 +46,6 @@ from liver.shared.messages import (
     GenerationCommitted,
     Prepare,
     Switch,
-    WorkerCommand,
     WorkerPhase,
     WorldStarted,
 )
@@ -59,6 +58,7 @@ from liver.worker_runtime.companion_agent import (
     WorkerAgent,
     WorkerIdentity,
     World,
+    decode_command,
 )
 from liver.worker_runtime.companion_plan import PlanFetcher
 
@@ -423,13 +423,7 @@ class SimulatedJob:
     async def _on_broadcast(self, msg: Msg) -> None:
         """A job-wide command: decoded once, then handed to every worker still on the bus."""
         try:
-            command = decode(msg.data, WorkerCommand)
-            if command.job_id != self.settings.job_id:
-                raise MessageError(
-                    type(command).__name__,
-                    "$.job_id",
-                    f"{command.job_id!r} is not this job {self.settings.job_id!r}",
-                )
+            command = decode_command(msg.data, self.settings.job_id)
         except MessageError as error:
             log.warning("command_rejected", field=error.path, reason=error.reason, subject=msg.subject)
             event = error_event(source=SOURCE, subject=msg.subject, data=msg.data, error=error)
