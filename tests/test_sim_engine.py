@@ -8,6 +8,9 @@ import math
 import msgspec
 import pytest
 
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import PRESETS, ModelSpec
+from liver.shared.plan import WorldConfig
 from liver.sim.calibration import Calibration, load_calibration, with_overrides
 from liver.sim.engine import SimResult, simulate
 from liver.sim.models import GPT_14B
@@ -282,3 +285,54 @@ def test_lost_work_never_exceeds_the_checkpoint_interval(
     for rec in r.reconfigurations:
         assert rec.lost_gpu_s <= calibration.checkpoint_interval_s * 32 + 1e-6
     assert not math.isnan(r.reconfigurations[-1].end)
+
+
+def _data_parallel_planner(calibration: Calibration) -> TransitionPlanner:
+    """Every device a DP replica of a small model: any one node's state lives on elsewhere."""
+
+    def choose(model: ModelSpec, devices: tuple[Device, ...], current: WorldConfig | None):
+        return ParallelLayout(1, 1, len(devices)), Placement(devices)
+
+    return TransitionPlanner(PRESETS["tiny-gpt"], calibration, choose)
+
+
+def test_a_warning_too_short_to_prepare_reshards_around_the_lost_node_when_replicas_hold_its_state(
+    calibration: Calibration,
+) -> None:
+    planner = _data_parallel_planner(calibration)
+    trace = _one_event(CapacityEvent(600.0, "node003", "remove", 10.0))
+    r = simulate(trace, make_policy("liver", calibration), planner)
+    (rec,) = r.reconfigurations
+    assert rec.kind == "live" and rec.status == "done"
+    assert rec.lost_nodes == ["node003"] and r.handoffs_around_loss == 1 and r.fallbacks == 0
+    assert r.lost_gpu_s == 0
+    # Trains until the node is gone at 610 s, then pauses until the new world is ready and switched.
+    tr = planner.transition(ParallelLayout(1, 1, 32), 4, 3, 0, lost=1)
+    assert rec.end == pytest.approx(
+        600.0 + live_preparation_s(calibration, tr) + sum(live_phases(calibration, tr).values())
+    )
+    assert rec.pause_s == pytest.approx(rec.end - 610.0)
+    assert r.paused_s == pytest.approx(rec.pause_s)
+
+
+def test_an_unannounced_failure_reshards_around_the_lost_node_when_replicas_hold_its_state(
+    calibration: Calibration,
+) -> None:
+    r = simulate(
+        _one_event(CapacityEvent(600.0, "node001", "remove", 0.0)),
+        make_policy("liver", calibration),
+        _data_parallel_planner(calibration),
+    )
+    assert [(rec.kind, rec.lost_nodes) for rec in r.reconfigurations] == [("live", ["node001"])]
+    assert r.lost_gpu_s == 0
+
+
+def test_a_lost_node_that_held_the_only_replica_of_a_stage_still_falls_back(
+    calibration: Calibration, planner: TransitionPlanner
+) -> None:
+    # GPT-14B on 4 nodes is TP1 PP8 DP4 in rank order: each node holds every replica of two stages.
+    r = simulate(
+        _one_event(CapacityEvent(600.0, "node001", "remove", 0.0)), make_policy("liver", calibration), planner
+    )
+    assert [rec.kind for rec in r.reconfigurations] == ["fallback"]
+    assert r.handoffs_around_loss == 0

@@ -28,10 +28,11 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 import simpy
 
-from liver.shared.layout import ParallelLayout
+from liver.shared.layout import Device, ParallelLayout
 
 from .ledger import Ledger
 from .policies import Policy, live_phases, live_preparation_s, restart_phases
+from .survival import state_survives
 from .trace import CapacityEvent, Trace
 from .transitions import Transition, TransitionPlanner
 
@@ -65,6 +66,9 @@ class Reconfiguration(msgspec.Struct, kw_only=True):
     layout_after: str = ""
     bytes_moved: int = 0
     events: list[int] = []
+    lost_nodes: list[str] = []
+    """Live: nodes of the old world gone before the transfer, planned around (their state came from
+    DP replicas elsewhere); the pause then runs from the first loss to the end of the transfer."""
 
 
 class EventRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +103,8 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
     tokens_lost: float
     fallbacks: int
     cancelled_handoffs: int
+    handoffs_around_loss: int = 0
+    """Live handoffs that planned around nodes gone before the transfer instead of falling back."""
     reconfigurations: list[Reconfiguration]
     events: list[EventRecord]
     series: list[tuple[float, float, float]]
@@ -134,6 +140,9 @@ class _Handoff(NamedTuple):
     phases: dict[str, float]
     pause_s: float
     switch_at: float
+    lost: tuple[str, ...] = ()
+    """Nodes of the running world gone before the transfer ends: never read from (a handoff around a
+    loss, switched as soon as it is ready)."""
 
 
 class Simulation:
@@ -234,20 +243,23 @@ class Simulation:
                 self.outcome[i] = (outcome, None)
         self.pending.clear()
 
-    def _plan(self, basis: Sequence[str], live: bool) -> tuple[Transition, tuple[str, ...]]:
+    def _plan(
+        self, basis: Sequence[str], live: bool, lost: Sequence[str] = ()
+    ) -> tuple[Transition, tuple[str, ...]]:
         """The target world for ``basis`` and the actual nodes it uses.
 
         A live handoff starts from the running world (the topology planner prefers layouts that move
-        fewer bytes from it). A restart loads everything from the checkpoint, so where the state was does
-        not matter: its target depends on the device set alone, which lets every restart of every policy
-        share one planner answer per device count."""
+        fewer bytes from it; its ``lost`` nodes send nothing). A restart loads everything from the
+        checkpoint, so where the state was does not matter: its target depends on the device set alone,
+        which lets every restart of every policy share one planner answer per device count."""
         world = self.world if live else None
         if world is None:
             tr = self.planner.transition(None, 0, 0, len(basis))
             return tr, tuple(basis[i] for i in tr.used_nodes)
         kept_nodes = [n for n in world.nodes if n in basis]
         fresh = len(basis) - len(kept_nodes)
-        tr = self.planner.transition(world.layout, len(world.nodes), len(kept_nodes), fresh)
+        gone = sum(n in lost for n in world.nodes if n not in basis)
+        tr = self.planner.transition(world.layout, len(world.nodes), len(kept_nodes), fresh, gone)
         ordered = [*kept_nodes, *(n for n in basis if n not in kept_nodes)]
         return tr, tuple(ordered[i] for i in tr.used_nodes)
 
@@ -381,18 +393,20 @@ class Simulation:
                 else:
                     self._settle("unchanged")
                 return
-            if self._world_broken():
-                yield from self._restart("fallback", "a node of the training world is gone before a handoff")
-                continue
             basis = self._basis()
-            if basis == self.world.basis:
+            broken = self._world_broken()
+            if not broken and basis == self.world.basis:
                 self._release_unused_warned()
                 self._settle("unchanged")  # e.g. a node granted and warned again before it was used
                 return
-            if basis == self.hopeless_basis:
+            if not broken and basis == self.hopeless_basis:
                 return  # waiting for the deadline: the fallback restart follows
             world = self.world
             handoff = self._prepare(world, basis)
+            if broken and not isinstance(handoff, _Handoff):
+                # Some state was only on the nodes gone (or nothing fits): only the checkpoint has it.
+                yield from self._restart("fallback", "a node of the training world is gone before a handoff")
+                continue
             if handoff == "unchanged":
                 self.world = world._replace(basis=basis)
                 self._settle("unchanged")
@@ -411,14 +425,16 @@ class Simulation:
                 yield env.timeout(switch_at - env.now) | wake
                 if env.now >= switch_at - EPS:
                     break
-                if self._world_broken() or any(n not in self.held for n in h.nodes):
-                    cancelled = True
+                if any(n not in self.held and n not in h.lost for n in world.nodes) or any(
+                    n not in self.held for n in h.nodes
+                ):
+                    cancelled = True  # a loss the handoff did not plan around
                     break
                 warned = [self.doomed[n] for n in h.nodes if n in self.doomed]
                 if warned and min(warned) < switch_at + h.pause_s - EPS:
                     cancelled = True  # the target loses a node before it would be live
                     break
-                if warned and self._prepare(world, self._basis()) not in ("too late", "nothing fits"):
+                if warned and isinstance(self._prepare(world, self._basis(), around_loss=False), _Handoff):
                     cancelled = True  # one handoff to the new target (or none) still makes every deadline
                     break
                 if self._basis() != h.basis:
@@ -439,16 +455,26 @@ class Simulation:
                 devices_after=tr.new_devices,
                 layout_after=tr.new_layout.describe() if tr.new_layout else "",
                 bytes_moved=tr.bytes_moved,
+                lost_nodes=list(h.lost),
             )
+            if h.lost:
+                rec.reason = "planned around lost nodes: their state came from DP replicas elsewhere"
             self.reconfigs.append(rec)
             self.active = rec
             self._claim(rec, serves)
             self.ledger.set(env.now, mode="pause")
+            # Paused since the first planned-around loss, if it came before the switch.
+            paused_since = min((self.gone_at.get(n, math.inf) for n in h.lost), default=env.now)
+            paused_since = min(paused_since, env.now)
             yield env.timeout(h.pause_s)
-            rec.pause_s = h.pause_s
+            rec.pause_s = env.now - paused_since
             rec.end = env.now
             self.active = None
-            lost = [n for n in (*world.nodes, *h.nodes) if self.gone_at.get(n, math.inf) < env.now - EPS]
+            lost = [
+                n
+                for n in (*(n for n in world.nodes if n not in h.lost), *h.nodes)
+                if self.gone_at.get(n, math.inf) < env.now - EPS
+            ]
             if lost or any(n not in self.held and n not in self.gone_at for n in h.nodes):
                 rec.status = "failed"
                 rec.reason = "a node was lost during the transfer"
@@ -456,10 +482,15 @@ class Simulation:
                 continue
             self._begin_training(tr, h.nodes, h.basis)
 
-    def _prepare(self, world: _World, basis: tuple[str, ...]) -> _Handoff | str:
+    def _prepare(self, world: _World, basis: tuple[str, ...], around_loss: bool = True) -> _Handoff | str:
         """The live handoff from ``world`` to ``basis`` starting now, or why there is none:
         ``"unchanged"`` (same world), ``"nothing fits"``, or ``"too late"`` (preparation plus pause
-        would end after the earliest deadline of a warned node of the running world)."""
+        would end after the earliest deadline of a warned node of the running world, or a node of it is
+        already gone, and, with ``around_loss``, some state would be left only on the nodes lost).
+
+        A handoff around a loss is what the coordinator does when the transfer planner can read every
+        shard from a surviving DP replica: the job trains until the node is gone, pauses, and switches as
+        soon as the new world is ready, the lost nodes sending nothing."""
         tr, nodes = self._plan(basis, live=True)
         if tr.new_layout is None:
             return "nothing fits"
@@ -470,12 +501,39 @@ class Simulation:
         phases = live_phases(self.cal, tr)
         pause = sum(phases.values())
         deadline = min((self.doomed[n] for n in world.nodes if n in self.doomed), default=math.inf)
-        if now + prep + pause > deadline + EPS:
-            return "too late"
+        broken = any(n not in self.held for n in world.nodes)
+        if broken or now + prep + pause > deadline + EPS:
+            if not around_loss:
+                return "too late"
+            return self._prepare_around_loss(world, basis, now + prep + pause)
         # Scale-out: switch once ready (the new devices idle until then). Scale-in only: keep the
         # warned devices training until the last moment that still lets the transfer finish in time.
         switch_at = now + prep if tr.uses_fresh or math.isinf(deadline) else deadline - pause
         return _Handoff(basis, tr, nodes, now, prep, phases, pause, switch_at)
+
+    def _prepare_around_loss(self, world: _World, basis: tuple[str, ...], end: float) -> _Handoff | str:
+        """The handoff to ``basis`` that switches as soon as it is ready and reads nothing from the nodes
+        of ``world`` gone before ``end`` (already gone, or warned to go by then); ``"too late"`` when some
+        state would survive nowhere."""
+        lost = tuple(n for n in world.nodes if n not in self.held or self.doomed.get(n, math.inf) < end - EPS)
+        if not self._survives(world, lost):
+            return "too late"
+        tr, nodes = self._plan(basis, live=True, lost=lost)
+        if tr.new_layout is None:  # the canonical cluster lost state the actual placement kept
+            return "too late"
+        now = self.env.now
+        prep = live_preparation_s(self.cal, tr)
+        phases = live_phases(self.cal, tr)
+        return _Handoff(basis, tr, nodes, now, prep, phases, sum(phases.values()), now + prep, lost)
+
+    def _survives(self, world: _World, lost: Sequence[str]) -> bool:
+        """The transfer planner's rule (:mod:`.survival`) on the running world, placed in rank order on
+        its nodes as the transition planner's canonical cluster places it."""
+        devices = [Device(n, i) for n in world.nodes for i in range(self.per)][: world.layout.world_size]
+        gone = set(lost)
+        return state_survives(
+            self.planner.model, world.layout, devices, [d for d in devices if d.node in gone]
+        )
 
     # --- results -------------------------------------------------------------------------------
     def _result(self) -> SimResult:
@@ -517,6 +575,7 @@ class Simulation:
             tokens_lost=led.tokens_lost,
             fallbacks=sum(r.kind == "fallback" for r in self.reconfigs),
             cancelled_handoffs=self.cancelled,
+            handoffs_around_loss=sum(r.kind == "live" and bool(r.lost_nodes) for r in self.reconfigs),
             reconfigurations=self.reconfigs,
             events=events,
             series=led.series,

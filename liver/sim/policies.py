@@ -9,7 +9,9 @@
 * ``liver``: live reconfiguration. On a warning (or a granted node) the new world is prepared while the
   old one trains; the job pauses only for the switch and the layer-streamed transfer, timed as late as the
   warning allows (scale-in) or as soon as preparation is done (scale-out). When the preparation cannot
-  finish before the deadline, or a node fails without notice, it falls back to a Megatron-LM restart.
+  finish before the deadline, or a node fails without notice, it reshards around the lost node from
+  surviving DP replicas (:mod:`.survival`), and falls back to a Megatron-LM restart only when some state
+  was held by lost nodes alone.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from liver.services.topology import choose_topology
 from liver.services.topology.cost import step_cost
 from liver.services.topology.memory import stage_state_bytes
 from liver.services.topology.placement import tp_groups_within_nodes
-from liver.services.transfer.planner import build_plan, plan_stats
+from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan, WorldConfig
@@ -98,6 +98,9 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True):
 
     kept: int = 0
     """How many old-world nodes survive in the new device set (canonical indices ``0..kept-1``)."""
+    lost: int = 0
+    """How many old-world nodes are gone before the transfer (the last ones of the old world): the
+    transfer reads nothing from them (a handoff around a loss)."""
 
     @property
     def uses_fresh(self) -> bool:
@@ -110,6 +113,7 @@ class TransitionKey(msgspec.Struct, frozen=True):
     old_nodes: int
     kept: int
     fresh: int
+    lost: int = 0
 
 
 class TransitionPlanner:
@@ -139,11 +143,21 @@ class TransitionPlanner:
         return other
 
     def transition(
-        self, old_layout: ParallelLayout | None, old_nodes: int, kept: int, fresh: int
+        self, old_layout: ParallelLayout | None, old_nodes: int, kept: int, fresh: int, lost: int = 0
     ) -> Transition:
+        """``lost`` of the ``old_nodes - kept`` dropped nodes are gone before the transfer: the plan reads
+        from surviving replicas only, and the answer has no layout when some state survives nowhere."""
         if not 0 <= kept <= old_nodes or fresh < 0:
             raise ValueError(f"transition: kept={kept}, fresh={fresh} for a world on {old_nodes} nodes")
-        key = TransitionKey(old_layout, old_nodes if old_layout else 0, kept if old_layout else 0, fresh)
+        if not 0 <= lost <= old_nodes - kept:
+            raise ValueError(f"transition: lost={lost} of the {old_nodes - kept} nodes dropped")
+        key = TransitionKey(
+            old_layout,
+            old_nodes if old_layout else 0,
+            kept if old_layout else 0,
+            fresh,
+            lost if old_layout else 0,
+        )
         hit = self.cache.get(key)
         if hit is not None:
             self.hits += 1
@@ -198,11 +212,22 @@ class TransitionPlanner:
             "load_max_rank_bytes": max(state for state, _grad in stages),
             "load_total_bytes": sum(state for state, _grad in stages) * layout.tp * layout.dp,
             "kept": key.kept,
+            "lost": key.lost,
         }
         if old is None:
             return Transition(**fields)
         unchanged = layout == old.layout and placement.devices == old.placement.devices
-        plan = build_plan(model, old, new, cal.staging_bytes, optimizer=cal.transfer_optimizer_state)
+        # The lost nodes are the last of the old world, among the dropped ones (never a destination).
+        gone = {grid[n * per].node for n in range(key.old_nodes - key.lost, key.old_nodes)}
+        lost = [d for d in old.placement.devices if d.node in gone]
+        try:
+            plan = build_plan(
+                model, old, new, cal.staging_bytes, optimizer=cal.transfer_optimizer_state, lost=lost
+            )
+        except NoSurvivingSource as exc:
+            return Transition(
+                old_layout=key.old_layout, new_layout=None, why_none=str(exc), kept=key.kept, lost=key.lost
+            )
         stats = plan_stats(plan)
         timing = streaming_seconds(plan, cal)
         return Transition(
