@@ -327,6 +327,19 @@ def test_an_unannounced_failure_reshards_around_the_lost_node_when_replicas_hold
     assert r.lost_gpu_s == 0
 
 
+def test_the_summary_counts_handoffs_around_a_loss_apart_from_fallbacks(calibration: Calibration) -> None:
+    from liver.sim.report import summarize, summary_table
+
+    r = simulate(
+        _one_event(CapacityEvent(600.0, "node001", "remove", 0.0)),
+        make_policy("liver", calibration),
+        _data_parallel_planner(calibration),
+    )
+    s = summarize(r)
+    assert (s.handoffs_around_loss, s.fallbacks) == (1, 0)
+    assert "around loss" in summary_table([r]).splitlines()[0]
+
+
 def test_a_lost_node_that_held_the_only_replica_of_a_stage_still_falls_back(
     calibration: Calibration, planner: TransitionPlanner
 ) -> None:

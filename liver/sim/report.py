@@ -35,6 +35,8 @@ class PolicySummary(msgspec.Struct, frozen=True, kw_only=True):
     tokens: float
     reconfigurations: int
     fallbacks: int
+    handoffs_around_loss: int
+    """Live handoffs that planned around a node already lost (its state read from DP replicas)."""
     cancelled_handoffs: int
     events: int
     event_outcomes: dict[str, int]
@@ -62,6 +64,7 @@ def summarize(r: SimResult) -> PolicySummary:
         tokens=r.tokens,
         reconfigurations=len(r.reconfigurations),
         fallbacks=r.fallbacks,
+        handoffs_around_loss=r.handoffs_around_loss,
         cancelled_handoffs=r.cancelled_handoffs,
         events=len(r.events),
         event_outcomes=outcomes,
@@ -113,6 +116,7 @@ def summary_table(results: Sequence[SimResult]) -> str:
                 s.lost_gpu_hours,
                 s.idle_gpu_hours,
                 s.reconfigurations,
+                s.handoffs_around_loss,
                 s.fallbacks,
             )
         )
@@ -127,6 +131,7 @@ def summary_table(results: Sequence[SimResult]) -> str:
             "lost GPU-h",
             "idle GPU-h",
             "reconfigs",
+            "around loss",
             "fallbacks",
         ),
         rows,
