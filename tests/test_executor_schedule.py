@@ -14,12 +14,15 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
 from liver.shared.plan import Plan, WorldConfig
 from liver.shared.views import view
+from liver.worker_runtime import executor
 from liver.worker_runtime.executor import (
     GroupRanks,
     PlanMismatch,
+    PreparedSchedule,
     StreamError,
     StreamOptions,
     devices_in_stream_order,
+    prepare_schedule,
     ranks_on_device,
     stream_plan,
 )
@@ -217,6 +220,126 @@ def test_missing_old_state_is_refused_before_any_message() -> None:
             group=NoNetwork(0, 2),
             group_ranks=GroupRanks.by_device(plan),
             old_state={},
+        )
+
+
+# -- a schedule prepared before the stream (while training still runs) ----------------------------------
+
+
+def on_one_device() -> Plan:
+    """A plan whose every slice stays on one device: it streams in one process without a network."""
+    one = default_world(ParallelLayout(1, 1, 1))
+    return build_plan(PRESETS["tiny-gpt"], one, one)
+
+
+def prepared_for(plan: Plan, group_rank: int, options: StreamOptions | None = None) -> PreparedSchedule:
+    old_rank, new_rank = ranks_on_device(plan, devices_in_stream_order(plan)[group_rank])
+    return prepare_schedule(
+        plan,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        group_ranks=GroupRanks.by_device(plan),
+        group_rank=group_rank,
+        group_size=len(devices_in_stream_order(plan)),
+        options=options,
+    )
+
+
+def random_old_state(plan: Plan) -> dict[int, torch.Tensor]:
+    """Random values in every shard's box, zeros in its padding (what a stream writes there)."""
+    sched = build_schedule(plan, 0, 0, GroupRanks.by_device(plan), 0, 1, 1024)
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for ti, s in sched.old_shards.items():
+        dtype = torch.int64 if plan.tensors[ti].dtype == "int64" else torch.float32
+        t = torch.zeros(s.local_shape, dtype=dtype)
+        if s.box is not None:
+            inside = tuple(slice(0, hi - lo) for lo, hi in s.box)
+            t[inside] = torch.randint(1, 1 << 20, t[inside].shape, generator=g).to(dtype)
+        out[ti] = t
+    return out
+
+
+def test_a_prepared_schedule_is_streamed_without_building_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = on_one_device()
+    prepared = prepared_for(plan, 0)
+    old_state = random_old_state(plan)
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the stream built a schedule although one was prepared")
+
+    monkeypatch.setattr(executor, "build_schedule", no_build)
+    result = stream_plan(
+        plan,
+        old_rank=0,
+        new_rank=0,
+        group=NoNetwork(0, 1),
+        group_ranks=GroupRanks.by_device(plan),
+        old_state=dict(old_state),
+        schedule=prepared,
+    )
+    assert result.stats.schedule_seconds == 0.0
+    assert sorted(result.new_state) == sorted(old_state)
+    for ti, t in old_state.items():
+        assert torch.equal(result.new_state[ti], t), plan.tensors[ti].name
+
+
+def test_a_stream_without_a_prepared_schedule_builds_and_times_its_own() -> None:
+    plan = on_one_device()
+    result = stream_plan(
+        plan,
+        old_rank=0,
+        new_rank=0,
+        group=NoNetwork(0, 1),
+        group_ranks=GroupRanks.by_device(plan),
+        old_state=random_old_state(plan),
+    )
+    assert result.stats.schedule_seconds > 0.0
+
+
+def test_a_schedule_prepared_for_another_rank_is_refused_before_any_message() -> None:
+    plan = tp2_to_dp2()
+    with pytest.raises(PlanMismatch, match=r"schedule: prepared for old_rank 0, but this stream has 1"):
+        stream_plan(
+            plan,
+            old_rank=1,
+            new_rank=1,
+            group=NoNetwork(1, 2),
+            group_ranks=GroupRanks.by_device(plan),
+            old_state={},
+            schedule=prepared_for(plan, 0),
+        )
+
+
+def test_a_schedule_prepared_for_another_plan_is_refused_naming_both() -> None:
+    plan = tp2_to_dp2()
+    other = build_plan(
+        PRESETS["tiny-gpt"], default_world(ParallelLayout(2, 1, 1)), default_world(ParallelLayout(1, 2, 1))
+    )
+    with pytest.raises(PlanMismatch, match=r"schedule: prepared for another plan .*TP1,PP2,DP1"):
+        stream_plan(
+            plan,
+            old_rank=0,
+            new_rank=0,
+            group=NoNetwork(0, 2),
+            group_ranks=GroupRanks.by_device(plan),
+            old_state={},
+            schedule=prepared_for(other, 0),
+        )
+
+
+def test_a_schedule_prepared_with_other_message_bytes_is_refused_naming_the_option() -> None:
+    plan = tp2_to_dp2()
+    with pytest.raises(PlanMismatch, match=r"schedule: prepared for options.message_bytes 1024"):
+        stream_plan(
+            plan,
+            old_rank=0,
+            new_rank=0,
+            group=NoNetwork(0, 2),
+            group_ranks=GroupRanks.by_device(plan),
+            old_state={},
+            options=StreamOptions(message_bytes=2048),
+            schedule=prepared_for(plan, 0, StreamOptions(message_bytes=1024)),
         )
 
 

@@ -24,7 +24,11 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.plan import Plan, PlanSlice, WorldConfig
 from liver.shared.views import view
-from liver.worker_runtime.handoff import Role
+from liver.worker_runtime import executor
+from liver.worker_runtime.executor import StreamOptions
+from liver.worker_runtime.handoff import Handoff, Role
+from liver.worker_runtime.handoff import _stream as handoff_stream
+from liver.worker_runtime.preparation import Preparation, ScheduleBuild, check_request
 from liver.worker_runtime.runtime import (
     CheckpointOptions,
     LiveRuntime,
@@ -256,6 +260,104 @@ def test_checkpoints_need_a_factory_that_can_save_and_fall_back() -> None:
         LiveRuntime(ToyFactory(), job=JOB, device=DEVICES[2], options=options)
 
 
+# -- the transfer schedule, made in the preparation (in-process: no group is built) ----------------------
+
+
+class NoNetwork:
+    """A stream group of one process that refuses to move data (a plan that stays on one device)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        raise AssertionError("sent a message")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> None:
+        raise AssertionError("posted a receive")
+
+
+class OneProcessStream:
+    new = WorldSpec(
+        job=JOB, generation=1, layout=ParallelLayout(tp=1, pp=1, dp=1), placement=Placement(DEVICES[:1])
+    )
+
+    def group(self) -> NoNetwork:
+        return NoNetwork()
+
+
+ONE = ParallelLayout(tp=1, pp=1, dp=1)
+
+
+def test_the_handoff_streams_with_the_schedule_its_preparation_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_between(world_config(ONE, 0), world_config(ONE, 0))
+    options = StreamOptions(message_bytes=4096)
+    build = ScheduleBuild(plan, DEVICES[0], options)
+    assert build.wait(30) and build.error is None
+    state = {}
+    prepared = build.result()
+    assert prepared is not None
+    for ti, shard in prepared.schedule.old_shards.items():
+        dtype = torch.int64 if plan.tensors[ti].dtype == "int64" else torch.float32
+        t = state[ti] = torch.zeros(shard.local_shape, dtype=dtype)  # padding rows stay zero
+        if shard.box is not None:
+            inside = t[tuple(slice(0, hi - lo) for lo, hi in shard.box)]
+            inside.copy_(torch.arange(1, inside.numel() + 1).reshape(inside.shape))
+    old = ToyTrainer(None, state)  # type: ignore[arg-type]  # a trainer that never steps needs no world
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the handoff built the schedule in the pause")
+
+    monkeypatch.setattr(executor, "build_schedule", no_build)
+    handoff = Handoff(
+        factory=ToyFactory(),
+        plan=plan,
+        device=DEVICES[0],
+        stream=OneProcessStream(),  # type: ignore[arg-type]
+        old_world=None,
+        new_world=None,
+        old_trainer=old,
+        iteration=0,
+        from_generation=0,
+        control_timeout=timedelta(seconds=5),
+        join_timeout=timedelta(seconds=5),
+        stream_options=options,
+        schedule=prepared,
+    )
+    result = handoff_stream(handoff, 0, 0, None)
+    assert result.stats.schedule_seconds == 0.0
+    assert sorted(result.new_state) == sorted(state)
+    assert all(torch.equal(result.new_state[ti], t) for ti, t in state.items())
+
+
+def test_a_plan_that_does_not_fit_this_process_fails_the_preparation_before_the_cut() -> None:
+    request, role, old, new = check_request(
+        job=JOB,
+        device=DEVICES[0],
+        model=SPEC,
+        active=WorldSpec(job=JOB, generation=0, layout=DP2, placement=OLD.placement),
+        newest_generation=0,
+        generation=1,
+        layout=TP2,
+        placement=NEW.placement,
+        plan=plan_between(OLD, NEW),
+        store=STORE,
+        deadline=None,
+        from_generation=None,
+        switch_when_ready=True,
+    )
+    prep = Preparation(request, role, old, new)
+    prep.schedule_build = ScheduleBuild(request.plan, DEVICES[3], StreamOptions())
+    assert prep.schedule_build.wait(30)
+    assert prep.schedule() is None
+    failure = prep.failure()
+    assert failure is not None
+    assert failure.startswith("building the transfer schedule failed: `device`:")
+    assert failure.endswith("is in neither world of the plan")
+
+
 # -- commands and deadlines, on two processes ------------------------------------------------------------
 
 GATED, COMMANDED, MISSED, RECOVERED = 1, 2, 3, 4
@@ -337,6 +439,13 @@ def toy_runs() -> list[dict[str, Any]]:
         RECOVERED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
     }
     return [o.unwrap() for o in run_world(toy_process, 2, args=(plans,), timeout_s=120)]
+
+
+@pytest.mark.slow
+def test_every_switch_streams_with_the_schedule_made_while_training_went_on(toy_runs: list) -> None:
+    switches = [h for found in toy_runs for h in found["history"] if h["type"] == "SwitchReport"]
+    assert switches
+    assert [h["schedule_s"] for h in switches] == [0.0] * len(switches)
 
 
 def _aborts(found: dict[str, Any]) -> dict[int, dict[str, Any]]:

@@ -21,6 +21,11 @@ from copies; the buffer then holds two steps' staged pieces (still within ``B``)
 keep the step order, so the deadlock argument above holds unchanged. ``on_step`` is called before a
 step is posted, so possibly while the previous step is still in flight.
 
+The schedule. What a process sends, receives and copies, and where, follows from the plan, its ranks,
+its group and the options alone, so :func:`prepare_schedule` can derive it (and check the plan against
+the identity) before the stream, while training still runs; ``stream_plan(..., schedule=)`` then only
+checks that it was made for the same inputs. Without one, ``stream_plan`` builds it itself.
+
 Memory (invariant I2). The extra memory the executor allocates is the one buffer (sized to what this
 process's largest step stages plus its send copies, or to two steps' staged pieces when posting ahead,
 never more than ``B = plan.budget_bytes``) and the
@@ -90,11 +95,13 @@ __all__ = [
     "LayerStats",
     "P2PGroup",
     "PlanMismatch",
+    "PreparedSchedule",
     "StreamError",
     "StreamOptions",
     "StreamResult",
     "StreamStats",
     "devices_in_stream_order",
+    "prepare_schedule",
     "ranks_on_device",
     "stream_plan",
 ]
@@ -250,6 +257,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     old_bytes_released: int
     throttle_seconds: float
     layers: tuple[LayerStats, ...]
+    schedule_seconds: float = 0.0  # building the schedule inside this call; 0 when a prepared one was given
 
 
 class StreamResult(NamedTuple):
@@ -270,6 +278,7 @@ def stream_plan(
     device: torch.device | str | None = None,
     options: StreamOptions | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    schedule: PreparedSchedule | None = None,
 ) -> StreamResult:
     """Run this process's part of ``plan``; see the module docstring.
 
@@ -278,26 +287,129 @@ def stream_plan(
     preallocated new shards (e.g. the new model's storage) to write into instead of allocating.
     ``device`` is where new shards and buffers live (default: the old state's device, else the CPU).
     ``on_step(layer, round)`` is called before each of this process's steps (progress, cancellation).
+    ``schedule`` is this process's schedule made beforehand by :func:`prepare_schedule` (while training
+    still ran); it must have been made for the same plan, ranks, group and options (else
+    :class:`PlanMismatch`); without it the schedule is built here.
     Raises :class:`PlanMismatch` (or ``ValueError``) before any message is sent when the inputs do not
     fit the plan, and :class:`StreamError` when a peer fails.
     """
     opts = options or StreamOptions()
-    schedule = build_schedule(
+    if schedule is None:
+        schedule = prepare_schedule(
+            plan,
+            old_rank=old_rank,
+            new_rank=new_rank,
+            group_ranks=group_ranks,
+            group_rank=group.rank(),
+            group_size=group.size(),
+            options=opts,
+        )
+        schedule_s = schedule.seconds
+    else:
+        _check_prepared(schedule, plan, old_rank, new_rank, group_ranks, group.rank(), group.size(), opts)
+        schedule_s = 0.0
+    s = schedule.schedule
+    dev = _pick_device(device, old_state)
+    _check_state(plan, s.old_shards, old_state, "old_state", dev, exact=True)
+    if into is not None:
+        _check_state(plan, s.new_shards, into, "into", dev, exact=False)
+    return _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s).run()
+
+
+class PreparedSchedule(NamedTuple):
+    """A process's schedule and everything it was derived from.
+
+    The schedule depends only on the plan, this process's ranks and group, and the options, never on
+    tensor storage, so a switch builds it while training still runs (milliseconds for a tiny model,
+    seconds for one with tens of thousands of slices) and the paused handoff only checks that it fits.
+    """
+
+    plan: Plan
+    old_rank: int | None
+    new_rank: int | None
+    group_ranks: GroupRanks
+    group_rank: int
+    group_size: int
+    message_bytes: int
+    direct_receive: bool
+    send_copy_bytes: int | None
+    schedule: Schedule
+    seconds: float  # what building it took
+
+
+def prepare_schedule(
+    plan: Plan,
+    *,
+    old_rank: int | None,
+    new_rank: int | None,
+    group_ranks: GroupRanks,
+    group_rank: int,
+    group_size: int,
+    options: StreamOptions | None = None,
+) -> PreparedSchedule:
+    """This process's schedule for ``stream_plan(..., schedule=)``; raises :class:`PlanMismatch` when the
+    plan and the identity do not fit (the checks ``stream_plan`` would do before its first message)."""
+    opts = options or StreamOptions()
+    t0 = time.perf_counter()
+    built = build_schedule(
         plan,
         old_rank,
         new_rank,
         group_ranks,
-        group.rank(),
-        group.size(),
+        group_rank,
+        group_size,
         opts.message_bytes,
         opts.direct_receive,
         opts.send_copy_bytes,
     )
-    dev = _pick_device(device, old_state)
-    _check_state(plan, schedule.old_shards, old_state, "old_state", dev, exact=True)
-    if into is not None:
-        _check_state(plan, schedule.new_shards, into, "into", dev, exact=False)
-    return _Stream(plan, schedule, group, old_state, into, dev, opts, on_step).run()
+    return PreparedSchedule(
+        plan,
+        old_rank,
+        new_rank,
+        group_ranks,
+        group_rank,
+        group_size,
+        opts.message_bytes,
+        opts.direct_receive,
+        opts.send_copy_bytes,
+        built,
+        time.perf_counter() - t0,
+    )
+
+
+def _check_prepared(
+    prepared: PreparedSchedule,
+    plan: Plan,
+    old_rank: int | None,
+    new_rank: int | None,
+    group_ranks: GroupRanks,
+    group_rank: int,
+    group_size: int,
+    opts: StreamOptions,
+) -> None:
+    """A prepared schedule must come from exactly this call's inputs: one made for another rank or plan
+    would post messages no peer matches (a hang until the timeout) or write the wrong regions."""
+    if not isinstance(prepared, PreparedSchedule):
+        raise TypeError(f"schedule is a {type(prepared).__name__}, not a PreparedSchedule (prepare_schedule)")
+    if prepared.plan is not plan and prepared.plan != plan:
+        raise PlanMismatch(
+            "schedule: prepared for another plan than the one streamed "
+            f"({prepared.plan.old.layout.describe()} -> {prepared.plan.new.layout.describe()}, "
+            f"{len(prepared.plan.tasks)} tasks; streamed: {plan.old.layout.describe()} -> "
+            f"{plan.new.layout.describe()}, {len(plan.tasks)} tasks)"
+        )
+    for field, had, got in (
+        ("old_rank", prepared.old_rank, old_rank),
+        ("new_rank", prepared.new_rank, new_rank),
+        ("group_ranks", prepared.group_ranks, group_ranks),
+        ("group rank", prepared.group_rank, group_rank),
+        ("group size", prepared.group_size, group_size),
+        ("options.message_bytes", prepared.message_bytes, opts.message_bytes),
+        ("options.direct_receive", prepared.direct_receive, opts.direct_receive),
+        ("options.send_copy_bytes", prepared.send_copy_bytes, opts.send_copy_bytes),
+    ):
+        if had != got:
+            raise PlanMismatch(f"schedule: prepared for {field} {had!r}, but this stream has {got!r}")
 
 
 def _pick_device(device: torch.device | str | None, old_state: Mapping[int, torch.Tensor]) -> torch.device:
@@ -429,8 +541,10 @@ class _Stream:
         device: torch.device,
         opts: StreamOptions,
         on_step: Callable[[int, int], None] | None,
+        schedule_s: float = 0.0,
     ) -> None:
         self.plan = plan
+        self.schedule_s = schedule_s
         self.s = schedule
         self.group = group
         self.old = old_state
@@ -473,6 +587,7 @@ class _Stream:
             buffer_bytes=size,
             post_ahead=self.ahead,
             release_old=self.opts.release_old,
+            schedule_seconds=round(self.schedule_s, 4),
         )
         if self.opts.release_old:
             for ti in self.s.unread_old:
@@ -500,6 +615,7 @@ class _Stream:
             old_bytes_released=self.released_bytes,
             throttle_seconds=self.throttle_s,
             layers=tuple(layers),
+            schedule_seconds=self.schedule_s,
         )
         self.log.info(
             "stream.done",

@@ -29,7 +29,9 @@ is gone: fail-stop), :class:`HandoffFailed` says so, after releasing the old wor
 back to its checkpoint (:mod:`.fallback`).
 
 Where the pause goes (:class:`SwitchReport`): ``switch`` is steps 1, 2 and 6 (agreement), ``transfer``
-step 4, ``rebuild`` steps 3, 5 and 7. The pause runs from the moment this process learned the cut (the
+step 4, ``rebuild`` steps 3, 5 and 7. Step 4's schedule (what to send and receive, derived from the plan
+alone) is made before the cut when the preparation hands it in (``Handoff.schedule``), so ``transfer``
+is the stream itself. The pause runs from the moment this process learned the cut (the
 vote's answer; a joiner: ``enter_world``'s) to the moment the new trainer is handed back.
 """
 
@@ -54,8 +56,11 @@ from liver.shared.plan import Plan
 from liver.worker_runtime.cut import enter_world
 from liver.worker_runtime.executor import (
     GroupRanks,
+    PreparedSchedule,
     StreamOptions,
     StreamResult,
+    devices_in_stream_order,
+    prepare_schedule,
     ranks_on_device,
     stream_plan,
 )
@@ -178,6 +183,7 @@ class SwitchReport(msgspec.Struct, kw_only=True):
     staging_bytes: int = 0
     peak_extra_bytes: int = 0
     first_step_s: float | None = None
+    schedule_s: float = 0.0  # building the transfer schedule in the pause (part of transfer_s); 0: prepared
 
 
 @dataclass
@@ -197,6 +203,9 @@ class Handoff(Generic[T]):
     join_timeout: timedelta
     stream_options: StreamOptions
     on_stream_step: Callable[[int, int, int], None] | None = None
+    schedule: PreparedSchedule | None = (
+        None  # made in preparation (:func:`handoff_schedule`); else built here
+    )
 
     @property
     def generation(self) -> int:
@@ -312,6 +321,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         bytes_local=stats.bytes_local,
         staging_bytes=stats.staging_bytes,
         peak_extra_bytes=stats.peak_extra_bytes,
+        schedule_s=stats.schedule_seconds,
     )
     bound.info(
         "handoff.committed",
@@ -345,6 +355,29 @@ def _stream(
         into=into,
         options=h.stream_options,
         on_step=on_step,
+        schedule=h.schedule,
+    )
+
+
+def handoff_schedule(plan: Plan, device: Any, options: StreamOptions) -> PreparedSchedule:
+    """The executor's schedule of the process on ``device`` for the handoff streaming ``plan``.
+
+    Pure work on the plan (no tensor, no group), so the preparation runs it off the training thread and
+    the paused switch only checks it: the stream group numbers processes by device the way
+    :meth:`GroupRanks.by_device` does. Raises ``PlanMismatch`` when the plan does not fit the device.
+    """
+    old_rank, new_rank = ranks_on_device(plan, device)
+    order = devices_in_stream_order(plan)
+    if device not in order:
+        raise ValueError(f"`device`: {device} is in neither world of the plan")
+    return prepare_schedule(
+        plan,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        group_ranks=GroupRanks.by_device(plan),
+        group_rank=order.index(device),
+        group_size=len(order),
+        options=options,
     )
 
 

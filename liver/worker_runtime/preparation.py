@@ -4,7 +4,9 @@
 deadline) into a :class:`ResizeRequest` and this process's :class:`~.handoff.Role`, or raises
 ``ValueError`` naming the field that does not fit. :class:`Preparation` then builds, off the training
 thread, what the switch will need: the shadow world (unless this process leaves) and the stream group
-over both worlds (:class:`StreamBuild`, the stream group's counterpart of ``WorldBuild``). The training
+over both worlds (:class:`StreamBuild`, the stream group's counterpart of ``WorldBuild``), and, given the
+stream options, this process's transfer schedule (:class:`ScheduleBuild`), so that none of it falls in
+the pause. The training
 thread only polls it at iteration boundaries: :meth:`Preparation.ready` and :meth:`Preparation.failure`
 are what this process puts into the cut's vote.
 """
@@ -20,7 +22,8 @@ import msgspec
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan
-from liver.worker_runtime.handoff import Role
+from liver.worker_runtime.executor import PreparedSchedule, StreamOptions
+from liver.worker_runtime.handoff import Role, handoff_schedule
 from liver.worker_runtime.world import (
     Backend,
     StoreAddress,
@@ -193,6 +196,53 @@ class StreamBuild:
             group.release()
 
 
+class ScheduleBuild:
+    """This process's transfer schedule, derived from the plan on a thread of its own.
+
+    It depends on no tensor and no group, so it can be made while training runs; the handoff then only
+    checks it. A plan that does not fit this process fails here, before the cut, instead of in the pause.
+    """
+
+    def __init__(self, plan: Plan, device: Device, options: StreamOptions) -> None:
+        self._schedule: PreparedSchedule | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run, args=(plan, device, options), name="liver-schedule", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, plan: Plan, device: Device, options: StreamOptions) -> None:
+        try:
+            schedule = handoff_schedule(plan, device, options)
+        except BaseException as error:  # reported through .error
+            with self._lock:
+                self._error = error
+            return
+        with self._lock:
+            self._schedule = schedule
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the build ends or ``timeout`` passes; whether it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._schedule is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._lock:
+            return self._error
+
+    def result(self) -> PreparedSchedule | None:
+        """The schedule, or None while it is not built (the handoff then builds it itself)."""
+        with self._lock:
+            return self._schedule
+
+
 class Preparation:
     """One request in this process: its role, its background builds, and whether it may switch yet.
 
@@ -213,6 +263,7 @@ class Preparation:
         self.ready_announced = False
         self.world_build: WorldBuild | None = None
         self.stream_build: StreamBuild | None = None
+        self.schedule_build: ScheduleBuild | None = None
 
     @property
     def generation(self) -> int:
@@ -229,18 +280,32 @@ class Preparation:
             return cap
         return max(min(cap, (deadline - datetime.now(UTC)).total_seconds()), 0.001)
 
-    def start(self, device: Device, backend: Backend, build_timeout_s: float) -> None:
-        """Start building the shadow world (unless this process leaves) and the stream group."""
+    def start(
+        self,
+        device: Device,
+        backend: Backend,
+        build_timeout_s: float,
+        stream_options: StreamOptions | None = None,
+    ) -> None:
+        """Start building the shadow world (unless this process leaves), the stream group and, given the
+        options the handoff will stream with, the transfer schedule."""
         timeout = timedelta(seconds=self.seconds_left(build_timeout_s))
         store = self.request.store
+        if stream_options is not None:
+            self.schedule_build = ScheduleBuild(self.request.plan, device, stream_options)
         if self.role is not Role.LEAVE:
             self.world_build = build_world_async(self.new, device, store, backend=backend, timeout=timeout)
         self.stream_build = StreamBuild(self.old, self.new, device, store, backend, timeout)
+
+    def schedule(self) -> PreparedSchedule | None:
+        """The prepared transfer schedule, or None when none was (or is yet) made."""
+        return self.schedule_build.result() if self.schedule_build is not None else None
 
     def ready(self) -> bool:
         """Whether this process can switch now (built, allowed, not failed); notes when it was built."""
         built = self.stream_build is not None and self.stream_build.ready
         built = built and (self.world_build is None or self.world_build.ready)
+        built = built and (self.schedule_build is None or self.schedule_build.ready)
         if built and self.ready_at is None:
             self.ready_at = time.perf_counter()
         return built and self.allowed and self.failure() is None
@@ -249,7 +314,12 @@ class Preparation:
         """Why this preparation cannot succeed any more, or None."""
         if self.abort_reason is not None:
             return self.abort_reason
-        for what, build in (("shadow world", self.world_build), ("stream group", self.stream_build)):
+        builds: tuple[tuple[str, WorldBuild | StreamBuild | ScheduleBuild | None], ...] = (
+            ("shadow world", self.world_build),
+            ("stream group", self.stream_build),
+            ("transfer schedule", self.schedule_build),
+        )
+        for what, build in builds:
             error = build.error if build is not None else None
             if error is not None:
                 text = str(error).splitlines()[0] if str(error) else repr(error)
@@ -262,7 +332,7 @@ class Preparation:
     def wait_built(self, timeout_s: float) -> None:
         """Block until both builds end (a joiner has nothing else to do); raise when either failed."""
         end = time.monotonic() + timeout_s
-        for build in (self.world_build, self.stream_build):
+        for build in (self.world_build, self.stream_build, self.schedule_build):
             if build is not None and not build.wait(max(end - time.monotonic(), 0.0)):
                 raise TimeoutError(f"generation {self.generation}: groups not built within {timeout_s:.0f} s")
         problem = self.failure()

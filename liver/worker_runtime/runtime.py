@@ -323,7 +323,9 @@ class LiveRuntime(Generic[T]):
             self._pending = prep
             self._newest_generation = generation
             if role is not Role.JOIN and self._world is not None:
-                prep.start(self.device, self.options.backend, self.options.build_timeout_s)
+                prep.start(
+                    self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
+                )
             self._cond.notify_all()
         self._log.info(
             "runtime.resize_requested", generation=generation, role=str(role), layout=layout.describe()
@@ -378,7 +380,9 @@ class LiveRuntime(Generic[T]):
         with self._cond:
             prep = self._pending
             if prep is not None and not prep.started:
-                prep.start(self.device, self.options.backend, self.options.build_timeout_s)
+                prep.start(
+                    self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
+                )
         target = prep.generation if prep is not None else NO_TARGET
         ready = prep.ready() if prep is not None else False
         failure = prep.failure() if prep is not None else None
@@ -453,6 +457,7 @@ class LiveRuntime(Generic[T]):
             join_timeout=timedelta(seconds=join_timeout),
             stream_options=self.options.stream,
             on_stream_step=self._on_stream_step,
+            schedule=prep.schedule(),
         )
 
     def _switch(self, prep: Preparation, iteration: int, cut_at: float) -> T | None:
@@ -503,7 +508,9 @@ class LiveRuntime(Generic[T]):
                 started = time.perf_counter()
                 self.factory.warm_up(prep.request.layout, new_rank)
                 prep.warmup_s = time.perf_counter() - started
-                prep.start(self.device, self.options.backend, self.options.build_timeout_s)
+                prep.start(
+                    self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
+                )
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
                 self._emit(RuntimeEvent(generation=prep.generation, phase=Phase.READY))
                 assert prep.world_build is not None
