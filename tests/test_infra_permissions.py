@@ -198,6 +198,7 @@ async def test_a_worker_receives_its_commands_but_not_the_workers_reports(rig: R
     ):
         commands = await Collector.on(nc, s.worker_command("job-p", "w1"))
         await coordinator.publish(s.worker_command("job-p", "w1"), b"{}")
+        await coordinator.flush()  # the server has routed it before the wait starts counting
         await commands.wait_for(1)
         await nc.subscribe(s.WORKER_STATUS_ANY)
         await refused(errors, "subscription", s.WORKER_STATUS_ANY)
