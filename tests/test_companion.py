@@ -96,6 +96,19 @@ async def _true(value: bool) -> bool:
     return value
 
 
+@asynccontextmanager
+async def prepared_companion(
+    url: str, job: str, hooks: RecordingHooks, me: WorkerIdentity | None = None
+) -> AsyncIterator[tuple[Client, Companion, Collector]]:
+    """A bus client, a collector of the job's acks (there before any is sent), and a running companion
+    for ``me`` (the first device's worker by default) that has prepared generation 1 from its slice."""
+    async with client(url) as (nc, _):
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job) if me is None else me, hooks, url=url)) as companion:
+            await prepared(nc, job, companion, hooks)
+            yield nc, companion, acks
+
+
 # -- presence ---------------------------------------------------------------------------------------------
 
 
@@ -137,11 +150,8 @@ async def test_prepare_fetches_the_plan_slice_and_hands_the_runtime_a_plan(
     nats_server: NatsServer, job: str
 ) -> None:
     hooks = RecordingHooks()
-    async with (
-        client(nats_server.url) as (nc, _),
-        running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
-    ):
-        await prepared(nc, job, companion, hooks)
+    async with prepared_companion(nats_server.url, job, hooks):
+        pass
     ((command, plan),) = hooks.named("prepare")  # type: ignore[misc]
     assert isinstance(plan, Plan)
     assert command.generation == 1
@@ -156,12 +166,9 @@ async def test_an_ack_from_the_training_thread_is_published_as_worker_status(
     nats_server: NatsServer, job: str
 ) -> None:
     hooks = RecordingHooks()
-    async with client(nats_server.url) as (nc, _):
-        acks = await Collector.on(nc, s.worker_status(job))
-        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
-            await prepared(nc, job, companion, hooks)
-            companion.report("ready")
-            (ack,) = await statuses(acks, 1)
+    async with prepared_companion(nats_server.url, job, hooks) as (_, companion, acks):
+        companion.report("ready")
+        (ack,) = await statuses(acks, 1)
     assert (ack.worker_id, ack.generation, ack.phase) == (identity(job).worker_id, 1, "ready")
 
 
@@ -169,17 +176,14 @@ async def test_a_repeated_switch_re_acks_switched_without_switching_again(
     nats_server: NatsServer, job: str
 ) -> None:
     hooks = RecordingHooks()
-    async with client(nats_server.url) as (nc, _):
-        acks = await Collector.on(nc, s.worker_status(job))
-        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
-            await prepared(nc, job, companion, hooks)
-            companion.report("ready")
-            await publish(nc, s.worker_commands(job), switch(job, 1))
-            await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="on_switch called")
-            companion.report("switched", iteration=120, pause_s=0.25, bytes_received=4096)
-            await acks.wait_for(2)
-            await publish(nc, s.worker_commands(job), switch(job, 1))
-            ready, first, again = await statuses(acks, 3)
+    async with prepared_companion(nats_server.url, job, hooks) as (nc, companion, acks):
+        companion.report("ready")
+        await publish(nc, s.worker_commands(job), switch(job, 1))
+        await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="on_switch called")
+        companion.report("switched", iteration=120, pause_s=0.25, bytes_received=4096)
+        await acks.wait_for(2)
+        await publish(nc, s.worker_commands(job), switch(job, 1))
+        ready, first, again = await statuses(acks, 3)
     assert ready.phase == "ready"
     assert first.phase == again.phase == "switched"
     assert first == again
@@ -207,17 +211,14 @@ async def test_after_the_switch_heartbeats_speak_for_the_new_world(nats_server: 
 
 async def test_abort_of_an_unknown_generation_is_a_no_op(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
-    async with client(nats_server.url) as (nc, _):
-        acks = await Collector.on(nc, s.worker_status(job))
-        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
-            await prepared(nc, job, companion, hooks)
-            companion.report("ready")
-            await publish(nc, s.worker_commands(job), abort(job, 9))
-            # A repeated Prepare is answered with the last ack: the marker that the abort was handled.
-            await publish(nc, s.worker_commands(job), prepare(job, 1))
-            first, marker = await statuses(acks, 2)
-            await publish(nc, s.worker_commands(job), switch(job, 1))
-            await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="still switches")
+    async with prepared_companion(nats_server.url, job, hooks) as (nc, companion, acks):
+        companion.report("ready")
+        await publish(nc, s.worker_commands(job), abort(job, 9))
+        # A repeated Prepare is answered with the last ack: the marker that the abort was handled.
+        await publish(nc, s.worker_commands(job), prepare(job, 1))
+        first, marker = await statuses(acks, 2)
+        await publish(nc, s.worker_commands(job), switch(job, 1))
+        await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="still switches")
     assert (first.phase, marker.phase) == ("ready", "ready")
     assert all(decode(m.data, WorkerStatus).generation == 1 for m in acks.messages)
     assert hooks.named("abort") == []
@@ -244,11 +245,7 @@ async def test_abort_of_a_prepared_generation_reaches_the_runtime_once(
     nats_server: NatsServer, job: str
 ) -> None:
     hooks = RecordingHooks()
-    async with (
-        client(nats_server.url) as (nc, _),
-        running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
-    ):
-        await prepared(nc, job, companion, hooks)
+    async with prepared_companion(nats_server.url, job, hooks) as (nc, _, _):
         await publish(nc, s.worker_commands(job), abort(job, 1, "node reclaimed"))
         await publish(nc, s.worker_commands(job), abort(job, 1, "node reclaimed"))
         await publish(nc, s.worker_commands(job), switch(job, 1))
@@ -260,11 +257,7 @@ async def test_abort_of_a_prepared_generation_reaches_the_runtime_once(
 
 async def test_a_newer_prepare_ends_an_unswitched_older_one_first(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
-    async with (
-        client(nats_server.url) as (nc, _),
-        running(Companion(identity(job), hooks, url=nats_server.url)) as companion,
-    ):
-        await prepared(nc, job, companion, hooks, g=1)
+    async with prepared_companion(nats_server.url, job, hooks) as (nc, _, _):
         await put_slices(nc.jetstream(), job, 2)
         await publish(nc, s.worker_commands(job), prepare(job, 2))
         await eventually(lambda: _true(len(hooks.named("prepare")) == 2), what="second prepare")
@@ -421,11 +414,8 @@ async def test_an_old_rank_leaving_the_job_takes_part_and_gets_what_it_sends(
 ) -> None:
     hooks = RecordingHooks()
     me = identity(job, DEVICES[3])  # in the old world, not in the new one
-    async with (
-        client(nats_server.url) as (nc, _),
-        running(Companion(me, hooks, url=nats_server.url)) as companion,
-    ):
-        await prepared(nc, job, companion, hooks)
+    async with prepared_companion(nats_server.url, job, hooks, me):
+        pass
     ((_, plan),) = hooks.named("prepare")  # type: ignore[misc]
     assert isinstance(plan, Plan) and plan.tasks == slices()[DEVICES[3]].tasks
     assert plan.tasks and all(plan.old.placement.devices[t.src] == DEVICES[3] for t in plan.tasks)
@@ -435,12 +425,9 @@ async def test_a_hook_that_raises_is_reported_failed_and_the_companion_keeps_run
     nats_server: NatsServer, job: str
 ) -> None:
     hooks = RecordingHooks(raise_in="prepare")
-    async with client(nats_server.url) as (nc, _):
-        acks = await Collector.on(nc, s.worker_status(job))
-        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
-            await prepared(nc, job, companion, hooks)
-            (ack,) = await statuses(acks, 1)
-            assert companion.running and companion.connected
+    async with prepared_companion(nats_server.url, job, hooks) as (_, companion, acks):
+        (ack,) = await statuses(acks, 1)
+        assert companion.running and companion.connected
     assert ack.phase == "failed" and ack.error is not None and "on_prepare raised RuntimeError" in ack.error
 
 

@@ -360,22 +360,28 @@ class Driver:
             if w not in skip:
                 self.status(w, cmd.command.generation, "switched", iteration=iteration, **fields)
 
+    def answer_next(self) -> bool:
+        """Answer the first thing waiting, as a healthy system would; ``False`` when nothing waits."""
+        if self.has(WriteRecord):
+            self.write()
+        elif self.has(RequestTopology):
+            self.topology()
+        elif self.has(RequestTransfer):
+            self.transfer()
+        elif any(isinstance(a, SendCommand) and isinstance(a.command, Prepare) for a in self.pending):
+            self.ready()
+        elif any(isinstance(a, SendCommand) and isinstance(a.command, Switch) for a in self.pending):
+            self.switched()
+        elif self.pending:
+            self.pending.clear()
+        else:
+            return False
+        return True
+
     def run(self) -> None:
         """Answer everything, as a healthy system would, until nothing is left to answer."""
         for _ in range(1000):
-            if self.has(WriteRecord):
-                self.write()
-            elif self.has(RequestTopology):
-                self.topology()
-            elif self.has(RequestTransfer):
-                self.transfer()
-            elif any(isinstance(a, SendCommand) and isinstance(a.command, Prepare) for a in self.pending):
-                self.ready()
-            elif any(isinstance(a, SendCommand) and isinstance(a.command, Switch) for a in self.pending):
-                self.switched()
-            elif self.pending:
-                self.pending.clear()
-            else:
+            if not self.answer_next():
                 return
         raise AssertionError("the coordinator never settled")
 
@@ -1338,18 +1344,7 @@ def test_restart_at_any_step_ends_each_generation_exactly_once(crash_after: int,
     d.warn("evt-1", "node001")
     steps = 0
     while steps < crash_after and (d.pending or d.core.phase is not Phase.STABLE):
-        if d.has(WriteRecord):
-            d.write()
-        elif d.has(RequestTopology):
-            d.topology()
-        elif d.has(RequestTransfer):
-            d.transfer()
-        elif any(isinstance(a, SendCommand) and isinstance(a.command, Prepare) for a in d.pending):
-            d.ready()
-        elif any(isinstance(a, SendCommand) and isinstance(a.command, Switch) for a in d.pending):
-            d.switched()
-        else:
-            d.pending.clear()
+        d.answer_next()
         steps += 1
     if write_landed and d.has(WriteRecord):
         d.kv.cas(d.pop(WriteRecord))

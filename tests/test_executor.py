@@ -34,7 +34,7 @@ from liver.worker_runtime.executor import (
     ranks_on_device,
     stream_plan,
 )
-from liver.worker_runtime.executor_schedule import build_schedule
+from liver.worker_runtime.executor_schedule import Schedule, build_schedule
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +129,14 @@ class Report(NamedTuple):
 
 def identity(plan: Plan, rank: int) -> tuple[int | None, int | None]:
     return ranks_on_device(plan, devices_in_stream_order(plan)[rank])
+
+
+def schedule_of(plan: Plan, rank: int, message_bytes: int, direct_receive: bool = True) -> Schedule:
+    """The schedule of the process with group rank ``rank`` in the default numbering."""
+    old_rank, new_rank = identity(plan, rank)
+    size = len(devices_in_stream_order(plan))
+    ranks = GroupRanks.by_device(plan)
+    return build_schedule(plan, old_rank, new_rank, ranks, rank, size, message_bytes, direct_receive)
 
 
 def reshard(w: World, plan: Plan, options: StreamOptions, preallocate: bool = False) -> Report:
@@ -260,10 +268,7 @@ def test_staged_receives_give_the_same_shards_as_receiving_in_place() -> None:
 
 
 def largest_step_staging(plan: Plan, rank: int, options: StreamOptions) -> int:
-    old_rank, new_rank = identity(plan, rank)
-    size = len(devices_in_stream_order(plan))
-    ranks = GroupRanks.by_device(plan)
-    return build_schedule(plan, old_rank, new_rank, ranks, rank, size, options.message_bytes).staging_bytes
+    return schedule_of(plan, rank, options.message_bytes).staging_bytes
 
 
 def test_streaming_into_preallocated_shards_posts_the_next_step_ahead_within_the_bound() -> None:
@@ -443,13 +448,11 @@ def test_sender_and_receiver_derive_the_same_messages_in_the_same_order(
     name: str, message_bytes: int
 ) -> None:
     plan = _scenarios()[name]
-    ranks = GroupRanks.by_device(plan)
-    n = len(devices_in_stream_order(plan))
     sent: dict[tuple[int, int, int, int], list[Any]] = defaultdict(list)
     received: dict[tuple[int, int, int, int], list[Any]] = defaultdict(list)
-    for g in range(n):
-        old_rank, new_rank = identity(plan, g)
-        sched = build_schedule(plan, old_rank, new_rank, ranks, g, n, message_bytes)
+    for g in range(len(devices_in_stream_order(plan))):
+        sched = schedule_of(plan, g, message_bytes)
+        new_rank = sched.new_rank
         for step in sched.steps():
             for m in step.sends:
                 sent[(step.tag, g, m.peer, m.peer_rank)].append((m.tensor, m.box, m.nbytes))
@@ -462,11 +465,8 @@ def test_sender_and_receiver_derive_the_same_messages_in_the_same_order(
 
 
 def stage_offsets_are_aligned(plan: Plan) -> bool:
-    ranks = GroupRanks.by_device(plan)
-    n = len(devices_in_stream_order(plan))
-    for g in range(n):
-        old_rank, new_rank = identity(plan, g)
-        sched = build_schedule(plan, old_rank, new_rank, ranks, g, n, 64, direct_receive=False)
+    for g in range(len(devices_in_stream_order(plan))):
+        sched = schedule_of(plan, g, 64, direct_receive=False)
         for step in sched.steps():
             for m in step.recvs:
                 if m.staging_offset % plan.tensors[m.tensor].itemsize:

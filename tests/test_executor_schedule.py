@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from liver.worker_runtime.executor import (
     PreparedSchedule,
     StreamError,
     StreamOptions,
+    StreamResult,
     devices_in_stream_order,
     prepare_schedule,
     ranks_on_device,
@@ -54,6 +56,22 @@ class NoNetwork:
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> None:
         raise AssertionError("posted a receive")
+
+
+def stream_alone(
+    plan: Plan, rank: int = 0, old_state: dict[int, torch.Tensor] | None = None, **kwargs: Any
+) -> StreamResult:
+    """Stream as the process of group rank ``rank`` running old and new rank ``rank``, over a group
+    that refuses every message (so whatever is checked must be checked before the first one)."""
+    return stream_plan(
+        plan,
+        old_rank=rank,
+        new_rank=rank,
+        group=NoNetwork(rank, len(devices_in_stream_order(plan))),
+        group_ranks=GroupRanks.by_device(plan),
+        old_state={} if old_state is None else old_state,
+        **kwargs,
+    )
 
 
 def tp2_to_dp2() -> Plan:
@@ -200,27 +218,13 @@ def test_old_state_of_the_wrong_shape_is_refused_naming_the_tensor() -> None:
     with pytest.raises(
         ValueError, match=r"old_state\[\d+\] \(decoder.layers.0.self_attention.linear_qkv.weight\)"
     ):
-        stream_plan(
-            plan,
-            old_rank=0,
-            new_rank=0,
-            group=NoNetwork(0, 2),
-            group_ranks=GroupRanks.by_device(plan),
-            old_state=state,
-        )
+        stream_alone(plan, old_state=state)
 
 
 def test_missing_old_state_is_refused_before_any_message() -> None:
     plan = tp2_to_dp2()
     with pytest.raises(ValueError, match=r"old_state\[0\] \(optimizer.state.step\) is missing"):
-        stream_plan(
-            plan,
-            old_rank=0,
-            new_rank=0,
-            group=NoNetwork(0, 2),
-            group_ranks=GroupRanks.by_device(plan),
-            old_state={},
-        )
+        stream_alone(plan)
 
 
 # -- a schedule prepared before the stream (while training still runs) ----------------------------------
@@ -269,15 +273,7 @@ def test_a_prepared_schedule_is_streamed_without_building_another(monkeypatch: p
         raise AssertionError("the stream built a schedule although one was prepared")
 
     monkeypatch.setattr(executor, "build_schedule", no_build)
-    result = stream_plan(
-        plan,
-        old_rank=0,
-        new_rank=0,
-        group=NoNetwork(0, 1),
-        group_ranks=GroupRanks.by_device(plan),
-        old_state=dict(old_state),
-        schedule=prepared,
-    )
+    result = stream_alone(plan, old_state=dict(old_state), schedule=prepared)
     assert result.stats.schedule_seconds == 0.0
     assert sorted(result.new_state) == sorted(old_state)
     for ti, t in old_state.items():
@@ -286,29 +282,14 @@ def test_a_prepared_schedule_is_streamed_without_building_another(monkeypatch: p
 
 def test_a_stream_without_a_prepared_schedule_builds_and_times_its_own() -> None:
     plan = on_one_device()
-    result = stream_plan(
-        plan,
-        old_rank=0,
-        new_rank=0,
-        group=NoNetwork(0, 1),
-        group_ranks=GroupRanks.by_device(plan),
-        old_state=random_old_state(plan),
-    )
+    result = stream_alone(plan, old_state=random_old_state(plan))
     assert result.stats.schedule_seconds > 0.0
 
 
 def test_a_schedule_prepared_for_another_rank_is_refused_before_any_message() -> None:
     plan = tp2_to_dp2()
     with pytest.raises(PlanMismatch, match=r"schedule: prepared for old_rank 0, but this stream has 1"):
-        stream_plan(
-            plan,
-            old_rank=1,
-            new_rank=1,
-            group=NoNetwork(1, 2),
-            group_ranks=GroupRanks.by_device(plan),
-            old_state={},
-            schedule=prepared_for(plan, 0),
-        )
+        stream_alone(plan, rank=1, schedule=prepared_for(plan, 0))
 
 
 def test_a_schedule_prepared_for_another_plan_is_refused_naming_both() -> None:
@@ -317,27 +298,14 @@ def test_a_schedule_prepared_for_another_plan_is_refused_naming_both() -> None:
         PRESETS["tiny-gpt"], default_world(ParallelLayout(2, 1, 1)), default_world(ParallelLayout(1, 2, 1))
     )
     with pytest.raises(PlanMismatch, match=r"schedule: prepared for another plan .*TP1,PP2,DP1"):
-        stream_plan(
-            plan,
-            old_rank=0,
-            new_rank=0,
-            group=NoNetwork(0, 2),
-            group_ranks=GroupRanks.by_device(plan),
-            old_state={},
-            schedule=prepared_for(other, 0),
-        )
+        stream_alone(plan, schedule=prepared_for(other, 0))
 
 
 def test_a_schedule_prepared_with_other_message_bytes_is_refused_naming_the_option() -> None:
     plan = tp2_to_dp2()
     with pytest.raises(PlanMismatch, match=r"schedule: prepared for options.message_bytes 1024"):
-        stream_plan(
+        stream_alone(
             plan,
-            old_rank=0,
-            new_rank=0,
-            group=NoNetwork(0, 2),
-            group_ranks=GroupRanks.by_device(plan),
-            old_state={},
             options=StreamOptions(message_bytes=2048),
             schedule=prepared_for(plan, 0, StreamOptions(message_bytes=1024)),
         )

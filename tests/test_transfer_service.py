@@ -238,6 +238,7 @@ def _with(msg: TopologyPlanned, **changes: object) -> bytes:
     [
         pytest.param(b"{", "$", id="malformed-json"),
         pytest.param(_with(SCALE_IN, generation=3), "$.generation", id="generation-not-after-the-current"),
+        pytest.param(_with(SCALE_IN, job_id="somebody-else"), "$.job_id", id="another-jobs-subject"),
         pytest.param(_with(SCALE_IN, placement={"devices": []}), "$.placement", id="placement-too-small"),
         pytest.param(
             encode(topology(ParallelLayout(tp=3, pp=1, dp=1), OLD_DEVICES[:3])),

@@ -725,7 +725,7 @@ class SizeRun:
             model=self.config.model,
             hardware=_hardware(self.config.model),
             global_batch_size=_global_batch(self.n, self.k),
-            layouts={k: v for k, v in layouts.items() if v is not None},
+            layouts=layouts,
             events=sum(not r.warmup for r in records),
             warmup=sum(r.warmup for r in records),
             committed=len(counted),

@@ -61,7 +61,7 @@ from liver.services.transfer.planner import build_plan, plan_stats
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, WorldConfig
-from liver.shared.views import Shard, view
+from liver.shared.views import Shard
 from liver.worker_runtime.executor import (
     TORCH_DTYPES,
     GroupRanks,
@@ -69,10 +69,11 @@ from liver.worker_runtime.executor import (
     StreamOptions,
     StreamStats,
     devices_in_stream_order,
+    prepare_schedule,
     ranks_on_device,
     stream_plan,
 )
-from liver.worker_runtime.executor_schedule import build_schedule
+from liver.worker_runtime.executor_schedule import Schedule
 from liver.worker_runtime.world import (
     GroupKind,
     StoreAddress,
@@ -200,18 +201,6 @@ def shard_content(plan: Plan, ti: int, shard: Shard) -> torch.Tensor:
     out = torch.zeros(shard.local_shape, dtype=TORCH_DTYPES[spec.dtype])
     if shard.box is not None:
         out[tuple(slice(0, hi - lo) for lo, hi in shard.box)] = box_content(ti, spec, shard.box)
-    return out
-
-
-def shards_of(plan: Plan, rank: int | None, old: bool) -> dict[int, Shard]:
-    if rank is None:
-        return {}
-    layout = plan.old.layout if old else plan.new.layout
-    out = {}
-    for ti, t in enumerate(plan.tensors):
-        s = view(t, plan.model, layout, rank)
-        if s is not None:
-            out[ti] = s
     return out
 
 
@@ -458,26 +447,10 @@ def _raw_once(
 
 
 def _local_copier(
-    plan: Plan,
-    rank: int,
-    options: StreamOptions,
-    old_state: dict[int, torch.Tensor],
-    into: dict[int, torch.Tensor],
+    schedule: Schedule, old_state: dict[int, torch.Tensor], into: dict[int, torch.Tensor]
 ) -> Callable[[], None]:
     """The slices that stay in this process, copied from its old shards into its new ones exactly as
     the executor copies them (the same regions, from the executor's own schedule), and nothing else."""
-    old_rank, new_rank = ranks_on_device(plan, devices_in_stream_order(plan)[rank])
-    schedule = build_schedule(
-        plan,
-        old_rank,
-        new_rank,
-        GroupRanks.by_device(plan),
-        rank,
-        len(devices_in_stream_order(plan)),
-        options.message_bytes,
-        options.direct_receive,
-        options.send_copy_bytes,
-    )
     pairs = [
         (into[c.tensor], _index(c.dst), old_state[c.tensor], _index(c.src))
         for step in schedule.steps()
@@ -537,10 +510,22 @@ _SENTINEL = -1  # no synthetic value is negative: a preallocated shard the strea
 def _measure_stream(
     pg: Any, rank: int, plan: Plan, setup: Setup, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    old_rank, new_rank = ranks_on_device(plan, devices_in_stream_order(plan)[rank])
+    devices = devices_in_stream_order(plan)
+    old_rank, new_rank = ranks_on_device(plan, devices[rank])
+    # This process's shards and local copies, from the executor's own schedule. The timed streams
+    # still build their own inside stream_plan: the stream's wall time counts it (the report's "rest").
+    schedule = prepare_schedule(
+        plan,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        group_ranks=GroupRanks.by_device(plan),
+        group_rank=rank,
+        group_size=len(devices),
+        options=setup.options,
+    ).schedule
     say("process 0: making the synthetic old state and the expected checksums")
-    old_state = {ti: shard_content(plan, ti, s) for ti, s in shards_of(plan, old_rank, old=True).items()}
-    new_shards = shards_of(plan, new_rank, old=False)
+    old_state = {ti: shard_content(plan, ti, s) for ti, s in schedule.old_shards.items()}
+    new_shards = schedule.new_shards
     expected = {ti: checksum(shard_content(plan, ti, s)) for ti, s in new_shards.items()}
     into = {
         ti: torch.empty(s.local_shape, dtype=TORCH_DTYPES[plan.tensors[ti].dtype])
@@ -549,7 +534,7 @@ def _measure_stream(
     new_bytes = sum(t.numel() * t.element_size() for t in into.values())
     say("process 0: warm-up exchange (untimed)")
     _raw_once(pg, rank, setup.pair_bytes, tag=999_999)
-    local_copies = _local_copier(plan, rank, setup.options, old_state, into)
+    local_copies = _local_copier(schedule, old_state, into)
     out: dict[str, Any] = {
         "raw_seconds": [],
         "floor_seconds": [],

@@ -14,6 +14,7 @@ A service (:class:`Service`) only declares what it needs and handles messages. T
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import contextlib
@@ -38,6 +39,7 @@ from nats.micro.service import Service as MicroService
 from liver.services import bus as b
 from liver.services.bus import ensure_consumer
 from liver.services.pull import ContinuousPull
+from liver.shared.codec import MessageError
 from liver.shared.connection import connect_options
 from liver.shared.logs import bind_message
 from liver.shared.nats_server import nats_url
@@ -109,6 +111,11 @@ async def connect(url: str, environ: Mapping[str, str] | None = None, *, name: s
 # -- consuming ----------------------------------------------------------------------------------------
 
 Handler = Callable[[Msg], Awaitable[None]]
+
+
+class HasJobId(Protocol):
+    @property
+    def job_id(self) -> str: ...
 
 
 class PullConsumer:
@@ -261,6 +268,79 @@ class DeadLetteringConsumer:
 
     def stats(self) -> dict[str, int]:
         return {"failed_attempts": self.consumer.failed, "dead_lettered": self.watch.copied}
+
+
+def job_of(subject: str) -> str:
+    """The job token that ends a per-job subject (``liver.topology.request.<job>``)."""
+    return subject.rsplit(".", 1)[-1]
+
+
+class ConsumingService(abc.ABC):
+    """What every service fed by one :class:`DeadLetteringConsumer` shares, written once: the consumer
+    handing messages to :meth:`handle`, ``stop``, ``stats`` (``counts`` and the consumer's), and
+    rejecting invalid input (an ``ErrorEvent``, a dead letter, ``term``; counted as ``rejected``).
+
+    A subclass sets ``name``, assigns ``_js`` before consuming and calls :meth:`_consume` last in its
+    ``start``; ``counts`` holds ``received``, the subclass's own counters and ``rejected``.
+    """
+
+    name: str
+
+    def __init__(self, *counters: str) -> None:
+        self._js: JetStreamContext | None = None
+        self._consumer: DeadLetteringConsumer | None = None
+        self.counts: dict[str, int] = dict.fromkeys(("received", *counters, "rejected"), 0)
+
+    @abc.abstractmethod
+    async def handle(self, msg: Msg) -> None:
+        """One message from the consumer: acknowledge, reject, or raise to have it retried."""
+
+    async def _consume(
+        self,
+        bus: Bus,
+        *,
+        stream: str,
+        config: api.ConsumerConfig,
+        batch: int,
+        retry_delay_s: float,
+        consume: bool = True,
+    ) -> None:
+        """Start the consumer (and its dead-letter watch); ``consume=False`` starts only the watch."""
+        self._consumer = DeadLetteringConsumer(
+            bus,
+            source=self.name,
+            stream=stream,
+            config=config,
+            handler=self.handle,
+            batch=batch,
+            retry_delay_s=retry_delay_s,
+        )
+        await self._consumer.start(consume=consume)
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    def stats(self) -> dict[str, int | float | str]:
+        out: dict[str, int | float | str] = dict(self.counts)
+        if self._consumer is not None:
+            out.update(self._consumer.stats())
+        return out
+
+    async def _reject(self, msg: Msg, error: MessageError) -> None:
+        assert self._js is not None
+        await b.reject(self._js, self.name, msg, error)
+        self.counts["rejected"] += 1
+
+    async def _reject_misaddressed(self, msg: Msg, message: HasJobId) -> bool:
+        """Reject ``message`` when its job is not the one its subject names (a publisher's mistake that
+        would otherwise act on another job); whether it was rejected."""
+        subject_job = job_of(msg.subject)
+        if message.job_id == subject_job:
+            return False
+        reason = f"{message.job_id!r} arrived on the subject of job {subject_job!r}"
+        await self._reject(msg, MessageError(type(message).__name__, "$.job_id", reason))
+        return True
 
 
 @contextlib.asynccontextmanager

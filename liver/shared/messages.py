@@ -27,7 +27,7 @@ from msgspec import Meta
 
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
 from liver.shared.model import ModelSpec
-from liver.shared.subjects import TOKEN_PATTERN
+from liver.shared.subjects import TOKEN_PATTERN, kv_key_prefix
 
 SCHEMA_VERSION: Final = 1
 """The bus contract's version. Bump it on any incompatible change to any message."""
@@ -406,11 +406,9 @@ class SliceIndex(Part):
     @property
     def kv_prefix(self) -> str:
         """``prefix`` as the keys' first tokens: ``/`` become ``.`` and a final ``-`` becomes ``.``
-        (``job-1/3/s7-`` gives ``job-1.3.s7.``), so that a plan's keys share a subject prefix."""
-        dotted = self.prefix.replace("/", ".")
-        if dotted.endswith("-"):
-            dotted = dotted[:-1] + "."
-        return dotted if dotted.endswith(".") else dotted + "."
+        (``job-1/3/s7-`` gives ``job-1.3.s7.``), so that a plan's keys share a subject prefix
+        (:func:`liver.shared.subjects.kv_key_prefix`, which the purge of a generation also uses)."""
+        return kv_key_prefix(self.prefix)
 
     def key(self, index: int) -> str:
         """Key-value key of slice ``index`` (``<kv_prefix><index:05d>``, e.g. ``job-1.3.s7.00042``)."""

@@ -8,7 +8,7 @@ placements say which device each one runs on; a task whose source and destinatio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import msgspec
 
@@ -165,6 +165,13 @@ def slice_devices(old: Placement, new: Placement) -> tuple[Device, ...]:
     (``SliceIndex.name``), so writer and readers agree without a list of names on the bus."""
     seen = set(old.devices)
     return (*old.devices, *(d for d in new.devices if d not in seen))
+
+
+def slice_participants(old: Placement, new: Placement, lost: Collection[Device]) -> dict[Device, int]:
+    """Each participant's slice index: every device of either world but ``lost`` (old-world devices
+    whose worker is gone). One rule for the coordinator, which counts their acks, and the workers,
+    which each decide from the ``Prepare`` whether they take part."""
+    return {d: i for i, d in enumerate(slice_devices(old, new)) if d not in lost}
 
 
 def slice_bytes(tensors: tuple[TensorSpec, ...], s: Slice) -> int:

@@ -246,10 +246,20 @@ def plan_object_name(job_id: str, generation: int, part: str = "plan") -> str:
     return f"{validate_token(job_id, 'job_id')}/{generation}/{validate_token(part, 'part')}"
 
 
+def kv_key_prefix(object_prefix: str) -> str:
+    """The key-value keys' first tokens for objects named ``<object_prefix>...``: ``/`` become ``.``
+    and a final ``-`` becomes ``.`` (``job-1/3/s7-`` gives ``job-1.3.s7.``). One rule for the slice
+    index's keys and the purge of a generation's keys, so that the pattern matches every key."""
+    dotted = object_prefix.replace("/", ".")
+    if dotted.endswith("-"):
+        dotted = dotted[:-1] + "."
+    return dotted if dotted.endswith(".") else dotted + "."
+
+
 def slice_keys_of_generation(job_id: str, generation: int) -> str:
     """Subject pattern of every :data:`KV_PLAN_SLICES` key of one generation's plans, whatever their
     sequence (``job-1.3.>``): what a coordinator that lost the plan's names purges."""
-    return plan_object_name(job_id, generation, "x").rsplit("/", 1)[0].replace("/", ".") + ".>"
+    return kv_key_prefix(plan_object_name(job_id, generation, "x").rsplit("/", 1)[0]) + ">"
 
 
 def topology_request_msg_id(job_id: str, generation: int) -> str:

@@ -38,7 +38,7 @@ from nats.js.object_store import (
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device, LayoutError
 from liver.shared.messages import ObjectRef, Prepare, SliceLocation
-from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_devices
+from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_participants
 
 EXPECTED: Final = "SliceFile"
 _DECODER: Final = msgspec.json.Decoder(SliceFile)
@@ -239,10 +239,7 @@ def view_of(prepare: Prepare) -> PrepareView:
             return hit[1]
     old = WorldConfig(prepare.from_layout, prepare.from_placement)
     new = WorldConfig(prepare.layout, prepare.placement)
-    lost = set(prepare.lost)
-    slice_of = {
-        d: i for i, d in enumerate(slice_devices(prepare.from_placement, prepare.placement)) if d not in lost
-    }
+    slice_of = slice_participants(prepare.from_placement, prepare.placement, set(prepare.lost))
     view = PrepareView(old=old, new=new, slice_of=slice_of, new_rank=prepare.placement.rank_on())
     with _views_lock:
         _views[key] = (prepare, view)

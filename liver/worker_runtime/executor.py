@@ -217,10 +217,6 @@ class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                 f"({self.message_bytes})"
             )
 
-    @property
-    def copy_budget(self) -> int:
-        return self.send_copy_bytes if self.send_copy_bytes is not None else 2 * self.message_bytes
-
 
 class LayerStats(msgspec.Struct, frozen=True, kw_only=True):
     layer: int
@@ -325,15 +321,12 @@ class PreparedSchedule(NamedTuple):
     """
 
     plan: Plan
-    old_rank: int | None
-    new_rank: int | None
     group_ranks: GroupRanks
-    group_rank: int
     group_size: int
     message_bytes: int
     direct_receive: bool
     send_copy_bytes: int | None
-    schedule: Schedule
+    schedule: Schedule  # holds the old, new and group rank it was made for
     seconds: float  # what building it took
 
 
@@ -364,10 +357,7 @@ def prepare_schedule(
     )
     return PreparedSchedule(
         plan,
-        old_rank,
-        new_rank,
         group_ranks,
-        group_rank,
         group_size,
         opts.message_bytes,
         opts.direct_receive,
@@ -399,10 +389,10 @@ def _check_prepared(
             f"{plan.new.layout.describe()}, {len(plan.tasks)} tasks)"
         )
     for field, had, got in (
-        ("old_rank", prepared.old_rank, old_rank),
-        ("new_rank", prepared.new_rank, new_rank),
+        ("old_rank", prepared.schedule.old_rank, old_rank),
+        ("new_rank", prepared.schedule.new_rank, new_rank),
         ("group_ranks", prepared.group_ranks, group_ranks),
-        ("group rank", prepared.group_rank, group_rank),
+        ("group rank", prepared.schedule.group_rank, group_rank),
         ("group size", prepared.group_size, group_size),
         ("options.message_bytes", prepared.message_bytes, opts.message_bytes),
         ("options.direct_receive", prepared.direct_receive, opts.direct_receive),

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -34,6 +36,8 @@ from liver.worker_runtime.world import (
     build_stream_group,
     build_world_async,
 )
+
+R = TypeVar("R")
 
 
 class ResizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,8 +125,63 @@ def check_request(
     return request, role, old, new
 
 
-class StreamBuild:
-    """The stream group, built on a thread of its own (the same contract as :class:`WorldBuild`)."""
+class _Background(Generic[R]):
+    """One piece of the preparation made on a thread of its own (the contract of :class:`WorldBuild`):
+    polled at boundaries, waited for, and given up with ``discard``, which ``release`` s the piece once
+    it is made (at once if it already is)."""
+
+    def __init__(self, make: Callable[[], R], name: str, release: Callable[[R], None] | None = None) -> None:
+        self._result: R | None = None
+        self._error: BaseException | None = None
+        self._discarded = False
+        self._release = release
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, args=(make,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, make: Callable[[], R]) -> None:
+        try:
+            result = make()
+        except BaseException as error:  # reported through .error
+            with self._lock:
+                self._error = error
+            return
+        with self._lock:
+            self._result = result
+            discard = self._discarded
+        if discard and self._release is not None:
+            self._release(result)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the build ends or ``timeout`` passes; whether it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._result is not None and not self._discarded
+
+    @property
+    def error(self) -> BaseException | None:
+        with self._lock:
+            return self._error
+
+    def _made(self) -> R | None:
+        with self._lock:
+            return None if self._discarded else self._result
+
+    def discard(self) -> None:
+        """Give the piece up: released now if made, else as soon as it is."""
+        with self._lock:
+            self._discarded = True
+            result = self._result
+        if result is not None and self._release is not None:
+            self._release(result)
+
+
+class StreamBuild(_Background[StreamGroup]):
+    """The stream group, built on a thread of its own."""
 
     def __init__(
         self,
@@ -133,70 +192,20 @@ class StreamBuild:
         backend: Backend,
         timeout: timedelta,
     ) -> None:
-        self._group: StreamGroup | None = None
-        self._error: BaseException | None = None
-        self._discarded = False
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run,
-            args=(old, new, device, store, backend, timeout),
+        super().__init__(
+            lambda: build_stream_group(old, new, device, store, backend=backend, timeout=timeout),
             name=f"liver-stream-{new.job}-gen{new.generation}",
-            daemon=True,
+            release=StreamGroup.release,
         )
-        self._thread.start()
-
-    def _run(
-        self,
-        old: WorldSpec,
-        new: WorldSpec,
-        device: Device,
-        store: StoreAddress,
-        backend: Backend,
-        timeout: timedelta,
-    ) -> None:
-        try:
-            group = build_stream_group(old, new, device, store, backend=backend, timeout=timeout)
-        except BaseException as error:  # reported through .error
-            with self._lock:
-                self._error = error
-            return
-        with self._lock:
-            self._group = group
-            discard = self._discarded
-        if discard:
-            group.release()
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until the build ends or ``timeout`` passes; whether it ended."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def ready(self) -> bool:
-        with self._lock:
-            return self._group is not None and not self._discarded
-
-    @property
-    def error(self) -> BaseException | None:
-        with self._lock:
-            return self._error
 
     def result(self) -> StreamGroup:
-        with self._lock:
-            if self._group is None or self._discarded:
-                raise WorldError(f"the stream group is not ready (error: {self._error!r})")
-            return self._group
-
-    def discard(self) -> None:
-        """Give the group up: released now if built, else as soon as it is."""
-        with self._lock:
-            self._discarded = True
-            group = self._group
-        if group is not None:
-            group.release()
+        group = self._made()
+        if group is None:
+            raise WorldError(f"the stream group is not ready (error: {self.error!r})")
+        return group
 
 
-class ScheduleBuild:
+class ScheduleBuild(_Background[PreparedSchedule]):
     """This process's transfer schedule, derived from the plan on a thread of its own.
 
     It depends on no tensor and no group, so it can be made while training runs; the handoff then only
@@ -204,43 +213,11 @@ class ScheduleBuild:
     """
 
     def __init__(self, plan: Plan, device: Device, options: StreamOptions) -> None:
-        self._schedule: PreparedSchedule | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, args=(plan, device, options), name="liver-schedule", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, plan: Plan, device: Device, options: StreamOptions) -> None:
-        try:
-            schedule = handoff_schedule(plan, device, options)
-        except BaseException as error:  # reported through .error
-            with self._lock:
-                self._error = error
-            return
-        with self._lock:
-            self._schedule = schedule
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until the build ends or ``timeout`` passes; whether it ended."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def ready(self) -> bool:
-        with self._lock:
-            return self._schedule is not None
-
-    @property
-    def error(self) -> BaseException | None:
-        with self._lock:
-            return self._error
+        super().__init__(lambda: handoff_schedule(plan, device, options), name="liver-schedule")
 
     def result(self) -> PreparedSchedule | None:
         """The schedule, or None while it is not built (the handoff then builds it itself)."""
-        with self._lock:
-            return self._schedule
+        return self._made()
 
 
 class Preparation:

@@ -468,34 +468,37 @@ class LiveRuntime(Generic[T]):
         try:
             new_trainer, report = switch(handoff, cut_at)
         except HandoffAborted as aborted:
-            self._trainer = old_trainer
             kept = HandoffOutcome(
                 verdict=OutcomeVerdict.KEPT, reached_iteration=iteration, reason=aborted.reason
             )
             agreed = self._post_outcome(prep, kept)
             if agreed.verdict is OutcomeVerdict.KEPT:
+                self._trainer = old_trainer
                 self._give_up(prep, aborted.stage, aborted.reason, iteration, time.perf_counter() - cut_at)
                 return self._trainer
             # Another survivor found the old world gone: it can no longer be trusted here either.
-            assert self._world is not None
-            self._world.release()
-            self._world = self._trainer = None
-            del old_trainer
             failed = HandoffFailed(prep.generation, aborted.stage, aborted.reason, agreed.reason)
-            return self._fail_stop(prep, failed, iteration, cut_at)
-        except HandoffFailed as failed:
-            # Fail-stop: the old world is gone (switch released it); nothing of it can train any more.
-            self._world = None
-            del old_trainer
-            return self._fail_stop(prep, failed, iteration, cut_at)
+        except HandoffFailed as error:
+            # Fail-stop: the old world is gone (switch released it). Tell the joiners, and any other
+            # survivor, what became of the handoff.
+            failed = error
+            verdict = OutcomeVerdict.LOST if self.options.checkpoint is None else OutcomeVerdict.FALLBACK
+            self._post_outcome(
+                prep, HandoffOutcome(verdict=verdict, reached_iteration=iteration, reason=str(failed))
+            )
         except BaseException:
-            with self._cond:
-                self._pending = None
-            prep.discard()
+            self._drop(prep)
             self._world = None
             raise
+        else:
+            del old_trainer
+            return self._committed(prep, report, new_world, new_trainer)
+        # Nothing of the old world can train any more (releasing it twice is harmless).
+        assert self._world is not None
+        self._world.release()
+        self._world = None
         del old_trainer
-        return self._committed(prep, report, new_world, new_trainer)
+        return self._fail_stop(prep, failed, iteration, cut_at)
 
     def _join(self) -> T:
         """Wait outside every world until a request takes this process in, then join at its cut."""
@@ -593,17 +596,10 @@ class LiveRuntime(Generic[T]):
     def _fail_stop(
         self, prep: Preparation, failed: HandoffFailed, reached: int | None, failed_at: float
     ) -> T | None:
-        """The handoff to ``prep`` failed and the old world is gone: fall back, or say why not."""
-        with self._cond:
-            if self._pending is prep:
-                self._pending = None
-        prep.discard()
+        """The handoff to ``prep`` failed and the old world is gone (what became of it is already agreed
+        through the store): fall back, or say why not."""
+        self._drop(prep)
         checkpoint = self.options.checkpoint
-        if prep.role is not Role.JOIN:
-            verdict = OutcomeVerdict.LOST if checkpoint is None else OutcomeVerdict.FALLBACK
-            self._post_outcome(
-                prep, HandoffOutcome(verdict=verdict, reached_iteration=reached, reason=str(failed))
-            )
         if checkpoint is None:
             self._log.error("runtime.handoff_failed", generation=prep.generation, error=str(failed))
             raise NoCheckpointConfigured(
@@ -747,10 +743,7 @@ class LiveRuntime(Generic[T]):
     def _give_up(
         self, prep: Preparation, stage: str, reason: str, iteration: int | None, pause_s: float = 0.0
     ) -> None:
-        prep.discard()
-        with self._cond:
-            if self._pending is prep:
-                self._pending = None
+        self._drop(prep)
         abort = AbortReport(
             generation=prep.generation, stage=stage, reason=reason, iteration=iteration, pause_s=pause_s
         )
@@ -766,13 +759,21 @@ class LiveRuntime(Generic[T]):
             RuntimeEvent(generation=prep.generation, phase=Phase.ABORTED, iteration=iteration, abort=abort)
         )
 
+    def _drop(self, prep: Preparation) -> None:
+        """Give ``prep``'s builds up and stop treating it as pending, so that a later request can come."""
+        prep.discard()
+        with self._cond:
+            if self._pending is prep:
+                self._pending = None
+
     def _note_first_step(self, now: float) -> None:
         """At the boundary after the first step on a new world: time that step."""
+        if self._handed_out_at is None:  # every boundary but one: nothing to look up
+            return
         handed_out_at, self._handed_out_at = self._handed_out_at, None
         last = self.last_switch
-        if handed_out_at is None or last is None or last.first_step_s is not None:
-            return
-        last.first_step_s = now - handed_out_at
+        if last is not None and last.first_step_s is None:
+            last.first_step_s = now - handed_out_at
 
     def _emit(self, event: RuntimeEvent) -> None:
         if self._on_event is None:

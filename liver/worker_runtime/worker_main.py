@@ -327,6 +327,7 @@ class _Worker:
         if s.initial is None:
             self._record(Started, generation=None, rank=None, layout=None)
         trainer = runtime.step()  # builds the first world, or waits to be taken into one
+        seen = self._after_step(runtime, companion, 0)  # a joiner may already have fallen back
         if trainer is not None:
             world = runtime.world
             assert world is not None
@@ -344,7 +345,6 @@ class _Worker:
             ):
                 self._announce(world.layout, world.placement)
         why = "left"
-        fallbacks_seen = 0
         while trainer is not None:
             assert self.iteration is not None
             reason = stop.why(self.iteration)
@@ -369,13 +369,23 @@ class _Worker:
             trainer = runtime.step()
             if trainer is not None and self.iteration is not None:
                 self.iteration = runtime.factory.iteration(trainer)
-            if len(runtime.fallbacks) > fallbacks_seen:
-                fallbacks_seen = len(runtime.fallbacks)
-                self._after_fallback(runtime, companion)
+            seen = self._after_step(runtime, companion, seen)
         self.log.info("worker.done", why=why, iteration=self.iteration, left=runtime.left)
         self._record(Stopped, why=why, iteration=self.iteration)
         runtime.close()
         return EXIT_OK
+
+    def _after_step(self, runtime: LiveRuntime[Any], companion: Companion, seen: int) -> int:
+        """Heed a fallback among the runtime's history entries past the first ``seen``; how many there
+        are now. One length check at almost every boundary (the history grows only at a handoff)."""
+        history = runtime.history
+        if len(history) == seen:
+            return seen
+        from liver.worker_runtime.fallback import FallbackReport
+
+        if any(isinstance(entry, FallbackReport) for entry in history[seen:]):
+            self._after_fallback(runtime, companion)
+        return len(history)
 
     def _after_fallback(self, runtime: LiveRuntime[Any], companion: Companion) -> None:
         """The job restarted from its checkpoint in a world of its own: heartbeats speak for it, and its

@@ -75,6 +75,7 @@ from liver.shared.messages import (
     WorkerDevice,
     WorkerStatus,
 )
+from liver.shared.plan import slice_participants
 from liver.shared.subjects import (
     KV_PLAN_SLICES,
     generation_msg_id,
@@ -879,8 +880,11 @@ class Coordinator:
         counted against those workers)."""
         h = self._handoff
         assert h is not None and h.transfer is not None and h.placement is not None and h.layout is not None
-        world = self._world()
-        devices = sorted((world - self._lost(h.triggers)) | frozenset(h.placement.devices))
+        assert self._record is not None
+        # The old-world devices whose worker is gone take no part; the workers apply the same rule
+        # (``slice_participants``) to the Prepare's ``lost``.
+        lost = (self._world() & self._lost(h.triggers)) - frozenset(h.placement.devices)
+        devices = sorted(slice_participants(self._record.placement, h.placement, lost))
         participants: dict[str, Device] = {}
         missing: list[Device] = []
         for device in devices:
@@ -910,7 +914,7 @@ class Coordinator:
         # every worker (29 MiB per handoff at 1,024 workers). Each worker decides from the two worlds
         # and ``lost`` whether it takes part, and finds its slice by its device's index.
         try:
-            prepare = self._prepare(h, world)
+            prepare = self._prepare(h, lost)
         except ValueError as exc:
             reason = f"the plan does not fit the worlds it was made for: {exc}"
             self._request_stop(_Stop(reason, replan=False))
@@ -919,14 +923,13 @@ class Coordinator:
         self._wait = Wait.PREPARED
         self._note("info", "prepare_sent", participants=len(participants), deadline=prepare.deadline)
 
-    def _prepare(self, h: _Handoff, world: frozenset[Device]) -> Prepare:
+    def _prepare(self, h: _Handoff, lost: frozenset[Device]) -> Prepare:
         """The job-wide Prepare of ``h``; raises ``ValueError`` naming the field that does not fit."""
         assert h.transfer is not None and h.placement is not None and h.layout is not None
         assert self._record is not None
         # Every worker hosts a rendezvous store at the address it announced; the new world's rank 0
         # runs the new generation's (it is a participant, so its worker is known here).
         rank0 = self.membership.on_device(h.placement.devices[0])
-        new_devices = frozenset(h.placement.devices)
         return Prepare(
             job_id=self.job_id,
             event_id=h.event_id,
@@ -936,7 +939,7 @@ class Coordinator:
             from_placement=self._record.placement,
             layout=h.layout,
             placement=h.placement,
-            lost=tuple(sorted((world & self._lost(h.triggers)) - new_devices)),
+            lost=tuple(sorted(lost)),
             plan=h.transfer.plan,
             slices=h.transfer.slices,
             staging_bytes=self.config.staging_bytes,

@@ -46,11 +46,10 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, DeadLetteringConsumer
+from liver.services.runtime import Bus, ConsumingService
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -81,7 +80,7 @@ from .actions import (
 from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
 from .events import Event, RecordConflict, RecordWriteFailed, Tick
-from .kv import RecordStore
+from .kv import BusError, RecordStore
 from .machine import Coordinator, Phase
 
 log = structlog.get_logger(__name__)
@@ -192,13 +191,22 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
             raise ValueError(f"{where}: {exc}") from None
 
 
-class CoordinatorService:
+class CoordinatorService(ConsumingService):
     """The coordinator of one job on the bus (see the module docstring)."""
 
     name = SOURCE
     description = "Runs the generation state machine of one job: handoffs, worker commands, commits."
 
     def __init__(self, settings: CoordinatorSettings) -> None:
+        super().__init__(
+            "worker_rejected",
+            "commands",
+            "published",
+            "record_writes",
+            "record_conflicts",
+            "settled",
+            "ticks",
+        )
         self.settings = settings
         self.job_id = settings.job_id
         self.core = Coordinator(settings.job_id, instance_id=settings.instance_id, config=settings.core)
@@ -206,26 +214,13 @@ class CoordinatorService:
         self._lock = asyncio.Lock()
         self._held = HeldEvents(settings.remember_settled)
         self._nc: Client | None = None
-        self._js: JetStreamContext | None = None
         self._records: RecordStore | None = None
         self._members: KeyValue | None = None
-        self._consumer: DeadLetteringConsumer | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._tick_at: datetime | None = None
         self._standing_by = False
-        self.counts = {
-            "received": 0,
-            "rejected": 0,
-            "worker_rejected": 0,
-            "commands": 0,
-            "published": 0,
-            "record_writes": 0,
-            "record_conflicts": 0,
-            "settled": 0,
-            "ticks": 0,
-        }
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -266,20 +261,17 @@ class CoordinatorService:
             description=f"The coordinator of job {job}: its control traffic in stream order.",
         )
         config = dataclasses.replace(config, filter_subjects=list(self._control))
-        self._consumer = DeadLetteringConsumer(
+        await self._consume(
             bus,
-            source=SOURCE,
             stream=s.STREAM_CONTROL.name,
             config=config,
-            handler=self.handle,
             batch=self.settings.batch,
             retry_delay_s=self.settings.retry_delay_s,
+            consume=not self._standing_by,
         )
-        await self._consumer.start(consume=not self._standing_by)
 
     async def stop(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
+        await super().stop()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -294,10 +286,10 @@ class CoordinatorService:
         if returned:
             log.info("held_requests_returned", job_id=self.job_id, count=returned)
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | float | str]:
         record = self.core.record
         pending = self.core.pending_generation
-        out: dict[str, int | str] = {
+        out: dict[str, int | float | str] = {
             "job_id": self.job_id,
             "instance_id": self.settings.instance_id,
             "phase": self.core.phase.value,
@@ -307,9 +299,7 @@ class CoordinatorService:
             "workers": len(self.core.membership),
             "held": len(self._held),
         }
-        out.update(self.counts)
-        if self._consumer is not None:
-            out.update(self._consumer.stats())
+        out.update(super().stats())
         return out
 
     def _spawn(self, coro: Any, name: str) -> None:
@@ -336,9 +326,7 @@ class CoordinatorService:
         except MessageError as error:
             await self._reject(msg, error)
             return
-        if event.job_id != self.job_id:
-            reason = f"{event.job_id!r} arrived on the subject of job {self.job_id!r}"
-            await self._reject(msg, MessageError(into.__name__, "$.job_id", reason))
+        if await self._reject_misaddressed(msg, event):
             return
         with bind_message(event):
             if not isinstance(event, ResizeRequested):
@@ -383,7 +371,7 @@ class CoordinatorService:
             self.counts["worker_rejected"] += 1
             try:
                 await b.reject_unstored(self._js, SOURCE, subject=msg.subject, data=msg.data, error=error)
-            except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+            except BusError as exc:
                 with bind_message(job_id=self.job_id):
                     log.warning(
                         "worker_message_rejected",
@@ -562,7 +550,7 @@ class CoordinatorService:
             try:
                 ack = await self._js.publish(subject, data, headers={s.HEADER_MSG_ID: msg_id})
                 return bool(ack.duplicate)
-            except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+            except BusError as exc:
                 if attempt == PUBLISH_ATTEMPTS:
                     raise
                 log.warning("publish_retried", subject=subject, attempt=attempt, error=repr(exc))
@@ -597,7 +585,7 @@ class CoordinatorService:
             await self._js.purge_stream(f"KV_{action.kv_bucket}", subject=subject)
         except nats.js.errors.NotFoundError:
             return "no bucket"
-        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+        except BusError as exc:
             log.warning("plan_release_failed", entries=subject, error=repr(exc))
             return "failed"
         return "purged"
@@ -611,7 +599,7 @@ class CoordinatorService:
             store = await self._js.object_store(bucket)
         except nats.js.errors.NotFoundError:
             return 0, len(names), 0  # no store: nothing to delete
-        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+        except BusError as exc:
             log.warning("plan_release_failed", bucket=bucket, error=repr(exc))
             return 0, 0, len(names)
         deleted = missing = 0
@@ -626,18 +614,13 @@ class CoordinatorService:
                     deleted += 1
                 except nats.js.errors.NotFoundError:
                     missing += 1
-                except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+                except BusError as exc:
                     failed.append(name)
                     if len(failed) == 1:
                         log.warning("plan_release_failed", object=name, error=repr(exc))
 
         await asyncio.gather(*(delete(n) for n in names))
         return deleted, missing, len(failed)
-
-    async def _reject(self, msg: Msg, error: MessageError) -> None:
-        assert self._js is not None
-        await b.reject(self._js, SOURCE, msg, error)
-        self.counts["rejected"] += 1
 
 
 def create_service(environ: Mapping[str, str]) -> CoordinatorService:

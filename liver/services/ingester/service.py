@@ -24,12 +24,11 @@ import msgspec
 import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
 from liver.services.ingester import core
-from liver.services.runtime import Bus, DeadLetteringConsumer
+from liver.services.runtime import Bus, ConsumingService
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -69,19 +68,17 @@ class MembershipUnreadable(RuntimeError):
     event is retried rather than rejected."""
 
 
-class Ingester:
+class Ingester(ConsumingService):
     """The ingester service (see the module docstring); host it with :mod:`liver.services.runtime`."""
 
     name = SOURCE
     description = "Validates and de-duplicates spot warnings and scale requests into resize requests."
 
     def __init__(self, settings: IngesterSettings | None = None) -> None:
+        super().__init__("resized", "duplicates")
         self.settings = settings or IngesterSettings()
-        self._js: JetStreamContext | None = None
         self._seen: KeyValue | None = None
         self._members: KeyValue | None = None
-        self._consumer: DeadLetteringConsumer | None = None
-        self.counts = {"received": 0, "resized": 0, "duplicates": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
@@ -104,26 +101,13 @@ class Ingester:
             max_deliver=self.settings.max_deliver,
             description="The ingester: resize events in stream order.",
         )
-        self._consumer = DeadLetteringConsumer(
+        await self._consume(
             bus,
-            source=SOURCE,
             stream=s.STREAM_INGEST.name,
             config=config,
-            handler=self.handle,
             batch=self.settings.batch,
             retry_delay_s=self.settings.retry_delay_s,
         )
-        await self._consumer.start()
-
-    async def stop(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-
-    def stats(self) -> dict[str, int]:
-        out = dict(self.counts)
-        if self._consumer is not None:
-            out.update(self._consumer.stats())
-        return out
 
     async def handle(self, msg: Msg) -> None:
         """One message from the ingest stream; see the module docstring for the steps."""
@@ -183,11 +167,6 @@ class Ingester:
                     deadline=resize.deadline,
                     republished=bool(ack.duplicate),
                 )
-
-    async def _reject(self, msg: Msg, error: MessageError) -> None:
-        assert self._js is not None
-        await b.reject(self._js, SOURCE, msg, error)
-        self.counts["rejected"] += 1
 
     async def _read_seen(self, key: str) -> core.Seen | None:
         assert self._seen is not None

@@ -19,10 +19,9 @@ from typing import Final
 
 import structlog
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, DeadLetteringConsumer, keep_in_progress
+from liver.services.runtime import Bus, ConsumingService, keep_in_progress
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -36,22 +35,15 @@ log = structlog.get_logger(__name__)
 SOURCE: Final = "topology"
 
 
-def job_of(subject: str) -> str:
-    """The job token that ends a per-job subject (``liver.topology.request.<job>``)."""
-    return subject.rsplit(".", 1)[-1]
-
-
-class TopologyService:
+class TopologyService(ConsumingService):
     """The topology planner service (see the module docstring)."""
 
     name = SOURCE
     description = "Chooses the target layout and placement of each requested generation."
 
     def __init__(self, settings: TopologySettings) -> None:
+        super().__init__("planned", "failed")
         self.settings = settings
-        self._js: JetStreamContext | None = None
-        self._consumer: DeadLetteringConsumer | None = None
-        self.counts = {"received": 0, "planned": 0, "failed": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
@@ -63,26 +55,13 @@ class TopologyService:
             max_deliver=self.settings.max_deliver,
             description="The topology planner: the coordinators' topology requests.",
         )
-        self._consumer = DeadLetteringConsumer(
+        await self._consume(
             bus,
-            source=SOURCE,
             stream=s.STREAM_CONTROL.name,
             config=config,
-            handler=self.handle,
             batch=1,  # planning a large job takes a while: leave the rest to other instances
             retry_delay_s=self.settings.retry_delay_s,
         )
-        await self._consumer.start()
-
-    async def stop(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-
-    def stats(self) -> dict[str, int]:
-        out = dict(self.counts)
-        if self._consumer is not None:
-            out.update(self._consumer.stats())
-        return out
 
     async def handle(self, msg: Msg) -> None:
         assert self._js is not None
@@ -92,9 +71,7 @@ class TopologyService:
         except MessageError as error:
             await self._reject(msg, error)
             return
-        if request.job_id != job_of(msg.subject):
-            reason = f"{request.job_id!r} arrived on the subject of job {job_of(msg.subject)!r}"
-            await self._reject(msg, MessageError("TopologyRequest", "$.job_id", reason))
+        if await self._reject_misaddressed(msg, request):
             return
         with bind_message(request):
             profile = self.settings.profile_for(request.job_id)
@@ -158,11 +135,6 @@ class TopologyService:
             planning_seconds=round(decision.planning_seconds, 4),
             republished=republished,
         )
-
-    async def _reject(self, msg: Msg, error: MessageError) -> None:
-        assert self._js is not None
-        await b.reject(self._js, SOURCE, msg, error)
-        self.counts["rejected"] += 1
 
 
 def create_service(environ: Mapping[str, str]) -> TopologyService:

@@ -9,7 +9,8 @@ Pure computation on metadata (no I/O). The steps:
    if it holds the piece (locality, a copy instead of a send), else a holder on the same node, else the
    holder that has sent the fewest bytes so far (balance across DP replicas). Holders on ``lost``
    devices (gone before the handoff: fail-stop, or a warning that came too late) are never candidates;
-   a piece whose every holder is lost cannot be rebuilt and planning fails (:class:`NoSurvivingSource`).
+   when a shard's every holder is lost (:func:`orphaned_shards`, checked before step 1) the state
+   cannot be rebuilt and planning fails (:class:`NoSurvivingSource`).
 3. Coalescing: all slices one source sends one destination for a layer become one task.
 4. Streaming: per layer, a destination receives at most ``budget_bytes`` over the network per round;
    bigger layers take several rounds, and a slice bigger than the budget is cut into boxes.
@@ -31,7 +32,7 @@ from liver.shared.boxes import Box, split, volume
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, Slice, Task, WorldConfig
-from liver.shared.views import holding_stages
+from liver.shared.views import holding_stages, tp_shard
 
 from .geometry import ANY, new_shard_pieces
 from .placement import (
@@ -101,6 +102,11 @@ def build_plan(
     if budget_bytes < max(t.itemsize for t in tensors):
         raise ValueError(f"budget_bytes ({budget_bytes}) is smaller than one element")
     lost = _check_lost(lost, old, new)
+    orphans = orphaned_shards(model, old, lost)
+    if orphans:
+        stages, key, tensor = orphans[0]
+        holders = [old.placement.devices[r] for r in _holder_ranks(old.layout, stages, key)]
+        raise NoSurvivingSource(tensor, holders, lost)
     coalesced = _choose_sources(model, tensors, old, new, lost)
     tasks = _stream(coalesced, tensors, old, new, budget_bytes)
     return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
@@ -121,6 +127,46 @@ def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) ->
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def shard_classes(model: ModelSpec, layout: ParallelLayout) -> tuple[tuple[tuple[int, ...], int, str], ...]:
+    """Every distinct shard of the state as ``(stages, old TP rank, first tensor)``: held by each rank of
+    those stages with that TP rank (:data:`ANY`: with any TP rank), whatever its DP index. Optimizer
+    states sit beside their parameters, so parameters alone decide."""
+    out: dict[tuple[tuple[int, ...], int], str] = {}
+    for t in model.tensors(optimizer=False):
+        stages = holding_stages(t, model, layout)
+        if not stages:
+            continue
+        if t.rule == "replicated":
+            out.setdefault((stages, ANY), t.name)
+            continue
+        for tp in range(layout.tp):
+            if tp_shard(t, model, layout.tp, tp).box is not None:
+                out.setdefault((stages, tp), t.name)
+    return tuple((stages, key, name) for (stages, key), name in sorted(out.items()))
+
+
+def _holder_ranks(layout: ParallelLayout, stages: tuple[int, ...], key: int) -> list[int]:
+    tps = range(layout.tp) if key == ANY else (key,)
+    return [layout.rank_of(tp, dp, pp) for pp in stages for tp in tps for dp in range(layout.dp)]
+
+
+def orphaned_shards(
+    model: ModelSpec, old: WorldConfig, lost: Collection[Device]
+) -> list[tuple[tuple[int, ...], int, str]]:
+    """The shards of :func:`shard_classes` whose every holder in ``old`` is ``lost``: empty exactly when
+    a plan from ``old`` without the ``lost`` devices exists (the simulator asks this without planning)."""
+    gone = frozenset(lost)
+    if not gone:
+        return []
+    devices = old.placement.devices
+    return [
+        shard
+        for shard in shard_classes(model, old.layout)
+        if all(devices[r] in gone for r in _holder_ranks(old.layout, shard[0], shard[1]))
+    ]
+
+
 class _Sources:
     """Source choice for pieces of one new rank's shard (step 2 of the module docstring)."""
 
@@ -128,18 +174,16 @@ class _Sources:
         self.layout = old.layout
         self.coords = [old.layout.coords(r) for r in range(old.layout.world_size)]
         self.alive = [d not in lost for d in old.placement.devices]
-        self.any_lost = bool(lost)
         self.rank_on = {d: r for d, r in old.placement.rank_on().items() if d not in lost}
         self.on_node: dict[str, list[int]] = defaultdict(list)
         for r, d in enumerate(old.placement.devices):
             if d not in lost:
                 self.on_node[d.node].append(r)
         self.sent = [0] * old.layout.world_size
-        self.devices = old.placement.devices
 
     def choose(self, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int) -> int:
-        """The source rank for a piece held by old TP rank ``key`` (or any) on ``stages``; -1 when every
-        holder is lost."""
+        """The source rank for a piece held by old TP rank ``key`` (or any) on ``stages``; one survives
+        (:func:`build_plan` refused orphaned state before)."""
         r = self.rank_on.get(dev)
         if r is not None:
             c = self.coords[r]
@@ -156,30 +200,22 @@ class _Sources:
                 best = r
         if best >= 0:
             return best
-        best = self._least_loaded(fallback_tp if key == ANY else key, stages)
-        if best < 0 and key == ANY and self.any_lost:
-            # A replicated piece: every TP rank of the stages holds it, not only the usual one.
-            for tp in range(self.layout.tp):
-                r = self._least_loaded(tp, stages)
-                if r >= 0 and (best < 0 or self.sent[r] < self.sent[best]):
-                    best = r
+        best = self._least_loaded((fallback_tp if key == ANY else key,), stages)
+        if best < 0 and key == ANY:
+            # A replicated piece whose usual TP rank is lost: every TP rank of the stages holds it.
+            best = self._least_loaded(range(self.layout.tp), stages)
         return best
 
-    def _least_loaded(self, tp: int, stages: tuple[int, ...]) -> int:
+    def _least_loaded(self, tps: Sequence[int], stages: tuple[int, ...]) -> int:
         lay, alive, sent = self.layout, self.alive, self.sent
         best = -1
-        for pp in stages:
-            for dp in range(lay.dp):
-                r = lay.rank_of(tp, dp, pp)
-                if alive[r] and (best < 0 or sent[r] < sent[best]):
-                    best = r
+        for tp in tps:
+            for pp in stages:
+                for dp in range(lay.dp):
+                    r = lay.rank_of(tp, dp, pp)
+                    if alive[r] and (best < 0 or sent[r] < sent[best]):
+                        best = r
         return best
-
-    def holders(self, key: int, stages: tuple[int, ...]) -> list[Device]:
-        """The old devices holding a piece (all of them lost, when asked): for the error."""
-        lay = self.layout
-        tps = range(lay.tp) if key == ANY else (key,)
-        return [self.devices[lay.rank_of(tp, dp, pp)] for pp in stages for tp in tps for dp in range(lay.dp)]
 
 
 class _Chunk(NamedTuple):
@@ -256,10 +292,6 @@ def _choose_sources(
                     dev = new_dev[dst]
                     for key, chunk in chunks:
                         src = sources.choose(key, s_old, dev, fallback_tp)
-                        if src < 0:
-                            raise NoSurvivingSource(
-                                tensors[chunk.slices[0][0]].name, sources.holders(key, s_old), lost
-                            )
                         if old_dev[src] != dev:
                             sources.sent[src] += chunk.nbytes
                         out[(layer, src, dst)].append(chunk)

@@ -29,10 +29,9 @@ from typing import Final
 import msgspec
 import structlog
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, DeadLetteringConsumer, keep_in_progress
+from liver.services.runtime import Bus, ConsumingService, keep_in_progress
 from liver.services.transfer import core, store
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s
@@ -101,19 +100,17 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
         return cls(**fields)  # type: ignore[arg-type]
 
 
-class TransferService:
+class TransferService(ConsumingService):
     """The transfer planner service (see the module docstring)."""
 
     name = SOURCE
     description = "Builds, verifies and stores transfer plans for planned topologies."
 
     def __init__(self, settings: TransferSettings | None = None, planner: core.Planner = build_plan) -> None:
+        super().__init__("planned", "failed")
         self.settings = settings or TransferSettings()
         self._planner = planner
-        self._js: JetStreamContext | None = None
         self._writer: store.PlanWriter | None = None
-        self._consumer: DeadLetteringConsumer | None = None
-        self.counts = {"received": 0, "planned": 0, "failed": 0, "rejected": 0}
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
@@ -145,26 +142,13 @@ class TransferService:
             max_deliver=self.settings.max_deliver,
             description="The transfer planner: planned topologies.",
         )
-        self._consumer = DeadLetteringConsumer(
+        await self._consume(
             bus,
-            source=SOURCE,
             stream=s.STREAM_CONTROL.name,
             config=config,
-            handler=self.handle,
             batch=1,  # each message is seconds of work: leave the rest to other instances
             retry_delay_s=self.settings.retry_delay_s,
         )
-        await self._consumer.start()
-
-    async def stop(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-
-    def stats(self) -> dict[str, int]:
-        out = dict(self.counts)
-        if self._consumer is not None:
-            out.update(self._consumer.stats())
-        return out
 
     async def handle(self, msg: Msg) -> None:
         assert self._js is not None
@@ -173,6 +157,8 @@ class TransferService:
             topology = decode(msg.data, TopologyPlanned)
         except MessageError as error:
             await self._reject(msg, error)
+            return
+        if await self._reject_misaddressed(msg, topology):
             return
         with bind_message(topology):
             try:
@@ -261,11 +247,6 @@ class TransferService:
             lost=[str(d) for d in error.lost],
             reason=str(error),
         )
-
-    async def _reject(self, msg: Msg, error: MessageError) -> None:
-        assert self._js is not None
-        await b.reject(self._js, SOURCE, msg, error)
-        self.counts["rejected"] += 1
 
 
 def create_service(environ: Mapping[str, str]) -> TransferService:
