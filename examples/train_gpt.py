@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from liver.shared.logs import configure_logging
     from liver.shared.model import ModelError, load_model
     from liver.shared.plan import WorldConfig
-    from liver.worker_runtime.megatron_job import MegatronJob
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.train_config import TrainConfig
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
-    from liver.worker_runtime.train_config import TrainConfig
     from liver.worker_runtime.world import WorldSpec
 
     if "MASTER_PORT" not in os.environ or "RANK" not in os.environ:

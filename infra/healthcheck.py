@@ -20,7 +20,7 @@ import nats
 import nats.errors
 
 from liver.cli.serve_cmd import SERVICES
-from liver.services.runtime import micro_name
+from liver.services.host import micro_name
 from liver.shared.connection import ConnectionConfigError, connect_options
 from liver.shared.nats_server import URL_ENV
 

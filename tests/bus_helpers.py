@@ -16,7 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 
-from liver.services.runtime import Hosted, Service, hosted
+from liver.services.host import Hosted, Service, hosted
 from liver.shared import subjects as s
 from liver.shared.codec import decode, encode
 from liver.shared.layout import Device

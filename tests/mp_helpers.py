@@ -29,11 +29,11 @@ import torch.distributed as dist
 PRELOAD = [
     "torch",
     "torch.distributed",
-    "liver.worker_runtime.executor",
+    "liver.worker_runtime.stream.executor",
     "liver.services.transfer.planner",
     # Megatron-core takes 7-25 s to import here; pay it once in the fork server, not per child.
     "megatron.core",
-    "liver.worker_runtime.megatron_train",
+    "liver.worker_runtime.megatron.train",
 ]
 
 _ctx = mp.get_context("forkserver")

@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from liver.bench import _bus_report as schema
-from liver.bench import _bus_rig as rig
-from liver.bench import bus_bench
+from liver.bench.bus import bench as bus_bench
+from liver.bench.bus import report as schema
+from liver.bench.bus import rig
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from liver.bench import reconfig_bench
+from liver.bench import reconfig as reconfig_bench
 from liver.bench.restart import PHASES
 
 LIVE_PARTS = ("cut_skew_s", "switch_s", "transfer_s", "rebuild_s", "first_step_s")

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 import torch
 
-from liver.bench import stream_bench
-from liver.bench._procs import ProcsError, run_procs
+from liver.bench.procs import ProcsError, run_procs
+from liver.bench.stream import bench as stream_bench
 from liver.shared.model import ModelSpec
 from liver.shared.views import tp_shard
 

@@ -12,7 +12,7 @@ import pytest
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS
-from liver.worker_runtime.checkpoint import (
+from liver.worker_runtime.megatron.checkpoint import (
     LATEST,
     MANIFEST,
     SCHEMA_VERSION,
@@ -25,8 +25,8 @@ from liver.worker_runtime.checkpoint import (
     read_manifest,
     rng_streams_for,
 )
-from liver.worker_runtime.megatron_state import RngState, SchedulerState, TrainingProgress
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.state import RngState, SchedulerState, TrainingProgress
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 TP2PP2 = ParallelLayout(tp=2, pp=2, dp=1)
 

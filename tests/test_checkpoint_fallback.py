@@ -44,7 +44,7 @@ SURVIVOR, DOOMED, REPLACEMENT = 0, 1, 2
 
 
 def _config(**changes: Any) -> Any:
-    from liver.worker_runtime.train_config import TrainConfig
+    from liver.worker_runtime.megatron.train_config import TrainConfig
 
     return TrainConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=1, seq_length=16, **changes)
 
@@ -54,7 +54,7 @@ def _trace(results: list[Any]) -> list[tuple[float, float, float]]:
 
 
 def _arrays(trainer: Any) -> dict[int, np.ndarray]:
-    from liver.worker_runtime.megatron_state import snapshot
+    from liver.worker_runtime.megatron.state import snapshot
 
     # bf16 has no numpy type; widening to fp32 is exact.
     return {
@@ -86,9 +86,9 @@ def _old_world(proc: Proc, root: str, evidence: str, out: dict[str, Any]) -> Non
 
     What each rank held when a checkpoint was taken goes to ``evidence`` (the doomed process cannot
     report it)."""
-    from liver.worker_runtime.checkpoint import PeriodicCheckpoints
-    from liver.worker_runtime.megatron_build import groups_from_world
-    from liver.worker_runtime.megatron_train import build_trainer
+    from liver.worker_runtime.megatron.build import groups_from_world
+    from liver.worker_runtime.megatron.checkpoint import PeriodicCheckpoints
+    from liver.worker_runtime.megatron.train import build_trainer
 
     world = _world(proc, 0, OLD, (SURVIVOR, DOOMED), timeout_s=30)
     trainer = build_trainer(SPEC, OLD, _config(), groups=groups_from_world(world))
@@ -114,15 +114,15 @@ def _old_world(proc: Proc, root: str, evidence: str, out: dict[str, Any]) -> Non
 
 
 def _new_worlds(proc: Proc, root: str, out: dict[str, Any]) -> None:
-    from liver.worker_runtime.checkpoint import (
+    from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
+    from liver.worker_runtime.megatron.checkpoint import (
         CheckpointError,
         check_replica_ids,
         fall_back_to_checkpoint,
         latest_checkpoint,
         load_checkpoint,
     )
-    from liver.worker_runtime.megatron_build import groups_from_world, initialize_parallel_state
-    from liver.worker_runtime.megatron_train import build_trainer
+    from liver.worker_runtime.megatron.train import build_trainer
 
     procs = (SURVIVOR, REPLACEMENT)
     # The replacement waits here until the survivor has noticed the loss and arrives.
@@ -180,9 +180,9 @@ def _new_worlds(proc: Proc, root: str, out: dict[str, Any]) -> None:
 def _mixed_precision(proc: Proc, root: str, out: dict[str, Any]) -> None:
     """A bf16 model (fp32 master weights in the optimizer) saved by two DP replicas (the fully parallel
     save over the DP group) and loaded at (TP1, PP2)."""
-    from liver.worker_runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from liver.worker_runtime.megatron_build import groups_from_world
-    from liver.worker_runtime.megatron_train import build_trainer
+    from liver.worker_runtime.megatron.build import groups_from_world
+    from liver.worker_runtime.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from liver.worker_runtime.megatron.train import build_trainer
 
     procs = (SURVIVOR, REPLACEMENT)
     world = _world(proc, 4, DP, procs, timeout_s=60)
@@ -202,9 +202,9 @@ def _mixed_precision(proc: Proc, root: str, out: dict[str, Any]) -> None:
 def _same_layout_with_dropout(proc: Proc, root: str, out: dict[str, Any]) -> None:
     """With dropout, a load at the layout the checkpoint was saved at continues the saved random
     streams: the resumed run is the uninterrupted one."""
-    from liver.worker_runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from liver.worker_runtime.megatron_build import groups_from_world
-    from liver.worker_runtime.megatron_train import build_trainer
+    from liver.worker_runtime.megatron.build import groups_from_world
+    from liver.worker_runtime.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from liver.worker_runtime.megatron.train import build_trainer
 
     procs = (SURVIVOR, REPLACEMENT)
     dropout = _config(hidden_dropout=0.1, attention_dropout=0.1)
@@ -423,9 +423,9 @@ def _auto_plan() -> Any:
 
 def _auto_job(proc: Proc, root: str, plan: Any) -> dict[str, Any]:
     from liver.shared.logs import configure_logging
-    from liver.worker_runtime.checkpoint import latest_checkpoint, load_checkpoint
-    from liver.worker_runtime.megatron_job import MegatronJob
-    from liver.worker_runtime.megatron_state import local_state, rng_state
+    from liver.worker_runtime.megatron.checkpoint import latest_checkpoint, load_checkpoint
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.state import local_state, rng_state
     from liver.worker_runtime.runtime import CheckpointOptions, LiveRuntime, RuntimeOptions
     from liver.worker_runtime.world import StoreAddress, WorldSpec, build_world
 

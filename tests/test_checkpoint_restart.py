@@ -11,7 +11,7 @@ import pytest
 from liver.bench.restart import PHASES, RestartBreakdown, measure_restart
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 SMALL = ModelSpec(
     name="restart-test",

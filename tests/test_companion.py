@@ -37,8 +37,8 @@ from liver.shared.layout import Device
 from liver.shared.messages import ErrorEvent, Heartbeat, Hello, Message, WorkerStatus
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion import CommandBox, Companion, CompanionError, Prepared
-from liver.worker_runtime.companion_agent import AgentSettings, WorkerIdentity, World
+from liver.worker_runtime.companion.agent import AgentSettings, WorkerIdentity, World
+from liver.worker_runtime.companion.thread import CommandBox, Companion, CompanionError, Prepared
 
 FAST = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=5.0)
 _jobs = itertools.count()

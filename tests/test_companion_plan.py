@@ -22,7 +22,7 @@ from liver.shared.codec import MessageError
 from liver.shared.layout import Device
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice, view_of
+from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError, decode_slice, view_of
 
 PREPARE = prepare("job", 1)
 ME = DEVICES[0]

@@ -26,7 +26,7 @@ from liver.shared.codec import decode, encode
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.messages import GenerationCommitted, Heartbeat, Hello, Message, WorkerStatus, WorldStarted
 from liver.shared.nats_server import URL_ENV, NatsServer
-from liver.worker_runtime.companion_sim import Fault, SimSettings, SimulatedJob, simulated_job
+from liver.worker_runtime.companion.simulated import Fault, SimSettings, SimulatedJob, simulated_job
 
 _jobs = itertools.count()
 

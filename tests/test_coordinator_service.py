@@ -40,8 +40,8 @@ from liver.services.coordinator.service import (
     CoordinatorSettings,
     create_service,
 )
+from liver.services.host import status_subject
 from liver.services.ingester.service import Ingester, IngesterSettings
-from liver.services.runtime import status_subject
 from liver.services.topology.memory import CPU_SMALL, TrainingSetup
 from liver.services.topology.service import TopologyService
 from liver.services.topology.settings import JobProfile, TopologySettings

@@ -24,7 +24,7 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, TensorSpec
 from liver.shared.plan import Plan, WorldConfig
 from liver.shared.views import view
-from liver.worker_runtime.executor import (
+from liver.worker_runtime.stream.executor import (
     TORCH_DTYPES,
     GroupRanks,
     StreamError,
@@ -34,7 +34,7 @@ from liver.worker_runtime.executor import (
     ranks_on_device,
     stream_plan,
 )
-from liver.worker_runtime.executor_schedule import Schedule, build_schedule
+from liver.worker_runtime.stream.schedule import Schedule, build_schedule
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
 from liver.shared.plan import Plan, WorldConfig
 from liver.shared.views import view
-from liver.worker_runtime import executor
-from liver.worker_runtime.executor import (
+from liver.worker_runtime.stream import executor
+from liver.worker_runtime.stream.executor import (
     GroupRanks,
     PlanMismatch,
     PreparedSchedule,
@@ -28,7 +28,7 @@ from liver.worker_runtime.executor import (
     ranks_on_device,
     stream_plan,
 )
-from liver.worker_runtime.executor_schedule import (
+from liver.worker_runtime.stream.schedule import (
     Schedule,
     Step,
     align,

@@ -23,7 +23,7 @@ from infra_helpers import (
     without_nats_settings,
 )
 
-from liver.services.runtime import micro_name, status_subject
+from liver.services.host import micro_name, status_subject
 from liver.shared import subjects as s
 from liver.shared.nats_server import find_binary
 

@@ -22,7 +22,7 @@ from liver.shared import subjects as s
 from liver.shared.codec import encode
 from liver.shared.messages import SpotWarning
 from liver.shared.nats_server import NatsServer
-from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError
+from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError
 
 
 class Rig:

@@ -39,7 +39,7 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
 from liver.shared.plan import Plan, WorldConfig
 from liver.shared.views import view
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -205,8 +205,8 @@ def _storage_left(trainer: Any) -> int:
 
 def live_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
     _quiet()
-    from liver.worker_runtime.megatron_job import MegatronJob
-    from liver.worker_runtime.megatron_state import snapshot
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.state import snapshot
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
     from liver.worker_runtime.world import StoreAddress, WorldSpec, live_generations
 
@@ -324,8 +324,8 @@ def baseline_process(proc: Proc, reloads: list[Reload], checkpoints: str) -> dic
     _quiet()
     from pathlib import Path
 
-    from liver.worker_runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from liver.worker_runtime.megatron_job import MegatronJob, reseed
+    from liver.worker_runtime.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from liver.worker_runtime.megatron.job import MegatronJob, reseed
 
     factory = MegatronJob(SPEC, CONFIG)
     traces: dict[str, dict[int, list]] = {"reload": {}, "checkpoint": {}}

@@ -60,7 +60,7 @@ def _trace(results: list[Any]) -> list[tuple[float, float, float]]:
 def _padding_magnitude(trainer: Any) -> float:
     """The largest absolute value in the vocabulary padding rows of the parameters and Adam moments."""
     from liver.shared.views import view
-    from liver.worker_runtime.megatron_state import local_state
+    from liver.worker_runtime.megatron.state import local_state
 
     spec, layout, rank = trainer.spec, trainer.layout, trainer.groups.rank
     largest = 0.0
@@ -75,7 +75,7 @@ def _padding_magnitude(trainer: Any) -> float:
 
 
 def _views_share_storage(trainer: Any) -> bool:
-    from liver.worker_runtime.megatron_state import local_state, logical_parameter_name
+    from liver.worker_runtime.megatron.state import local_state, logical_parameter_name
 
     index_of = {t.name: i for i, t in enumerate(trainer.spec.tensors())}
     live = local_state(trainer)
@@ -90,13 +90,13 @@ def _scenario(proc: Proc, generation: int, case: str) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from liver.shared.layout import Device, Placement
-    from liver.worker_runtime.megatron_build import (
+    from liver.worker_runtime.megatron.build import (
         MegatronBuildError,
         expected_local_parameter_count,
         groups_from_world,
         initialize_parallel_state,
     )
-    from liver.worker_runtime.megatron_state import (
+    from liver.worker_runtime.megatron.state import (
         StateMismatch,
         load_local_state,
         local_state,
@@ -104,7 +104,7 @@ def _scenario(proc: Proc, generation: int, case: str) -> dict[str, Any]:
         snapshot,
         training_progress,
     )
-    from liver.worker_runtime.megatron_train import TrainConfig, build_trainer
+    from liver.worker_runtime.megatron.train import TrainConfig, build_trainer
     from liver.worker_runtime.world import StoreAddress, WorldSpec, build_world
 
     spec, layout = CASES[case]

@@ -9,8 +9,8 @@ import torch
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS
-from liver.worker_runtime.megatron_data import CorpusSpec, SyntheticCorpus
-from liver.worker_runtime.megatron_state import (
+from liver.worker_runtime.megatron.data import CorpusSpec, SyntheticCorpus
+from liver.worker_runtime.megatron.state import (
     RngState,
     SchedulerState,
     StateMismatch,
@@ -18,7 +18,7 @@ from liver.worker_runtime.megatron_state import (
     check_local_state,
     expected_shards,
 )
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 LLAMA = PRESETS["tiny-llama"]
 TP2 = ParallelLayout(tp=2, pp=1, dp=1)

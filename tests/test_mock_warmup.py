@@ -180,7 +180,7 @@ def megatron_scenario(proc: Proc) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from liver.shared.model import PRESETS
-    from liver.worker_runtime.megatron_build import build_gpt_model, initialize_parallel_state
+    from liver.worker_runtime.megatron.build import build_gpt_model, initialize_parallel_state
 
     spec = PRESETS["tiny-gpt"]
     tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))

@@ -24,8 +24,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from liver.services import bus as b
+from liver.services.host import PullConsumer, keep_in_progress
 from liver.services.pull import ContinuousPull
-from liver.services.runtime import PullConsumer, keep_in_progress
 from liver.shared.nats_server import NatsServer
 
 _names = itertools.count()

@@ -24,8 +24,6 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.plan import Plan, PlanSlice, WorldConfig
 from liver.shared.views import view
-from liver.worker_runtime import executor
-from liver.worker_runtime.executor import StreamOptions
 from liver.worker_runtime.handoff import Handoff, Role
 from liver.worker_runtime.handoff import _stream as handoff_stream
 from liver.worker_runtime.preparation import Preparation, ScheduleBuild, check_request
@@ -37,6 +35,8 @@ from liver.worker_runtime.runtime import (
     RuntimeEvent,
     RuntimeOptions,
 )
+from liver.worker_runtime.stream import executor
+from liver.worker_runtime.stream.executor import StreamOptions
 from liver.worker_runtime.world import GroupKind, StoreAddress, World, WorldSpec
 
 SPEC = PRESETS["tiny-gpt"]

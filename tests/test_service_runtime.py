@@ -26,8 +26,8 @@ from nats.aio.msg import Msg
 
 from liver.cli import serve_cmd
 from liver.services import bus as b
+from liver.services.host import PullConsumer, hosted, micro_name, status_subject
 from liver.services.ingester.service import Ingester
-from liver.services.runtime import PullConsumer, hosted, micro_name, status_subject
 from liver.shared import subjects as s
 from liver.shared.codec import encode
 from liver.shared.connection import (

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from liver.services.topology import choose_topology
-from liver.services.topology.answer import answer, device_pool
+from liver.services.topology.core import answer, device_pool
 from liver.services.topology.memory import CPU_SMALL, HardwareProfile, TrainingSetup
 from liver.services.topology.service import TopologyService, create_service
 from liver.services.topology.settings import (

@@ -18,7 +18,7 @@ from liver.services import bus as b
 from liver.services.transfer.store import KV_SLICE_MAX_BYTES, PlanWriter, kv_limit
 from liver.shared import subjects as s
 from liver.shared.nats_server import NatsServer
-from liver.worker_runtime.companion_plan import PlanFetcher
+from liver.worker_runtime.companion.slices import PlanFetcher
 
 PREFIX = "job-s/3/s7-"
 

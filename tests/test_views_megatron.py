@@ -322,7 +322,7 @@ def inspect_rank(spec: ModelSpec, layout: ParallelLayout, gloo_groups: bool) -> 
     """Build this rank's model and compare every parameter's sharding with the view function."""
     import torch.distributed as dist
 
-    from liver.worker_runtime.megatron_build import (
+    from liver.worker_runtime.megatron.build import (
         MegatronBuildError,
         build_gpt_model,
         initialize_parallel_state,
@@ -402,7 +402,7 @@ def shim_checks() -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from liver.worker_runtime.cpu_shim import cpu_shim_active
+    from liver.worker_runtime.megatron.cpu_shim import cpu_shim_active
 
     facts: dict[str, Any] = {"active": cpu_shim_active()}
     buffer = parallel_state.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "liver-test")
@@ -422,7 +422,7 @@ def _tied_embedding_checksums() -> list[float]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from liver.worker_runtime.megatron_build import build_gpt_model
+    from liver.worker_runtime.megatron.build import build_gpt_model
 
     model = build_gpt_model(*GLOO_CASES["TP1PP2-gpt-tied"])
     weight = (
@@ -437,7 +437,7 @@ def _tied_embedding_checksums() -> list[float]:
 
 def _build_refusal() -> str:
     """Building TP2 while parallel_state is TP1 must fail loudly, never build a TP=1 model."""
-    from liver.worker_runtime.megatron_build import (
+    from liver.worker_runtime.megatron.build import (
         MegatronBuildError,
         build_gpt_model,
         initialize_parallel_state,

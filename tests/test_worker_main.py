@@ -12,7 +12,7 @@ import pytest
 
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import Abort, ObjectRef, Prepare, SliceIndex, Switch
-from liver.worker_runtime.bridge import RuntimeBridge, store_address
+from liver.worker_runtime.companion.bridge import RuntimeBridge, store_address
 from liver.worker_runtime.fallback import FallbackReport
 from liver.worker_runtime.handoff import Role, SwitchReport
 from liver.worker_runtime.metrics import MetricsLog, Step, Stopped, read_lines

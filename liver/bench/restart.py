@@ -6,7 +6,7 @@ transition with real processes on this machine:
 1. **old world** (not timed): ``old.world_size`` fresh Python processes start, initialise
    torch.distributed, build the model, DDP and optimizer at the old layout and train a few steps;
 2. **save** (from the cut, a barrier every old rank passes, to the last rank's return):
-   :func:`~liver.worker_runtime.checkpoint.save_checkpoint`, durable and committed;
+   :func:`~liver.worker_runtime.megatron.checkpoint.save_checkpoint`, durable and committed;
 3. **stop**: the launcher stops the old processes (SIGTERM, as torchrun's agent does) and waits until
    they are gone; the phase ends when the new processes are started. A graceful interpreter teardown
    (1-3 s here once Megatron is imported) is not counted: launchers do not wait for one;
@@ -14,7 +14,7 @@ transition with real processes on this machine:
    this module) start and import torch, then Megatron-core and LiveR's Megatron adapter;
 5. **init distributed**: ``init_process_group`` (rendezvous over a TCP store) and ``parallel_state``;
 6. **build**: model, DDP wrapper, optimizer and LR schedule at the new layout;
-7. **load**: :func:`~liver.worker_runtime.checkpoint.load_checkpoint`, with reshape;
+7. **load**: :func:`~liver.worker_runtime.megatron.checkpoint.load_checkpoint`, with reshape;
 8. **first step**: one training step on the new world.
 
 Each process records wall-clock timestamps (``time.time()``: every process is on this machine, so they
@@ -47,7 +47,7 @@ import msgspec
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec, load_model
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = ["PHASES", "RestartBreakdown", "RestartError", "measure_restart"]
 
@@ -144,9 +144,9 @@ def _worker(task_file: str) -> None:
     import megatron.core  # noqa: F401  (what a Megatron job imports before anything else)
 
     from liver.shared.logs import configure_logging
-    from liver.worker_runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from liver.worker_runtime.megatron_build import initialize_parallel_state
-    from liver.worker_runtime.megatron_train import build_trainer
+    from liver.worker_runtime.megatron.build import initialize_parallel_state
+    from liver.worker_runtime.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from liver.worker_runtime.megatron.train import build_trainer
 
     megatron_imported = time.time()
     configure_logging(level="WARNING", stream=sys.stderr)

@@ -25,10 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # name -> (module with add_arguments(parser) and run(args), help)
 BENCHES: dict[str, tuple[str, str]] = {
-    "plan": ("liver.bench.plan_bench", "transfer planning at scale, against torch.distributed.checkpoint"),
-    "stream": ("liver.bench.stream_bench", "layer-streaming executor vs raw send/recv, shadow overhead"),
-    "bus": ("liver.bench.bus_bench", "control-plane latency from spot.warning to switch and commit"),
-    "reconfig": ("liver.bench.reconfig_bench", "live reconfiguration against stop-and-restart"),
+    "plan": ("liver.bench.plan", "transfer planning at scale, against torch.distributed.checkpoint"),
+    "stream": ("liver.bench.stream.bench", "layer-streaming executor vs raw send/recv, shadow overhead"),
+    "bus": ("liver.bench.bus.bench", "control-plane latency from spot.warning to switch and commit"),
+    "reconfig": ("liver.bench.reconfig", "live reconfiguration against stop-and-restart"),
 }
 
 

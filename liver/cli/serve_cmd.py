@@ -5,7 +5,7 @@ own). It connects to ``$NATS_URL`` with ``$NATS_USER``/``$NATS_PASSWORD``, ``$NA
 ``$NATS_CREDS``; without ``NATS_URL`` it starts an embedded nats-server that stops with it.
 
 A service module ``liver.services.<name>.service`` is imported only when that service is asked for and
-provides ``create_service(environ) -> Service`` (see :class:`liver.services.runtime.Service`).
+provides ``create_service(environ) -> Service`` (see :class:`liver.services.host.Service`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def find(service: str) -> ModuleType:
 
 
 def run(args: argparse.Namespace) -> int:
-    from liver.services.runtime import serve
+    from liver.services.host import serve
 
     environ = dict(os.environ)
     if args.budget_bytes is not None:

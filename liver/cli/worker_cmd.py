@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> WorkerSettings:
     """The :class:`~liver.worker_runtime.worker_main.WorkerSettings` the arguments describe."""
-    from liver.worker_runtime.train_config import TrainConfig
+    from liver.worker_runtime.megatron.train_config import TrainConfig
     from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings
 
     initial = None

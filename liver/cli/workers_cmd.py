@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from liver.shared.logs import configure_logging
 
 if TYPE_CHECKING:
-    from liver.worker_runtime.companion_sim import SimSettings
+    from liver.worker_runtime.companion.simulated import SimSettings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,9 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> SimSettings:
-    """The :class:`~liver.worker_runtime.companion_sim.SimSettings` the arguments describe."""
+    """The :class:`~liver.worker_runtime.companion.simulated.SimSettings` the arguments describe."""
     from liver.shared.layout import ParallelLayout
-    from liver.worker_runtime.companion_sim import Fault, SimSettings
+    from liver.worker_runtime.companion.simulated import Fault, SimSettings
 
     faults = tuple(
         Fault.parse(action, spec)  # type: ignore[arg-type]
@@ -118,7 +118,7 @@ def settings_from(args: argparse.Namespace) -> SimSettings:
 def run(args: argparse.Namespace) -> int:
     from liver.shared.connection import connect_options
     from liver.shared.nats_server import nats_url
-    from liver.worker_runtime.companion_sim import run_until_signalled
+    from liver.worker_runtime.companion.simulated import run_until_signalled
 
     settings = settings_from(args)
     environ = dict(os.environ)

@@ -45,9 +45,9 @@ PRELOAD: Final = [
     "torch",
     "torch.distributed",
     "megatron.core",
-    "liver.worker_runtime.megatron_job",
+    "liver.worker_runtime.megatron.job",
     "liver.worker_runtime.runtime",
-    "liver.worker_runtime.companion",
+    "liver.worker_runtime.companion.thread",
     "liver.worker_runtime.worker_main",
 ]
 """What the workers' fork server imports once."""

@@ -18,7 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 Steps = Annotated[int, Meta(ge=1)]
 

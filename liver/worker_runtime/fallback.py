@@ -6,7 +6,7 @@ gone) has lost state that only the old world held. The processes of the *new* wo
 layout was chosen without the lost device), so they restart there: they build the new layout's groups
 once more, under the next generation id (the failed generation's store keys are spent, and the
 coordinator expects a restarted world to carry an id newer than every one it issued), and load the
-checkpoint with reshape (:func:`liver.worker_runtime.checkpoint.fall_back_to_checkpoint`).
+checkpoint with reshape (:func:`liver.worker_runtime.megatron.checkpoint.fall_back_to_checkpoint`).
 
 Who decides. Only old-world members can tell a failed handoff (old world lost) from an aborted one (old
 world restored): a joiner sees the same broken stream either way. So every old-world process that ran
@@ -85,8 +85,8 @@ class CheckpointingFactory(Protocol[T]):
 
     def fall_back(self, world: World, root: str, reached_iteration: int | None) -> tuple[T, str]:
         """A trainer for this rank of ``world`` (already torch's default world) loaded from the latest
-        checkpoint under ``root`` as a move (see :func:`~.megatron_job.resume_streams`), and that
-        checkpoint's path. A collective over ``world``."""
+        checkpoint under ``root`` as a move (see :func:`~liver.worker_runtime.megatron.job.resume_streams`),
+        and that checkpoint's path. A collective over ``world``."""
         ...
 
 

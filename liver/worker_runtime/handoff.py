@@ -54,7 +54,7 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan
 from liver.worker_runtime.cut import enter_world
-from liver.worker_runtime.executor import (
+from liver.worker_runtime.stream.executor import (
     GroupRanks,
     PreparedSchedule,
     StreamOptions,

@@ -24,8 +24,8 @@ import msgspec
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan
-from liver.worker_runtime.executor import PreparedSchedule, StreamOptions
 from liver.worker_runtime.handoff import Role, handoff_schedule
+from liver.worker_runtime.stream.executor import PreparedSchedule, StreamOptions
 from liver.worker_runtime.world import (
     Backend,
     StoreAddress,

@@ -17,7 +17,7 @@ process; a :class:`~liver.shared.plan.PlanSlice` is enough), the store and a dea
 in the background while training continues (I1): the shadow world's groups and the stream group are
 built on their own threads. A process that joins (a scale-out) first warms up alone under a mock world,
 then builds its groups, so that no rank of the active world ever waits for a cold one, and waits in
-``enter_world`` for the cut. The switch itself is :func:`liver.worker_runtime.handoff.switch`.
+``enter_world`` for the cut. The switch itself is :func:`.handoff.switch`.
 
 Failure (I4): a preparation that fails or misses its deadline, or an :meth:`LiveRuntime.abort`, makes
 the next vote abort on every rank; a handoff that fails before its commit is rolled back everywhere.
@@ -46,7 +46,6 @@ import structlog
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
 from liver.worker_runtime.cut import NO_TARGET, Verdict, vote
-from liver.worker_runtime.executor import StreamOptions
 from liver.worker_runtime.fallback import (
     CheckpointingFactory,
     CheckpointOptions,
@@ -67,6 +66,7 @@ from liver.worker_runtime.handoff import (
     switch,
 )
 from liver.worker_runtime.preparation import Preparation, ResizeRequest, check_request
+from liver.worker_runtime.stream.executor import StreamOptions
 from liver.worker_runtime.world import (
     Backend,
     StoreAddress,

@@ -8,12 +8,13 @@ The pieces, in the order they start:
    stream group on it; the job's first world uses the store of its rank 0 (``InitialWorld.store``, or
    this process's own when it is rank 0). No store outlives the process that hosts it, and none has to:
    a generation's groups only use their store while they are built.
-2. **The runtime**: a :class:`~.runtime.LiveRuntime` over a :class:`~.megatron_job.MegatronJob` (a
-   Megatron-core GPT on gloo, synthetic data), starting in the first world or, for a standby worker,
-   in none (its first :meth:`~.runtime.LiveRuntime.step` waits until a scale-out takes it in).
-3. **The companion** (:class:`~.companion.Companion`, its own thread and NATS connection): hello,
-   heartbeats, commands. :class:`~.bridge.RuntimeBridge` turns commands into runtime calls and runtime
-   events into acks.
+2. **The runtime**: a :class:`~.runtime.LiveRuntime` over a
+   :class:`~liver.worker_runtime.megatron.job.MegatronJob` (a Megatron-core GPT on gloo, synthetic data),
+   starting in the first world or, for a standby worker, in none (its first :meth:`~.runtime.LiveRuntime.step`
+   waits until a scale-out takes it in).
+3. **The companion** (:class:`~liver.worker_runtime.companion.thread.Companion`, its own thread and NATS
+   connection): hello, heartbeats, commands. :class:`~liver.worker_runtime.companion.bridge.RuntimeBridge`
+   turns commands into runtime calls and runtime events into acks.
 4. **The loop**: ``step()`` at every iteration boundary, ``train_step()`` in between, a metrics line per
    step (:mod:`.metrics`). Rank 0 of the first world announces it (``WorldStarted``) once it is built.
 
@@ -53,11 +54,11 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import WorldStarted
 from liver.shared.model import PRESETS
 from liver.shared.subjects import validate_token
+from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.metrics import Aborted, MetricsLog, Started, Step, Stopped, Switched
-from liver.worker_runtime.train_config import TrainConfig
 
 if TYPE_CHECKING:
-    from liver.worker_runtime.companion import Companion
+    from liver.worker_runtime.companion.thread import Companion
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeEvent, RuntimeOptions
 
 log = structlog.get_logger(__name__)
@@ -247,10 +248,10 @@ class _Worker:
     def run(self) -> int:
         import torch
 
-        from liver.worker_runtime.bridge import RuntimeBridge, store_address
-        from liver.worker_runtime.companion import Companion
-        from liver.worker_runtime.companion_agent import AgentSettings, WorkerIdentity, World
-        from liver.worker_runtime.megatron_job import MegatronJob
+        from liver.worker_runtime.companion.agent import AgentSettings, WorkerIdentity, World
+        from liver.worker_runtime.companion.bridge import RuntimeBridge, store_address
+        from liver.worker_runtime.companion.thread import Companion
+        from liver.worker_runtime.megatron.job import MegatronJob
         from liver.worker_runtime.runtime import LiveRuntime
         from liver.worker_runtime.world import WorldSpec, host_store
 
@@ -390,7 +391,7 @@ class _Worker:
     def _after_fallback(self, runtime: LiveRuntime[Any], companion: Companion) -> None:
         """The job restarted from its checkpoint in a world of its own: heartbeats speak for it, and its
         rank 0 announces it (the coordinator waits for that after recording the fallback)."""
-        from liver.worker_runtime.companion_agent import World
+        from liver.worker_runtime.companion.agent import World
 
         world = runtime.world
         report = runtime.fallbacks[-1]
@@ -409,7 +410,7 @@ class _Worker:
             self._announce(world.layout, world.placement, world.generation)
 
     def _announce(self, layout: ParallelLayout, placement: Placement, generation: int | None = None) -> None:
-        from liver.worker_runtime.announce import publish_world_started
+        from liver.worker_runtime.companion.announce import publish_world_started
 
         s = self.settings
         assert s.initial is not None or generation is not None

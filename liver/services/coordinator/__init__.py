@@ -1,4 +1,4 @@
-"""The generation coordinator: a pure state machine (:mod:`.machine`) fed by a bus adapter.
+"""The generation coordinator: a pure state machine (:mod:`.core`) fed by a bus adapter.
 
 The core takes events (bus messages, key-value write results, ticks) with the current time and returns
 actions (commands, publishes, compare-and-set writes, notes); it reads no clock and does no I/O, so
@@ -20,6 +20,7 @@ from .actions import (
     WriteRecord,
 )
 from .config import CoordinatorConfig
+from .core import TRANSITIONS, Coordinator, CoordinatorError, IllegalTransition, Phase, Wait
 from .events import (
     Event,
     RecordConflict,
@@ -29,7 +30,6 @@ from .events import (
     Tick,
     WorkerLost,
 )
-from .machine import TRANSITIONS, Coordinator, CoordinatorError, IllegalTransition, Phase, Wait
 from .membership import Change, Expired, Member, Membership, MembershipError
 from .record import GenerationRecord, Participant, PendingHandoff, Trigger
 

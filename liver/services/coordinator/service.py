@@ -1,4 +1,4 @@
-"""The generation coordinator on the bus: one job's pure core (:mod:`.machine`) fed with what arrives,
+"""The generation coordinator on the bus: one job's pure core (:mod:`.core`) fed with what arrives,
 its actions carried out in the order it gives them.
 
 What feeds the core, all through one lock so that it sees one event at a time:
@@ -10,7 +10,7 @@ What feeds the core, all through one lock so that it sees one event at a time:
   coordinator re-sends its switch and the workers ack again);
 * changes of the job's record by anyone (a watch on the key), which is how a coordinator learns that
   another one took the job over;
-* ticks, at the core's :meth:`~.machine.Coordinator.next_deadline`;
+* ticks, at the core's :meth:`~.core.Coordinator.next_deadline`;
 * the results of its own record writes, fed back before anything else.
 
 What it does with the actions: :class:`WriteRecord` is a compare-and-set on the key (:mod:`.kv`);
@@ -49,7 +49,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, ConsumingService
+from liver.services.host import Bus, ConsumingService
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -79,9 +79,9 @@ from .actions import (
 )
 from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
+from .core import Coordinator, Phase
 from .events import Event, RecordConflict, RecordWriteFailed, Tick
 from .kv import BusError, RecordStore
-from .machine import Coordinator, Phase
 
 log = structlog.get_logger(__name__)
 

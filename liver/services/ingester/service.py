@@ -27,8 +27,8 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
+from liver.services.host import Bus, ConsumingService
 from liver.services.ingester import core
-from liver.services.runtime import Bus, ConsumingService
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -69,7 +69,7 @@ class MembershipUnreadable(RuntimeError):
 
 
 class Ingester(ConsumingService):
-    """The ingester service (see the module docstring); host it with :mod:`liver.services.runtime`."""
+    """The ingester service (see the module docstring); host it with :mod:`liver.services.host`."""
 
     name = SOURCE
     description = "Validates and de-duplicates spot warnings and scale requests into resize requests."

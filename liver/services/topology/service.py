@@ -21,13 +21,13 @@ import structlog
 from nats.aio.msg import Msg
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, ConsumingService, keep_in_progress
+from liver.services.host import Bus, ConsumingService, keep_in_progress
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
 from liver.shared.messages import PlanningFailed, TopologyPlanned, TopologyRequest
 
-from .answer import Answer, answer, failed
+from .core import Answer, answer, failed
 from .settings import TopologySettings
 
 log = structlog.get_logger(__name__)

@@ -31,7 +31,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from liver.services import bus as b
-from liver.services.runtime import Bus, ConsumingService, keep_in_progress
+from liver.services.host import Bus, ConsumingService, keep_in_progress
 from liver.services.transfer import core, store
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s

@@ -4,7 +4,7 @@ Training must never wait for the bus (I1): a heartbeat, a plan fetch or a reconn
 not stall an iteration. So everything that touches NATS runs on a daemon thread with its own asyncio
 loop and its own connection (:class:`Companion`), and the training thread only
 
-* reads what the companion handed it (commands arrive through :class:`~.companion_agent.RuntimeHooks`,
+* reads what the companion handed it (commands arrive through :class:`~.agent.RuntimeHooks`,
   called on the companion's thread; :class:`CommandBox` is a ready-made one the training loop polls),
 * writes what heartbeats should say (:meth:`Companion.set_iteration`, :meth:`Companion.set_world`:
   plain attribute writes), and
@@ -12,7 +12,7 @@ loop and its own connection (:class:`Companion`), and the training thread only
   malformed ack raises where it was made) and passes it with ``loop.call_soon_threadsafe``: a few
   microseconds, whatever the state of the connection.
 
-The protocol itself (what a repeated Switch or an unknown Abort means) is :mod:`.companion_agent`'s.
+The protocol itself (what a repeated Switch or an unknown Abort means) is :mod:`.agent`'s.
 
 Usage inside a training process::
 
@@ -43,7 +43,7 @@ from nats.aio.client import Client
 from liver.shared.connection import connect_options
 from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase, WorkerStatus
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion_agent import (
+from liver.worker_runtime.companion.agent import (
     AgentSettings,
     Presence,
     RuntimeHooks,

@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.views import view
-from liver.worker_runtime.cpu_shim import apply_cpu_shim
+from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
 
 if TYPE_CHECKING:
     from liver.worker_runtime.world import World

@@ -1,8 +1,10 @@
-"""The seam between a training process's bus companion and its :class:`~.runtime.LiveRuntime`.
+"""The seam between a training process's bus companion and its
+:class:`~liver.worker_runtime.runtime.LiveRuntime`.
 
 Commands come in on the companion's thread and must return at once (a hook that blocks stops the
-heartbeats); the runtime's :meth:`~.runtime.LiveRuntime.request_resize`, ``allow_switch`` and ``abort``
-are thread-safe and only hand the work to background threads or the next iteration boundary, so the
+heartbeats); the runtime's :meth:`~liver.worker_runtime.runtime.LiveRuntime.request_resize`, ``allow_switch``
+and ``abort`` are thread-safe and only hand the work to background threads or the next iteration boundary, so
+the
 hooks call them directly:
 
 * ``Prepare`` -> ``request_resize`` with the worker's plan slice, the new generation's rendezvous store
@@ -52,7 +54,8 @@ DEFAULT_SWITCH_GRACE_S = 60.0
 
 
 class ResizeTarget(Protocol):
-    """The part of :class:`~.runtime.LiveRuntime` the bridge drives (a protocol, so tests can fake it)."""
+    """The part of :class:`~liver.worker_runtime.runtime.LiveRuntime` the bridge drives (a protocol, so tests
+    can fake it)."""
 
     def request_resize(
         self,
@@ -73,7 +76,7 @@ class ResizeTarget(Protocol):
 
 
 class Reporter(Protocol):
-    """:meth:`~.companion.Companion.report`: hands an ack to the companion's thread; never blocks."""
+    """:meth:`~.thread.Companion.report`: hands an ack to the companion's thread; never blocks."""
 
     def __call__(
         self,

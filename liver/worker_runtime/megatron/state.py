@@ -19,7 +19,7 @@ fragments SwiGLU's fc1 into copies, and with tied embeddings still consults ``pa
   ``embedding.word_embeddings.weight`` (and so are its Adam moments);
 * SwiGLU's fused ``[2*ffn/tp, h]`` fc1 is viewed as ``[2, ffn/tp, h]`` (gate rows, then up rows);
 * vocabulary shards keep their padding rows (``local_shape`` includes them; they hold zeros, see
-  :mod:`megatron_train`).
+  :mod:`.train`).
 
 Every tensor is checked against the view function when the state is taken and when it is loaded: a
 mismatch raises :class:`StateMismatch` naming the tensor. The rest of the training state is
@@ -42,7 +42,7 @@ from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.views import view
 
 if TYPE_CHECKING:  # megatron is imported where it is used: the checks and structs need none of it
-    from liver.worker_runtime.megatron_train import MegatronTrainer
+    from liver.worker_runtime.megatron.train import MegatronTrainer
 
 log = structlog.get_logger(__name__)
 

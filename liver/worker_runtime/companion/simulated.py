@@ -1,6 +1,6 @@
 """A stand-in job with no training at all: N workers that speak the worker protocol for real.
 
-Each simulated worker is a :class:`~.companion_agent.WorkerAgent` (the same code a training process
+Each simulated worker is a :class:`~.agent.WorkerAgent` (the same code a training process
 runs) whose runtime hooks only answer: "ready" after a Prepare, "switched" after a Switch, each after
 ``ack_delay_s``. Everything on the bus is real (hellos, heartbeats, plan slices read from the
 key-value bucket or the object store through the same fetcher and checked, acks with the cut
@@ -50,7 +50,7 @@ from liver.shared.messages import (
     WorldStarted,
 )
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion_agent import (
+from liver.worker_runtime.companion.agent import (
     SOURCE,
     AgentSettings,
     Presence,
@@ -60,7 +60,7 @@ from liver.worker_runtime.companion_agent import (
     World,
     decode_command,
 )
-from liver.worker_runtime.companion_plan import PlanFetcher
+from liver.worker_runtime.companion.slices import PlanFetcher
 
 log = structlog.get_logger(__name__)
 

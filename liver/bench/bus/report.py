@@ -1,8 +1,8 @@
 """What ``liver bench bus`` reports: the report's structure, its statistics, the checks against the
 issue's aim, and the report as text.
 
-Kept apart from the run (:mod:`.bus_bench`) so that the numbers' definitions live in one place; the
-definitions themselves are in :mod:`.bus_bench`'s docstring and ``docs/benchmarks.md``.
+Kept apart from the run (:mod:`.bench`) so that the numbers' definitions live in one place; the
+definitions themselves are in :mod:`.bench`'s docstring and ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -39,12 +39,12 @@ from typing import Any
 
 import msgspec
 
-from liver.bench._procs import ProcsError, run_procs
+from liver.bench.procs import ProcsError, run_procs
 from liver.bench.restart import RestartBreakdown, RestartError, measure_restart
 from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelError, ModelSpec, load_model
 from liver.shared.plan import Plan, WorldConfig
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = [
     "AIM_RATIO",
@@ -164,7 +164,7 @@ def _progress(text: str) -> None:
 def _live_worker(rank: int, size: int, setup: _Setup) -> _LiveResult:
     """One process of the live job: train, hand in the resize, switch, one step on the new world."""
     from liver.shared.logs import configure_logging
-    from liver.worker_runtime.megatron_job import MegatronJob
+    from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
     from liver.worker_runtime.world import StoreAddress, WorldSpec
 
@@ -292,7 +292,7 @@ def measure_live(
             (setup,),
             timeout_s=timeout_s,
             threads=threads,
-            preload=["megatron.core", "liver.worker_runtime.megatron_job", __name__],
+            preload=["megatron.core", "liver.worker_runtime.megatron.job", __name__],
         )
     finally:
         del store

@@ -1,7 +1,7 @@
 """One Megatron-core training job on one world: GPT model, DDP, optimizer, LR schedule and a step.
 
 :func:`build_trainer` assembles what Megatron-LM's ``pretrain`` would, from Megatron-core parts only:
-the GPTModel of :mod:`megatron_build`, Megatron's ``DistributedDataParallel``, ``get_megatron_optimizer``
+the GPTModel of :mod:`.build`, Megatron's ``DistributedDataParallel``, ``get_megatron_optimizer``
 (Adam) and ``OptimizerParamScheduler``, all on the explicit process groups of one world. Each
 :meth:`MegatronTrainer.train_step` runs Megatron's own schedule (``get_forward_backward_func``: 1F1B
 when PP > 1) over the micro-batches of one global batch and returns the loss and the grad norm.
@@ -48,14 +48,14 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.megatron_build import (
+from liver.worker_runtime.megatron.build import (
     ParallelGroups,
     build_gpt_model,
     ensure_global_memory_buffer,
     groups_from_parallel_state,
 )
-from liver.worker_runtime.megatron_data import Batch, CorpusSpec, SyntheticCorpus
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.data import Batch, CorpusSpec, SyntheticCorpus
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = [
     "MegatronTrainer",
@@ -297,7 +297,7 @@ def build_trainer(
     agrees with the view function (not for the distributed optimizer, whose state LiveR cannot map).
 
     ``groups`` default to ``parallel_state``'s (which must then be initialised for ``layout``); the
-    world they belong to must be torch.distributed's default world (see :mod:`megatron_build`).
+    world they belong to must be torch.distributed's default world (see :mod:`.build`).
     The model is initialised from ``config.seed`` exactly as Megatron does, so two builds at the same
     layout start from the same weights.
     """
@@ -366,7 +366,7 @@ def build_trainer(
     if not config.use_distributed_optimizer:
         # Start-up check: every parameter and Adam state maps to the logical tensor the views give this
         # rank, with the view's local shape (raises StateMismatch naming the first that does not).
-        from liver.worker_runtime.megatron_state import local_state
+        from liver.worker_runtime.megatron.state import local_state
 
         local_state(trainer)
     return trainer

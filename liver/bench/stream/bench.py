@@ -56,13 +56,13 @@ from typing import Any
 import msgspec
 import torch
 
-from liver.bench._procs import ProcsError, run_procs
+from liver.bench.procs import ProcsError, run_procs
 from liver.services.transfer.planner import build_plan, plan_stats
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, WorldConfig
 from liver.shared.views import Shard
-from liver.worker_runtime.executor import (
+from liver.worker_runtime.stream.executor import (
     TORCH_DTYPES,
     GroupRanks,
     LayerStats,
@@ -73,7 +73,7 @@ from liver.worker_runtime.executor import (
     ranks_on_device,
     stream_plan,
 )
-from liver.worker_runtime.executor_schedule import Schedule
+from liver.worker_runtime.stream.schedule import Schedule
 from liver.worker_runtime.world import (
     GroupKind,
     StoreAddress,

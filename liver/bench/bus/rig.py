@@ -1,8 +1,8 @@
 """The processes of ``liver bench bus`` and what the bench reads about them from outside.
 
 Each control-plane service runs as ``liver serve <name>`` in a process of its own, and each simulated
-job (:mod:`liver.worker_runtime.companion_sim`, the code behind ``liver workers --simulate``) in another,
-so that no service waits for another's Python code or for the simulated workers: that is how they run
+job (:mod:`liver.worker_runtime.companion.simulated`, the code behind ``liver workers --simulate``) in
+another, so that no service waits for another's Python code or for the simulated workers: that is how they run
 in a deployment. What the bench needs from them it reads from outside, without changing them:
 
 - CPU time per process from ``/proc/<pid>/task/*/schedstat`` (nanoseconds on a CPU, every thread;
@@ -120,7 +120,7 @@ def service_argv(service: str) -> list[str]:
 
 def workers_argv(settings_json: bytes) -> list[str]:
     """A simulated job (see :func:`workers_main`) in this interpreter."""
-    return [sys.executable, "-m", "liver.bench._bus_rig", "workers", settings_json.decode()]
+    return [sys.executable, "-m", "liver.bench.bus.rig", "workers", settings_json.decode()]
 
 
 async def wait_ready(nc: Client, child: Child, service: str, timeout_s: float) -> None:
@@ -302,17 +302,17 @@ class LogFollower:
 
 
 def workers_main(argv: Sequence[str]) -> int:
-    """``python -m liver.bench._bus_rig workers '<SimSettings as JSON>'``: a simulated job until SIGTERM.
+    """``python -m liver.bench.bus.rig workers '<SimSettings as JSON>'``: a simulated job until SIGTERM.
 
     The same job ``liver workers --simulate N`` runs, with settings the command line does not offer (a
     worker-id prefix per incarnation of a returning node). A thousand workers' INFO lines in one process
     are an artefact of the simulation (each real worker logs its own), so it logs warnings only.
     """
     from liver.shared.logs import configure_logging
-    from liver.worker_runtime.companion_sim import SimSettings, run_until_signalled
+    from liver.worker_runtime.companion.simulated import SimSettings, run_until_signalled
 
     if len(argv) != 2 or argv[0] != "workers":
-        print("usage: python -m liver.bench._bus_rig workers '<SimSettings JSON>'", file=sys.stderr)
+        print("usage: python -m liver.bench.bus.rig workers '<SimSettings JSON>'", file=sys.stderr)
         return 2
     try:
         settings = msgspec.json.decode(argv[1], type=SimSettings)

@@ -9,12 +9,12 @@ bench publishes events one at a time that keep the job resizing: a spot warning 
 it), and so on. The first ``--warmup`` events are not counted (the first one replans the job from the
 TP1 x PP1 x DP-N world the bench announces, and every process warms its caches).
 
-Per event, from the moment the event is published (:mod:`._bus_observer`):
+Per event, from the moment the event is published (:mod:`.observer`):
 
 - **switch**: the Switch broadcast received by a subscriber of the job's command subject;
 - **commit**: ``generation.committed`` received;
 - **planning**: the topology chooser's time plus the transfer planner's plan, verification and
-  encoding, as the services log them (:mod:`._bus_rig`);
+  encoding, as the services log them (:mod:`.rig`);
 - **worker CPU**: CPU time of the stand-in job's processes over the same interval, less their idle
   rate (heartbeats) measured just before the event;
 - **bus overhead** = latency - planning - worker CPU: what the bus and the services' own handling
@@ -52,9 +52,9 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from liver.bench import _bus_rig as rig
-from liver.bench._bus_observer import Observer, Timeline
-from liver.bench._bus_report import (
+from liver.bench.bus import rig
+from liver.bench.bus.observer import Observer, Timeline
+from liver.bench.bus.report import (
     STAGE_GAPS,
     BenchReport,
     ContractReport,
@@ -68,7 +68,7 @@ from liver.bench._bus_report import (
 )
 from liver.services.coordinator.service import CONFIG_ENV as COORDINATOR_CONFIG_ENV
 from liver.services.coordinator.service import INSTANCE_ENV, JOB_ENV
-from liver.services.runtime import status_subject
+from liver.services.host import status_subject
 from liver.services.topology.settings import CONFIG_ENV as TOPOLOGY_CONFIG_ENV
 from liver.services.transfer.core import plan_transfer
 from liver.services.transfer.service import TransferSettings
@@ -90,8 +90,8 @@ from liver.shared.messages import (
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import SliceFile
-from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice
-from liver.worker_runtime.companion_sim import SimSettings
+from liver.worker_runtime.companion.simulated import SimSettings
+from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError, decode_slice
 
 DEFAULT_WORKERS: Final = (64, 1024)
 DEFAULT_EVENTS: Final = (100, 20)
@@ -864,7 +864,7 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m liver.bench.bus_bench``: the same as ``liver bench bus``."""
+    """``python -m liver.bench.bus.bench``: the same as ``liver bench bus``."""
     parser = argparse.ArgumentParser(prog="liver bench bus", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

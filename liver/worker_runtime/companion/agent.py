@@ -4,8 +4,8 @@ The agent says hello, beats, reads its commands (its own subject and the job-wid
 slice on ``Prepare``, hands each command to the runtime through :class:`RuntimeHooks`, and publishes the
 runtime's acks. The Prepare is one job-wide broadcast: the agent takes part only when its device is in
 either world and not among the Prepare's ``lost``, and finds its slice by its device's index. It is
-separate from the thread that hosts it (:mod:`.companion`) so that a simulated job
-(:mod:`.companion_sim`) can run a thousand agents on one loop and one connection.
+separate from the thread that hosts it (:mod:`.thread`) so that a simulated job
+(:mod:`.simulated`) can run a thousand agents on one loop and one connection.
 
 The rules it keeps, because the coordinator relies on them:
 
@@ -58,7 +58,7 @@ from liver.shared.messages import (
     WorkerStatus,
 )
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion_plan import PlanFetcher, PlanFetchError, decode_slice, view_of
+from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError, decode_slice, view_of
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +136,7 @@ class RuntimeHooks(Protocol):
     """What the agent calls when a command arrives, on the companion's thread, never the training one.
 
     Hooks must return at once: while one runs, no heartbeat goes out and no other command is read. Hand
-    the command to the training thread (a flag, a queue: :class:`~.companion.CommandBox`) and do the work
+    the command to the training thread (a flag, a queue: :class:`~.thread.CommandBox`) and do the work
     there; report the outcome with ``Companion.report``. A hook that raises is reported as "failed".
     """
 

@@ -11,18 +11,18 @@ shape with each shard at its global offset, so a checkpoint saved at one (TP, PP
 trainer built at any other: the load computes which part of which saved shard each new rank needs
 (reshape on load). Vocabulary tensors are saved with the save-time padded vocabulary; the load reads the
 rows both paddings share and zero-fills the rest (Megatron's ``allow_shape_mismatch``), which is exact
-because padding rows are zero (see :mod:`megatron_train`). The optimizer is Megatron's ``FP32Optimizer``
+because padding rows are zero (see :mod:`.train`). The optimizer is Megatron's ``FP32Optimizer``
 or mixed-precision ``Float16OptimizerWithFloat16Params``, whose state is parameter-shaped, so it reshards
 exactly like the parameters. The distributed optimizer is refused: its default checkpoint format fails
 in megatron-core 0.16.1 ("ShardedTensor.flattened_range is not supported"), ``dp_reshardable`` only
 reshards across DP, and only ``fully_reshardable`` would reshard TP/PP, by gathering a stage's whole
 optimizer state on its DP rank 0 (a second full copy of it in one process); LiveR does not map that
-optimizer's state either (:mod:`megatron_state`), so it is refused rather than saved that way quietly.
+optimizer's state either (:mod:`.state`), so it is refused rather than saved that way quietly.
 
 Besides tensors, a checkpoint holds a manifest (``liver_manifest.json``): the model, the layout it was
 saved at, the train config, the :class:`TrainingProgress` (iteration, data position, LR schedule) and
 every saving rank's RNG streams. What a load does with them follows the one rule of
-:func:`liver.worker_runtime.megatron_job.resume_streams`: a plain restart at the layout the checkpoint
+:func:`.job.resume_streams`: a plain restart at the layout the checkpoint
 was saved at restores each rank's own streams, so the job continues as if it had not stopped. At any
 other layout no saved stream has a meaning (a stream belongs to a rank's place: its TP slice of a
 dropout mask, its stage), and the fail-stop fallback is a move even at the saved layout (the devices
@@ -73,7 +73,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.megatron_state import (
+from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
     local_state,
@@ -81,14 +81,14 @@ from liver.worker_runtime.megatron_state import (
     rng_state,
     training_progress,
 )
-from liver.worker_runtime.train_config import TrainConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
 
 if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and marker logic need none of it
     from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
-    from liver.worker_runtime.megatron_build import ParallelGroups
-    from liver.worker_runtime.megatron_data import SyntheticCorpus
-    from liver.worker_runtime.megatron_train import MegatronTrainer
+    from liver.worker_runtime.megatron.build import ParallelGroups
+    from liver.worker_runtime.megatron.data import SyntheticCorpus
+    from liver.worker_runtime.megatron.train import MegatronTrainer
 
 __all__ = [
     "MANIFEST",
@@ -361,9 +361,9 @@ def _check_trainer(trainer: MegatronTrainer) -> None:
     if trainer.config.use_distributed_optimizer:
         raise CheckpointError(
             "use_distributed_optimizer: its checkpoint formats do not reshard TP/PP changes without "
-            "gathering the optimizer on one rank (see liver.worker_runtime.checkpoint)"
+            "gathering the optimizer on one rank (see liver.worker_runtime.megatron.checkpoint)"
         )
-    from liver.worker_runtime.megatron_build import check_default_world
+    from liver.worker_runtime.megatron.build import check_default_world
 
     check_default_world(trainer.groups)
 
@@ -557,7 +557,7 @@ def load_checkpoint(
     trainer.gpt.load_state_dict(loaded["model"], strict=True)
     trainer.optimizer.load_state_dict(loaded["optimizer"])
     _set_adam_step(trainer, manifest.adam_step)
-    from liver.worker_runtime.megatron_job import resume_streams
+    from liver.worker_runtime.megatron.job import resume_streams
 
     rng = rng_streams_for(manifest, trainer.layout, trainer.groups.rank, moved=moved)
     restore_progress(trainer, msgspec.structs.replace(manifest.progress, rng=None))
@@ -638,8 +638,8 @@ def fall_back_to_checkpoint(
     ``steps_lost``); the result trains exactly as a live switch into ``layout`` at the checkpoint's
     iteration would (the random streams are reseeded as after a move, even at the saved layout).
     """
-    from liver.worker_runtime.megatron_build import check_default_world
-    from liver.worker_runtime.megatron_train import build_trainer
+    from liver.worker_runtime.megatron.build import check_default_world
+    from liver.worker_runtime.megatron.train import build_trainer
 
     started = time.perf_counter()
     check_default_world(groups)

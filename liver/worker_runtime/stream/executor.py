@@ -74,8 +74,8 @@ import torch
 
 from liver.shared.plan import Plan
 from liver.shared.views import Shard
-from liver.worker_runtime.executor_memory import MemoryLedger
-from liver.worker_runtime.executor_schedule import (
+from liver.worker_runtime.stream.memory import MemoryLedger
+from liver.worker_runtime.stream.schedule import (
     GroupRanks,
     LayerWork,
     PeerMessage,

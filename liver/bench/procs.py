@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
-PRELOAD = ["torch", "torch.distributed", "liver.worker_runtime.executor", "liver.worker_runtime.world"]
+PRELOAD = ["torch", "torch.distributed", "liver.worker_runtime.stream.executor", "liver.worker_runtime.world"]
 
 
 class ProcsError(RuntimeError):

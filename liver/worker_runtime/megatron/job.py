@@ -1,5 +1,5 @@
 """A Megatron-core GPT job as the live runtime sees it: the runtime's ``TrainerFactory`` for
-:class:`~liver.worker_runtime.megatron_train.MegatronTrainer`.
+:class:`~.train.MegatronTrainer`.
 
 It ties the adapter's pieces to the runtime: build a trainer on a LiveR world, warm one up under a mock
 world, read and load its local state, and carry its progress. :meth:`MegatronJob.resume` is the one
@@ -32,9 +32,9 @@ import torch
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.megatron_build import groups_from_world, initialize_parallel_state
-from liver.worker_runtime.megatron_data import SyntheticCorpus
-from liver.worker_runtime.megatron_state import (
+from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
+from liver.worker_runtime.megatron.data import SyntheticCorpus
+from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
     load_local_state,
@@ -44,9 +44,9 @@ from liver.worker_runtime.megatron_state import (
     rng_state,
     training_progress,
 )
-from liver.worker_runtime.megatron_train import MegatronTrainer, build_trainer
+from liver.worker_runtime.megatron.train import MegatronTrainer, build_trainer
+from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.mock_warmup import WarmupReport, mock_warmup
-from liver.worker_runtime.train_config import TrainConfig
 from liver.worker_runtime.world import World
 
 log = structlog.get_logger(__name__)
@@ -176,7 +176,7 @@ class MegatronJob:
 
     def save_checkpoint(self, trainer: MegatronTrainer, root: str, keep_last: int) -> str:
         """A durable ``dist_checkpointing`` checkpoint of ``trainer`` under ``root`` (a collective)."""
-        from liver.worker_runtime.checkpoint import save_checkpoint
+        from liver.worker_runtime.megatron.checkpoint import save_checkpoint
 
         return str(save_checkpoint(trainer, root, keep_last=keep_last))
 
@@ -185,7 +185,7 @@ class MegatronJob:
     ) -> tuple[MegatronTrainer, str]:
         """A trainer for ``world`` restarted from the latest checkpoint under ``root`` (I4's fail-stop
         branch); its random streams follow the move rule, as after a live switch."""
-        from liver.worker_runtime.checkpoint import fall_back_to_checkpoint
+        from liver.worker_runtime.megatron.checkpoint import fall_back_to_checkpoint
 
         fallback = fall_back_to_checkpoint(
             root,
