@@ -325,7 +325,8 @@ def baseline_process(proc: Proc, reloads: list[Reload], checkpoints: str) -> dic
     from pathlib import Path
 
     from liver.worker_runtime.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from liver.worker_runtime.megatron.job import MegatronJob, reseed
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.streams import reseed
 
     factory = MegatronJob(SPEC, CONFIG)
     traces: dict[str, dict[int, list]] = {"reload": {}, "checkpoint": {}}

@@ -104,7 +104,8 @@ def _scenario(proc: Proc, generation: int, case: str) -> dict[str, Any]:
         snapshot,
         training_progress,
     )
-    from liver.worker_runtime.megatron.train import TrainConfig, build_trainer
+    from liver.worker_runtime.megatron.train import build_trainer
+    from liver.worker_runtime.megatron.train_config import TrainConfig
     from liver.worker_runtime.world import StoreAddress, WorldSpec, build_world
 
     spec, layout = CASES[case]

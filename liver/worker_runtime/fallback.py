@@ -33,7 +33,7 @@ import msgspec
 import structlog
 import torch.distributed as dist
 
-from liver.worker_runtime.handoff import HandoffFailed, Role
+from liver.worker_runtime.handoff import HandoffFailed, HandoffStage, Role
 from liver.worker_runtime.world import StoreAddress, World, connect_store
 
 __all__ = [
@@ -85,8 +85,9 @@ class CheckpointingFactory(Protocol[T]):
 
     def fall_back(self, world: World, root: str, reached_iteration: int | None) -> tuple[T, str]:
         """A trainer for this rank of ``world`` (already torch's default world) loaded from the latest
-        checkpoint under ``root`` as a move (see :func:`~liver.worker_runtime.megatron.job.resume_streams`),
-        and that checkpoint's path. A collective over ``world``."""
+        checkpoint under ``root`` as a move (see
+        :func:`~liver.worker_runtime.megatron.streams.resume_streams`), and that checkpoint's path. A
+        collective over ``world``."""
         ...
 
 
@@ -169,7 +170,7 @@ class FallbackReport(msgspec.Struct, kw_only=True):
 class NoCheckpointConfigured(HandoffFailed):
     """A handoff failed with the old world gone, and the runtime has no checkpoint to fall back to."""
 
-    def __init__(self, generation: int, stage: str, reason: str, restore_error: str) -> None:
+    def __init__(self, generation: int, stage: HandoffStage, reason: str, restore_error: str) -> None:
         super().__init__(generation, stage, reason, restore_error)
         self.args = (
             f"{self.args[0]}; no checkpoint was configured (RuntimeOptions.checkpoint), so the job cannot "

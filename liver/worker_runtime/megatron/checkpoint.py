@@ -22,7 +22,7 @@ optimizer's state either (:mod:`.state`), so it is refused rather than saved tha
 Besides tensors, a checkpoint holds a manifest (``liver_manifest.json``): the model, the layout it was
 saved at, the train config, the :class:`TrainingProgress` (iteration, data position, LR schedule) and
 every saving rank's RNG streams. What a load does with them follows the one rule of
-:func:`.job.resume_streams`: a plain restart at the layout the checkpoint
+:func:`.streams.resume_streams`: a plain restart at the layout the checkpoint
 was saved at restores each rank's own streams, so the job continues as if it had not stopped. At any
 other layout no saved stream has a meaning (a stream belongs to a rank's place: its TP slice of a
 dropout mask, its stage), and the fail-stop fallback is a move even at the saved layout (the devices
@@ -81,6 +81,7 @@ from liver.worker_runtime.megatron.state import (
     rng_state,
     training_progress,
 )
+from liver.worker_runtime.megatron.streams import resume_streams
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and marker logic need none of it
@@ -88,7 +89,7 @@ if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and mar
 
     from liver.worker_runtime.megatron.build import ParallelGroups
     from liver.worker_runtime.megatron.data import SyntheticCorpus
-    from liver.worker_runtime.megatron.train import MegatronTrainer
+    from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
 __all__ = [
     "MANIFEST",
@@ -557,7 +558,6 @@ def load_checkpoint(
     trainer.gpt.load_state_dict(loaded["model"], strict=True)
     trainer.optimizer.load_state_dict(loaded["optimizer"])
     _set_adam_step(trainer, manifest.adam_step)
-    from liver.worker_runtime.megatron.job import resume_streams
 
     rng = rng_streams_for(manifest, trainer.layout, trainer.groups.rank, moved=moved)
     restore_progress(trainer, msgspec.structs.replace(manifest.progress, rng=None))

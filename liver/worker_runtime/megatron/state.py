@@ -42,7 +42,7 @@ from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.views import view
 
 if TYPE_CHECKING:  # megatron is imported where it is used: the checks and structs need none of it
-    from liver.worker_runtime.megatron.train import MegatronTrainer
+    from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
 log = structlog.get_logger(__name__)
 
