@@ -37,7 +37,7 @@ from liver.shared.layout import Device
 from liver.shared.messages import ErrorEvent, Heartbeat, Hello, Message, WorkerStatus
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion.agent import AgentSettings, WorkerIdentity, World
+from liver.worker_runtime.companion.agent import AgentSettings, GenerationRank, WorkerIdentity
 from liver.worker_runtime.companion.thread import CommandBox, Companion, CompanionError, Prepared
 
 FAST = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=5.0)
@@ -116,7 +116,7 @@ async def test_hello_names_the_node_device_address_and_memory(nats_server: NatsS
     async with client(nats_server.url) as (nc, _):
         hellos = await Collector.on(nc, s.worker_hello(job))
         me = identity(job, DEVICES[2])
-        async with running(Companion(me, RecordingHooks(), url=nats_server.url, world=World(3, 2))):
+        async with running(Companion(me, RecordingHooks(), url=nats_server.url, world=GenerationRank(3, 2))):
             hello = await hellos.one(Hello)
     assert (hello.worker_id, hello.device, hello.address) == (me.worker_id, Device("node000", 2), me.address)
     assert hello.device.node == "node000"
@@ -133,7 +133,7 @@ async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(
         async with running(companion):
             await beats.wait_for(1)
             companion.set_iteration(41)
-            companion.set_world(World(5, 0))
+            companion.set_world(GenerationRank(5, 0))
             first = len(beats.messages)
             await beats.wait_for(first + 2)
     got = [decode(m.data, Heartbeat) for m in beats.messages]
@@ -196,7 +196,7 @@ async def test_after_the_switch_heartbeats_speak_for_the_new_world(nats_server: 
     me = identity(job, DEVICES[1])
     async with client(nats_server.url) as (nc, _):
         beats = await Collector.on(nc, s.worker_heartbeat(job))
-        companion = Companion(me, hooks, url=nats_server.url, world=World(0, 1), settings=FAST)
+        companion = Companion(me, hooks, url=nats_server.url, world=GenerationRank(0, 1), settings=FAST)
         async with running(companion):
             await prepared(nc, job, companion, hooks)
             companion.report("ready")

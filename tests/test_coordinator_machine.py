@@ -23,10 +23,10 @@ from liver.services.coordinator import (
     Coordinator,
     CoordinatorConfig,
     CoordinatorError,
+    GenerationPhase,
     GenerationRecord,
     IllegalTransition,
     Note,
-    Phase,
     PlanningFailed,
     Publish,
     RecordConflict,
@@ -434,11 +434,11 @@ def one_outcome_per_generation(messages: list[Any]) -> dict[int, Any]:
 def test_first_world_is_recorded_before_the_coordinator_is_stable() -> None:
     d = Driver()
     d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD)))
-    assert d.core.phase is Phase.DOWN and d.core.wait is Wait.WORLD_WRITE
+    assert d.core.phase is GenerationPhase.DOWN and d.core.wait is Wait.WORLD_WRITE
     write = d.pending[0]
     assert isinstance(write, WriteRecord) and write.expected_revision == 0
     d.write()
-    assert d.core.phase is Phase.STABLE
+    assert d.core.phase is GenerationPhase.STABLE
     assert d.kv.record is not None and (d.kv.record.generation, d.kv.record.issued) == (0, 0)
 
 
@@ -449,15 +449,15 @@ def test_world_started_while_a_world_is_live_is_ignored() -> None:
 
 
 def test_every_phase_table_entry_names_only_phases() -> None:
-    assert set(TRANSITIONS) == set(Phase)
-    assert all(targets <= set(Phase) for targets in TRANSITIONS.values())
+    assert set(TRANSITIONS) == set(GenerationPhase)
+    assert all(targets <= set(GenerationPhase) for targets in TRANSITIONS.values())
 
 
 def test_undeclared_transition_is_refused() -> None:
     core = Coordinator(JOB, instance_id="solo", config=CONFIG)
     core.handle(Tick(), NOW)
     with pytest.raises(IllegalTransition):
-        core._move(Phase.COMMITTED, "skipping the handoff")
+        core._move(GenerationPhase.COMMITTED, "skipping the handoff")
 
 
 # -- the happy path, transition by transition -----------------------------------------------------------
@@ -491,7 +491,7 @@ def test_handoff_begins_with_a_recorded_generation_before_any_request() -> None:
     assert isinstance(write, WriteRecord)
     assert write.record.issued == 1 and write.record.pending is not None
     assert (write.record.pending.generation, write.record.pending.phase) == (1, "prepare")
-    assert (d.core.phase, d.core.wait) == (Phase.PREPARE, Wait.BEGIN_WRITE)
+    assert (d.core.phase, d.core.wait) == (GenerationPhase.PREPARE, Wait.BEGIN_WRITE)
     d.write()
     request = d.pop(RequestTopology).request
     assert set(request.remove) == set(on_node("node001")) and request.lost == ()
@@ -548,13 +548,13 @@ def test_switch_is_sent_only_after_the_switch_intent_is_recorded() -> None:
     d.topology()
     d.transfer()
     d.ready()
-    assert (d.core.phase, d.core.wait) == (Phase.READY, Wait.SWITCH_WRITE)
+    assert (d.core.phase, d.core.wait) == (GenerationPhase.READY, Wait.SWITCH_WRITE)
     assert not d.sent(Switch)
     intent = d.pending[-1]
     assert isinstance(intent, WriteRecord) and intent.record.pending is not None
     assert intent.record.pending.phase == "switch" and len(intent.record.pending.participants) == 4
     d.write()
-    assert d.core.phase is Phase.SWITCH and len(d.sent(Switch)) == 1
+    assert d.core.phase is GenerationPhase.SWITCH and len(d.sent(Switch)) == 1
 
 
 def test_commit_is_published_only_after_its_compare_and_set_succeeds() -> None:
@@ -657,13 +657,13 @@ def test_worker_failing_to_prepare_aborts_and_keeps_the_old_world() -> None:
     d = started()
     handoff_prepared(d)
     d.status(WORLD[0], 1, "failed", error="out of memory building the shadow world")
-    assert d.core.phase is Phase.ABORTED and not d.published()
+    assert d.core.phase is GenerationPhase.ABORTED and not d.published()
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "kept_old_world" and aborted.phase == "prepare"
     assert "out of memory" in aborted.reason and aborted.active_generation == 0
     assert [c.command.generation for c in d.sent(Abort)] == [1]
-    assert d.core.phase is Phase.STABLE
+    assert d.core.phase is GenerationPhase.STABLE
     assert d.kv.record is not None and d.kv.record.generation == 0 and d.kv.record.live
     assert [(s.outcome, s.generation) for s in d.settled()] == [("aborted", 1)]
 
@@ -673,7 +673,7 @@ def test_missed_prepare_deadline_aborts_and_says_why() -> None:
     handoff_prepared(d, notice_s=20.0)
     d.ready(skip=(worker(WORLD[3]),))
     d.tick(after_s=12.0)
-    assert d.core.phase is Phase.PREPARE
+    assert d.core.phase is GenerationPhase.PREPARE
     d.tick(after_s=1.5)
     d.write()
     (aborted,) = d.published(GenerationAborted)
@@ -685,7 +685,7 @@ def test_notice_too_short_for_any_switch_aborts_at_once() -> None:
     d = started()
     d.warn("evt-1", "node001", notice_s=CONFIG.margin_s + 1.0)
     d.write()
-    assert d.core.phase is Phase.ABORTED
+    assert d.core.phase is GenerationPhase.ABORTED
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert "deadline" in aborted.reason
@@ -711,12 +711,12 @@ def test_switch_deadline_missed_falls_back_to_the_checkpoint() -> None:
     d.write()
     d.switched(skip=(worker(WORLD[2]),))
     d.wait(36.0)
-    assert d.core.phase is Phase.ABORTED
+    assert d.core.phase is GenerationPhase.ABORTED
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback" and aborted.phase == "switch"
     assert "3 of 4 participants switched" in aborted.reason
-    assert d.core.phase is Phase.DOWN
+    assert d.core.phase is GenerationPhase.DOWN
     assert d.kv.record is not None and not d.kv.record.live and d.kv.record.generation == 0
 
 
@@ -740,12 +740,12 @@ def test_a_fallback_world_reported_before_the_abort_is_recorded_is_adopted_after
     d.write()
     d.commands(Switch)
     d.status(WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint")
-    assert d.core.phase is Phase.ABORTED
+    assert d.core.phase is GenerationPhase.ABORTED
     d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
     assert d.notes("world_started_deferred") and not d.notes("world_started_ignored")
     d.write()  # the abort lands: DOWN, then the deferred world is recorded
     d.write()
-    assert d.core.phase is Phase.STABLE
+    assert d.core.phase is GenerationPhase.STABLE
     assert d.kv.record is not None and d.kv.record.live and d.kv.record.generation == 2
 
 
@@ -755,7 +755,7 @@ def test_a_world_reported_during_a_handoff_that_keeps_the_old_world_is_dropped()
     d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
     d.status(WORLD[0], 1, "failed", error="out of memory building the shadow world")
     d.write()
-    assert d.core.phase is Phase.STABLE
+    assert d.core.phase is GenerationPhase.STABLE
     assert d.kv.record is not None and d.kv.record.generation == 0 and not d.has(WriteRecord)
 
 
@@ -776,7 +776,7 @@ def test_topology_planning_failure_aborts_keeping_the_old_world() -> None:
 def test_lost_world_worker_starts_a_handoff_that_falls_back_when_it_cannot_be_planned() -> None:
     d = started()
     d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node terminated"))
-    assert d.core.phase is Phase.PREPARE
+    assert d.core.phase is GenerationPhase.PREPARE
     d.write()
     request = d.pop(RequestTopology).request
     assert request.lost == (WORLD[3],)
@@ -790,7 +790,7 @@ def test_lost_world_worker_starts_a_handoff_that_falls_back_when_it_cannot_be_pl
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback"
-    assert d.core.phase is Phase.DOWN
+    assert d.core.phase is GenerationPhase.DOWN
 
 
 def test_unverified_plan_aborts() -> None:
@@ -817,7 +817,7 @@ def test_planner_that_keeps_the_live_world_settles_the_trigger_as_no_change() ->
     d.topology(unchanged)
     d.write()
     assert [s.outcome for s in d.settled()] == ["no_change"]
-    assert d.core.phase is Phase.STABLE
+    assert d.core.phase is GenerationPhase.STABLE
 
 
 def test_planner_placing_ranks_on_removed_devices_aborts_without_replanning() -> None:
@@ -832,7 +832,7 @@ def test_planner_placing_ranks_on_removed_devices_aborts_without_replanning() ->
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert "removed devices" in aborted.reason
-    assert d.core.phase is Phase.STABLE and not d.has(WriteRecord)
+    assert d.core.phase is GenerationPhase.STABLE and not d.has(WriteRecord)
 
 
 # -- queued events ------------------------------------------------------------------------------------------
@@ -912,12 +912,12 @@ def test_warning_for_a_node_of_the_target_cancels_and_replans() -> None:
     d.topology()
     d.transfer()
     d.warn("evt-2", "node000")
-    assert d.core.phase is Phase.ABORTED
+    assert d.core.phase is GenerationPhase.ABORTED
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.generation == 1 and aborted.outcome == "kept_old_world"
     assert "cancelled" in aborted.reason and "node000" in aborted.reason
-    assert d.core.phase is Phase.PREPARE and d.core.pending_generation == 2
+    assert d.core.phase is GenerationPhase.PREPARE and d.core.pending_generation == 2
     d.run()
     (committed,) = d.published(GenerationCommitted)
     assert committed.generation == 2 and committed.previous_generation == 0
@@ -935,7 +935,7 @@ def test_warning_for_the_offered_node_cancels_the_offer_and_leaves_nothing_to_do
     d.run()
     assert [type(m).__name__ for m in d.published()] == ["GenerationAborted"]
     assert [(s.event_ids, s.outcome) for s in d.settled()] == [(("evt-1", "evt-2"), "no_change")]
-    assert d.core.phase is Phase.STABLE and d.kv.record is not None and d.kv.record.generation == 0
+    assert d.core.phase is GenerationPhase.STABLE and d.kv.record is not None and d.kv.record.generation == 0
 
 
 def test_losing_a_target_worker_before_the_switch_cancels_and_replans_without_it() -> None:
@@ -974,9 +974,9 @@ def test_impossible_target_during_the_switch_intent_write_aborts_without_switchi
     d.ready()
     assert d.core.wait is Wait.SWITCH_WRITE
     d.warn("evt-2", "node000")
-    assert d.core.phase is Phase.READY and d.notes("stop_deferred")
+    assert d.core.phase is GenerationPhase.READY and d.notes("stop_deferred")
     d.write()
-    assert not d.sent(Switch) and d.core.phase is Phase.ABORTED
+    assert not d.sent(Switch) and d.core.phase is GenerationPhase.ABORTED
     d.run()
     assert [(m.generation, type(m).__name__) for m in d.published()] == [
         (1, "GenerationAborted"),
@@ -1010,7 +1010,7 @@ def test_losing_an_old_world_worker_after_the_switch_falls_back_instead_of_cance
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback" and aborted.phase == "switch"
-    assert d.core.phase is Phase.DOWN and not d.has(WriteRecord)
+    assert d.core.phase is GenerationPhase.DOWN and not d.has(WriteRecord)
 
 
 def test_leaving_worker_gone_after_acking_its_switch_is_harmless() -> None:
@@ -1031,7 +1031,7 @@ def test_target_clash_during_the_switch_waits_for_the_commit() -> None:
     d = started()
     switching(d)
     d.warn("evt-2", "node000")
-    assert d.core.phase is Phase.SWITCH and d.core.queued == ("evt-2",)
+    assert d.core.phase is GenerationPhase.SWITCH and d.core.queued == ("evt-2",)
     d.run()
     assert [c.generation for c in d.published(GenerationCommitted)] == [1]
     assert [a.generation for a in d.published(GenerationAborted)] == [2]
@@ -1068,7 +1068,7 @@ def test_stale_ack_from_a_cancelled_generation_is_ignored_and_reported() -> None
     assert len(d.notes("stale_ack_ignored")) == 4 and d.core.wait is Wait.PREPARED
     for w in d.takers(cmd):
         d.status(w, 2, "ready")
-    assert d.core.phase is Phase.READY
+    assert d.core.phase is GenerationPhase.READY
 
 
 def test_ack_from_a_worker_outside_the_handoff_is_ignored() -> None:
@@ -1077,7 +1077,7 @@ def test_ack_from_a_worker_outside_the_handoff_is_ignored() -> None:
     d.status(SPARES[0], 1, "ready")
     assert d.notes("ack_from_outsider_ignored")
     d.ready()
-    assert d.core.phase is Phase.READY
+    assert d.core.phase is GenerationPhase.READY
 
 
 def test_repeated_ready_ack_counts_once() -> None:
@@ -1098,7 +1098,7 @@ def test_duplicate_event_starts_no_second_handoff() -> None:
     d.warn("evt-1", "node001")
     assert [c.generation for c in d.published(GenerationCommitted)] == [1]
     assert len(d.notes("duplicate_event_ignored")) == 2
-    assert d.core.phase is Phase.STABLE and d.kv.record is not None and d.kv.record.issued == 1
+    assert d.core.phase is GenerationPhase.STABLE and d.kv.record is not None and d.kv.record.issued == 1
 
 
 def test_stale_plan_for_another_generation_is_ignored() -> None:
@@ -1114,7 +1114,7 @@ def test_switched_ack_before_any_switch_is_reported() -> None:
     d = started()
     handoff_prepared(d)
     d.status(WORLD[0], 1, "switched", iteration=3)
-    assert d.notes("switched_before_switch") and d.core.phase is Phase.PREPARE
+    assert d.notes("switched_before_switch") and d.core.phase is GenerationPhase.PREPARE
 
 
 def test_input_for_another_job_is_rejected_naming_the_field() -> None:
@@ -1130,7 +1130,7 @@ def test_input_for_another_job_is_rejected_naming_the_field() -> None:
         )
     )
     (note,) = d.notes("input_rejected")
-    assert note.fields["field"] == "job_id" and d.core.phase is Phase.STABLE
+    assert note.fields["field"] == "job_id" and d.core.phase is GenerationPhase.STABLE
 
 
 def test_presence_contradicting_membership_is_rejected_naming_the_field() -> None:
@@ -1163,7 +1163,7 @@ def test_losing_the_begin_write_stands_down_and_sends_nothing() -> None:
     d.kv.cas(WriteRecord(record=rival, expected_revision=d.kv.revision))
     mark = len(d.log)
     d.write()
-    assert d.core.phase is Phase.STANDBY
+    assert d.core.phase is GenerationPhase.STANDBY
     assert not [
         a for a in d.log[mark:] if isinstance(a, SendCommand | Publish | RequestTopology | WriteRecord)
     ]
@@ -1177,7 +1177,7 @@ def test_losing_the_commit_write_stands_down_without_publishing() -> None:
     assert d.kv.record is not None
     d.kv.cas(WriteRecord(record=d.kv.record, expected_revision=d.kv.revision))
     d.write()
-    assert d.core.phase is Phase.STANDBY and not d.published()
+    assert d.core.phase is GenerationPhase.STANDBY and not d.published()
 
 
 def test_two_coordinators_racing_commit_the_generation_exactly_once() -> None:
@@ -1194,7 +1194,10 @@ def test_two_coordinators_racing_commit_the_generation_exactly_once() -> None:
         b.run()
     outcomes = one_outcome_per_generation(a.published() + b.published())
     assert {g: type(m).__name__ for g, m in outcomes.items()} == {1: "GenerationCommitted"}
-    assert sorted([a.core.phase, b.core.phase], key=lambda p: p.value) == [Phase.STABLE, Phase.STANDBY]
+    assert sorted([a.core.phase, b.core.phase], key=lambda p: p.value) == [
+        GenerationPhase.STABLE,
+        GenerationPhase.STANDBY,
+    ]
 
 
 def test_write_with_an_unknown_result_is_retried_and_recognised_when_it_had_landed() -> None:
@@ -1215,7 +1218,7 @@ def test_record_written_by_another_coordinator_makes_this_one_stand_down() -> No
     assert d.kv.record is not None
     other = d.kv.record
     d.feed(RecordObserved(record=other, revision=d.kv.revision + 1))
-    assert d.core.phase is Phase.STANDBY
+    assert d.core.phase is GenerationPhase.STANDBY
     d.ready()
     assert not d.has(WriteRecord) and not d.sent(Switch)
 
@@ -1226,10 +1229,10 @@ def test_own_write_seen_by_the_watch_is_not_mistaken_for_a_rival() -> None:
     write = d.pending[0]
     assert isinstance(write, WriteRecord)
     d.feed(RecordObserved(record=write.record, revision=d.kv.revision + 1))
-    assert d.core.phase is Phase.PREPARE
+    assert d.core.phase is GenerationPhase.PREPARE
     d.write()
     d.feed(RecordObserved(record=write.record, revision=d.kv.revision))
-    assert d.core.phase is Phase.PREPARE
+    assert d.core.phase is GenerationPhase.PREPARE
 
 
 # -- restart and restore ----------------------------------------------------------------------------------
@@ -1240,7 +1243,7 @@ def test_restore_with_nothing_pending_is_stable_and_republishes_the_last_outcome
     d.warn("evt-1", "node001")
     d.run()
     d.restart()
-    assert d.core.phase is Phase.STABLE
+    assert d.core.phase is GenerationPhase.STABLE
     assert len(d.published(GenerationCommitted)) == 2
     one_outcome_per_generation(d.published())
 
@@ -1268,7 +1271,7 @@ def test_restore_after_the_switch_intent_resumes_and_commits_once() -> None:
     d = started()
     switching(d)
     d.restart()
-    assert d.core.phase is Phase.SWITCH and len(d.sent(Switch)) == 2
+    assert d.core.phase is GenerationPhase.SWITCH and len(d.sent(Switch)) == 2
     for dev in WORLD:
         d.beat(dev)
     d.commands(Switch)
@@ -1312,12 +1315,12 @@ def test_restore_after_a_fallback_waits_for_a_newer_world() -> None:
     d.status(WORLD[0], 1, "failed", error="boom")
     d.write()
     d.restart()
-    assert d.core.phase is Phase.DOWN
+    assert d.core.phase is GenerationPhase.DOWN
     d.feed(WorldStarted(job_id=JOB, generation=1, layout=LAYOUT, placement=Placement(WORLD)))
     assert not d.has(WriteRecord) and d.notes("input_rejected")
     d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
     d.write()
-    assert d.core.phase is Phase.STABLE and d.kv.record is not None and d.kv.record.generation == 2
+    assert d.core.phase is GenerationPhase.STABLE and d.kv.record is not None and d.kv.record.generation == 2
 
 
 def test_restore_refuses_a_record_of_another_job() -> None:
@@ -1343,7 +1346,7 @@ def test_restart_at_any_step_ends_each_generation_exactly_once(crash_after: int,
     d = started()
     d.warn("evt-1", "node001")
     steps = 0
-    while steps < crash_after and (d.pending or d.core.phase is not Phase.STABLE):
+    while steps < crash_after and (d.pending or d.core.phase is not GenerationPhase.STABLE):
         d.answer_next()
         steps += 1
     if write_landed and d.has(WriteRecord):
@@ -1369,7 +1372,7 @@ def test_world_worker_gone_silent_starts_a_handoff_without_it() -> None:
     for dev in WORLD[:3] + SPARES:
         d.beat(dev)
     d.tick()
-    assert d.core.phase is Phase.PREPARE
+    assert d.core.phase is GenerationPhase.PREPARE
     d.write()
     assert d.pop(RequestTopology).request.lost == (WORLD[3],)
 
@@ -1385,7 +1388,7 @@ def test_world_worker_restarting_counts_as_lost() -> None:
 def test_idle_spare_lost_changes_nothing() -> None:
     d = started()
     d.feed(WorkerLost(worker_id=worker(SPARES[0]), reason="gone"))
-    assert d.core.phase is Phase.STABLE and not d.has(WriteRecord)
+    assert d.core.phase is GenerationPhase.STABLE and not d.has(WriteRecord)
 
 
 def test_prepare_waits_for_workers_not_yet_heard_after_a_restart() -> None:
@@ -1449,7 +1452,7 @@ def test_switch_intent_recorded_after_the_deadline_aborts_without_switching() ->
     assert d.core.wait is Wait.SWITCH_WRITE
     d.now += timedelta(seconds=24.0)
     d.write()
-    assert d.core.phase is Phase.ABORTED and not d.sent(Switch)
+    assert d.core.phase is GenerationPhase.ABORTED and not d.sent(Switch)
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "kept_old_world" and aborted.phase == "ready"
@@ -1461,7 +1464,7 @@ def test_losing_the_switch_intent_write_stands_down_without_switching() -> None:
     d.ready()
     d.rival_writes()
     d.write()
-    assert d.core.phase is Phase.STANDBY and not d.sent(Switch)
+    assert d.core.phase is GenerationPhase.STANDBY and not d.sent(Switch)
 
 
 def test_losing_the_abort_write_stands_down_without_publishing() -> None:
@@ -1470,18 +1473,18 @@ def test_losing_the_abort_write_stands_down_without_publishing() -> None:
     d.status(WORLD[0], 1, "failed", error="boom")
     d.rival_writes()
     d.write()
-    assert d.core.phase is Phase.STANDBY and not d.published() and not d.sent(Abort)
+    assert d.core.phase is GenerationPhase.STANDBY and not d.published() and not d.sent(Abort)
 
 
 def test_standby_coordinator_ignores_events_until_restored_then_takes_over() -> None:
     d = started()
     assert d.kv.record is not None
     d.feed(RecordObserved(record=replace(d.kv.record, writer="rival"), revision=d.kv.revision + 1))
-    assert d.core.phase is Phase.STANDBY
+    assert d.core.phase is GenerationPhase.STANDBY
     d.warn("evt-1", "node001")
     assert not d.has(WriteRecord) and d.core.queued == ("evt-1",)
     d.take_over()
-    assert d.core.phase is Phase.PREPARE and d.core.pending_generation == 1
+    assert d.core.phase is GenerationPhase.PREPARE and d.core.pending_generation == 1
     d.run()
     assert [c.generation for c in d.published(GenerationCommitted)] == [1]
 
@@ -1491,7 +1494,7 @@ def test_fresh_coordinator_seeing_a_record_it_did_not_write_stands_down() -> Non
     assert d.kv.record is not None
     fresh = Coordinator(JOB, instance_id="late", config=CONFIG)
     fresh.handle(RecordObserved(record=d.kv.record, revision=d.kv.revision), d.now)
-    assert fresh.phase is Phase.STANDBY and fresh.record == d.kv.record
+    assert fresh.phase is GenerationPhase.STANDBY and fresh.record == d.kv.record
 
 
 def test_every_declared_transition_is_reachable() -> None:

@@ -27,7 +27,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from liver.services.coordinator import Coordinator, CoordinatorConfig, GenerationRecord, Phase, WriteRecord
+from liver.services.coordinator import (
+    Coordinator,
+    CoordinatorConfig,
+    GenerationPhase,
+    GenerationRecord,
+    WriteRecord,
+)
 from liver.services.coordinator.adapter import with_device_memory
 from liver.services.coordinator.events import RecordConflict, RecordWritten
 from liver.services.coordinator.kv import RecordStore
@@ -455,7 +461,7 @@ async def test_a_started_world_is_recorded_and_its_workers_published_for_the_ing
         await rig.live()
         service = hosted.service
         assert isinstance(service, CoordinatorService)
-        assert service.core.phase is Phase.STABLE
+        assert service.core.phase is GenerationPhase.STABLE
     record = await rig.record()
     assert (record.generation, record.layout, record.pending) == (0, LAYOUT, None)
     membership = await rig.membership()
@@ -602,7 +608,7 @@ async def test_a_coordinator_that_sees_another_write_the_record_stands_by(rig: R
         usurped = msgspec.structs.replace(current.record, writer="usurper")
         write = await store.write(WriteRecord(record=usurped, expected_revision=current.revision))
         assert isinstance(write, RecordWritten)
-        await until(lambda: service.core.phase is Phase.STANDBY, what="the coordinator stands by")
+        await until(lambda: service.core.phase is GenerationPhase.STANDBY, what="the coordinator stands by")
         await rig.publish(s.resize_requested(rig.job), resize(rig.job))
         await asyncio.sleep(0.5)
         info = await rig.js.consumer_info(s.STREAM_CONTROL.name, f"coordinator-{rig.job}")
@@ -738,11 +744,12 @@ async def test_two_coordinators_racing_to_commit_let_exactly_one_win(rig: Rig) -
         rig.workers.switched.set()
         await committed(rig)
         await until(
-            lambda: Phase.STANDBY in (first.core.phase, second.core.phase), what="the loser stands by"
+            lambda: GenerationPhase.STANDBY in (first.core.phase, second.core.phase),
+            what="the loser stands by",
         )
         await asyncio.sleep(0.3)
-    winner, loser = (first, second) if first.core.phase is Phase.STABLE else (second, first)
-    assert (winner.core.phase, loser.core.phase) == (Phase.STABLE, Phase.STANDBY)
+    winner, loser = (first, second) if first.core.phase is GenerationPhase.STABLE else (second, first)
+    assert (winner.core.phase, loser.core.phase) == (GenerationPhase.STABLE, GenerationPhase.STANDBY)
     assert (winner.counts["published"], loser.counts["published"]) == (1, 0)
     assert len(rig.outcomes(rig.committed, GenerationCommitted)) == 1
     assert not rig.outcomes(rig.aborted, GenerationAborted)

@@ -12,7 +12,7 @@ from mp_helpers import World as Proc
 from mp_helpers import run_world
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.worker_runtime.cut import NO_TARGET, CutError, SwitchGate, Verdict, decide, vote
+from liver.worker_runtime.cut import NO_TARGET, CutError, CutVerdict, SwitchGate, decide, vote
 from liver.worker_runtime.world import GroupKind, StoreAddress, WorldSpec, build_world, build_world_async
 
 JOB = "cuttest"
@@ -31,27 +31,27 @@ def _vote_vector(ready: int, failed: int, target: int, iteration: int) -> list[i
 
 
 def test_all_ready_for_one_target_switches() -> None:
-    assert decide(_vote_vector(1, 0, 4, 9)).verdict is Verdict.SWITCH
+    assert decide(_vote_vector(1, 0, 4, 9)).verdict is CutVerdict.SWITCH
     assert decide(_vote_vector(1, 0, 4, 9)).target == 4
 
 
 def test_one_rank_not_ready_waits() -> None:
-    assert decide(_vote_vector(0, 0, 4, 9)).verdict is Verdict.WAIT
+    assert decide(_vote_vector(0, 0, 4, 9)).verdict is CutVerdict.WAIT
 
 
 def test_ranks_naming_different_targets_wait() -> None:
     # MIN over target is 3 and over -target is -4: some rank prepares 3, another 4.
     decision = decide([1, 0, 3, -4, 9, -9])
-    assert decision.verdict is Verdict.WAIT
+    assert decision.verdict is CutVerdict.WAIT
     assert decision.target == NO_TARGET
 
 
 def test_a_rank_without_a_target_cannot_switch() -> None:
-    assert decide(_vote_vector(1, 0, NO_TARGET, 9)).verdict is Verdict.WAIT
+    assert decide(_vote_vector(1, 0, NO_TARGET, 9)).verdict is CutVerdict.WAIT
 
 
 def test_a_failed_rank_aborts_even_when_the_others_are_ready() -> None:
-    assert decide([0, -1, 4, -4, 9, -9]).verdict is Verdict.ABORT
+    assert decide([0, -1, 4, -4, 9, -9]).verdict is CutVerdict.ABORT
 
 
 def test_votes_from_different_iterations_are_an_error() -> None:
@@ -67,7 +67,7 @@ def _run_until_switch(gate: SwitchGate, rank: int, limit: int = 100) -> list[tup
     for i in range(limit):
         decision = gate.at_boundary(i, also_ready=i >= READY_FROM[rank])
         decisions.append((i, str(decision.verdict)))
-        if decision.verdict is Verdict.SWITCH:
+        if decision.verdict is CutVerdict.SWITCH:
             break
     return decisions
 

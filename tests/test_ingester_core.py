@@ -61,18 +61,18 @@ def seen(digest: str) -> core.Seen:
 
 
 def test_an_event_never_seen_is_new() -> None:
-    assert core.judge(None, core.digest(WARNING)) is core.Verdict.NEW
+    assert core.judge(None, core.digest(WARNING)) is core.Novelty.NEW
 
 
 def test_the_same_event_again_is_a_duplicate_whatever_its_json_formatting() -> None:
     reordered = json.dumps(dict(reversed(list(json.loads(encode(WARNING)).items()))), indent=2).encode()
     again = core.parse(s.SPOT_WARNING, reordered)
-    assert core.judge(seen(core.digest(WARNING)), core.digest(again)) is core.Verdict.DUPLICATE
+    assert core.judge(seen(core.digest(WARNING)), core.digest(again)) is core.Novelty.DUPLICATE
 
 
 def test_another_event_under_a_used_event_id_is_a_conflict() -> None:
     other = SpotWarning(job_id="job-1", event_id="evt-1", node="node-a", provider="aws", notice_s=120.0)
-    assert core.judge(seen(core.digest(WARNING)), core.digest(other)) is core.Verdict.CONFLICT
+    assert core.judge(seen(core.digest(WARNING)), core.digest(other)) is core.Novelty.CONFLICT
     assert core.conflict_error(other, seen("x")).path == "$.event_id"
 
 

@@ -22,7 +22,7 @@ from liver.services.transfer.planner import (
 from liver.shared.boxes import intersect, volume
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, default_devices
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.plan import Plan, Task, WorldConfig
+from liver.shared.plan import Plan, TransferTask, WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.views import view
 
@@ -222,7 +222,7 @@ def test_verification_catches_a_source_that_does_not_hold_the_slice():
     old = default_world(ParallelLayout(2, 1, 1))
     plan = build_plan(m, old, WorldConfig(ParallelLayout(1, 1, 1), Placement(default_devices(1))))
     remote = next(t for t in plan.tasks if t.src == 1 and len(t.slices) > 0)
-    swapped = Task(remote.layer, remote.round, 0, remote.dst, True, remote.slices, remote.nbytes)
+    swapped = TransferTask(remote.layer, remote.round, 0, remote.dst, True, remote.slices, remote.nbytes)
     tasks = tuple(swapped if t is remote else t for t in plan.tasks)
     broken = Plan(
         model=plan.model,

@@ -30,7 +30,7 @@ from liver.worker_runtime.preparation import Preparation, ScheduleBuild, check_r
 from liver.worker_runtime.runtime import (
     CheckpointOptions,
     LiveRuntime,
-    Phase,
+    ReshardPhase,
     ResizeRejected,
     RuntimeEvent,
     RuntimeOptions,
@@ -225,7 +225,7 @@ def test_the_listener_hears_the_request_and_its_failures_never_reach_the_caller(
 
     runtime = member_runtime(1, on_event=listener)
     runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
-    assert [(e.generation, e.phase) for e in heard] == [(1, Phase.PREPARING)]
+    assert [(e.generation, e.phase) for e in heard] == [(1, ReshardPhase.PREPARING)]
 
 
 def test_a_process_never_taken_into_a_world_gives_up_after_its_join_timeout() -> None:
@@ -405,7 +405,7 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
         elif runtime.pending_generation is None and not pending:
             break
         heard_ready = any(
-            e.phase is Phase.READY and e.generation == runtime.pending_generation for e in events
+            e.phase is ReshardPhase.READY and e.generation == runtime.pending_generation for e in events
         )
         if heard_ready and ready_since is None:
             ready_since = trainer.iteration

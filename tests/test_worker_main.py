@@ -16,7 +16,7 @@ from liver.worker_runtime.companion.bridge import RuntimeBridge, store_address
 from liver.worker_runtime.fallback import FallbackReport
 from liver.worker_runtime.handoff import Role, SwitchReport
 from liver.worker_runtime.metrics import MetricsLog, Step, Stopped, read_lines
-from liver.worker_runtime.runtime import AbortReport, Phase, RuntimeEvent
+from liver.worker_runtime.runtime import AbortReport, ReshardPhase, RuntimeEvent
 from liver.worker_runtime.worker_main import DEMO_TRAIN, InitialWorld, StopRule, WorkerSettings
 from liver.worker_runtime.world import StoreAddress
 
@@ -146,12 +146,12 @@ def test_a_command_before_attach_raises_so_the_agent_reports_it_failed() -> None
 
 def test_ready_is_acked_ready() -> None:
     b, _, acks = bridge()
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.READY, iteration=9))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.READY, iteration=9))
     assert acks.sent == [{"phase": "ready", "generation": 4}]
 
 
-@pytest.mark.parametrize("phase", [Phase.SWITCHED, Phase.LEFT])
-def test_a_switch_or_a_departure_is_acked_switched_with_cut_pause_and_bytes(phase: Phase) -> None:
+@pytest.mark.parametrize("phase", [ReshardPhase.SWITCHED, ReshardPhase.LEFT])
+def test_a_switch_or_a_departure_is_acked_switched_with_cut_pause_and_bytes(phase: ReshardPhase) -> None:
     b, _, acks = bridge()
     b.on_event(RuntimeEvent(generation=4, phase=phase, iteration=17, report=report()))
     assert acks.sent == [
@@ -169,7 +169,7 @@ def test_a_switch_or_a_departure_is_acked_switched_with_cut_pause_and_bytes(phas
 def test_a_handoff_the_runtime_gave_up_on_its_own_is_acked_failed_with_stage_and_reason() -> None:
     b, _, acks = bridge()
     abort = AbortReport(generation=4, stage="prepare", reason="store unreachable", iteration=None)
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.ABORTED, abort=abort))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.ABORTED, abort=abort))
     assert acks.sent == [{"phase": "failed", "generation": 4, "error": "prepare: store unreachable"}]
 
 
@@ -177,7 +177,7 @@ def test_a_handoff_the_coordinator_aborted_is_acked_aborted() -> None:
     b, _, acks = bridge()
     b.on_abort(Abort(job_id=JOB, generation=4, reason="deadline"))
     abort = AbortReport(generation=4, stage="cut", reason="aborted by request: deadline", iteration=12)
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.ABORTED, iteration=12, abort=abort))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.ABORTED, iteration=12, abort=abort))
     assert [a["phase"] for a in acks.sent] == ["aborted"]
 
 
@@ -186,9 +186,9 @@ def test_the_open_generation_is_the_prepared_one_until_it_switches() -> None:
     assert b.open_generation is None
     b.on_prepare(prepare(), object())  # type: ignore[arg-type]
     assert b.open_generation == 4
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.READY))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.READY))
     assert b.open_generation == 4
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.SWITCHED, iteration=17, report=report()))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.SWITCHED, iteration=17, report=report()))
     assert b.open_generation is None
 
 
@@ -196,7 +196,7 @@ def test_a_fallback_to_the_checkpoint_is_acked_failed_at_once_saying_so() -> Non
     b, _, acks = bridge()
     b.on_prepare(prepare(), object())  # type: ignore[arg-type]
     abort = AbortReport(generation=4, stage="commit", reason="old rank 1 is gone", iteration=12)
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.FALLING_BACK, iteration=12, abort=abort))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.FALLING_BACK, iteration=12, abort=abort))
     assert acks.sent == [
         {
             "phase": "failed",
@@ -221,13 +221,13 @@ def test_the_restart_from_the_checkpoint_is_not_acked() -> None:
         reason="old rank 1 is gone",
         seconds=3.0,
     )
-    b.on_event(RuntimeEvent(generation=5, phase=Phase.FELL_BACK, iteration=10, fallback=fallback))
+    b.on_event(RuntimeEvent(generation=5, phase=ReshardPhase.FELL_BACK, iteration=10, fallback=fallback))
     assert acks.sent == []
 
 
 def test_preparing_is_not_acked() -> None:
     b, _, acks = bridge()
-    b.on_event(RuntimeEvent(generation=4, phase=Phase.PREPARING))
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.PREPARING))
     assert acks.sent == []
 
 

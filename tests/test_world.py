@@ -19,7 +19,7 @@ from mp_helpers import World as Proc
 from mp_helpers import run_world
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.worker_runtime.cut import SwitchGate, Verdict, enter_world
+from liver.worker_runtime.cut import CutVerdict, SwitchGate, enter_world
 from liver.worker_runtime.world import (
     GroupKind,
     StoreAddress,
@@ -100,7 +100,7 @@ def old_process(index: int, address: StoreAddress) -> dict[str, Any]:
             gate.prepare(state["build"])
         if state["build"] is not None and state["done_at"] is None and state["build"].done():
             state["done_at"] = i
-        if decision.verdict is Verdict.SWITCH:
+        if decision.verdict is CutVerdict.SWITCH:
             state["switch_at"] = i
             return True
         return False

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import re
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Annotated, Final, Literal, NamedTuple
 
 import msgspec
@@ -59,11 +60,44 @@ Provider = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,64}$", description="aws, 
 Address = Annotated[str, Meta(pattern=r"^\S{1,250}:[0-9]{1,5}$", description="host:port")]
 ObjectName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_=/.-]{1,255}$")]
 
-TriggerKind = Literal["spot_warning", "scale_request"]
-WorkerPhase = Literal["preparing", "ready", "switched", "aborted", "failed"]
-HandoffPhase = Literal["prepare", "ready", "switch"]
-AbortOutcome = Literal["kept_old_world", "checkpoint_fallback"]
-PlanningStage = Literal["topology", "transfer"]
+
+class TriggerKind(StrEnum):
+    """What asked for a resize (the event's subject)."""
+
+    SPOT_WARNING = "spot_warning"
+    SCALE_REQUEST = "scale_request"
+
+
+class WorkerPhase(StrEnum):
+    """Where one worker stands in a generation's handoff, as its acks and heartbeats say."""
+
+    PREPARING = "preparing"
+    READY = "ready"
+    SWITCHED = "switched"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class HandoffPhase(StrEnum):
+    """The coordinator's step of a handoff that an abort or a command refers to."""
+
+    PREPARE = "prepare"
+    READY = "ready"
+    SWITCH = "switch"
+
+
+class AbortOutcome(StrEnum):
+    """Where a job stands after an aborted handoff."""
+
+    KEPT_OLD_WORLD = "kept_old_world"
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"
+
+
+class PlanningStage(StrEnum):
+    """Which planner answered (or failed)."""
+
+    TOPOLOGY = "topology"
+    TRANSFER = "transfer"
 
 
 def _invalid(field: str, reason: str) -> ValueError:
@@ -668,7 +702,7 @@ class WorkerStatus(Message, kw_only=True, tag="worker_status"):
     pause_s: Seconds | None = None
 
     def _validate(self) -> None:
-        if self.phase == "failed" and self.error is None:
+        if self.phase == WorkerPhase.FAILED and self.error is None:
             raise _invalid("error", "a failed phase must say what failed")
         if self.error is not None and self.phase not in ("failed", "aborted"):
             raise _invalid("error", f"phase {self.phase!r} cannot carry an error")
@@ -728,7 +762,7 @@ class GenerationAborted(Message, kw_only=True, tag="generation_aborted"):
     checkpoint: Annotated[str, Meta(min_length=1, max_length=1000)] | None = None
 
     def _validate(self) -> None:
-        if self.outcome == "kept_old_world":
+        if self.outcome == AbortOutcome.KEPT_OLD_WORLD:
             if self.active_generation >= self.generation:
                 raise _invalid(
                     "active_generation",

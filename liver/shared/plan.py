@@ -37,7 +37,7 @@ class WorldConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         check_placement(self.layout, self.placement)
 
 
-class Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, order=True):
+class TransferTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, order=True):
     """One coalesced message: everything ``src`` sends ``dst`` for one layer in one streaming round.
 
     ``nbytes`` is the payload size (sum over slices of elements times item size).
@@ -61,12 +61,12 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     new: WorldConfig
     tensors: tuple[TensorSpec, ...]
     budget_bytes: int
-    tasks: tuple[Task, ...]
+    tasks: tuple[TransferTask, ...]
 
-    def steps(self) -> Iterator[tuple[int, int, list[Task]]]:
+    def steps(self) -> Iterator[tuple[int, int, list[TransferTask]]]:
         """``(layer, round, tasks)`` in streaming order."""
         current: tuple[int, int] | None = None
-        batch: list[Task] = []
+        batch: list[TransferTask] = []
         for task in self.tasks:
             key = (task.layer, task.round)
             if key != current:
@@ -79,7 +79,7 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             assert current is not None
             yield current[0], current[1], batch
 
-    def tasks_of(self, rank_src: int | None = None, rank_dst: int | None = None) -> list[Task]:
+    def tasks_of(self, rank_src: int | None = None, rank_dst: int | None = None) -> list[TransferTask]:
         """The tasks one old rank sends and/or one new rank receives (a worker's part of the plan)."""
         return [
             t
@@ -105,7 +105,7 @@ class PlanSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     new: WorldConfig
     budget_bytes: int
     device: Device
-    tasks: tuple[Task, ...]
+    tasks: tuple[TransferTask, ...]
 
     def to_plan(self) -> Plan:
         return Plan(
@@ -145,7 +145,7 @@ class SliceFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     optimizer: bool
     budget_bytes: int
     device: Device
-    tasks: tuple[Task, ...]
+    tasks: tuple[TransferTask, ...]
 
     def with_worlds(self, old: WorldConfig, new: WorldConfig) -> PlanSlice:
         return PlanSlice(

@@ -23,7 +23,7 @@ import msgspec
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
-from liver.shared.plan import Plan, Slice, Task
+from liver.shared.plan import Plan, Slice, TransferTask
 from liver.shared.views import Shard, holding_stages, tp_shard
 
 
@@ -152,7 +152,7 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
 
 
 def _check_slices(
-    plan: Plan, task: Task, old_v: _Views, new_v: _Views, where: str, fail: Callable[[str], None]
+    plan: Plan, task: TransferTask, old_v: _Views, new_v: _Views, where: str, fail: Callable[[str], None]
 ) -> int | None:
     """Bytes of ``task``'s slices when each is held by the source and needed by the destination."""
     tensors = plan.tensors

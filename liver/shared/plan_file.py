@@ -12,7 +12,7 @@ import msgspec
 from liver.shared.boxes import Box
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
-from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, Task, WorldConfig
+from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, TransferTask, WorldConfig
 from liver.shared.views import view
 
 
@@ -46,7 +46,7 @@ class PlanFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     tensors: tuple[TensorSpec, ...]
     old: WorldEntry
     new: WorldEntry
-    tasks: tuple[Task, ...]
+    tasks: tuple[TransferTask, ...]
 
 
 def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:

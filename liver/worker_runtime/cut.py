@@ -33,7 +33,7 @@ class CutError(RuntimeError):
     """The ranks broke the cut's contract (asked at different iterations): no rank may switch."""
 
 
-class Verdict(StrEnum):
+class CutVerdict(StrEnum):
     WAIT = "wait"  # keep training on the active world; ask again at the next boundary
     SWITCH = "switch"  # every rank is ready for the same target: switch after this iteration
     ABORT = "abort"  # some rank failed to prepare the target: give the handoff up (I4)
@@ -43,7 +43,7 @@ class CutDecision(msgspec.Struct, frozen=True):
     """The answer every rank of the active world got at one iteration boundary."""
 
     iteration: int
-    verdict: Verdict
+    verdict: CutVerdict
     target: int  # the generation agreed on, NO_TARGET unless every rank named the same one
 
 
@@ -58,10 +58,10 @@ def decide(reduced: torch.Tensor | list[int]) -> CutDecision:
     same_target = target_lo == -neg_target_hi and target_lo != NO_TARGET
     target = target_lo if same_target else NO_TARGET
     if not_failed < 0:
-        return CutDecision(it_lo, Verdict.ABORT, target)
+        return CutDecision(it_lo, CutVerdict.ABORT, target)
     if ready == 1 and same_target:
-        return CutDecision(it_lo, Verdict.SWITCH, target)
-    return CutDecision(it_lo, Verdict.WAIT, target)
+        return CutDecision(it_lo, CutVerdict.SWITCH, target)
+    return CutDecision(it_lo, CutVerdict.WAIT, target)
 
 
 def vote(
@@ -130,7 +130,7 @@ class SwitchGate:
         On ABORT the shadow world is discarded here; on SWITCH the caller moves to :meth:`shadow`.
         """
         if iteration % self.every:
-            return CutDecision(iteration, Verdict.WAIT, NO_TARGET)
+            return CutDecision(iteration, CutVerdict.WAIT, NO_TARGET)
         build = self._build
         target = build.spec.generation if build is not None else NO_TARGET
         ready = build is not None and build.ready and also_ready
@@ -138,11 +138,11 @@ class SwitchGate:
         decision = vote(
             self.active, iteration=iteration, target=target, ready=ready, failed=failed, timeout=self.timeout
         )
-        if decision.verdict is Verdict.ABORT and build is not None:
+        if decision.verdict is CutVerdict.ABORT and build is not None:
             build.discard()
             self._build = None
             self._log.warning("cut.aborted", iteration=iteration, target=target)
-        elif decision.verdict is Verdict.SWITCH:
+        elif decision.verdict is CutVerdict.SWITCH:
             self._log.info("cut.switch", iteration=iteration, target=decision.target)
         return decision
 

@@ -124,10 +124,23 @@ class Role(StrEnum):
     JOIN = "join"  # only in the new world
 
 
+class HandoffStage(StrEnum):
+    """Where a handoff stood when it was given up: before the cut, or the switch step that failed."""
+
+    PREPARE = "prepare"  # building the shadow world before any cut
+    CUT = "cut"  # the vote at an iteration boundary
+    ENTER = "enter"
+    PROGRESS = "progress"
+    BUILD = "build"
+    STREAM = "stream"
+    LOAD = "load"
+    COMMIT = "commit"
+
+
 class HandoffAborted(RuntimeError):
     """The handoff did not commit; this process rolled back and the old world (if it had one) trains."""
 
-    def __init__(self, generation: int, stage: str, reason: str) -> None:
+    def __init__(self, generation: int, stage: HandoffStage, reason: str) -> None:
         self.generation = generation
         self.stage = stage
         self.reason = reason
@@ -139,7 +152,7 @@ class HandoffFailed(RuntimeError):
     fall back to its last checkpoint (I4's fail-stop branch; :class:`~.runtime.LiveRuntime` does when it
     has a checkpoint configured). ``stage`` and ``reason`` are the handoff's failure."""
 
-    def __init__(self, generation: int, stage: str, reason: str, restore_error: str) -> None:
+    def __init__(self, generation: int, stage: HandoffStage, reason: str, restore_error: str) -> None:
         self.generation = generation
         self.stage = stage
         self.reason = reason
@@ -149,7 +162,7 @@ class HandoffFailed(RuntimeError):
             f"restored ({restore_error})"
         )
 
-    def __reduce__(self) -> tuple[type, tuple[int, str, str, str]]:
+    def __reduce__(self) -> tuple[type, tuple[int, HandoffStage, str, str]]:
         return type(self), (self.generation, self.stage, self.reason, self.restore_error)
 
 
@@ -245,7 +258,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
     old_rank, new_rank = ranks_on_device(h.plan, h.device)
     bound = log.bind(generation=h.generation, role=str(role), old_rank=old_rank, new_rank=new_rank)
     captured_rng = h.factory.capture_rng() if h.old_world is not None else None
-    stage = "enter"
+    stage = HandoffStage.ENTER
     failure: str | None = None
     new_trainer: T | None = None
     into: dict[int, torch.Tensor] | None = None
@@ -259,27 +272,27 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
                 cut_at = time.perf_counter()
             h.new_world.adopt_as_default(h.control_timeout)
         assert cut_at is not None and iteration is not None
-        stage = "progress"
+        stage = HandoffStage.PROGRESS
         mine = h.factory.progress(h.old_trainer) if h.old_trainer is not None else None
         progress = _broadcast_bytes(h.stream, mine, h.control_timeout)
         t_enter = time.perf_counter()
 
-        stage = "build"
+        stage = HandoffStage.BUILD
         if h.new_world is not None:
             new_trainer = h.factory.build(h.new_world)
             into = h.factory.local_state(new_trainer)
         t_built = time.perf_counter()
 
-        stage = "stream"
+        stage = HandoffStage.STREAM
         result = _stream(h, old_rank, new_rank, into)
         t_stream = time.perf_counter()
 
-        stage = "load"
+        stage = HandoffStage.LOAD
         if new_trainer is not None:
             h.factory.resume(new_trainer, result.new_state, progress)
         t_loaded = time.perf_counter()
 
-        stage = "commit"
+        stage = HandoffStage.COMMIT
         _commit(h.stream, h.control_timeout)
         t_commit = time.perf_counter()
     except Exception as error:
@@ -411,7 +424,7 @@ def _commit(stream: StreamGroup, timeout: timedelta) -> None:
         raise RuntimeError("a process of the handoff reported a failure")
 
 
-def _roll_back(h: Handoff[T], captured_rng: object, stage: str, failure: str) -> None:
+def _roll_back(h: Handoff[T], captured_rng: object, stage: HandoffStage, failure: str) -> None:
     """Undo everything this process did for the handoff, and make its peers notice at once.
 
     When the old world cannot be restored it is released too: its other survivors, waiting in the same

@@ -45,7 +45,7 @@ import structlog
 
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
-from liver.worker_runtime.cut import NO_TARGET, Verdict, vote
+from liver.worker_runtime.cut import NO_TARGET, CutVerdict, vote
 from liver.worker_runtime.fallback import (
     CheckpointingFactory,
     CheckpointOptions,
@@ -60,6 +60,7 @@ from liver.worker_runtime.handoff import (
     Handoff,
     HandoffAborted,
     HandoffFailed,
+    HandoffStage,
     Role,
     SwitchReport,
     TrainerFactory,
@@ -82,7 +83,7 @@ __all__ = [
     "FallbackReport",
     "LiveRuntime",
     "NoCheckpointConfigured",
-    "Phase",
+    "ReshardPhase",
     "ResizeRejected",
     "ResizeRequest",
     "Role",
@@ -134,7 +135,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError(f"`join_timeout_s`: must be positive or None, got {self.join_timeout_s}")
 
 
-class Phase(StrEnum):
+class ReshardPhase(StrEnum):
     PREPARING = "preparing"  # a request was accepted; its groups are being built
     READY = "ready"  # this process could switch now
     SWITCHED = "switched"  # committed: training continues on the new world
@@ -149,7 +150,7 @@ class AbortReport(msgspec.Struct, frozen=True, kw_only=True):
     """A handoff that did not happen, and why. ``iteration`` is the boundary it was given up at."""
 
     generation: int
-    stage: str  # prepare, cut, or the handoff stage that failed (enter, progress, build, stream, ...)
+    stage: HandoffStage  # prepare, cut, or the handoff stage that failed (enter, progress, build, ...)
     reason: str
     iteration: int | None
     pause_s: float = 0.0  # from the cut until training went on on the old world (a handoff's rollback)
@@ -159,7 +160,7 @@ class RuntimeEvent(msgspec.Struct, frozen=True, kw_only=True):
     """What :class:`LiveRuntime` tells its ``on_event`` listener (the bus companion's worker status)."""
 
     generation: int
-    phase: Phase
+    phase: ReshardPhase
     iteration: int | None = None
     report: SwitchReport | None = None
     abort: AbortReport | None = None
@@ -330,7 +331,7 @@ class LiveRuntime(Generic[T]):
         self._log.info(
             "runtime.resize_requested", generation=generation, role=str(role), layout=layout.describe()
         )
-        self._emit(RuntimeEvent(generation=generation, phase=Phase.PREPARING))
+        self._emit(RuntimeEvent(generation=generation, phase=ReshardPhase.PREPARING))
         return role
 
     def allow_switch(self, generation: int) -> None:
@@ -388,7 +389,9 @@ class LiveRuntime(Generic[T]):
         failure = prep.failure() if prep is not None else None
         if prep is not None and prep.ready_at is not None and not prep.ready_announced:
             prep.ready_announced = True
-            self._emit(RuntimeEvent(generation=prep.generation, phase=Phase.READY, iteration=iteration))
+            self._emit(
+                RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY, iteration=iteration)
+            )
         decision = vote(
             self._world,
             iteration=iteration,
@@ -398,10 +401,10 @@ class LiveRuntime(Generic[T]):
             timeout=timedelta(seconds=self.options.control_timeout_s),
         )
         cut_at = time.perf_counter()
-        if decision.verdict is Verdict.WAIT or prep is None:
+        if decision.verdict is CutVerdict.WAIT or prep is None:
             return self._trainer
-        if decision.verdict is Verdict.ABORT:
-            self._give_up(prep, "cut", failure or "another rank could not prepare it", iteration)
+        if decision.verdict is CutVerdict.ABORT:
+            self._give_up(prep, HandoffStage.CUT, failure or "another rank could not prepare it", iteration)
             return self._trainer
         return self._switch(prep, iteration, cut_at)
 
@@ -515,7 +518,7 @@ class LiveRuntime(Generic[T]):
                     self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
                 )
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
-                self._emit(RuntimeEvent(generation=prep.generation, phase=Phase.READY))
+                self._emit(RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY))
                 assert prep.world_build is not None
                 handoff = self._handoff(
                     prep,
@@ -536,7 +539,10 @@ class LiveRuntime(Generic[T]):
                 continue
             except (WorldError, TimeoutError, RuntimeError) as error:
                 self._give_up(
-                    prep, "prepare", str(error).splitlines()[0] if str(error) else repr(error), None
+                    prep,
+                    HandoffStage.PREPARE,
+                    str(error).splitlines()[0] if str(error) else repr(error),
+                    None,
                 )
                 continue
             assert new_trainer is not None
@@ -584,7 +590,7 @@ class LiveRuntime(Generic[T]):
     def _joiners_outcome(self, prep: Preparation, aborted: HandoffAborted) -> HandoffOutcome | None:
         """What the old world found, for a joiner whose handoff broke. One that broke while entering
         never met the old world's processes past the cut: they gave the handoff up before it began."""
-        if aborted.stage == "enter":
+        if aborted.stage == HandoffStage.ENTER:
             return None
         return await_outcome(
             prep.request.store,
@@ -616,7 +622,9 @@ class LiveRuntime(Generic[T]):
             "runtime.falling_back", generation=prep.generation, role=str(prep.role), error=str(failed)
         )
         self._emit(
-            RuntimeEvent(generation=prep.generation, phase=Phase.FALLING_BACK, iteration=reached, abort=abort)
+            RuntimeEvent(
+                generation=prep.generation, phase=ReshardPhase.FALLING_BACK, iteration=reached, abort=abort
+            )
         )
         if prep.role is Role.LEAVE:
             self.history.append(
@@ -696,7 +704,9 @@ class LiveRuntime(Generic[T]):
             seconds=round(report.seconds, 4),
         )
         self._emit(
-            RuntimeEvent(generation=generation, phase=Phase.FELL_BACK, iteration=iteration, fallback=report)
+            RuntimeEvent(
+                generation=generation, phase=ReshardPhase.FELL_BACK, iteration=iteration, fallback=report
+            )
         )
         return trainer
 
@@ -727,7 +737,10 @@ class LiveRuntime(Generic[T]):
             self._log.info("runtime.left", generation=report.generation, iteration=report.iteration)
             self._emit(
                 RuntimeEvent(
-                    generation=report.generation, phase=Phase.LEFT, iteration=report.iteration, report=report
+                    generation=report.generation,
+                    phase=ReshardPhase.LEFT,
+                    iteration=report.iteration,
+                    report=report,
                 )
             )
             return None
@@ -735,13 +748,16 @@ class LiveRuntime(Generic[T]):
         self._handed_out_at = time.perf_counter()
         self._emit(
             RuntimeEvent(
-                generation=report.generation, phase=Phase.SWITCHED, iteration=report.iteration, report=report
+                generation=report.generation,
+                phase=ReshardPhase.SWITCHED,
+                iteration=report.iteration,
+                report=report,
             )
         )
         return new_trainer
 
     def _give_up(
-        self, prep: Preparation, stage: str, reason: str, iteration: int | None, pause_s: float = 0.0
+        self, prep: Preparation, stage: HandoffStage, reason: str, iteration: int | None, pause_s: float = 0.0
     ) -> None:
         self._drop(prep)
         abort = AbortReport(
@@ -756,7 +772,9 @@ class LiveRuntime(Generic[T]):
             iteration=iteration,
         )
         self._emit(
-            RuntimeEvent(generation=prep.generation, phase=Phase.ABORTED, iteration=iteration, abort=abort)
+            RuntimeEvent(
+                generation=prep.generation, phase=ReshardPhase.ABORTED, iteration=iteration, abort=abort
+            )
         )
 
     def _drop(self, prep: Preparation) -> None:

@@ -51,7 +51,7 @@ import structlog
 from msgspec import Meta
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.messages import WorldStarted
+from liver.shared.messages import WorkerPhase, WorldStarted
 from liver.shared.model import PRESETS
 from liver.shared.subjects import validate_token
 from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -248,7 +248,7 @@ class _Worker:
     def run(self) -> int:
         import torch
 
-        from liver.worker_runtime.companion.agent import AgentSettings, WorkerIdentity, World
+        from liver.worker_runtime.companion.agent import AgentSettings, GenerationRank, WorkerIdentity
         from liver.worker_runtime.companion.bridge import RuntimeBridge, store_address
         from liver.worker_runtime.companion.thread import Companion
         from liver.worker_runtime.megatron.job import MegatronJob
@@ -297,7 +297,7 @@ class _Worker:
             identity,
             bridge,
             url=self.url,
-            world=None if initial is None or rank is None else World(initial.generation, rank),
+            world=None if initial is None or rank is None else GenerationRank(initial.generation, rank),
             environ=self.environ,
             settings=AgentSettings(heartbeat_s=s.heartbeat_s),
         )
@@ -314,7 +314,7 @@ class _Worker:
             text = (str(error) or type(error).__name__).splitlines()[0][:1500]
             pending = bridge.open_generation
             if pending is not None:  # the coordinator must not wait for this process until its deadline
-                companion.report("failed", generation=pending, error=text)
+                companion.report(WorkerPhase.FAILED, generation=pending, error=text)
             self._record(Stopped, why="error", iteration=self.iteration, error=text)
             return EXIT_FAILED
         finally:
@@ -391,13 +391,13 @@ class _Worker:
     def _after_fallback(self, runtime: LiveRuntime[Any], companion: Companion) -> None:
         """The job restarted from its checkpoint in a world of its own: heartbeats speak for it, and its
         rank 0 announces it (the coordinator waits for that after recording the fallback)."""
-        from liver.worker_runtime.companion.agent import World
+        from liver.worker_runtime.companion.agent import GenerationRank
 
         world = runtime.world
         report = runtime.fallbacks[-1]
         if world is None:  # it left: the restarted world does not include this device
             return
-        companion.set_world(World(world.generation, world.rank))
+        companion.set_world(GenerationRank(world.generation, world.rank))
         self.log.warning(
             "worker.fell_back",
             generation=world.generation,
@@ -421,9 +421,9 @@ class _Worker:
         asyncio.run(publish_world_started(message, self.url, self.environ, timeout_s=s.announce_timeout_s))
 
     def _record_event(self, event: RuntimeEvent) -> None:
-        from liver.worker_runtime.runtime import Phase
+        from liver.worker_runtime.runtime import ReshardPhase
 
-        if event.phase in (Phase.SWITCHED, Phase.LEFT) and event.report is not None:
+        if event.phase in (ReshardPhase.SWITCHED, ReshardPhase.LEFT) and event.report is not None:
             r = event.report
             self._record(
                 Switched,
@@ -431,7 +431,7 @@ class _Worker:
                 from_generation=r.from_generation,
                 role=str(r.role),
                 iteration=r.iteration,
-                left=event.phase is Phase.LEFT,
+                left=event.phase is ReshardPhase.LEFT,
                 pause_s=r.pause_s,
                 transfer_s=r.transfer_s,
                 rebuild_s=r.rebuild_s,
@@ -441,7 +441,7 @@ class _Worker:
                 prepare_s=r.prepare_s,
                 warmup_s=r.warmup_s,
             )
-        elif event.phase is Phase.ABORTED and event.abort is not None:
+        elif event.phase is ReshardPhase.ABORTED and event.abort is not None:
             a = event.abort
             self._record(
                 Aborted, generation=a.generation, stage=a.stage, reason=a.reason, iteration=a.iteration

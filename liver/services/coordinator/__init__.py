@@ -20,7 +20,7 @@ from .actions import (
     WriteRecord,
 )
 from .config import CoordinatorConfig
-from .core import TRANSITIONS, Coordinator, CoordinatorError, IllegalTransition, Phase, Wait
+from .core import TRANSITIONS, Coordinator, CoordinatorError, GenerationPhase, IllegalTransition, Wait
 from .events import (
     Event,
     RecordConflict,
@@ -42,6 +42,7 @@ __all__ = [
     "CoordinatorError",
     "Event",
     "Expired",
+    "GenerationPhase",
     "GenerationRecord",
     "IllegalTransition",
     "Member",
@@ -50,7 +51,6 @@ __all__ = [
     "Note",
     "Participant",
     "PendingHandoff",
-    "Phase",
     "PlanningFailed",
     "Publish",
     "RecordConflict",

@@ -7,6 +7,7 @@ in order and reports back the ones that have a result (a key-value write answers
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal
 
 import msgspec
@@ -85,7 +86,15 @@ class ReleasePlan(Action):
     kv_keys: str = ""
 
 
-SettleOutcome = Literal["committed", "aborted", "checkpoint_fallback", "no_change"]
+class SettleOutcome(StrEnum):
+    """How the trigger events of a settle ended (logged with the acknowledgement)."""
+
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"
+    NO_CHANGE = "no_change"
+    ENDED_BEFORE = "ended_before"
+    """The event's handoff had already ended before this coordinator held the event."""
 
 
 class Settle(Action):

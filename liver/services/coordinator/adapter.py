@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 
 from liver.shared.messages import TopologyRequest
 
+from .actions import SettleOutcome
 from .membership import Membership
 
 log = structlog.get_logger(__name__)
@@ -44,7 +45,7 @@ class HeldEvents:
     def __contains__(self, event_id: object) -> bool:
         return event_id in self._held
 
-    def settled_as(self, event_id: str) -> str | None:
+    def settled_as(self, event_id: str) -> SettleOutcome | None:
         """How the event was settled, if it was (within the last ``remember`` settlements)."""
         return self._settled.get(event_id)
 
@@ -53,7 +54,7 @@ class HeldEvents:
         acknowledgement the server no longer expects."""
         self._held[event_id] = msg
 
-    async def settle(self, event_ids: Iterable[str], outcome: str) -> list[str]:
+    async def settle(self, event_ids: Iterable[str], outcome: SettleOutcome) -> list[str]:
         """Acknowledge the held messages of ``event_ids`` and remember them; returns the ids acked."""
         acked = []
         for event_id in event_ids:

@@ -62,11 +62,13 @@ from msgspec.structs import replace
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import (
     Abort,
+    AbortOutcome,
     GenerationAborted,
     GenerationCommitted,
     Heartbeat,
     Hello,
     JobMembership,
+    PlanningStage,
     Prepare,
     ResizeRequested,
     Switch,
@@ -111,10 +113,10 @@ from .events import (
     WorldStarted,
 )
 from .membership import HelloPending, Membership, MembershipError
-from .record import GenerationRecord, Participant, PendingHandoff, Trigger
+from .record import GenerationRecord, Participant, PendingHandoff, PendingPhase, Trigger, TriggerSource
 
 
-class Phase(enum.Enum):
+class GenerationPhase(enum.StrEnum):
     DOWN = "down"
     """No live world known: before the job's first world reports, or after a checkpoint fallback."""
     STABLE = "stable"
@@ -128,21 +130,33 @@ class Phase(enum.Enum):
     """Another coordinator wrote the record: this one does nothing until ``restore`` is called."""
 
 
-TRANSITIONS: Final[dict[Phase, frozenset[Phase]]] = {
-    Phase.DOWN: frozenset({Phase.STABLE, Phase.SWITCH, Phase.ABORTED, Phase.STANDBY}),
-    Phase.STABLE: frozenset({Phase.PREPARE, Phase.STANDBY}),
-    Phase.PREPARE: frozenset({Phase.READY, Phase.ABORTED, Phase.STANDBY}),
-    Phase.READY: frozenset({Phase.SWITCH, Phase.ABORTED, Phase.STANDBY}),
-    Phase.SWITCH: frozenset({Phase.COMMITTED, Phase.ABORTED, Phase.STANDBY}),
-    Phase.COMMITTED: frozenset({Phase.CLEANUP}),
-    Phase.CLEANUP: frozenset({Phase.STABLE}),
-    Phase.ABORTED: frozenset({Phase.STABLE, Phase.DOWN, Phase.STANDBY}),
-    Phase.STANDBY: frozenset({Phase.DOWN, Phase.STABLE, Phase.SWITCH, Phase.ABORTED}),
+TRANSITIONS: Final[dict[GenerationPhase, frozenset[GenerationPhase]]] = {
+    GenerationPhase.DOWN: frozenset(
+        {GenerationPhase.STABLE, GenerationPhase.SWITCH, GenerationPhase.ABORTED, GenerationPhase.STANDBY}
+    ),
+    GenerationPhase.STABLE: frozenset({GenerationPhase.PREPARE, GenerationPhase.STANDBY}),
+    GenerationPhase.PREPARE: frozenset(
+        {GenerationPhase.READY, GenerationPhase.ABORTED, GenerationPhase.STANDBY}
+    ),
+    GenerationPhase.READY: frozenset(
+        {GenerationPhase.SWITCH, GenerationPhase.ABORTED, GenerationPhase.STANDBY}
+    ),
+    GenerationPhase.SWITCH: frozenset(
+        {GenerationPhase.COMMITTED, GenerationPhase.ABORTED, GenerationPhase.STANDBY}
+    ),
+    GenerationPhase.COMMITTED: frozenset({GenerationPhase.CLEANUP}),
+    GenerationPhase.CLEANUP: frozenset({GenerationPhase.STABLE}),
+    GenerationPhase.ABORTED: frozenset(
+        {GenerationPhase.STABLE, GenerationPhase.DOWN, GenerationPhase.STANDBY}
+    ),
+    GenerationPhase.STANDBY: frozenset(
+        {GenerationPhase.DOWN, GenerationPhase.STABLE, GenerationPhase.SWITCH, GenerationPhase.ABORTED}
+    ),
 }
 """Every allowed phase change; :meth:`Coordinator._move` refuses any other."""
 
 
-class Wait(enum.Enum):
+class Wait(enum.StrEnum):
     """What the current phase is waiting for."""
 
     NOTHING = "nothing"
@@ -167,8 +181,12 @@ class CoordinatorError(ValueError):
     """A call the coordinator cannot honour (``restore`` of a wrong record or at a wrong time)."""
 
 
-_HANDOFF_PHASES: Final = frozenset({Phase.PREPARE, Phase.READY, Phase.SWITCH})
-_ABORT_PHASE_NAME: Final = {Phase.PREPARE: "prepare", Phase.READY: "ready", Phase.SWITCH: "switch"}
+_HANDOFF_PHASES: Final = frozenset({GenerationPhase.PREPARE, GenerationPhase.READY, GenerationPhase.SWITCH})
+_ABORT_PHASE_NAME: Final = {
+    GenerationPhase.PREPARE: "prepare",
+    GenerationPhase.READY: "ready",
+    GenerationPhase.SWITCH: "switch",
+}
 _HISTORY: Final = 200
 
 
@@ -178,7 +196,7 @@ class _Stop:
 
     reason: str
     replan: bool
-    settle: SettleOutcome = "aborted"
+    settle: SettleOutcome = SettleOutcome.ABORTED
 
     def merge(self, other: _Stop) -> _Stop:
         """The stronger decision wins: an abort without re-planning beats a cancel that re-plans."""
@@ -206,7 +224,7 @@ class _Handoff:
     switched: dict[str, WorkerStatus] = field(default_factory=dict)
     switch_sent: bool = False
     stop: _Stop | None = None
-    stopped_in: Phase | None = None
+    stopped_in: GenerationPhase | None = None
     outcome: GenerationAborted | None = None
 
     @property
@@ -236,7 +254,7 @@ class Coordinator:
         self.instance_id = validate_token(instance_id, "instance_id")
         self.config = config or CoordinatorConfig()
         self.membership = Membership(job_id, self.config.heartbeat_timeout_s)
-        self._phase = Phase.DOWN
+        self._phase = GenerationPhase.DOWN
         self._wait = Wait.NOTHING
         self._record: GenerationRecord | None = None
         self._revision = 0
@@ -247,7 +265,7 @@ class Coordinator:
         self._queue: list[Trigger] = []
         self._departing: set[Device] = set()
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._history: list[tuple[Phase, Phase, str]] = []
+        self._history: list[tuple[GenerationPhase, GenerationPhase, str]] = []
         self._out: list[Action] = []
         self._now: datetime | None = None
         self._restored_at: datetime | None = None
@@ -257,7 +275,7 @@ class Coordinator:
     # -- what tests and the adapter may look at ---------------------------------------------------
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> GenerationPhase:
         return self._phase
 
     @property
@@ -288,10 +306,10 @@ class Coordinator:
         and the queued ones. The adapter holds their stream messages unacknowledged until a
         :class:`Settle` names them, and acknowledges a redelivered event that is not among them."""
         triggers = self._queue + (self._handoff.triggers if self._handoff is not None else [])
-        return frozenset(t.event_id for t in triggers if t.kind != "worker_lost")
+        return frozenset(t.event_id for t in triggers if t.kind != TriggerSource.WORKER_LOST)
 
     @property
-    def history(self) -> tuple[tuple[Phase, Phase, str], ...]:
+    def history(self) -> tuple[tuple[GenerationPhase, GenerationPhase, str], ...]:
         """The latest phase changes: (from, to, why)."""
         return tuple(self._history)
 
@@ -299,9 +317,9 @@ class Coordinator:
         """The next moment a :class:`Tick` could change something: when the adapter should tick."""
         times = [t for t in (self.membership.next_deadline(),) if t is not None]
         h = self._handoff
-        if h is not None and self._phase in (Phase.PREPARE, Phase.READY):
+        if h is not None and self._phase in (GenerationPhase.PREPARE, GenerationPhase.READY):
             times.append(self._prepare_deadline(h))
-        elif h is not None and self._phase is Phase.SWITCH:
+        elif h is not None and self._phase is GenerationPhase.SWITCH:
             times.append(h.deadline)
         return min(times, default=None)
 
@@ -351,7 +369,7 @@ class Coordinator:
         then commits or falls back. Either way it ends exactly once, because that end is a
         compare-and-set from the revision read here.
         """
-        if self._phase not in (Phase.DOWN, Phase.STANDBY) or self._inflight is not None:
+        if self._phase not in (GenerationPhase.DOWN, GenerationPhase.STANDBY) or self._inflight is not None:
             raise CoordinatorError(f"restore needs an idle coordinator, this one is in {self._phase.value}")
         if record.job_id != self.job_id:
             raise CoordinatorError(f"`job_id`: the record is for {record.job_id!r}, not {self.job_id!r}")
@@ -376,12 +394,12 @@ class Coordinator:
         pending = record.pending
         self._note("info", "restored", generation=record.generation, revision=revision, live=record.live)
         if not record.live:
-            self._move(Phase.DOWN, "restored: the job is restarting from its checkpoint")
+            self._move(GenerationPhase.DOWN, "restored: the job is restarting from its checkpoint")
         elif pending is None:
             self._expect_world()
-            self._move(Phase.STABLE, "restored: no handoff was pending")
+            self._move(GenerationPhase.STABLE, "restored: no handoff was pending")
             self._begin()
-        elif pending.phase == "prepare":
+        elif pending.phase == PendingPhase.PREPARE:
             self._expect_world()
             for t in pending.triggers:
                 self._remember(t.event_id)
@@ -393,7 +411,7 @@ class Coordinator:
                 deadline=pending.deadline,
             )
             reason = "the coordinator restarted before the switch; re-planning as a new generation"
-            self._stop_now(_Stop(reason, replan=True), Phase.PREPARE)
+            self._stop_now(_Stop(reason, replan=True), GenerationPhase.PREPARE)
         else:
             self._resume_switch(record, pending)
         self._check_deadlines()
@@ -415,7 +433,7 @@ class Coordinator:
     def _publish_membership(self) -> None:
         """Emit the live world's workers when they changed (the ingester maps nodes with them)."""
         record = self._record
-        if record is None or not record.live or self._phase is Phase.STANDBY:
+        if record is None or not record.live or self._phase is GenerationPhase.STANDBY:
             return
         key = (self._revision, self.membership.version)
         if key == self._world_members_key:
@@ -445,7 +463,7 @@ class Coordinator:
             fields.setdefault("generation", self._handoff.generation)
         self._emit(Note(level=level, event=event, fields=dict(fields)))
 
-    def _move(self, to: Phase, why: str) -> None:
+    def _move(self, to: GenerationPhase, why: str) -> None:
         if to is self._phase:
             return
         if to not in TRANSITIONS[self._phase]:
@@ -454,7 +472,13 @@ class Coordinator:
         del self._history[:-_HISTORY]
         self._note("info", "phase_changed", phase_from=self._phase.value, phase_to=to.value, why=why)
         self._phase = to
-        if to in (Phase.STABLE, Phase.DOWN, Phase.STANDBY, Phase.COMMITTED, Phase.CLEANUP):
+        if to in (
+            GenerationPhase.STABLE,
+            GenerationPhase.DOWN,
+            GenerationPhase.STANDBY,
+            GenerationPhase.COMMITTED,
+            GenerationPhase.CLEANUP,
+        ):
             self._wait = Wait.NOTHING
 
     def _remember(self, event_id: str) -> None:
@@ -468,7 +492,7 @@ class Coordinator:
 
     def _settle(self, triggers: Iterable[Trigger], outcome: SettleOutcome, generation: int | None) -> None:
         """Acknowledge the bus events among ``triggers`` (a lost worker is no bus event)."""
-        ids = tuple(t.event_id for t in triggers if t.kind != "worker_lost")
+        ids = tuple(t.event_id for t in triggers if t.kind != TriggerSource.WORKER_LOST)
         if ids:
             self._emit(Settle(event_ids=ids, outcome=outcome, generation=generation))
 
@@ -530,7 +554,7 @@ class Coordinator:
             return
         if event.revision <= self._revision:
             return
-        if self._phase is Phase.STANDBY:
+        if self._phase is GenerationPhase.STANDBY:
             self._record, self._revision = event.record, event.revision
             return
         if self._inflight is not None and event.record == self._inflight:
@@ -552,7 +576,7 @@ class Coordinator:
             stored_pending=None if stored is None or stored.pending is None else stored.pending.generation,
             revision=revision,
         )
-        self._move(Phase.STANDBY, why)
+        self._move(GenerationPhase.STANDBY, why)
 
     # -- worlds -------------------------------------------------------------------------------------------
 
@@ -560,7 +584,7 @@ class Coordinator:
         if self._wrong_job(event.job_id, "world_started"):
             return
         record = self._record
-        if self._handoff is not None and self._phase is not Phase.DOWN:
+        if self._handoff is not None and self._phase is not GenerationPhase.DOWN:
             # The workers of a failed handoff restart from the checkpoint on their own and may report
             # their world before this coordinator has recorded the abort that sends it DOWN: keep the
             # newest such report for then instead of losing it (nothing would send it again).
@@ -568,7 +592,7 @@ class Coordinator:
                 self._early_world = event
             self._note("info", "world_started_deferred", generation=event.generation)
             return
-        if self._phase is not Phase.DOWN or self._inflight is not None:
+        if self._phase is not GenerationPhase.DOWN or self._inflight is not None:
             self._note("warning", "world_started_ignored", reason=f"the coordinator is {self._phase.value}")
             return
         if record is not None and event.generation <= record.issued:
@@ -595,7 +619,7 @@ class Coordinator:
 
     def _world_recorded(self) -> None:
         assert self._record is not None
-        self._move(Phase.STABLE, f"world of generation {self._record.generation} is live")
+        self._move(GenerationPhase.STABLE, f"world of generation {self._record.generation} is live")
         self._begin()
 
     def _expect_world(self) -> None:
@@ -629,7 +653,7 @@ class Coordinator:
             request_generation=event.generation,
             live_generation=live,
         )
-        if self._phase is Phase.STABLE:
+        if self._phase is GenerationPhase.STABLE:
             self._queue.append(trigger)
             self._begin()
         elif self._phase in _HANDOFF_PHASES and self._handoff is not None:
@@ -693,7 +717,7 @@ class Coordinator:
 
     @staticmethod
     def _lost(triggers: Iterable[Trigger]) -> set[Device]:
-        return {d for t in triggers if t.kind == "worker_lost" for d in t.remove}
+        return {d for t in triggers if t.kind == TriggerSource.WORKER_LOST for d in t.remove}
 
     def _old_world_broken(self) -> bool:
         triggers = list(self._queue) + (self._handoff.triggers if self._handoff is not None else [])
@@ -703,7 +727,7 @@ class Coordinator:
 
     def _begin(self) -> None:
         """Start a handoff for every waiting trigger that still changes the live world."""
-        if self._phase is not Phase.STABLE or self._inflight is not None or not self._queue:
+        if self._phase is not GenerationPhase.STABLE or self._inflight is not None or not self._queue:
             return
         assert self._record is not None
         world = self._record.devices
@@ -712,7 +736,7 @@ class Coordinator:
         self._queue = []
         if done:
             self._note("info", "triggers_need_no_change", event_ids=[t.event_id for t in done])
-            self._settle(done, "no_change", None)
+            self._settle(done, SettleOutcome.NO_CHANGE, None)
         if not keep:
             return
         record = self._record
@@ -727,14 +751,15 @@ class Coordinator:
         )
         pending = PendingHandoff(
             generation=generation,
-            phase="prepare",
+            phase=PendingPhase.PREPARE,
             event_id=keep[0].event_id,
             triggers=tuple(keep),
             began_at=self.now,
             deadline=deadline,
         )
         self._move(
-            Phase.PREPARE, f"{len(keep)} trigger(s) change the world; handoff to generation {generation}"
+            GenerationPhase.PREPARE,
+            f"{len(keep)} trigger(s) change the world; handoff to generation {generation}",
         )
         self._write(replace(record, issued=generation, pending=pending), Wait.BEGIN_WRITE)
 
@@ -816,7 +841,7 @@ class Coordinator:
                 _Stop(
                     "the topology planner kept the live world: nothing to move",
                     replan=False,
-                    settle="no_change",
+                    settle=SettleOutcome.NO_CHANGE,
                 )
             )
             return
@@ -869,7 +894,7 @@ class Coordinator:
     def _on_planning_failed(self, event: PlanningFailed) -> None:
         if self._wrong_job(event.job_id, "planning_failed"):
             return
-        wait = Wait.TOPOLOGY if event.stage == "topology" else Wait.TRANSFER
+        wait = Wait.TOPOLOGY if event.stage == PlanningStage.TOPOLOGY else Wait.TRANSFER
         if self._is_current(event.event_id, event.generation, wait, "planning_failed"):
             self._request_stop(_Stop(f"{event.stage} planning failed: {event.reason}", replan=False))
 
@@ -994,10 +1019,10 @@ class Coordinator:
     def _all_prepared(self) -> None:
         h = self._handoff
         assert h is not None and self._record is not None
-        self._move(Phase.READY, f"all {len(h.participants)} participants are ready")
+        self._move(GenerationPhase.READY, f"all {len(h.participants)} participants are ready")
         pending = PendingHandoff(
             generation=h.generation,
-            phase="switch",
+            phase=PendingPhase.SWITCH,
             event_id=h.event_id,
             triggers=tuple(h.triggers),
             began_at=h.began_at,
@@ -1029,7 +1054,7 @@ class Coordinator:
             SendCommand(command=Switch(job_id=self.job_id, generation=h.generation, deadline=h.deadline))
         )
         h.switch_sent = True
-        self._move(Phase.SWITCH, "switch sent: the old world starts handing over its state")
+        self._move(GenerationPhase.SWITCH, "switch sent: the old world starts handing over its state")
         self._wait = Wait.SWITCHED
 
     def _resume_switch(self, record: GenerationRecord, pending: PendingHandoff) -> None:
@@ -1100,12 +1125,12 @@ class Coordinator:
         h = self._handoff
         assert h is not None and self._record is not None and self._record.last_outcome is not None
         self._publish(self._record.last_outcome)
-        self._move(Phase.COMMITTED, f"generation {h.generation} is live")
-        self._settle(h.triggers, "committed", h.generation)
-        self._move(Phase.CLEANUP, "releasing the old generation's resources")
+        self._move(GenerationPhase.COMMITTED, f"generation {h.generation} is live")
+        self._settle(h.triggers, SettleOutcome.COMMITTED, h.generation)
+        self._move(GenerationPhase.CLEANUP, "releasing the old generation's resources")
         self._release_plan(h)
         self._handoff, self._deferred, self._early_world = None, None, None
-        self._move(Phase.STABLE, "cleanup done")
+        self._move(GenerationPhase.STABLE, "cleanup done")
         self._begin()
 
     def _release_plan(self, h: _Handoff) -> None:
@@ -1157,7 +1182,7 @@ class Coordinator:
         self._stop_now(stop)
         return True
 
-    def _stop_now(self, stop: _Stop, phase: Phase | None = None) -> None:
+    def _stop_now(self, stop: _Stop, phase: GenerationPhase | None = None) -> None:
         """Record the abort of the pending handoff; what follows happens once the record says so."""
         h = self._handoff
         assert h is not None and self._record is not None
@@ -1175,12 +1200,12 @@ class Coordinator:
             active_generation=self._record.generation,
             phase=_ABORT_PHASE_NAME[stopped_in],
             reason=reason[:2000],
-            outcome="checkpoint_fallback" if fallback else "kept_old_world",
+            outcome=AbortOutcome.CHECKPOINT_FALLBACK if fallback else AbortOutcome.KEPT_OLD_WORLD,
             aborted_at=self.now,
         )
         h.stop, h.stopped_in, h.outcome = stop, stopped_in, aborted
         self._deferred = None
-        self._move(Phase.ABORTED, stop.reason)
+        self._move(GenerationPhase.ABORTED, stop.reason)
         self._write(
             replace(self._record, pending=None, last_outcome=aborted, live=not fallback), Wait.ABORT_WRITE
         )
@@ -1196,10 +1221,10 @@ class Coordinator:
         if h.transfer is not None or h.switch_sent:
             self._release_plan(h)
         self._handoff, self._deferred = None, None
-        if aborted.outcome == "checkpoint_fallback":
+        if aborted.outcome == AbortOutcome.CHECKPOINT_FALLBACK:
             self._note("error", "checkpoint_fallback", generation=aborted.generation, reason=aborted.reason)
-            self._settle(h.triggers, "checkpoint_fallback", aborted.generation)
-            self._move(Phase.DOWN, "checkpoint fallback: the job restarts from its last checkpoint")
+            self._settle(h.triggers, SettleOutcome.CHECKPOINT_FALLBACK, aborted.generation)
+            self._move(GenerationPhase.DOWN, "checkpoint fallback: the job restarts from its last checkpoint")
             early, self._early_world = self._early_world, None
             if early is not None:
                 self._on_world_started(early)
@@ -1209,7 +1234,7 @@ class Coordinator:
             self._queue = h.triggers + self._queue
         else:
             self._settle(h.triggers, stop.settle, aborted.generation)
-        self._move(Phase.STABLE, "kept the old world")
+        self._move(GenerationPhase.STABLE, "kept the old world")
         self._begin()
 
     # -- deadlines and liveness ------------------------------------------------------------------------
@@ -1222,7 +1247,10 @@ class Coordinator:
         h = self._handoff
         if h is None or h.stop is not None or self._deferred is not None:
             return
-        if self._phase in (Phase.PREPARE, Phase.READY) and self.now > self._prepare_deadline(h):
+        if self._phase in (
+            GenerationPhase.PREPARE,
+            GenerationPhase.READY,
+        ) and self.now > self._prepare_deadline(h):
             deadline = self._prepare_deadline(h)
             self._request_stop(
                 _Stop(
@@ -1231,7 +1259,7 @@ class Coordinator:
                     replan=False,
                 )
             )
-        elif self._phase is Phase.SWITCH and self._wait is Wait.SWITCHED and self.now > h.deadline:
+        elif self._phase is GenerationPhase.SWITCH and self._wait is Wait.SWITCHED and self.now > h.deadline:
             self._request_stop(
                 _Stop(
                     f"the switch missed its deadline {h.deadline.isoformat()}: "
@@ -1304,7 +1332,9 @@ class Coordinator:
         in_world = device in self._world()
         in_target = h is not None and h.target is not None and device in h.target
         worker = None if h is None else h.worker_on(device)
-        if self._phase in (Phase.DOWN, Phase.STANDBY) or not (in_world or in_target or worker):
+        if self._phase in (GenerationPhase.DOWN, GenerationPhase.STANDBY) or not (
+            in_world or in_target or worker
+        ):
             self._note("debug", "idle_worker_lost", device=str(device), why=why)
             return
         known = self._queue + (h.triggers if h is not None else [])
@@ -1313,13 +1343,13 @@ class Coordinator:
         self._note("warning", "worker_lost", device=str(device), why=why, phase=self._phase.value)
         trigger = Trigger.lost(device, self.now)
         self._announce(trigger)
-        if self._phase is Phase.SWITCH and h is not None and self._wait is not Wait.COMMIT_WRITE:
+        if self._phase is GenerationPhase.SWITCH and h is not None and self._wait is not Wait.COMMIT_WRITE:
             if not in_target and worker is not None and worker in h.switched:
                 self._note("info", "leaving_worker_done", device=str(device))
                 return
             self._queue.append(trigger)
             self._request_stop(_Stop(f"{why} after the switch began", replan=False))
-        elif self._phase in (Phase.PREPARE, Phase.READY) and h is not None:
+        elif self._phase in (GenerationPhase.PREPARE, GenerationPhase.READY) and h is not None:
             self._queue.append(trigger)
             self._request_stop(_Stop(f"{why}; re-planning without it", replan=True))
         else:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Literal
+from enum import StrEnum
+from typing import Annotated
 
 from msgspec import Meta
 
@@ -46,10 +47,22 @@ from liver.shared.messages import (
     WorkerId,
 )
 
-TriggerKind = Literal["spot_warning", "scale_request", "worker_lost"]
-PendingPhase = Literal["prepare", "switch"]
-"""``prepare``: nothing has touched the active world, a restart aborts (and re-plans) the handoff;
-``switch``: the switch command may have gone out, a restart resumes it."""
+
+class TriggerSource(StrEnum):
+    """Why the coordinator changes the world: a bus event (:class:`TriggerKind`) or a lost worker."""
+
+    SPOT_WARNING = "spot_warning"
+    SCALE_REQUEST = "scale_request"
+    WORKER_LOST = "worker_lost"
+
+
+class PendingPhase(StrEnum):
+    """``prepare``: nothing has touched the active world, a restart aborts (and re-plans) the handoff;
+    ``switch``: the switch command may have gone out, a restart resumes it."""
+
+    PREPARE = "prepare"
+    SWITCH = "switch"
+
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -72,7 +85,7 @@ class Trigger(Part):
     """
 
     event_id: EventId
-    kind: TriggerKind
+    kind: TriggerSource
     received_at: Timestamp
     remove: tuple[Device, ...] = ()
     add: tuple[Device, ...] = ()
@@ -83,7 +96,7 @@ class Trigger(Part):
     def from_request(cls, request: ResizeRequested, now: datetime) -> Trigger:
         return cls(
             event_id=request.event_id,
-            kind=request.trigger,
+            kind=TriggerSource(request.trigger),
             received_at=now,
             remove=request.remove,
             add=request.add,
@@ -93,7 +106,9 @@ class Trigger(Part):
 
     @classmethod
     def lost(cls, device: Device, now: datetime) -> Trigger:
-        return cls(event_id=lost_event_id(device), kind="worker_lost", received_at=now, remove=(device,))
+        return cls(
+            event_id=lost_event_id(device), kind=TriggerSource.WORKER_LOST, received_at=now, remove=(device,)
+        )
 
 
 class Participant(Part):
@@ -120,7 +135,7 @@ class PendingHandoff(Part):
     bytes_planned: Bytes | None = None
 
     def __post_init__(self) -> None:
-        if self.phase == "switch":
+        if self.phase == PendingPhase.SWITCH:
             if self.layout is None or self.placement is None:
                 raise _invalid("placement", "a handoff in its switch phase must name its target world")
             if not self.participants:

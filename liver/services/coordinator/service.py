@@ -74,12 +74,13 @@ from .actions import (
     RequestTransfer,
     SendCommand,
     Settle,
+    SettleOutcome,
     WriteMembership,
     WriteRecord,
 )
 from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
-from .core import Coordinator, Phase
+from .core import Coordinator, GenerationPhase
 from .events import Event, RecordConflict, RecordWriteFailed, Tick
 from .kv import BusError, RecordStore
 
@@ -344,7 +345,7 @@ class CoordinatorService(ConsumingService):
                 # A copy of an event that ended before this coordinator took over (the core knows its
                 # id from the record): nothing will settle it, so holding it would only get it
                 # redelivered for ever.
-                await self._held.settle([event.event_id], "ended_before")
+                await self._held.settle([event.event_id], SettleOutcome.ENDED_BEFORE)
                 log.info("ended_event_acknowledged")
 
     async def _on_presence(self, msg: Msg) -> None:
@@ -438,7 +439,7 @@ class CoordinatorService(ConsumingService):
             if isinstance(result, RecordWriteFailed):
                 await asyncio.sleep(self.settings.retry_delay_s)
             actions = self.core.handle(result, datetime.now(UTC))
-        if self.core.phase is Phase.STANDBY and not self._standing_by:
+        if self.core.phase is GenerationPhase.STANDBY and not self._standing_by:
             self._standing_by = True
             self._spawn(self._stand_by(), "stand-by")
         deadline = self.core.next_deadline()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
-from enum import Enum
+from enum import StrEnum
 from typing import Final
 
 import msgspec
@@ -24,7 +24,7 @@ import msgspec
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.layout import Device
-from liver.shared.messages import JobMembership, ResizeRequested, ScaleRequest, SpotWarning
+from liver.shared.messages import JobMembership, ResizeRequested, ScaleRequest, SpotWarning, TriggerKind
 
 IngestEvent = SpotWarning | ScaleRequest
 
@@ -46,7 +46,7 @@ class Seen(msgspec.Struct, frozen=True, kw_only=True):
     at: datetime
 
 
-class Verdict(Enum):
+class Novelty(StrEnum):
     NEW = "new"
     DUPLICATE = "duplicate"
     CONFLICT = "conflict"
@@ -76,10 +76,10 @@ def digest(event: IngestEvent) -> str:
     return hashlib.sha256(encode(event)).hexdigest()
 
 
-def judge(previous: Seen | None, event_digest: str) -> Verdict:
+def judge(previous: Seen | None, event_digest: str) -> Novelty:
     if previous is None:
-        return Verdict.NEW
-    return Verdict.DUPLICATE if previous.digest == event_digest else Verdict.CONFLICT
+        return Novelty.NEW
+    return Novelty.DUPLICATE if previous.digest == event_digest else Novelty.CONFLICT
 
 
 def conflict_error(event: IngestEvent, previous: Seen) -> MessageError:
@@ -119,7 +119,7 @@ def _spot(event: SpotWarning, membership: JobMembership, published_at: datetime)
     keep = tuple(w.device for w in membership.workers if w.device.node != event.node)
     return _build(
         event,
-        trigger="spot_warning",
+        trigger=TriggerKind.SPOT_WARNING,
         generation=membership.generation,
         reason=f"{event.provider} reclaims node {event.node}",
         keep=keep,
@@ -155,7 +155,7 @@ def _scale(event: ScaleRequest, membership: JobMembership) -> ResizeRequested:
     gone = set(remove)
     return _build(
         event,
-        trigger="scale_request",
+        trigger=TriggerKind.SCALE_REQUEST,
         generation=membership.generation,
         reason=event.reason,
         keep=tuple(w.device for w in membership.workers if w.device not in gone),

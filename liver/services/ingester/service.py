@@ -123,13 +123,13 @@ class Ingester(ConsumingService):
             event_digest = core.digest(event)
             previous = await self._read_seen(key)
             verdict = core.judge(previous, event_digest)
-            if verdict is core.Verdict.DUPLICATE:
+            if verdict is core.Novelty.DUPLICATE:
                 assert previous is not None
                 self.counts["duplicates"] += 1
                 await msg.ack()
                 log.info("duplicate_event_dropped", first_sequence=previous.stream_sequence)
                 return
-            if verdict is core.Verdict.CONFLICT:
+            if verdict is core.Novelty.CONFLICT:
                 assert previous is not None
                 await self._reject(msg, core.conflict_error(event, previous))
                 return

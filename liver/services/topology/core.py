@@ -22,7 +22,7 @@ from typing import NamedTuple
 from msgspec.structs import replace
 
 from liver.shared.layout import Device
-from liver.shared.messages import PlanningFailed, TopologyPlanned, TopologyRequest
+from liver.shared.messages import PlanningFailed, PlanningStage, TopologyPlanned, TopologyRequest
 from liver.shared.plan import WorldConfig
 
 from .chooser import TopologyDecision, TopologyError, choose_topology
@@ -77,7 +77,7 @@ def failed(request: TopologyRequest, reason: str) -> PlanningFailed:
         job_id=request.job_id,
         event_id=request.event_id,
         generation=request.generation,
-        stage="topology",
+        stage=PlanningStage.TOPOLOGY,
         reason=reason[:2000],
     )
 

@@ -26,9 +26,9 @@ from liver.services.transfer.placement import local_lower_bound, rank_order_plac
 from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device, LayoutError, ParallelLayout
-from liver.shared.messages import PlanningFailed, PlanSummary, TopologyPlanned
+from liver.shared.messages import PlanningFailed, PlanningStage, PlanSummary, TopologyPlanned
 from liver.shared.model import ModelSpec
-from liver.shared.plan import Plan, PlanSlice, Task, WorldConfig
+from liver.shared.plan import Plan, PlanSlice, TransferTask, WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import encode_plan
 
@@ -143,7 +143,7 @@ def planning_failed(msg: TopologyPlanned, error: NoSurvivingSource) -> PlanningF
         job_id=msg.job_id,
         event_id=msg.event_id,
         generation=msg.generation,
-        stage="transfer",
+        stage=PlanningStage.TRANSFER,
         reason=str(error)[:2000],
     )
 
@@ -152,7 +152,7 @@ def device_slices(plan: Plan, optimizer: bool) -> tuple[PlanSlice, ...]:
     """One slice per device of either world (old devices first, in rank order), empty ones included:
     a device with nothing to send or receive still learns that from its slice."""
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
-    tasks: dict[Device, list[Task]] = {d: [] for d in (*old_dev, *new_dev)}
+    tasks: dict[Device, list[TransferTask]] = {d: [] for d in (*old_dev, *new_dev)}
     for task in plan.tasks:
         src, dst = old_dev[task.src], new_dev[task.dst]
         tasks[src].append(task)

@@ -31,7 +31,7 @@ import msgspec
 from liver.shared.boxes import Box, split, volume
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
-from liver.shared.plan import Plan, Slice, Task, WorldConfig
+from liver.shared.plan import Plan, Slice, TransferTask, WorldConfig
 from liver.shared.views import holding_stages, tp_shard
 
 from .geometry import ANY, new_shard_pieces
@@ -393,18 +393,20 @@ def _stream(
     old: WorldConfig,
     new: WorldConfig,
     budget: int,
-) -> tuple[Task, ...]:
+) -> tuple[TransferTask, ...]:
     """Step 4: split each layer into rounds so no destination receives more than ``budget`` per round.
 
     Destinations whose incoming chunks are the same objects in the same order (DP replicas of one new
     stage) share one split; layers of the same shape share one split pattern.
     """
     old_dev, new_dev = old.placement.devices, new.placement.devices
-    tasks: list[Task] = []
+    tasks: list[TransferTask] = []
     remote: dict[tuple[int, int], list[tuple[int, list[_Chunk]]]] = defaultdict(list)
     for (layer, src, dst), chunks in coalesced.items():
         if old_dev[src] == new_dev[dst]:
-            tasks.append(Task(layer, 0, src, dst, True, _flatten(chunks), sum(c.nbytes for c in chunks)))
+            tasks.append(
+                TransferTask(layer, 0, src, dst, True, _flatten(chunks), sum(c.nbytes for c in chunks))
+            )
         else:
             remote[(layer, dst)].append((src, chunks))
     patterns: dict[tuple, list[list[list[Segment]]]] = {}
@@ -413,7 +415,7 @@ def _stream(
         entries.sort(key=itemgetter(0))
         if sum(c.nbytes for _src, chunks in entries for c in chunks) <= budget:
             tasks.extend(
-                Task(layer, 0, src, dst, False, _flatten(ch), sum(c.nbytes for c in ch))
+                TransferTask(layer, 0, src, dst, False, _flatten(ch), sum(c.nbytes for c in ch))
                 for src, ch in entries
             )
             continue
@@ -430,8 +432,8 @@ def _stream(
         for r, per_entry in enumerate(rounds):
             for (src, _ch), (sl, nb) in zip(entries, per_entry):
                 if sl:
-                    tasks.append(Task(layer, r, src, dst, False, sl, nb))
-    tasks.sort()  # Task orders by (layer, round, src, dst): unique per plan, so slices never compare
+                    tasks.append(TransferTask(layer, r, src, dst, False, sl, nb))
+    tasks.sort()  # TransferTask orders by (layer, round, src, dst): unique per plan, so slices never compare
     return tuple(tasks)
 
 

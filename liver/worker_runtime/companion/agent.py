@@ -82,7 +82,7 @@ def decode_command(data: bytes, job_id: str) -> WorkerCommand:
     return command
 
 
-class World(NamedTuple):
+class GenerationRank(NamedTuple):
     """The generation a worker trains in and its rank there: what its heartbeats report."""
 
     generation: int
@@ -100,7 +100,7 @@ class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int | None = None
     """Device memory the worker may use (the topology planner's memory model needs it)."""
 
-    def hello(self, world: World | None) -> Hello:
+    def hello(self, world: GenerationRank | None) -> Hello:
         return Hello(
             job_id=self.job_id,
             worker_id=self.worker_id,
@@ -147,7 +147,7 @@ class RuntimeHooks(Protocol):
     def on_abort(self, abort: Abort) -> None: ...
 
 
-class Stage(enum.Enum):
+class Stage(enum.StrEnum):
     FETCHING = "fetching"
     """Reading the plan slice; the runtime has not been told."""
     PREPARING = "preparing"
@@ -162,7 +162,7 @@ _RUNTIME_KNOWS: Final = frozenset({Stage.PREPARING, Stage.READY, Stage.SWITCHING
 _ENDED: Final = frozenset({Stage.SWITCHED, Stage.ABORTED, Stage.FAILED})
 _RESENT: Final = frozenset({Stage.READY, Stage.SWITCHED, Stage.FAILED})
 """Acks the coordinator may be waiting for (or must hear of), sent again after a reconnect."""
-_PHASE_STAGE: Final[dict[str, Stage]] = {
+_PHASE_STAGE: Final[dict[WorkerPhase, Stage]] = {
     "ready": Stage.READY,
     "switched": Stage.SWITCHED,
     "aborted": Stage.ABORTED,
@@ -181,7 +181,7 @@ coordinator ignores what does not apply) but does not become the handoff's ack t
 
 
 @dataclass
-class Handoff:
+class HandoffView:
     """This worker's view of one generation's handoff."""
 
     prepare: Prepare
@@ -198,7 +198,7 @@ class Presence:
     """What heartbeats say. The training thread writes it (a plain attribute write is atomic), the loop
     reads it at each beat: no lock, so reporting progress never waits."""
 
-    world: World | None = None
+    world: GenerationRank | None = None
     iteration: int | None = None
 
 
@@ -236,7 +236,7 @@ class WorkerAgent:
         self.counts = AgentCounts()
         self._fetcher = fetcher or PlanFetcher(nc.jetstream())
         self._log = log.bind(job_id=identity.job_id, worker_id=identity.worker_id)
-        self._handoffs: dict[int, Handoff] = {}
+        self._handoffs: dict[int, HandoffView] = {}
         self._aborted_unseen: set[int] = set()
         self._newest = -1
         self._subs: list[Subscription] = []
@@ -253,7 +253,7 @@ class WorkerAgent:
         attribute read, so the training thread may ask while the loop changes the handoffs."""
         return None if self._newest < 0 else self._newest
 
-    def handoff(self, generation: int) -> Handoff | None:
+    def handoff(self, generation: int) -> HandoffView | None:
         return self._handoffs.get(generation)
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -352,10 +352,10 @@ class WorkerAgent:
         self.counts.acks += 1
         self._spawn(self._send(s.worker_status(self.identity.job_id), ack), "ack")
 
-    def _enter(self, h: Handoff) -> None:
+    def _enter(self, h: HandoffView) -> None:
         """After the switch, heartbeats speak for the new world (or for none: a leaving worker)."""
         rank = view_of(h.prepare).new_rank.get(self.identity.device)
-        self.presence.world = None if rank is None else World(h.prepare.generation, rank)
+        self.presence.world = None if rank is None else GenerationRank(h.prepare.generation, rank)
 
     # -- commands ---------------------------------------------------------------------------------------
 
@@ -402,7 +402,7 @@ class WorkerAgent:
                 world=None if world is None else world.generation,
             )
             return
-        h = Handoff(prepare=prepare, stage=Stage.FETCHING)
+        h = HandoffView(prepare=prepare, stage=Stage.FETCHING)
         self._handoffs[g] = h
         self._newest = g
         self._forget_old()
@@ -419,7 +419,7 @@ class WorkerAgent:
             )
         self._spawn(self._fetch_and_prepare(h), f"fetch-{g}")
 
-    async def _fetch_and_prepare(self, h: Handoff) -> None:
+    async def _fetch_and_prepare(self, h: HandoffView) -> None:
         try:
             await self._prepare_from_plan(h)
         except Exception as exc:
@@ -428,7 +428,7 @@ class WorkerAgent:
             if h.stage is Stage.FETCHING:
                 self._fail(h, f"preparing raised {type(exc).__name__}: {exc}")
 
-    async def _prepare_from_plan(self, h: Handoff) -> None:
+    async def _prepare_from_plan(self, h: HandoffView) -> None:
         prepare = h.prepare
         left_s = (prepare.deadline - datetime.now(UTC)).total_seconds()
         timeout_s = min(self.settings.fetch_timeout_s, left_s)
@@ -501,19 +501,19 @@ class WorkerAgent:
             return
         self._end(h, abort)
 
-    def _end(self, h: Handoff, abort: Abort) -> None:
+    def _end(self, h: HandoffView, abort: Abort) -> None:
         """Stop a handoff: the runtime is told only if it knew of it."""
         knew = h.stage in _RUNTIME_KNOWS
         h.stage, h.early_switch = Stage.ABORTED, None
         if knew:
             self._call(h, "on_abort", abort)
 
-    def _repeat(self, h: Handoff) -> None:
+    def _repeat(self, h: HandoffView) -> None:
         if h.ack is not None:
             self.counts.acks += 1
             self._spawn(self._send(s.worker_status(self.identity.job_id), h.ack), "re-ack")
 
-    def _call(self, h: Handoff, hook: str, *args: object) -> bool:
+    def _call(self, h: HandoffView, hook: str, *args: object) -> bool:
         try:
             getattr(self.hooks, hook)(*args)
         except Exception as exc:
@@ -523,9 +523,9 @@ class WorkerAgent:
             return False
         return True
 
-    def _fail(self, h: Handoff, error: str) -> None:
+    def _fail(self, h: HandoffView, error: str) -> None:
         self._log.warning("handoff_failed", generation=h.prepare.generation, error=error)
-        self.report(self.status("failed", generation=h.prepare.generation, error=error))
+        self.report(self.status(WorkerPhase.FAILED, generation=h.prepare.generation, error=error))
 
     def _forget_old(self) -> None:
         while len(self._handoffs) > KEEP_GENERATIONS:

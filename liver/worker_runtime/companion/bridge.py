@@ -44,7 +44,7 @@ import structlog
 from liver.shared.layout import ParallelLayout, Placement
 from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase
 from liver.shared.plan import Plan
-from liver.worker_runtime.runtime import Phase, RuntimeEvent
+from liver.worker_runtime.runtime import ReshardPhase, RuntimeEvent
 from liver.worker_runtime.world import StoreAddress
 
 log = structlog.get_logger(__name__)
@@ -185,28 +185,32 @@ class RuntimeBridge:
             self._log.warning("bridge.event_before_attach", phase=str(event.phase))
             return
         g = event.generation
-        if event.phase in (Phase.SWITCHED, Phase.LEFT, Phase.ABORTED, Phase.FALLING_BACK) and self._open == g:
+        if (
+            event.phase
+            in (ReshardPhase.SWITCHED, ReshardPhase.LEFT, ReshardPhase.ABORTED, ReshardPhase.FALLING_BACK)
+            and self._open == g
+        ):
             self._open = None
-        if event.phase is Phase.READY:
-            report("ready", generation=g)
-        elif event.phase in (Phase.SWITCHED, Phase.LEFT):
+        if event.phase is ReshardPhase.READY:
+            report(WorkerPhase.READY, generation=g)
+        elif event.phase in (ReshardPhase.SWITCHED, ReshardPhase.LEFT):
             r = event.report
             if r is None:  # the runtime always attaches its report to these; refuse to ack without it
-                report("failed", generation=g, error=f"{event.phase} without a switch report")
+                report(WorkerPhase.FAILED, generation=g, error=f"{event.phase} without a switch report")
                 return
             report(
-                "switched",
+                WorkerPhase.SWITCHED,
                 generation=g,
                 iteration=r.iteration,
                 pause_s=r.pause_s,
                 bytes_sent=r.bytes_sent,
                 bytes_received=r.bytes_received,
             )
-        elif event.phase is Phase.FALLING_BACK:
+        elif event.phase is ReshardPhase.FALLING_BACK:
             abort = event.abort
             why = "the old world is gone" if abort is None else f"{abort.stage}: {abort.reason}"
-            report("failed", generation=g, error=f"{why}; falling back to the last checkpoint")
-        elif event.phase is Phase.FELL_BACK and event.fallback is not None:
+            report(WorkerPhase.FAILED, generation=g, error=f"{why}; falling back to the last checkpoint")
+        elif event.phase is ReshardPhase.FELL_BACK and event.fallback is not None:
             f = event.fallback
             self._log.warning(
                 "bridge.fell_back",
@@ -215,12 +219,12 @@ class RuntimeBridge:
                 checkpoint=f.checkpoint,
                 iteration=f.iteration,
             )
-        elif event.phase is Phase.ABORTED:
+        elif event.phase is ReshardPhase.ABORTED:
             with self._lock:
                 requested = g in self._aborted_by_coordinator
             abort = event.abort
             why = "no reason given" if abort is None else f"{abort.stage}: {abort.reason}"
             if requested:
-                report("aborted", generation=g, error=why)
+                report(WorkerPhase.ABORTED, generation=g, error=why)
             else:
-                report("failed", generation=g, error=why)
+                report(WorkerPhase.FAILED, generation=g, error=why)

@@ -53,11 +53,11 @@ from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
     SOURCE,
     AgentSettings,
+    GenerationRank,
     Presence,
     Stage,
     WorkerAgent,
     WorkerIdentity,
-    World,
     decode_command,
 )
 from liver.worker_runtime.companion.slices import PlanFetcher
@@ -211,7 +211,7 @@ class SimulatedWorker:
     def on_prepare(self, prepare: Prepare, plan: Plan) -> None:
         if self._fault("prepare", prepare.generation):
             return
-        self._later(prepare.generation, lambda: self._ack("ready", prepare.generation))
+        self._later(prepare.generation, lambda: self._ack(WorkerPhase.READY, prepare.generation))
 
     def on_switch(self, switch: Switch) -> None:
         g = switch.generation
@@ -227,7 +227,7 @@ class SimulatedWorker:
 
         def switched() -> None:
             self._ack(
-                "switched",
+                WorkerPhase.SWITCHED,
                 g,
                 iteration=cut,
                 pause_s=time.perf_counter() - started,
@@ -241,7 +241,7 @@ class SimulatedWorker:
         timer = self._timers.pop(abort.generation, None)
         if timer is not None:
             timer.cancel()
-        self._ack("aborted", abort.generation)
+        self._ack(WorkerPhase.ABORTED, abort.generation)
 
     def _fault(self, phase: str, generation: int) -> bool:
         """Apply the first fault that hits; True when the normal answer must not be given."""
@@ -257,7 +257,7 @@ class SimulatedWorker:
             )
             if fault.action == "fail":
                 error = f"simulated failure at {phase}"
-                self._later(generation, lambda e=error: self._ack("failed", generation, error=e))
+                self._later(generation, lambda e=error: self._ack(WorkerPhase.FAILED, generation, error=e))
             elif fault.action == "crash":
                 self.crashed = True
                 self.job.leave(self, reason=f"simulated crash at {phase}")
@@ -331,7 +331,7 @@ class SimulatedJob:
             heartbeat_s=settings.heartbeat_s, fetch_timeout_s=settings.fetch_timeout_s
         )
         for index, identity in enumerate(settings.identities()):
-            world = None if settings.generation is None else World(settings.generation, index)
+            world = None if settings.generation is None else GenerationRank(settings.generation, index)
             worker = SimulatedWorker(self, index, identity)
             presence = Presence(world=world, iteration=self.iteration)
             worker.agent = WorkerAgent(

@@ -17,7 +17,7 @@ The protocol itself (what a repeated Switch or an unknown Abort means) is :mod:`
 Usage inside a training process::
 
     box = CommandBox()
-    with Companion(identity, box, url=os.environ["NATS_URL"], world=World(0, rank)) as companion:
+    with Companion(identity, box, url=os.environ["NATS_URL"], world=GenerationRank(0, rank)) as companion:
         for iteration in itertools.count():
             companion.set_iteration(iteration)
             for command in box.take():
@@ -45,11 +45,11 @@ from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase, WorkerSta
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
     AgentSettings,
+    GenerationRank,
     Presence,
     RuntimeHooks,
     WorkerAgent,
     WorkerIdentity,
-    World,
 )
 
 log = structlog.get_logger(__name__)
@@ -120,7 +120,7 @@ class Companion:
         hooks: RuntimeHooks,
         *,
         url: str,
-        world: World | None = None,
+        world: GenerationRank | None = None,
         environ: Mapping[str, str] | None = None,
         settings: AgentSettings | None = None,
         reconnect_time_wait_s: float = 1.0,
@@ -234,7 +234,7 @@ class Companion:
         """The iteration the next heartbeat reports (a plain write: call it every iteration)."""
         self._presence.iteration = iteration
 
-    def set_world(self, world: World | None) -> None:
+    def set_world(self, world: GenerationRank | None) -> None:
         """The generation and rank heartbeats report; a switched ack sets it already."""
         self._presence.world = world
 

@@ -29,7 +29,7 @@ import msgspec
 from liver.shared.boxes import Box, contains, split, volume
 from liver.shared.layout import Device
 from liver.shared.model import TensorSpec
-from liver.shared.plan import Plan, Task
+from liver.shared.plan import Plan, TransferTask
 from liver.shared.views import Shard, view
 
 Region = tuple[tuple[int, int], ...]
@@ -279,7 +279,7 @@ def build_schedule(
     old_shards = views.shards(old_rank, old=True)
     new_shards = views.shards(new_rank, old=False)
 
-    def where(task: Task, ti: int, box: Box) -> _Placed:
+    def where(task: TransferTask, ti: int, box: Box) -> _Placed:
         t = tensors[ti]
         s, d = views(ti, task.src, old=True), views(ti, task.dst, old=False)
         if s is None or s.box is None or not contains(s.box, box):
