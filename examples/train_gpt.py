@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _store(rank: int) -> tuple[Any, Any]:
     """The job's store: torchrun's agent hosts one at MASTER_ADDR:MASTER_PORT; otherwise rank 0 does."""
-    from liver.worker_runtime.world import StoreAddress, host_store
+    from liver import StoreAddress, host_store
 
     address = StoreAddress(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]))
     hosted = None
@@ -69,14 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
-    from liver.shared.logs import configure_logging
-    from liver.shared.model import ModelError, load_model
-    from liver.shared.plan import WorldConfig
-    from liver.worker_runtime.megatron.job import MegatronJob
-    from liver.worker_runtime.megatron.train_config import TrainConfig
-    from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
-    from liver.worker_runtime.world import WorldSpec
+    from liver import (
+        InputError,
+        LayoutError,
+        LiveRuntime,
+        MegatronJob,
+        ParallelLayout,
+        Placement,
+        RuntimeOptions,
+        TrainConfig,
+        WorldConfig,
+        WorldSpec,
+        configure_logging,
+        grid_devices,
+        load_model,
+        plan_resize,
+    )
 
     if "MASTER_PORT" not in os.environ or "RANK" not in os.environ:
         print("train_gpt: start it with torchrun (see --help)", file=sys.stderr)
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for checked in (layout, target):
             if checked is not None:
                 config.micro_batches_per_rank(checked.dp)
-    except (LayoutError, ModelError, ValueError) as exc:
+    except (InputError, ValueError) as exc:
         if rank == 0:
             print(f"train_gpt: {exc}", file=sys.stderr)
         return 2
@@ -134,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan = None
     if target is not None:
-        from liver.services.transfer.planner import plan_resize
-
         old = WorldConfig(layout, start.placement)
         plan = plan_resize(spec, old, target, devices[: target.world_size]).plan
         if devices[rank] not in start.placement.devices:  # waiting outside the job: hand it in now

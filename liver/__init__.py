@@ -1,0 +1,133 @@
+"""LiveR: live reconfiguration for elastic LLM training.
+
+The names a training script needs, in one place::
+
+    from liver import LiveRuntime, MegatronJob, ModelSpec, TrainConfig, WorldSpec, ...
+
+Everything else stays in its module (``liver.services.*``, ``liver.worker_runtime.*``, ``liver.shared.*``).
+The exports load on first use (PEP 562): ``import liver`` alone, which every ``liver`` command does,
+pulls in neither torch nor Megatron-core, so a service starts in a fraction of a second. The error
+families (:class:`LiverError` and those under it) are plain and load at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from liver.shared.errors import BusError, HandoffError, InputError, LiverError, PlanningError
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names load lazily
+    from liver.services.transfer.planner import plan_resize
+    from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, grid_devices
+    from liver.shared.logs import configure_logging
+    from liver.shared.model import ModelError, ModelSpec, load_model
+    from liver.shared.plan import Plan, WorldConfig
+    from liver.worker_runtime.companion.bridge import RuntimeBridge
+    from liver.worker_runtime.companion.thread import Companion
+    from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.train_config import TrainConfig
+    from liver.worker_runtime.runtime import (
+        AbortReport,
+        CheckpointOptions,
+        FallbackReport,
+        LiveRuntime,
+        ReshardPhase,
+        ResizeRejected,
+        RuntimeEvent,
+        RuntimeOptions,
+        TrainerFactory,
+    )
+    from liver.worker_runtime.world import StoreAddress, WorldSpec, host_store
+
+_LAZY: dict[str, str] = {
+    # the runtime, one call per iteration
+    "LiveRuntime": "liver.worker_runtime.runtime",
+    "RuntimeOptions": "liver.worker_runtime.runtime",
+    "CheckpointOptions": "liver.worker_runtime.runtime",
+    "RuntimeEvent": "liver.worker_runtime.runtime",
+    "ReshardPhase": "liver.worker_runtime.runtime",
+    "AbortReport": "liver.worker_runtime.runtime",
+    "FallbackReport": "liver.worker_runtime.runtime",
+    "ResizeRejected": "liver.worker_runtime.runtime",
+    "TrainerFactory": "liver.worker_runtime.runtime",
+    "SwitchReport": "liver.worker_runtime.handoff",
+    "HandoffAborted": "liver.worker_runtime.handoff",
+    "HandoffFailed": "liver.worker_runtime.handoff",
+    # the Megatron-core job
+    "MegatronJob": "liver.worker_runtime.megatron.job",
+    "TrainConfig": "liver.worker_runtime.megatron.train_config",
+    # worlds and where they meet
+    "WorldSpec": "liver.worker_runtime.world",
+    "StoreAddress": "liver.worker_runtime.world",
+    "host_store": "liver.worker_runtime.world",
+    # the bus side inside a training process
+    "Companion": "liver.worker_runtime.companion.thread",
+    "RuntimeBridge": "liver.worker_runtime.companion.bridge",
+    # models, layouts and plans
+    "ModelSpec": "liver.shared.model",
+    "ModelError": "liver.shared.model",
+    "load_model": "liver.shared.model",
+    "ParallelLayout": "liver.shared.layout",
+    "Placement": "liver.shared.layout",
+    "Device": "liver.shared.layout",
+    "LayoutError": "liver.shared.layout",
+    "grid_devices": "liver.shared.layout",
+    "Plan": "liver.shared.plan",
+    "WorldConfig": "liver.shared.plan",
+    "plan_resize": "liver.services.transfer.planner",
+    "configure_logging": "liver.shared.logs",
+}
+
+__all__ = [
+    "AbortReport",
+    "BusError",
+    "CheckpointOptions",
+    "Companion",
+    "Device",
+    "FallbackReport",
+    "HandoffAborted",
+    "HandoffError",
+    "HandoffFailed",
+    "InputError",
+    "LayoutError",
+    "LiveRuntime",
+    "LiverError",
+    "MegatronJob",
+    "ModelError",
+    "ModelSpec",
+    "ParallelLayout",
+    "Placement",
+    "Plan",
+    "PlanningError",
+    "ReshardPhase",
+    "ResizeRejected",
+    "RuntimeBridge",
+    "RuntimeEvent",
+    "RuntimeOptions",
+    "StoreAddress",
+    "SwitchReport",
+    "TrainConfig",
+    "TrainerFactory",
+    "WorldConfig",
+    "WorldSpec",
+    "configure_logging",
+    "grid_devices",
+    "host_store",
+    "load_model",
+    "plan_resize",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'liver' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

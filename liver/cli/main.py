@@ -13,6 +13,8 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
+from liver.shared.errors import InputError
+
 # name -> (module with add_parser(sub), one-line help shown by `liver --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("liver.cli.plan_cmd", "plan the state transfer of one resize and print its summary"),
@@ -32,7 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-class CliError(Exception):
+class CliError(InputError):
     """A bad argument: printed as one line, exit code 2."""
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Final
 
+from liver.shared.errors import InputError
 from liver.shared.logs import configure_logging
 
 SERVICES: Final[Mapping[str, str]] = {
@@ -28,7 +29,7 @@ SERVICES: Final[Mapping[str, str]] = {
 }
 
 
-class ServeError(ValueError):
+class ServeError(InputError):
     """The service cannot be started: printed as one line, exit code 2."""
 
 

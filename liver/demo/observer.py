@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
+from liver.shared.errors import LiverError
 from liver.shared.messages import (
     ErrorEvent,
     GenerationAborted,
@@ -46,7 +47,7 @@ M = TypeVar("M")
 TriggerKind = Literal["spot_warning", "scale_request"]
 
 
-class DemoTimeout(TimeoutError):
+class DemoTimeout(LiverError, TimeoutError):
     """Something the demo waits for did not happen in time; the message says what."""
 
 

@@ -38,6 +38,7 @@ from nats.js.object_store import ObjectStore
 
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, encode, error_event
+from liver.shared.errors import BusError
 from liver.shared.logs import bind_message
 from liver.shared.messages import ErrorEvent
 
@@ -65,7 +66,7 @@ HEADER_ORIGINAL_MSG_ID: Final = "Liver-Original-Msg-Id"
 so the id moves to this header."""
 
 
-class DeclareError(RuntimeError):
+class DeclareError(BusError):
     """A stream, consumer or bucket could not be declared (a name clash with a foreign config)."""
 
 

@@ -19,6 +19,7 @@ from typing import Any, Final, TypeVar, overload
 
 import msgspec
 
+from liver.shared.errors import InputError
 from liver.shared.messages import SCHEMA_VERSION, ErrorEvent, Message
 from liver.shared.subjects import TOKEN_PATTERN
 
@@ -30,7 +31,7 @@ ERROR_PAYLOAD_LIMIT: Final = 32 * 1024
 """Bytes of a rejected payload copied into an ErrorEvent (the dead-letter copy keeps all of it)."""
 
 
-class MessageError(ValueError):
+class MessageError(InputError):
     """A payload that is not a valid message of the expected type.
 
     ``path`` is the JSON path of the field at fault (``$`` for the whole message), ``reason`` what was

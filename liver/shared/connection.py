@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from liver.shared.errors import InputError
 from liver.shared.nats_server import URL_ENV
 
 USER_ENV: Final = "NATS_USER"
@@ -24,7 +25,7 @@ DRAIN_TIMEOUT_S: Final = 10.0
 """How long a drain may take on shutdown; a container's stop grace period is usually 10-30 s."""
 
 
-class ConnectionConfigError(ValueError):
+class ConnectionConfigError(InputError):
     """A bad connection setting in the environment; the message names the variable."""
 
 

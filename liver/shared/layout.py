@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import msgspec
 
+from liver.shared.errors import InputError
 
-class LayoutError(ValueError):
+
+class LayoutError(InputError):
     """A layout, device list or placement that cannot describe a training world."""
 
 

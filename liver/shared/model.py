@@ -31,6 +31,7 @@ from typing import Literal
 
 import msgspec
 
+from liver.shared.errors import InputError
 from liver.shared.layout import LayoutError, ParallelLayout
 
 Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
@@ -40,7 +41,7 @@ Role = Literal["param", "fp32_param", "exp_avg", "exp_avg_sq", "step"]
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
 
-class ModelError(ValueError):
+class ModelError(InputError):
     """A model description that Megatron-core could not build."""
 
 

@@ -33,6 +33,8 @@ from typing import Final
 
 import structlog
 
+from liver.shared.errors import BusError
+
 log = structlog.get_logger(__name__)
 
 URL_ENV: Final = "NATS_URL"
@@ -47,7 +49,7 @@ _LOG_TAIL_BYTES: Final = 4000
 _NO_PROXY_OPENER: Final = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class NatsServerError(RuntimeError):
+class NatsServerError(BusError):
     """The nats-server binary is missing, or the server did not start or become healthy."""
 
 

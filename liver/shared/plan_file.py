@@ -10,13 +10,14 @@ from __future__ import annotations
 import msgspec
 
 from liver.shared.boxes import Box
+from liver.shared.errors import InputError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, TransferTask, WorldConfig
 from liver.shared.views import view
 
 
-class PlanFileError(ValueError):
+class PlanFileError(InputError):
     """A plan file that cannot be read or does not describe a consistent plan."""
 
 

@@ -21,8 +21,10 @@ from typing import Final
 
 import msgspec
 
+from liver.shared.errors import InputError
 
-class SubjectError(ValueError):
+
+class SubjectError(InputError):
     """An id that cannot be used as a NATS subject token."""
 
 

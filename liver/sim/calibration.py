@@ -26,6 +26,7 @@ import msgspec
 from msgspec import Meta
 
 from liver.services.topology.memory import HardwareProfile, TrainingSetup
+from liver.shared.errors import InputError
 
 DEFAULT_PROFILE = "paper-a800"
 
@@ -48,7 +49,7 @@ _DOCUMENTED = (
 )
 
 
-class CalibrationError(ValueError):
+class CalibrationError(InputError):
     """A calibration file that is missing, unreadable or inconsistent; the message names the field."""
 
 

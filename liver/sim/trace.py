@@ -21,6 +21,8 @@ from typing import Literal
 
 import msgspec
 
+from liver.shared.errors import InputError
+
 Kind = Literal["add", "remove"]
 KINDS: tuple[str, ...] = ("add", "remove")
 HEADER = ("time", "node", "kind", "notice")
@@ -31,7 +33,7 @@ REGIMES: dict[str, float] = {"low": 3600.0, "medium": 1800.0, "high": 600.0}
 Arrivals = Literal["poisson", "uniform"]
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A trace that cannot be replayed; the message names the line and field when it came from a file."""
 
 

@@ -21,6 +21,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from liver.shared.errors import HandoffError
 from liver.worker_runtime.world import GroupKind, World, WorldBuild, WorldError, allreduce
 
 log = structlog.get_logger(__name__)
@@ -29,7 +30,7 @@ NO_TARGET = -1
 _FAR = 1 << 62  # stands for "no iteration" in the MAX reductions of enter_world
 
 
-class CutError(RuntimeError):
+class CutError(HandoffError):
     """The ranks broke the cut's contract (asked at different iterations): no rank may switch."""
 
 

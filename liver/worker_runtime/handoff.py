@@ -50,6 +50,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from liver.shared.errors import HandoffError
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan
@@ -137,7 +138,7 @@ class HandoffStage(StrEnum):
     COMMIT = "commit"
 
 
-class HandoffAborted(RuntimeError):
+class HandoffAborted(HandoffError):
     """The handoff did not commit; this process rolled back and the old world (if it had one) trains."""
 
     def __init__(self, generation: int, stage: HandoffStage, reason: str) -> None:
@@ -147,7 +148,7 @@ class HandoffAborted(RuntimeError):
         super().__init__(f"handoff to generation {generation} aborted at {stage}: {reason}")
 
 
-class HandoffFailed(RuntimeError):
+class HandoffFailed(HandoffError):
     """The handoff failed and the old world could not be restored (a process of it is gone): the job must
     fall back to its last checkpoint (I4's fail-stop branch; :class:`~.runtime.LiveRuntime` does when it
     has a checkpoint configured). ``stage`` and ``reason`` are the handoff's failure."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from liver.shared.errors import HandoffError
 from liver.worker_runtime.world import is_world_group
 
 log = structlog.get_logger(__name__)
@@ -34,7 +35,7 @@ log = structlog.get_logger(__name__)
 M = TypeVar("M")
 
 
-class MockWarmupError(RuntimeError):
+class MockWarmupError(HandoffError):
     """The warm-up cannot run here, or its step failed."""
 
 

@@ -43,6 +43,7 @@ from typing import Generic, TypeVar
 import msgspec
 import structlog
 
+from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
 from liver.worker_runtime.cut import NO_TARGET, CutVerdict, vote
@@ -102,7 +103,7 @@ _OUTCOME_POST_TIMEOUT_S = 5.0
 before, unless the process hosting it is the one that failed)."""
 
 
-class ResizeRejected(RuntimeError):
+class ResizeRejected(HandoffError):
     """A resize request this runtime cannot take now (one is being prepared, or it left the job)."""
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 from liver.shared.subjects import validate_token
 
@@ -48,7 +49,7 @@ Backend = Literal["gloo", "nccl"]
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 
 
-class WorldError(RuntimeError):
+class WorldError(HandoffError):
     """A world that cannot be built, used or released as asked."""
 
 
@@ -632,7 +633,7 @@ def build_world_async(
 def stream_devices(old: WorldSpec, new: WorldSpec) -> tuple[Device, ...]:
     """Every device of either world once: the old world's in old rank order, then the devices only the
     new world uses, in new rank order. Group rank i of the stream group runs on ``stream_devices[i]``
-    (the numbering ``executor_schedule.GroupRanks.by_device`` assumes)."""
+    (the numbering ``stream.schedule.GroupRanks.by_device`` assumes)."""
     order = dict.fromkeys(old.placement.devices)
     for device in new.placement.devices:
         order.setdefault(device)

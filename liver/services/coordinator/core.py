@@ -59,6 +59,7 @@ from typing import Final
 
 from msgspec.structs import replace
 
+from liver.shared.errors import InputError, LiverError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import (
     Abort,
@@ -173,11 +174,11 @@ class Wait(enum.StrEnum):
     ABORT_WRITE = "abort_write"
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(LiverError, RuntimeError):
     """A phase change the table does not allow: a bug in the machine, never a consequence of input."""
 
 
-class CoordinatorError(ValueError):
+class CoordinatorError(InputError):
     """A call the coordinator cannot honour (``restore`` of a wrong record or at a wrong time)."""
 
 

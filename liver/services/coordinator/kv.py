@@ -26,6 +26,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from liver.services import bus as b
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
+from liver.shared.errors import BusError
 
 from .actions import WriteRecord
 from .events import RecordConflict, RecordObserved, RecordWriteFailed, RecordWritten
@@ -36,10 +37,10 @@ log = structlog.get_logger(__name__)
 HISTORY: Final = 5
 """Revisions kept per key: the last few records help an operator reconstruct a handoff."""
 
-BusError: Final = (TimeoutError, nats.errors.Error, nats.js.errors.Error)
+BUS_FAILURES: Final = (TimeoutError, nats.errors.Error, nats.js.errors.Error)
 
 
-class RecordUnreadable(RuntimeError):
+class RecordUnreadable(BusError):
     """The stored record does not decode: no coordinator may guess what it said."""
 
 
@@ -93,7 +94,7 @@ class RecordStore:
                 revision = await self.kv.update(self.job_id, data, last=action.expected_revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return await self._conflict(action.expected_revision)
-        except BusError as exc:
+        except BUS_FAILURES as exc:
             return RecordWriteFailed(error=repr(exc)[:500])
         return RecordWritten(revision=revision)
 
@@ -104,7 +105,7 @@ class RecordStore:
             deleted = getattr(exc, "entry", None)
             revision = getattr(deleted, "revision", None) or 0
             return RecordConflict(stored=None, revision=revision)
-        except BusError as exc:
+        except BUS_FAILURES as exc:
             return RecordWriteFailed(error=f"conflict at revision {expected}, then the read failed: {exc!r}")
         assert entry.revision is not None
         try:

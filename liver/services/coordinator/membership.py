@@ -23,13 +23,14 @@ from typing import Literal
 
 import msgspec
 
+from liver.shared.errors import InputError
 from liver.shared.layout import Device
 from liver.shared.messages import Heartbeat, Hello
 
 ChangeKind = Literal["joined", "updated", "restarted", "replaced"]
 
 
-class MembershipError(ValueError):
+class MembershipError(InputError):
     """Presence that contradicts what is known; ``field`` names the message field at fault."""
 
     def __init__(self, field: str, reason: str) -> None:

@@ -82,7 +82,7 @@ from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
 from .core import Coordinator, GenerationPhase
 from .events import Event, RecordConflict, RecordWriteFailed, Tick
-from .kv import BusError, RecordStore
+from .kv import BUS_FAILURES, RecordStore
 
 log = structlog.get_logger(__name__)
 
@@ -372,7 +372,7 @@ class CoordinatorService(ConsumingService):
             self.counts["worker_rejected"] += 1
             try:
                 await b.reject_unstored(self._js, SOURCE, subject=msg.subject, data=msg.data, error=error)
-            except BusError as exc:
+            except BUS_FAILURES as exc:
                 with bind_message(job_id=self.job_id):
                     log.warning(
                         "worker_message_rejected",
@@ -551,7 +551,7 @@ class CoordinatorService(ConsumingService):
             try:
                 ack = await self._js.publish(subject, data, headers={s.HEADER_MSG_ID: msg_id})
                 return bool(ack.duplicate)
-            except BusError as exc:
+            except BUS_FAILURES as exc:
                 if attempt == PUBLISH_ATTEMPTS:
                     raise
                 log.warning("publish_retried", subject=subject, attempt=attempt, error=repr(exc))
@@ -586,7 +586,7 @@ class CoordinatorService(ConsumingService):
             await self._js.purge_stream(f"KV_{action.kv_bucket}", subject=subject)
         except nats.js.errors.NotFoundError:
             return "no bucket"
-        except BusError as exc:
+        except BUS_FAILURES as exc:
             log.warning("plan_release_failed", entries=subject, error=repr(exc))
             return "failed"
         return "purged"
@@ -600,7 +600,7 @@ class CoordinatorService(ConsumingService):
             store = await self._js.object_store(bucket)
         except nats.js.errors.NotFoundError:
             return 0, len(names), 0  # no store: nothing to delete
-        except BusError as exc:
+        except BUS_FAILURES as exc:
             log.warning("plan_release_failed", bucket=bucket, error=repr(exc))
             return 0, 0, len(names)
         deleted = missing = 0
@@ -615,7 +615,7 @@ class CoordinatorService(ConsumingService):
                     deleted += 1
                 except nats.js.errors.NotFoundError:
                     missing += 1
-                except BusError as exc:
+                except BUS_FAILURES as exc:
                     failed.append(name)
                     if len(failed) == 1:
                         log.warning("plan_release_failed", object=name, error=repr(exc))

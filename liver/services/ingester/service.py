@@ -31,6 +31,7 @@ from liver.services.host import Bus, ConsumingService
 from liver.services.ingester import core
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
+from liver.shared.errors import BusError
 from liver.shared.logs import bind_message
 from liver.shared.messages import JobMembership
 
@@ -63,7 +64,7 @@ class IngesterSettings(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
 
 
-class MembershipUnreadable(RuntimeError):
+class MembershipUnreadable(BusError):
     """The coordinator's membership record for a job does not decode: not the event's fault, so the
     event is retried rather than rejected."""
 

@@ -46,6 +46,7 @@ from liver.services.transfer.placement import (
     optimized_placement,
 )
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
+from liver.shared.errors import PlanningError
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.messages import Candidate
 from liver.shared.model import ModelSpec
@@ -66,7 +67,7 @@ _RULE_WORDS: dict[str, str] = {
 }
 
 
-class TopologyError(ValueError):
+class TopologyError(PlanningError):
     """No layout of the device set is valid and fits; ``candidates`` says why for each."""
 
     def __init__(self, message: str, candidates: tuple[CandidateScore, ...] = ()) -> None:

@@ -25,6 +25,7 @@ from typing import Annotated, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from liver.shared.errors import InputError
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
 from liver.shared.views import tp_shard
@@ -34,7 +35,7 @@ GiB = 1024**3
 Recompute = Literal["none", "selective", "full"]
 
 
-class SetupError(ValueError):
+class SetupError(InputError):
     """A training setup or hardware profile that the planner cannot reason about."""
 
 

@@ -30,6 +30,7 @@ import msgspec
 from msgspec import Meta
 
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
+from liver.shared.errors import InputError
 from liver.shared.model import PRESETS, ModelError, ModelSpec, load_model
 from liver.shared.subjects import SubjectError, validate_token
 
@@ -47,7 +48,7 @@ SEQUENCE_LENGTH_ENV: Final = "LIVER_TOPOLOGY_SEQUENCE_LENGTH"
 """The default profile's training setup (batch sizes in sequences, length in tokens)."""
 
 
-class TopologyConfigError(ValueError):
+class TopologyConfigError(InputError):
     """The configuration cannot be used; the message names the variable or JSON path."""
 
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import msgspec
 
 from liver.shared.boxes import Box, split, volume
+from liver.shared.errors import PlanningError
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, Slice, TransferTask, WorldConfig
@@ -48,7 +49,7 @@ LOST_DEVICES_NAMED = 8
 """How many lost devices a :class:`NoSurvivingSource` message lists before it only counts the rest."""
 
 
-class NoSurvivingSource(ValueError):
+class NoSurvivingSource(PlanningError):
     """Part of the training state was held only by lost devices, so no transfer plan can rebuild it.
 
     Not a bug in the plan's inputs: the job cannot continue live and must fall back to its checkpoint

@@ -36,6 +36,7 @@ from nats.js.object_store import (
 )
 
 from liver.shared.codec import MessageError
+from liver.shared.errors import BusError
 from liver.shared.layout import Device, LayoutError
 from liver.shared.messages import ObjectRef, Prepare, SliceLocation
 from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_participants
@@ -53,7 +54,7 @@ MISSING_RETRY_S: Final = (0.02, 0.05, 0.1, 0.2, 0.5)
 """Pauses between reads of a key-value entry that is not there yet (then the last one, repeatedly)."""
 
 
-class PlanFetchError(RuntimeError):
+class PlanFetchError(BusError):
     """The slice could not be read (missing entry or object, digest or size mismatch, bus failure or
     timeout)."""
 

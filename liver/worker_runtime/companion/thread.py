@@ -41,6 +41,7 @@ import structlog
 from nats.aio.client import Client
 
 from liver.shared.connection import connect_options
+from liver.shared.errors import BusError
 from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase, WorkerStatus
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
@@ -59,7 +60,7 @@ CLOSE_TIMEOUT_S: Final = 15.0
 """Longer than the connection's drain timeout (10 s), so a drain that hangs is cut by nats-py first."""
 
 
-class CompanionError(RuntimeError):
+class CompanionError(BusError):
     """The companion could not connect, or was used after it closed."""
 
 

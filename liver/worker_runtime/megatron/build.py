@@ -34,6 +34,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from liver.shared.errors import HandoffError
 from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.views import view
@@ -80,7 +81,7 @@ _DERIVED_FIELDS = frozenset(
 )
 
 
-class MegatronBuildError(RuntimeError):
+class MegatronBuildError(HandoffError):
     """Megatron built (or would build) a model that does not match the LiveR model and layout."""
 
 

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import _get_scalar_dtype
 
+from liver.shared.errors import HandoffError
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.state import (
@@ -119,7 +120,7 @@ _TMP_PREFIX = ".tmp-"
 T = TypeVar("T")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HandoffError):
     """A checkpoint that cannot be written, found, trusted or loaded as asked."""
 
 

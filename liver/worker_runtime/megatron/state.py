@@ -37,6 +37,7 @@ import structlog
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
+from liver.shared.errors import InputError
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.views import view
@@ -56,7 +57,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYERS = "decoder.layers."
 
 
-class StateMismatch(ValueError):
+class StateMismatch(InputError):
     """A local state that does not agree with the view function (or the model) for some tensor."""
 
 

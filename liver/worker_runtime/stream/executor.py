@@ -37,7 +37,7 @@ given in ``into`` are the caller's and never extra), so::
 A step's send copies cannot wait for its staged pieces to be copied out (two processes doing that to
 each other would deadlock), so both must fit in ``B`` at once: pieces are at most half of ``B``, and a
 plan in which some step stages so much that one piece no longer fits beside it is refused before any
-message with a :class:`PlanMismatch` naming the step (see ``executor_schedule.buffer_bytes``).
+message with a :class:`PlanMismatch` naming the step (see ``.schedule.buffer_bytes``).
 
 Old state versus invariant I4. Freeing each old layer as soon as no later step reads it keeps the
 footprint near ``max(old, new)`` plus the extra, but a failure after the first free leaves a state that
@@ -72,6 +72,7 @@ import msgspec
 import structlog
 import torch
 
+from liver.shared.errors import HandoffError
 from liver.shared.plan import Plan
 from liver.shared.views import Shard
 from liver.worker_runtime.stream.memory import MemoryLedger
@@ -135,7 +136,7 @@ class P2PGroup(Protocol):
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work: ...
 
 
-class StreamError(RuntimeError):
+class StreamError(HandoffError):
     """The stream stopped because a peer failed or fell silent; names the peer and where it happened."""
 
     def __init__(

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import msgspec
 
 from liver.shared.boxes import Box, contains, split, volume
+from liver.shared.errors import InputError
 from liver.shared.layout import Device
 from liver.shared.model import TensorSpec
 from liver.shared.plan import Plan, TransferTask
@@ -36,7 +37,7 @@ Region = tuple[tuple[int, int], ...]
 """A box in a local tensor's own indices (0-based), as ``(lo, hi)`` per dimension."""
 
 
-class PlanMismatch(ValueError):
+class PlanMismatch(InputError):
     """The plan, this process's identity and its group numbering do not fit together."""
 
 
