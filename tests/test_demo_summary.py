@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from liver.demo.observer import Observer, Seen, Trigger
+from liver.demo.observer import Arrival, Observer, PublishedTrigger
 from liver.demo.runlog import RunLog
 from liver.demo.scenario import FULL, SHORT, Scenario
 from liver.demo.summary import DemoResult, StepPoint, generation_rows, print_summary
@@ -43,7 +43,9 @@ def write_steps(path: Path, worker: str, steps: list[tuple[int, float, int]], la
 
 def observer_with_one_commit() -> Observer:
     observer = Observer(nc=None, job_id="demo")  # type: ignore[arg-type]
-    observer.triggers.append(Trigger("spot_warning", "evt-1", "spot warning n1", "n1 reclaimed", T0 + 10))
+    observer.triggers.append(
+        PublishedTrigger("spot_warning", "evt-1", "spot warning n1", "n1 reclaimed", T0 + 10)
+    )
     planned = TopologyPlanned(
         job_id="demo",
         event_id="evt-1",
@@ -69,8 +71,8 @@ def observer_with_one_commit() -> Observer:
         bytes_moved=4096,
         committed_at=datetime.now(UTC),
     )
-    observer.topology[1] = Seen(T0 + 10.5, planned)
-    observer.committed[1] = Seen(T0 + 12.0, committed)
+    observer.topology[1] = Arrival(T0 + 10.5, planned)
+    observer.committed[1] = Arrival(T0 + 12.0, committed)
     return observer
 
 
@@ -118,7 +120,9 @@ def test_a_row_joins_trigger_plan_commit_and_the_losses_around_the_cut(tmp_path:
 
 def test_a_trigger_the_planner_never_answered_has_no_row(tmp_path: Path) -> None:
     observer = observer_with_one_commit()
-    observer.triggers.append(Trigger("scale_request", "evt-2", "scale request +n2", "add n2", T0 + 20))
+    observer.triggers.append(
+        PublishedTrigger("scale_request", "evt-2", "scale request +n2", "add n2", T0 + 20)
+    )
     runlog = RunLog(tmp_path)
     runlog.refresh()
     assert [r.event_id for r in generation_rows(observer, runlog)] == ["evt-1"]

@@ -30,7 +30,7 @@ from liver.worker_runtime.stream.executor import (
 )
 from liver.worker_runtime.stream.schedule import (
     Schedule,
-    Step,
+    StreamStep,
     align,
     buffer_bytes,
     build_schedule,
@@ -182,7 +182,7 @@ def test_pieces_are_at_most_half_the_budget_whatever_message_bytes_says() -> Non
 
 
 def test_a_step_that_leaves_no_room_for_one_send_copy_is_refused_naming_it() -> None:
-    crowded = Step(
+    crowded = StreamStep(
         layer=3,
         round=1,
         tag=0,
@@ -199,8 +199,8 @@ def test_a_step_that_leaves_no_room_for_one_send_copy_is_refused_naming_it() -> 
 
 
 def test_the_buffer_holds_the_largest_step_and_its_copies_up_to_their_budget() -> None:
-    staged = Step(3, 0, 0, (), (), (), 1000, (), 0, 0)
-    copying = Step(3, 1, 0, (), (), (), 100, (), 40_000, 8192)
+    staged = StreamStep(3, 0, 0, (), (), (), 1000, (), 0, 0)
+    copying = StreamStep(3, 1, 0, (), (), (), 100, (), 40_000, 8192)
     # 100 staged bytes, aligned to 104, then two pieces' worth (the copy budget) above them.
     assert buffer_bytes([staged, copying], 1 << 20, 16_384, 0, 0) == 104 + 16_384
     assert buffer_bytes([staged, copying], 10_000, 16_384, 0, 0) == 10_000

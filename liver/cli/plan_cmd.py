@@ -18,7 +18,7 @@ from liver.shared.plan_file import write_plan
 MIB = 1024 * 1024
 
 
-class PlanSummary(msgspec.Struct, kw_only=True):
+class PlanPrintout(msgspec.Struct, kw_only=True):
     """What ``liver plan --json`` prints."""
 
     model: str
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_plan(rp.plan, args.out)
     s = rp.stats
-    summary = PlanSummary(
+    summary = PlanPrintout(
         model=model.name,
         old_layout=args.old.describe(),
         new_layout=args.new.describe(),
@@ -197,7 +197,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def _print_summary(s: PlanSummary) -> None:
+def _print_summary(s: PlanPrintout) -> None:
     ratio = s.bytes_moved_rank_order / s.bytes_moved if s.bytes_moved else float("inf")
     rows = [
         ("model", s.model),

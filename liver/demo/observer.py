@@ -52,7 +52,7 @@ class DemoTimeout(LiverError, TimeoutError):
 
 
 @dataclass(frozen=True)
-class Seen:
+class Arrival:
     """A message and the wall-clock time it arrived."""
 
     t: float
@@ -60,7 +60,7 @@ class Seen:
 
 
 @dataclass(frozen=True)
-class Trigger:
+class PublishedTrigger:
     kind: TriggerKind
     event_id: str
     label: str  # short, for tables: "spot warning node001"
@@ -72,20 +72,20 @@ class Trigger:
 class Observer:
     nc: Client
     job_id: str
-    hellos: dict[str, Seen] = field(default_factory=dict)
-    beats: dict[str, Seen] = field(default_factory=dict)
-    statuses: list[Seen] = field(default_factory=list)
-    topology: dict[int, Seen] = field(default_factory=dict)
-    transfer: dict[int, Seen] = field(default_factory=dict)
-    committed: dict[int, Seen] = field(default_factory=dict)
-    aborted: list[Seen] = field(default_factory=list)
-    errors: list[Seen] = field(default_factory=list)
-    triggers: list[Trigger] = field(default_factory=list)
+    hellos: dict[str, Arrival] = field(default_factory=dict)
+    beats: dict[str, Arrival] = field(default_factory=dict)
+    statuses: list[Arrival] = field(default_factory=list)
+    topology: dict[int, Arrival] = field(default_factory=dict)
+    transfer: dict[int, Arrival] = field(default_factory=dict)
+    committed: dict[int, Arrival] = field(default_factory=dict)
+    aborted: list[Arrival] = field(default_factory=list)
+    errors: list[Arrival] = field(default_factory=list)
+    triggers: list[PublishedTrigger] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> None:
         job = self.job_id
-        routes: list[tuple[str, type, Callable[[Seen], None]]] = [
+        routes: list[tuple[str, type, Callable[[Arrival], None]]] = [
             (s.worker_hello(job), Hello, lambda m: self.hellos.__setitem__(m.message.worker_id, m)),
             (s.worker_heartbeat(job), Heartbeat, lambda m: self.beats.__setitem__(m.message.worker_id, m)),
             (s.worker_status(job), WorkerStatus, self.statuses.append),
@@ -99,7 +99,7 @@ class Observer:
             await self.nc.subscribe(subject, cb=self._receiver(kind, sink))
         await self.nc.flush()
 
-    def _receiver(self, kind: type, sink: Callable[[Seen], None]) -> Callable[[Msg], Any]:
+    def _receiver(self, kind: type, sink: Callable[[Arrival], None]) -> Callable[[Msg], Any]:
         async def cb(msg: Msg) -> None:
             try:
                 message = decode(msg.data, kind)
@@ -108,13 +108,13 @@ class Observer:
                 return
             if getattr(message, "job_id", self.job_id) not in (self.job_id, None):
                 return
-            sink(Seen(time.time(), message))
+            sink(Arrival(time.time(), message))
             self._changed.set()
 
         return cb
 
     @staticmethod
-    def _by_generation(book: dict[int, Seen], seen: Seen) -> None:
+    def _by_generation(book: dict[int, Arrival], seen: Arrival) -> None:
         book.setdefault(seen.message.generation, seen)
 
     # -- waiting ----------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class Observer:
 
     # -- the two events ---------------------------------------------------------------------------------
 
-    async def spot_warning(self, node: str, notice_s: float) -> Trigger:
+    async def spot_warning(self, node: str, notice_s: float) -> PublishedTrigger:
         event_id = f"{self.job_id}-spot-{node}-{int(time.time())}"
         warning = SpotWarning(
             job_id=self.job_id, event_id=event_id, node=node, provider="demo", notice_s=notice_s
@@ -182,7 +182,7 @@ class Observer:
             f"spot warning: {node} reclaimed in {notice_s:.0f} s",
         )
 
-    async def scale_request(self, node: str, devices: tuple[int, ...]) -> Trigger:
+    async def scale_request(self, node: str, devices: tuple[int, ...]) -> PublishedTrigger:
         event_id = f"{self.job_id}-scale-{node}-{int(time.time())}"
         request = ScaleRequest(
             job_id=self.job_id,
@@ -200,10 +200,10 @@ class Observer:
 
     async def _publish(
         self, subject: str, message: msgspec.Struct, kind: TriggerKind, label: str, description: str
-    ) -> Trigger:
+    ) -> PublishedTrigger:
         event_id = message.event_id  # type: ignore[attr-defined]
         await self.nc.jetstream().publish(subject, encode(message), headers={s.HEADER_MSG_ID: event_id})
-        trigger = Trigger(kind, event_id, label, description, time.time())
+        trigger = PublishedTrigger(kind, event_id, label, description, time.time())
         self.triggers.append(trigger)
         log.info("demo.event_published", subject=subject, event_id=event_id)
         return trigger

@@ -39,7 +39,7 @@ import nats
 import structlog
 from rich.console import Console
 
-from liver.demo.observer import DemoTimeout, Observer, Trigger
+from liver.demo.observer import DemoTimeout, Observer, PublishedTrigger
 from liver.demo.procs import MARK_ENV, ProcessBook, leftovers
 from liver.demo.progress import Progress
 from liver.demo.runlog import RunLog
@@ -236,7 +236,9 @@ async def _until_iteration(observer: Observer, runlog: RunLog, iteration: int, t
     await observer.until(f"iteration {iteration}", reached, timeout_s)
 
 
-async def _wait_committed(observer: Observer, trigger: Trigger, timeout_s: float, progress: Progress) -> int:
+async def _wait_committed(
+    observer: Observer, trigger: PublishedTrigger, timeout_s: float, progress: Progress
+) -> int:
     """The cut iteration of the generation that serves ``trigger``; fails on an abort that is final."""
     outcome: list[GenerationCommitted | GenerationAborted] = []
 
@@ -409,5 +411,5 @@ def _result(
     return result
 
 
-def _published(triggers: list[Trigger], event_id: str) -> float:
+def _published(triggers: list[PublishedTrigger], event_id: str) -> float:
     return next(t.published_at for t in triggers if t.event_id == event_id)

@@ -110,7 +110,7 @@ def _worker_entry(settings_json: bytes, url: str, environ: dict[str, str], log_p
 
 
 @dataclass
-class Started:
+class DemoProcess:
     """One process the demo started."""
 
     name: str
@@ -162,7 +162,7 @@ class ProcessBook:
     log_dir: Path
     environ: Mapping[str, str]
     """The environment of every child (the demo's, plus bus settings and :data:`MARK_ENV`)."""
-    started: list[Started] = field(default_factory=list)
+    started: list[DemoProcess] = field(default_factory=list)
     _preloaded: bool = False
 
     def __post_init__(self) -> None:
@@ -170,7 +170,7 @@ class ProcessBook:
         if MARK_ENV not in self.environ:
             raise ValueError(f"`environ`: must carry {MARK_ENV} so that leftovers can be found")
 
-    def start_service(self, name: str, extra_env: Mapping[str, str] | None = None) -> Started:
+    def start_service(self, name: str, extra_env: Mapping[str, str] | None = None) -> DemoProcess:
         log_path = self.log_dir / f"service-{name}.log"
         env = {**self.environ, **(extra_env or {})}
         with log_path.open("ab") as out:
@@ -183,12 +183,12 @@ class ProcessBook:
                 start_new_session=True,
                 preexec_fn=_service_preexec,
             )
-        entry = Started(name=name, kind="service", pid=popen.pid, log_path=log_path, popen=popen)
+        entry = DemoProcess(name=name, kind="service", pid=popen.pid, log_path=log_path, popen=popen)
         self.started.append(entry)
         log.info("demo.service_started", service=name, pid=popen.pid)
         return entry
 
-    def start_worker(self, name: str, settings_json: bytes, url: str) -> Started:
+    def start_worker(self, name: str, settings_json: bytes, url: str) -> DemoProcess:
         """Fork a worker from the preloaded fork server (the first call waits for the preload)."""
         if not self._preloaded:
             _ctx.set_forkserver_preload(PRELOAD)
@@ -202,18 +202,18 @@ class ProcessBook:
         )
         process.start()
         assert process.pid is not None
-        entry = Started(name=name, kind="worker", pid=process.pid, log_path=log_path, process=process)
+        entry = DemoProcess(name=name, kind="worker", pid=process.pid, log_path=log_path, process=process)
         self.started.append(entry)
         log.info("demo.worker_started", worker=name, pid=process.pid)
         return entry
 
-    def workers(self) -> list[Started]:
+    def workers(self) -> list[DemoProcess]:
         return [p for p in self.started if p.kind == "worker"]
 
-    def services(self) -> list[Started]:
+    def services(self) -> list[DemoProcess]:
         return [p for p in self.started if p.kind == "service"]
 
-    def stop(self, entries: list[Started], grace_s: float, sig: int = signal.SIGTERM) -> None:
+    def stop(self, entries: list[DemoProcess], grace_s: float, sig: int = signal.SIGTERM) -> None:
         """``sig`` to each live entry's group, then SIGKILL to those still alive after ``grace_s``."""
         live = [p for p in entries if p.alive()]
         for p in live:

@@ -15,7 +15,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from liver.demo.observer import Observer, Trigger
+from liver.demo.observer import Observer, PublishedTrigger
 from liver.demo.runlog import RunLog, TracePoint
 from liver.shared.messages import GenerationAborted, GenerationCommitted, TopologyPlanned
 
@@ -90,7 +90,7 @@ def generation_rows(observer: Observer, runlog: RunLog) -> list[GenerationRow]:
     return rows
 
 
-def _planned_for(observer: Observer, trigger: Trigger) -> TopologyPlanned | None:
+def _planned_for(observer: Observer, trigger: PublishedTrigger) -> TopologyPlanned | None:
     for generation in sorted(observer.topology):
         planned: TopologyPlanned = observer.topology[generation].message
         if planned.event_id == trigger.event_id:
@@ -99,7 +99,7 @@ def _planned_for(observer: Observer, trigger: Trigger) -> TopologyPlanned | None
 
 
 def _row(
-    observer: Observer, trigger: Trigger, planned: TopologyPlanned, trace: list[TracePoint]
+    observer: Observer, trigger: PublishedTrigger, planned: TopologyPlanned, trace: list[TracePoint]
 ) -> GenerationRow:
     g = planned.generation
     outcome = observer.outcome(g)

@@ -83,7 +83,7 @@ from liver.worker_runtime.stream.schedule import (
     PlanMismatch,
     Region,
     Schedule,
-    Step,
+    StreamStep,
     align,
     build_schedule,
     devices_in_stream_order,
@@ -474,7 +474,7 @@ class _Posted:
 
     def __init__(
         self,
-        step: Step,
+        step: StreamStep,
         base: int,
         recvs: list[_Pending],
         sends: list[_Pending],
@@ -662,7 +662,7 @@ class _Stream:
             )
             out.append(stats)
 
-        def can_post_ahead(st: Step) -> bool:
+        def can_post_ahead(st: StreamStep) -> bool:
             if not self.ahead or st.copy_bytes or any(p.step.copy_bytes for p in posted):
                 return False
             return not st.staging_bytes or ring.place(align(st.staging_bytes)) is not None
@@ -718,7 +718,7 @@ class _Stream:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def _post_recvs(self, step: Step, ring: _CopyRing) -> _Posted:
+    def _post_recvs(self, step: StreamStep, ring: _CopyRing) -> _Posted:
         """Post the step's receives (staged ones into its part of the buffer)."""
         if self.on_step is not None:
             self.on_step(step.layer, step.round)
@@ -765,7 +765,7 @@ class _Stream:
             work = self._post(step, msg, "send", lambda b=src, m=msg: self.group.send([b], m.peer, step.tag))
             posted.sends.append(_Pending(work, msg, "send", copy_bytes, src))
 
-    def _copy_local(self, step: Step) -> int:
+    def _copy_local(self, step: StreamStep) -> int:
         """The slices that stay here, while the step's messages are in flight; returns the bytes."""
         nbytes = 0
         for c in step.copies:
@@ -814,14 +814,14 @@ class _Stream:
         return self.buffer[offset : offset + msg.nbytes].view(dtype).view(_extent(msg.region))
 
     def _post(
-        self, step: Step, msg: PeerMessage, direction: Literal["send", "recv"], call: Callable[[], Work]
+        self, step: StreamStep, msg: PeerMessage, direction: Literal["send", "recv"], call: Callable[[], Work]
     ) -> Work:
         try:
             return call()
         except RuntimeError as exc:
             raise self._error(step, msg, direction, str(exc)) from exc
 
-    def _wait(self, step: Step, p: _Pending, deadline: float) -> float:
+    def _wait(self, step: StreamStep, p: _Pending, deadline: float) -> float:
         """Wait for one message until the step's deadline; frees its send copy. Returns seconds waited."""
         t0 = time.perf_counter()
         left = max(deadline - time.monotonic(), 0.001)
@@ -836,7 +836,7 @@ class _Stream:
         return time.perf_counter() - t0
 
     def _error(
-        self, step: Step, msg: PeerMessage, direction: Literal["send", "recv"], reason: str
+        self, step: StreamStep, msg: PeerMessage, direction: Literal["send", "recv"], reason: str
     ) -> StreamError:
         err = StreamError(
             layer=step.layer,

@@ -98,7 +98,7 @@ class LocalCopy(NamedTuple):
     nbytes: int
 
 
-class Step(NamedTuple):
+class StreamStep(NamedTuple):
     """This process's share of one streaming step ``(layer, round)``.
 
     Sends are ordered by destination, receives by source, each in task and slice order, which is the
@@ -123,7 +123,7 @@ class LayerWork(NamedTuple):
     layer: int
     new_tensors: tuple[int, ...]
     new_bytes: int
-    steps: tuple[Step, ...]
+    steps: tuple[StreamStep, ...]
 
 
 class Schedule(NamedTuple):
@@ -138,7 +138,7 @@ class Schedule(NamedTuple):
     buffer_bytes: int  # the one buffer for staged pieces and send copies (at most the plan's budget)
     copy_budget: int  # the most bytes of send copies alive at once
 
-    def steps(self) -> Iterator[Step]:
+    def steps(self) -> Iterator[StreamStep]:
         for lw in self.layers:
             yield from lw.steps
 
@@ -374,7 +374,7 @@ def build_schedule(
     new_by_layer: dict[int, list[int]] = defaultdict(list)
     for ti in new_shards:
         new_by_layer[tensors[ti].layer].append(ti)
-    steps_by_layer: dict[int, list[Step]] = defaultdict(list)
+    steps_by_layer: dict[int, list[StreamStep]] = defaultdict(list)
     staging_max = 0
     for (layer, rnd), (recvs, sends, copies) in sorted(by_step.items()):
         recvs_placed, need = _place_staging(recvs, tensors)
@@ -388,7 +388,7 @@ def build_schedule(
         sends.sort(key=lambda m: m.peer_rank)
         copied = [align(m.nbytes) for m in sends if m.copy]
         steps_by_layer[layer].append(
-            Step(
+            StreamStep(
                 layer,
                 rnd,
                 step_tag(layer, rnd),
@@ -424,7 +424,7 @@ def build_schedule(
 
 
 def buffer_bytes(
-    steps: Sequence[Step], budget: int, copy_budget: int, old_rank: int | None, new_rank: int | None
+    steps: Sequence[StreamStep], budget: int, copy_budget: int, old_rank: int | None, new_rank: int | None
 ) -> int:
     """The one buffer's size: the most any step needs for its staged pieces plus up to ``copy_budget``
     of send copies above them, capped at ``budget``.
