@@ -59,13 +59,13 @@ def test_json_mode_prints_exactly_one_object_and_exits_0(quick_run: tuple[int, s
 
 
 def test_report_has_every_field_of_its_schema(report: dict[str, Any]) -> None:
-    assert set(report) == _fields(schema.BenchReport)
+    assert set(report) == _fields(schema.BusBenchReport)
     for size in report["sizes"]:
         assert set(size) == _fields(schema.SizeReport)
         assert set(size["contract"]) == _fields(schema.ContractReport)
         assert set(size["commit_ms"]) == _fields(schema.Stat)
         for record in size["records"]:
-            assert set(record) == _fields(schema.EventRecord)
+            assert set(record) == _fields(schema.BusEventRecord)
 
 
 def test_every_event_of_every_size_committed(report: dict[str, Any]) -> None:

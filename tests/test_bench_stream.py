@@ -19,6 +19,8 @@ import torch
 
 from liver.bench.procs import ProcsError, run_procs
 from liver.bench.stream import bench as stream_bench
+from liver.bench.stream import workload
+from liver.bench.stream.report import StreamBenchReport
 from liver.shared.model import ModelSpec
 from liver.shared.views import tp_shard
 
@@ -70,7 +72,7 @@ def test_json_mode_prints_exactly_one_object_and_exits_zero(quick_run: tuple[int
 
 @pytest.mark.slow
 def test_report_decodes_into_its_schema(report: dict[str, Any]) -> None:
-    decoded = msgspec.json.decode(json.dumps(report), type=stream_bench.BenchReport, strict=True)
+    decoded = msgspec.json.decode(json.dumps(report), type=StreamBenchReport, strict=True)
     assert decoded.config.quick is True
     assert (decoded.config.old_layout, decoded.config.new_layout) == ("TP2,PP1,DP1", "TP1,PP1,DP2")
 
@@ -194,53 +196,53 @@ def test_table_mode_prints_the_breakdown_and_the_checks(capsys: pytest.CaptureFi
 
 @pytest.mark.parametrize("mib", [8, 100, 1024])
 def test_synthetic_model_hits_the_requested_size_within_one_vocabulary_row(mib: int) -> None:
-    target = mib * stream_bench.MIB
-    model = stream_bench.synthetic_model(target)
-    size = stream_bench.state_bytes(model)
-    row = stream_bench.state_bytes(msgspec.structs.replace(model, vocab_size=model.vocab_size + 1)) - size
+    target = mib * workload.MIB
+    model = workload.synthetic_model(target)
+    size = workload.state_bytes(model)
+    row = workload.state_bytes(msgspec.structs.replace(model, vocab_size=model.vocab_size + 1)) - size
     assert size <= target < size + row
-    assert model.hidden_size % stream_bench.HIDDEN_STEP == 0
+    assert model.hidden_size % workload.HIDDEN_STEP == 0
 
 
 def test_decoder_layers_hold_most_of_the_synthetic_state() -> None:
-    model = stream_bench.synthetic_model(1024 * stream_bench.MIB)
+    model = workload.synthetic_model(1024 * workload.MIB)
     tensors = model.tensors(optimizer=True)
     in_layers = sum(t.nbytes for t in tensors if 1 <= t.layer <= model.num_layers)
-    assert in_layers > 0.9 * stream_bench.state_bytes(model)
+    assert in_layers > 0.9 * workload.state_bytes(model)
 
 
 def test_a_box_of_content_is_that_slice_of_the_whole_tensor() -> None:
     """What makes the checksum check sound: a process computes another process's slice by itself."""
-    model = stream_bench.synthetic_model(8 * stream_bench.MIB)
+    model = workload.synthetic_model(8 * workload.MIB)
     for ti, t in enumerate(model.tensors(optimizer=True)[:8]):
-        whole = stream_bench.box_content(ti, t, tuple((0, n) for n in t.shape))
+        whole = workload.box_content(ti, t, tuple((0, n) for n in t.shape))
         for tp_rank in range(2):
             shard = tp_shard(t, model, 2, tp_rank)
             assert shard.box is not None
-            part = stream_bench.box_content(ti, t, shard.box)
+            part = workload.box_content(ti, t, shard.box)
             assert torch.equal(part, whole[tuple(slice(lo, hi) for lo, hi in shard.box)]), t.name
 
 
 def test_content_differs_between_tensors_and_elements() -> None:
-    model = stream_bench.synthetic_model(8 * stream_bench.MIB)
+    model = workload.synthetic_model(8 * workload.MIB)
     tensors = model.tensors(optimizer=True)
     ti = next(
         i for i, t in enumerate(tensors) if t.name.endswith("linear_fc1.weight") and t.role == "exp_avg"
     )
     box = ((0, 64), (0, 48))
-    a = stream_bench.box_content(ti, tensors[ti], box)
-    b = stream_bench.box_content(ti + 1, tensors[ti + 1], box)
+    a = workload.box_content(ti, tensors[ti], box)
+    b = workload.box_content(ti + 1, tensors[ti + 1], box)
     assert a.unique().numel() > 0.9 * a.numel()
     assert not torch.equal(a, b.to(a.dtype))
 
 
 @pytest.mark.parametrize("mib", [0.0625, 1, 64, 4096])
 def test_message_split_leaves_room_for_staging_beside_two_pieces(mib: float) -> None:
-    budget = int(mib * stream_bench.MIB)
-    copies, message = stream_bench.message_split(budget)
+    budget = int(mib * workload.MIB)
+    copies, message = workload.message_split(budget)
     assert copies == 2 * message <= budget // 4
     assert message >= 8 and message % 8 == 0
-    assert message <= stream_bench.MAX_MESSAGE_BYTES
+    assert message <= workload.MAX_MESSAGE_BYTES
 
 
 @pytest.mark.parametrize(
@@ -263,7 +265,7 @@ def test_bad_options_are_rejected_naming_the_option(argv: tuple[str, ...], field
 
 
 def test_pp_to_tp_accepts_three_processes() -> None:
-    old, new = stream_bench.reshape_layouts("pp-to-tp", 3)
+    old, new = workload.reshape_layouts("pp-to-tp", 3)
     assert (old.pp, new.tp) == (3, 3)
 
 

@@ -26,7 +26,6 @@ import gc
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import msgspec
 import torch
 
 from liver.bench.dcp_baseline import build_workload, time_load_planning
+from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
 from liver.services.transfer.planner import ResizePlan, plan_resize
 from liver.shared.layout import ParallelLayout, Placement, grid_devices, parse_devices
 from liver.shared.model import PRESETS
@@ -48,7 +48,7 @@ DEFAULT_DCP_BUDGET_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
-class Scenario:
+class PlanScenario:
     """One resize: a model, the old world on whole nodes in rank order, and the new layout and devices."""
 
     name: str
@@ -64,8 +64,8 @@ def _every_16th_node(count: int) -> str:
     return "drop:" + ",".join(f"node{n:03d}" for n in range(15, 16 * count, 16))
 
 
-FULL: tuple[Scenario, ...] = (
-    Scenario(
+FULL: tuple[PlanScenario, ...] = (
+    PlanScenario(
         "scale-in",
         "gpt3-175b + fp32 master + Adam: 128 nodes -> 120 (spot reclaims nodes 15, 31, ..., 127)",
         "gpt3-175b",
@@ -74,7 +74,7 @@ FULL: tuple[Scenario, ...] = (
         8,
         _every_16th_node(8),
     ),
-    Scenario(
+    PlanScenario(
         "scale-out",
         "gpt3-175b + optimizer: the 8 reclaimed nodes come back, 120 nodes -> 128",
         "gpt3-175b",
@@ -83,7 +83,7 @@ FULL: tuple[Scenario, ...] = (
         8,
         "add:8x8",
     ),
-    Scenario(
+    PlanScenario(
         "tp-change",
         "gpt3-175b + optimizer: TP8 -> TP4 on the same 1,024 devices",
         "gpt3-175b",
@@ -92,7 +92,7 @@ FULL: tuple[Scenario, ...] = (
         8,
         "",
     ),
-    Scenario(
+    PlanScenario(
         "pp-change",
         "gpt3-175b + optimizer: PP16 -> PP8 on the same 1,024 devices",
         "gpt3-175b",
@@ -101,7 +101,7 @@ FULL: tuple[Scenario, ...] = (
         8,
         "",
     ),
-    Scenario(
+    PlanScenario(
         "llama-gqa",
         "llama2-70b (GQA, SwiGLU, untied) + optimizer: TP, PP and DP change, 128 nodes -> 120",
         "llama2-70b",
@@ -112,8 +112,8 @@ FULL: tuple[Scenario, ...] = (
     ),
 )
 
-QUICK: tuple[Scenario, ...] = (
-    Scenario(
+QUICK: tuple[PlanScenario, ...] = (
+    PlanScenario(
         "scale-in",
         "tiny-gpt + optimizer: 4 nodes of 4 -> 3 (node001 reclaimed)",
         "tiny-gpt",
@@ -122,10 +122,10 @@ QUICK: tuple[Scenario, ...] = (
         4,
         "drop:node001",
     ),
-    Scenario(
+    PlanScenario(
         "scale-out", "tiny-gpt + optimizer: 3 nodes of 4 -> 4", "tiny-gpt", "2,2,3", "2,4,2", 4, "add:1x4"
     ),
-    Scenario(
+    PlanScenario(
         "tp-change",
         "tiny-gpt + optimizer: TP2 -> TP4 on the same 8 devices",
         "tiny-gpt",
@@ -134,7 +134,7 @@ QUICK: tuple[Scenario, ...] = (
         4,
         "",
     ),
-    Scenario(
+    PlanScenario(
         "pp-change",
         "tiny-gpt + optimizer: PP2 -> PP4 on the same 8 devices",
         "tiny-gpt",
@@ -143,7 +143,7 @@ QUICK: tuple[Scenario, ...] = (
         4,
         "",
     ),
-    Scenario(
+    PlanScenario(
         "llama-gqa",
         "tiny-llama (GQA, SwiGLU) + optimizer: 4 nodes of 4 -> 3",
         "tiny-llama",
@@ -211,17 +211,7 @@ class ScenarioReport(msgspec.Struct, kw_only=True):
     same_overlaps: bool  # DCP's read items cover exactly the bytes of the planner's new state
 
 
-class Check(msgspec.Struct, kw_only=True):
-    """One of the issue's targets, judged on this run's numbers."""
-
-    scenario: str
-    level: str  # "must" or "aim"
-    what: str
-    passed: bool
-    detail: str
-
-
-class BenchReport(msgspec.Struct, kw_only=True):
+class PlanBenchReport(msgspec.Struct, kw_only=True):
     """What ``liver bench plan --json`` prints."""
 
     quick: bool
@@ -267,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     # torch (imported for the baseline) leaves millions of objects that every full collection would walk,
     # in the middle of whichever side happens to be timed; the transfer service never imports torch.
     # Freezing the heap as it is now keeps the collector to what the benchmark itself allocates.
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     gc.collect()
     gc.freeze()
     try:
@@ -275,34 +265,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         gc.unfreeze()
     checks = [c for r in reports for c in checks_for(r)]
-    report = BenchReport(
+    report = PlanBenchReport(
         quick=args.quick,
         repeat=args.repeat,
         python=platform.python_version(),
         torch=str(torch.__version__),
-        machine=f"{platform.machine()} {platform.processor() or platform.system()}",
+        machine=machine(),
         cpus=os.cpu_count() or 1,
-        load_average=(load_before, os.getloadavg()[0]),
+        load_average=(load_before, load_average()),
         scenarios=reports,
         checks=checks,
         ok=all(r.verified and r.same_overlaps for r in reports),
     )
-    if args.json:
-        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
-    else:
-        _print_report(report)
+    emit(report, args.json, _print_report)
     if not report.ok:
         return 1
-    if args.strict and any(c.level == "must" and not c.passed for c in checks):
+    if args.strict and not musts_passed(checks):
         return 1
     return 0
 
 
 def _progress(scenario: str, step: str) -> None:
-    print(f"[bench plan] {scenario}: {step}", file=sys.stderr, flush=True)
+    progress("plan", f"{scenario}: {step}")
 
 
-def _run_scenario(s: Scenario, repeat: int, dcp_budget: float) -> ScenarioReport:
+def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioReport:
     """Plan, verify and time DCP for one scenario (see the module docstring)."""
     model = PRESETS[s.model]
     old_layout, new_layout = ParallelLayout.parse(s.old), ParallelLayout.parse(s.new)
@@ -406,21 +393,21 @@ def _bytes_ratio(rank_order: int, optimized: int) -> float | None:
 
 def checks_for(r: ScenarioReport) -> list[Check]:
     """The issue's must and aims, judged on this machine's numbers."""
-    ms, best = r.plan_seconds * 1000, r.plan_seconds_best * 1000
+    timing = f"median {r.plan_seconds * 1000:,.1f} ms, best {r.plan_seconds_best * 1000:,.1f} ms"
     return [
         Check(
             scenario=r.name,
             level="must",
             what=f"plan < {MUST_PLAN_SECONDS:g} s",
             passed=r.plan_seconds < MUST_PLAN_SECONDS,
-            detail=f"median {ms:,.1f} ms, best {best:,.1f} ms",
+            detail=timing,
         ),
         Check(
             scenario=r.name,
             level="aim",
             what=f"plan < {AIM_PLAN_SECONDS:g} s",
             passed=r.plan_seconds < AIM_PLAN_SECONDS,
-            detail=f"median {ms:,.1f} ms, best {best:,.1f} ms",
+            detail=timing,
         ),
         Check(
             scenario=r.name,
@@ -435,14 +422,7 @@ def checks_for(r: ScenarioReport) -> list[Check]:
     ]
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n} B"
-
-
-def _print_report(report: BenchReport) -> None:
+def _print_report(report: PlanBenchReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -466,10 +446,10 @@ def _print_report(report: BenchReport) -> None:
         "  slowest / fastest run",
         lambda r: f"{max(r.plan_seconds_runs) * 1000:,.0f} / {min(r.plan_seconds_runs) * 1000:,.0f} ms",
     )
-    row("new state", lambda r: _size(r.bytes_total))
-    row("copied locally", lambda r: _size(r.bytes_local))
-    row("bytes moved (optimized)", lambda r: _size(r.bytes_moved))
-    row("bytes moved (rank order)", lambda r: _size(r.bytes_moved_rank_order))
+    row("new state", lambda r: size(r.bytes_total))
+    row("copied locally", lambda r: size(r.bytes_local))
+    row("bytes moved (optimized)", lambda r: size(r.bytes_moved))
+    row("bytes moved (rank order)", lambda r: size(r.bytes_moved_rank_order))
     row(
         "  rank order / optimized",
         lambda r: (
@@ -478,13 +458,13 @@ def _print_report(report: BenchReport) -> None:
             else f"{r.rank_order_over_optimized:.2f}x"
         ),
     )
-    row("lower bound", lambda r: _size(r.lower_bound_bytes))
-    row("inter-node bytes", lambda r: _size(r.bytes_inter_node))
+    row("lower bound", lambda r: size(r.lower_bound_bytes))
+    row("inter-node bytes", lambda r: size(r.bytes_inter_node))
     row("slices (before coalescing)", lambda r: f"{r.slices:,}")
     row("tasks (after) / messages", lambda r: f"{r.tasks:,} / {r.messages:,}")
     row("streaming rounds", lambda r: f"{r.rounds:,}")
-    row("max receive per rank", lambda r: _size(r.max_recv_bytes))
-    row("max receive per round", lambda r: _size(r.max_round_recv_bytes))
+    row("max receive per rank", lambda r: size(r.max_recv_bytes))
+    row("max receive per round", lambda r: size(r.max_round_recv_bytes))
     row("verification", lambda r: ("ok" if r.verified else "FAILED") + f" ({r.verify_seconds:,.1f} s)")
     row("DCP read items", lambda r: f"{r.dcp.read_items:,}")
     row("DCP covers the same bytes", lambda r: "yes" if r.same_overlaps else "NO")
@@ -510,5 +490,4 @@ def _print_report(report: BenchReport) -> None:
         f"{report.load_average[1]:.1f} after (wall-clock timings include any contention)"
     )
     for c in report.checks:
-        verdict = "PASS" if c.passed else "FAIL"
-        console.print(f"{c.level.upper():<4} {verdict}  {c.scenario}: {c.what}  ({c.detail})")
+        console.print(check_line(c))

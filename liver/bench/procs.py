@@ -18,10 +18,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
+from liver.shared.errors import LiverError
+
 PRELOAD = ["torch", "torch.distributed", "liver.worker_runtime.stream.executor", "liver.worker_runtime.world"]
 
 
-class ProcsError(RuntimeError):
+class ProcsError(LiverError, RuntimeError):
     """A worker process raised, died or hung; the message names every such process."""
 
 

@@ -34,13 +34,13 @@ import os
 import platform
 import sys
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 
 from liver.bench.procs import ProcsError, run_procs
-from liver.bench.restart import RestartBreakdown, RestartError, measure_restart
+from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
+from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart
 from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelError, ModelSpec, load_model
 from liver.shared.plan import Plan, WorldConfig
@@ -100,13 +100,6 @@ class LiveDowntime(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     first_loss: float  # the new world's first loss
 
 
-class Check(msgspec.Struct, frozen=True, kw_only=True):
-    level: str  # "aim"
-    what: str
-    passed: bool
-    detail: str
-
-
 class ReconfigReport(msgspec.Struct, frozen=True, kw_only=True):
     quick: bool
     date: str
@@ -155,10 +148,6 @@ class _LiveResult(msgspec.Struct, frozen=True, kw_only=True):
     rebuild_s: float
     prepare_s: float
     bytes_sent: int
-
-
-def _progress(text: str) -> None:
-    print(f"[bench reconfig] {text}", file=sys.stderr, flush=True)
 
 
 def _live_worker(rank: int, size: int, setup: _Setup) -> _LiveResult:
@@ -348,11 +337,7 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelSpec, ParallelLayout, Paral
         )
     config = LARGE_CONFIG if args.large else QUICK_CONFIG if args.quick else FULL_CONFIG
     for layout, flag in ((old, "--from"), (new, "--to")):
-        try:
-            spec.check_layout(layout)
-            config.micro_batches_per_rank(layout.dp)
-        except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
+        check_fits(spec, layout, config, flag)
     steps_before = args.steps_before if args.steps_before is not None else 1 if args.quick else 2
     if steps_before < 1:
         raise ValueError(
@@ -365,13 +350,6 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelSpec, ParallelLayout, Paral
     return spec, old, new, config, steps_before
 
 
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run both sides; 0 when both completed (the 25x aim is reported, not enforced), 1 when one failed,
     2 on a bad option."""
@@ -380,17 +358,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"liver bench reconfig: {exc}", file=sys.stderr)
         return 2
-    load_before = _load()
-    _progress(
+    load_before = load_average()
+    progress(
+        "reconfig",
         f"{spec.name} ({spec.parameter_count():,} parameters): {old.describe()} -> {new.describe()}, "
-        f"{steps_before} step(s) before the cut"
+        f"{steps_before} step(s) before the cut",
     )
     try:
-        _progress("live: a warm job reshards live")
+        progress("reconfig", "live: a warm job reshards live")
         live = measure_live(
             spec, old, new, config, steps_before=steps_before, threads=args.threads, timeout_s=args.timeout
         )
-        _progress(f"live: downtime {live.downtime_s:.3f} s; stop-and-restart: fresh processes")
+        progress("reconfig", f"live: downtime {live.downtime_s:.3f} s; stop-and-restart: fresh processes")
         # The restart saves at the iteration the live job was cut at (its background preparation may
         # have taken a few steps past ``steps_before``), so both sides move the same state.
         restart = measure_restart(
@@ -417,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     report = ReconfigReport(
         quick=args.quick,
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        date=utc_now(),
         model=spec.name,
         parameters=spec.parameter_count(),
         old_layout=old.describe(),
@@ -433,13 +412,10 @@ def run(args: argparse.Namespace) -> int:
         ratio_warm=warm / live.downtime_s,
         checks=checks,
         cpus=os.cpu_count() or 0,
-        load_average=(load_before, _load()),
+        load_average=(load_before, load_average()),
         host=f"{platform.machine()}, Python {platform.python_version()}",
     )
-    if args.json:
-        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
-    else:
-        _print_report(report)
+    emit(report, args.json, _print_report)
     return 0
 
 
@@ -476,6 +452,5 @@ def _print_report(r: ReconfigReport) -> None:
         f"host: {r.cpus} CPUs ({r.host}), load average {r.load_average[0]:.1f} before, "
         f"{r.load_average[1]:.1f} after; gloo, {r.threads} thread(s) per process",
     ]
-    for c in r.checks:
-        out.append(f"{c.level.upper():<4} {'PASS' if c.passed else 'FAIL'}  {c.what}  ({c.detail})")
+    out.extend(check_line(c) for c in r.checks)
     print("\n".join(out))

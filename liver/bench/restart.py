@@ -45,11 +45,12 @@ from typing import Literal
 
 import msgspec
 
+from liver.shared.errors import LiverError
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec, load_model
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
-__all__ = ["PHASES", "RestartBreakdown", "RestartError", "measure_restart"]
+__all__ = ["PHASES", "RestartBreakdown", "RestartError", "check_fits", "measure_restart"]
 
 PHASES = (
     "save",
@@ -64,7 +65,7 @@ PHASES = (
 )
 
 
-class RestartError(RuntimeError):
+class RestartError(LiverError, RuntimeError):
     """A process of the measured restart failed or hung; the message holds the tail of its log."""
 
 
@@ -271,13 +272,18 @@ class _World:
                 proc.wait()
 
 
-def _checked(spec: ModelSpec, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
-    """Refuse in the parent what the workers would refuse after seconds of imports."""
+def check_fits(spec: ModelSpec, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
+    """Refuse a layout that ``spec`` or ``config``'s batch cannot be split by, naming it ``name``."""
     try:
         spec.check_layout(layout)
         config.micro_batches_per_rank(layout.dp)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
+
+
+def _checked(spec: ModelSpec, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
+    """Refuse in the parent what the workers would refuse after seconds of imports."""
+    check_fits(spec, layout, config, name)
     if config.seq_length > spec.max_sequence_length:
         raise ValueError(
             f"config.seq_length: {config.seq_length} exceeds the model's max_sequence_length "

@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -53,12 +52,12 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from liver.bench.bus import rig
-from liver.bench.bus.observer import Observer, Timeline
+from liver.bench.bus.observer import BusObserver, Timeline
 from liver.bench.bus.report import (
     STAGE_GAPS,
-    BenchReport,
+    BusBenchReport,
+    BusEventRecord,
     ContractReport,
-    EventRecord,
     SizeReport,
     Stat,
     checks_for,
@@ -66,6 +65,7 @@ from liver.bench.bus.report import (
     print_report,
     stat,
 )
+from liver.bench.report import emit, load_average, machine, progress, utc_now
 from liver.services.coordinator.service import CONFIG_ENV as COORDINATOR_CONFIG_ENV
 from liver.services.coordinator.service import INSTANCE_ENV, JOB_ENV
 from liver.services.host import status_subject
@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-class Config(msgspec.Struct, frozen=True, kw_only=True):
+class BusBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     sizes: tuple[int, ...]
     events: tuple[int, ...]
     warmup: int
@@ -206,7 +206,7 @@ def default_events(workers: int) -> int:
     return DEFAULT_EVENTS[0] if workers <= LARGE_JOB else DEFAULT_EVENTS[1]
 
 
-def config_from(args: argparse.Namespace) -> Config:
+def config_from(args: argparse.Namespace) -> BusBenchConfig:
     """The run the arguments describe; every bad value is a ``ValueError`` naming its option."""
     sizes = args.workers or (QUICK_WORKERS if args.quick else DEFAULT_WORKERS)
     per_node = args.devices_per_node or (QUICK_DEVICES_PER_NODE if args.quick else 8)
@@ -237,7 +237,7 @@ def config_from(args: argparse.Namespace) -> Config:
         raise ValueError(f"--notice-s: must be positive, got {args.notice_s}")
     if not args.event_timeout > 0:
         raise ValueError(f"--event-timeout: must be positive, got {args.event_timeout}")
-    return Config(
+    return BusBenchConfig(
         sizes=tuple(sizes),
         events=tuple(events),
         warmup=warmup,
@@ -255,28 +255,25 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 when every event of every size committed."""
     config = config_from(args)
     configure_logging(level="WARNING")  # stderr: stdout carries the report alone
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     with _log_dir(args.log_dir) as logs, NatsServer(log_file=logs / "nats-server.log") as server:
         sizes, version = asyncio.run(_bench(config, server, logs))
     checks = [c for r in sizes for c in checks_for(r)]
-    report = BenchReport(
+    report = BusBenchReport(
         quick=config.quick,
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        date=utc_now(),
         python=platform.python_version(),
         nats_server=version,
-        machine=f"{platform.machine()} {platform.processor() or platform.system()}",
+        machine=machine(),
         cpus=os.cpu_count() or 1,
-        load_average=(load_before, os.getloadavg()[0]),
+        load_average=(load_before, load_average()),
         services="each service in a process of its own (liver serve); the stand-in job in processes "
         "of its own",
         sizes=sizes,
         checks=checks,
         ok=all(r.all_committed for r in sizes),
     )
-    if args.json:
-        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     return 0 if report.ok else 1
 
 
@@ -291,7 +288,7 @@ def _log_dir(path: Path | None) -> Iterator[Path]:
 
 
 def _progress(text: str) -> None:
-    print(f"[bench bus] {text}", file=sys.stderr, flush=True)
+    progress("bus", text)
 
 
 # -- the run ------------------------------------------------------------------------------------------------
@@ -307,7 +304,7 @@ def _global_batch(workers: int, per_node: int) -> int:
     return math.lcm(workers, workers - per_node)
 
 
-async def _bench(config: Config, server: NatsServer, tmp: Path) -> tuple[list[SizeReport], str]:
+async def _bench(config: BusBenchConfig, server: NatsServer, tmp: Path) -> tuple[list[SizeReport], str]:
     env = rig.child_environment(server.url)
     jobs = {
         _job(n): {
@@ -354,7 +351,7 @@ class SizeRun:
 
     def __init__(
         self,
-        config: Config,
+        config: BusBenchConfig,
         workers: int,
         events: int,
         server: NatsServer,
@@ -440,9 +437,9 @@ class SizeRun:
             f"coordinator-{self.n}", rig.service_argv("coordinator"), env, self.tmp
         )
         self.coordinator_log = rig.LogFollower(self.children["coordinator"].log_path)
-        observer = Observer(self.watch, self.job, self.probe.worker_id, self.sample)
+        observer = BusObserver(self.watch, self.job, self.probe.worker_id, self.sample)
         await observer.start()
-        records: list[EventRecord] = []
+        records: list[BusEventRecord] = []
         contract: ContractReport | None = None
         # The Prepare and slice are captured during the last warm-up event, where the bench's own reads
         # cannot disturb a counted one.
@@ -488,8 +485,8 @@ class SizeRun:
     # -- one event ----------------------------------------------------------------------------------------
 
     async def _event(
-        self, observer: Observer, index: int, devices: int, capture: bool
-    ) -> tuple[EventRecord, Timeline, bytes | None]:
+        self, observer: BusObserver, index: int, devices: int, capture: bool
+    ) -> tuple[BusEventRecord, Timeline, bytes | None]:
         scale_in = index % 2 == 0
         kind = "scale_in" if scale_in else "scale_out"
         event_id = f"{kind.replace('_', '-')}-{index:04d}"
@@ -524,7 +521,7 @@ class SizeRun:
             subject = s.SCALE_REQUEST
         await self.js.publish(subject, encode(message), headers={s.HEADER_MSG_ID: f"{self.job}-{event_id}"})
         reading = asyncio.create_task(self._capture_slice(timeline)) if capture else None
-        record = EventRecord(
+        record = BusEventRecord(
             index=index,
             event_id=event_id,
             kind=kind,
@@ -585,7 +582,7 @@ class SizeRun:
             record.slice_bytes_total, record.slice_bytes_max = sum(sizes), max(sizes, default=0)
         return record, timeline, piece
 
-    async def _node_returns(self, observer: Observer) -> None:
+    async def _node_returns(self, observer: BusObserver) -> None:
         """Fresh worker processes on the reclaimed node say hello, as after a node comes back; the
         coordinator must count them before the scale request arrives."""
         self.incarnation += 1
@@ -705,7 +702,7 @@ class SizeRun:
 
     # -- the size's report ----------------------------------------------------------------------------------
 
-    def _report(self, records: list[EventRecord], contract: ContractReport | None) -> SizeReport:
+    def _report(self, records: list[BusEventRecord], contract: ContractReport | None) -> SizeReport:
         counted = [r for r in records if not r.warmup and r.outcome == "committed"]
 
         def of(field: str) -> Stat | None:
@@ -769,7 +766,7 @@ class SizeRun:
 
 
 def _timings(
-    record: EventRecord,
+    record: BusEventRecord,
     timeline: Timeline,
     cpu0: dict[str, float | None],
     workers: list[str],
@@ -820,7 +817,7 @@ def _net(traffic: rig.Traffic, start: tuple[int, int, int], end: tuple[int, int,
     )
 
 
-def _finish(record: EventRecord, planning: rig.Planning | None) -> None:
+def _finish(record: BusEventRecord, planning: rig.Planning | None) -> None:
     """Add the planners' reported times and derive the bus overhead (see the module docstring)."""
     if planning is None:
         return
@@ -841,7 +838,7 @@ def _finish(record: EventRecord, planning: rig.Planning | None) -> None:
             setattr(record, field, total - record.planning_ms - workers)
 
 
-def _transfer_planning(record: EventRecord) -> float | None:
+def _transfer_planning(record: BusEventRecord) -> float | None:
     parts = (record.transfer_plan_ms, record.transfer_verify_ms, record.transfer_encode_ms)
     return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
 

@@ -56,7 +56,7 @@ class Timeline:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class Observer:
+class BusObserver:
     """The bench's subscriber for one job (see the module docstring)."""
 
     def __init__(self, nc: Client, job_id: str, probe_worker: str, sample: Callable[[], CpuSample]) -> None:

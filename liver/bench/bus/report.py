@@ -15,6 +15,8 @@ from typing import Any, Final
 
 import msgspec
 
+from liver.bench.report import Check, check_line, size
+
 AIM_BUS_OVERHEAD_P99_S: Final = 0.010
 """The issue's aim for the bus overhead's p99, on loopback."""
 STAGE_GAPS: Final = (
@@ -46,7 +48,7 @@ class Stat(msgspec.Struct, kw_only=True):
     max: float
 
 
-class EventRecord(msgspec.Struct, kw_only=True):
+class BusEventRecord(msgspec.Struct, kw_only=True):
     """One event, warm-up or counted; times in milliseconds after the event was published."""
 
     index: int
@@ -164,18 +166,10 @@ class SizeReport(msgspec.Struct, kw_only=True):
     messages_in_total: Stat | None
     messages_out_total: Stat | None
     contract: ContractReport | None
-    records: list[EventRecord]
+    records: list[BusEventRecord]
 
 
-class Check(msgspec.Struct, kw_only=True):
-    workers: int
-    level: str  # "must" or "aim"
-    what: str
-    passed: bool
-    detail: str
-
-
-class BenchReport(msgspec.Struct, kw_only=True):
+class BusBenchReport(msgspec.Struct, kw_only=True):
     """What ``liver bench bus --json`` prints."""
 
     quick: bool
@@ -194,7 +188,7 @@ class BenchReport(msgspec.Struct, kw_only=True):
 # -- statistics -------------------------------------------------------------------------------------------
 
 
-def gap(record: EventRecord, name: str) -> float | None:
+def gap(record: BusEventRecord, name: str) -> float | None:
     """How long stage ``name`` of ``STAGE_GAPS`` took in one event (``None`` when not seen)."""
     for stage, start, end in STAGE_GAPS:
         if stage == name:
@@ -268,14 +262,7 @@ def _ms(st: Stat | None) -> str:
     return "-" if st is None else f"{st.p50:,.1f} / {st.p99:,.1f}"
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def print_report(report: BenchReport) -> None:
+def print_report(report: BusBenchReport) -> None:
     out = sys.stdout
     title = "liver bench bus" + (" (quick)" if report.quick else "")
     print(f"{title}: {report.date}, nats-server {report.nats_server}, {report.services}", file=out)
@@ -312,8 +299,8 @@ def print_report(report: BenchReport) -> None:
         if r.messages_in is not None and r.messages_out is not None:
             print(
                 f"  messages per event (median): {r.messages_in.p50:,.0f} in, {r.messages_out.p50:,.0f} out; "
-                f"payload {_size(r.bytes_in.p50 if r.bytes_in else 0)} in, "
-                f"{_size(r.bytes_out.p50 if r.bytes_out else 0)} out"
+                f"payload {size(r.bytes_in.p50 if r.bytes_in else 0)} in, "
+                f"{size(r.bytes_out.p50 if r.bytes_out else 0)} out"
                 + (
                     f"; with the aftermath {r.messages_in_total.p50:,.0f} in, "
                     f"{r.messages_out_total.p50:,.0f} out"
@@ -325,14 +312,14 @@ def print_report(report: BenchReport) -> None:
         c = r.contract
         if c is not None:
             print(
-                f"  Prepare: one broadcast of {_size(c.prepare_bytes)} "
-                f"({_size(c.prepare_placement_bytes)} placements) for {c.participants} participants; "
+                f"  Prepare: one broadcast of {size(c.prepare_bytes)} "
+                f"({size(c.prepare_placement_bytes)} placements) for {c.participants} participants; "
                 f"encode {c.prepare_encode_ms:.3f} ms, decode {c.prepare_decode_ms:.3f} ms",
                 file=out,
             )
             print(
-                f"  slice: {_size(c.slice_bytes)} ({c.slice_tasks} tasks), decode and check "
-                f"{c.slice_decode_ms:.3f} ms; {_size(c.slice_bytes_per_event)} stored per event",
+                f"  slice: {size(c.slice_bytes)} ({c.slice_tasks} tasks), decode and check "
+                f"{c.slice_decode_ms:.3f} ms; {size(c.slice_bytes_per_event)} stored per event",
                 file=out,
             )
             if c.transfer_unreported_ms is not None:
@@ -352,5 +339,4 @@ def print_report(report: BenchReport) -> None:
         file=out,
     )
     for c in report.checks:
-        verdict = "PASS" if c.passed else "FAIL"
-        print(f"{c.level.upper():<4} {verdict}  {c.workers} workers: {c.what}  ({c.detail})", file=out)
+        print(check_line(c), file=out)

@@ -38,6 +38,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from liver.shared.connection import CREDS_ENV, PASSWORD_ENV, TOKEN_ENV, USER_ENV
+from liver.shared.errors import LiverError
 from liver.shared.logs import FORMAT_ENV, LEVEL_ENV
 from liver.shared.nats_server import URL_ENV
 
@@ -49,7 +50,7 @@ _LOG_TAIL_BYTES: Final = 3000
 _NO_PROXY: Final = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class RigError(RuntimeError):
+class RigError(LiverError, RuntimeError):
     """A child process died or never became ready; the message carries the end of its log."""
 
 
