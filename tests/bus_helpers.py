@@ -24,8 +24,15 @@ from liver.shared.messages import ErrorEvent, JobMembership, WorkerDevice
 
 T = TypeVar("T")
 
-WAIT_S = 10.0
-"""Upper bound on any wait in these tests; a passing test waits milliseconds."""
+WAIT_S = 60.0
+"""Upper bound on any wait in these tests; a passing test waits milliseconds. Generous on purpose: the
+suite must pass on a busy two-core machine, and a bound costs nothing when the condition comes true."""
+
+CONNECT_TIMEOUT_S = 30.0
+"""nats-py's default (2 s) for connecting, per attempt."""
+
+REQUEST_TIMEOUT_S = 30.0
+"""For the JetStream API calls a test makes itself (nats-py's default is 5 s)."""
 
 
 class Collector:
@@ -45,8 +52,18 @@ class Collector:
             collector._arrived.set()
 
         collector._sub = await nc.subscribe(subject, cb=cb)
-        await nc.flush()
+        await nc.flush(timeout=int(WAIT_S))  # the server has the subscription before anything is sent
         return collector
+
+    @property
+    def subscription(self) -> Subscription | None:
+        return self._sub
+
+    async def close(self) -> None:
+        """Stop collecting (what arrived stays in ``messages``)."""
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
 
     async def wait_for(self, count: int = 1, timeout_s: float = WAIT_S) -> list[Msg]:
         deadline = time.monotonic() + timeout_s
@@ -64,6 +81,18 @@ class Collector:
         return decode(msg.data, into)  # type: ignore[no-any-return]
 
 
+async def drained(nc: Client, *collectors: Collector) -> None:
+    """Return once everything the server routed to ``nc`` so far is in the collectors' ``messages``: a
+    round trip (it is in their subscriptions' queues), then those queues emptied (a collector records a
+    message as soon as its queue hands it over)."""
+    await nc.flush(timeout=int(WAIT_S))
+
+    async def emptied() -> bool:
+        return all(c._sub is None or c._sub.pending_msgs == 0 for c in collectors)
+
+    await eventually(emptied, what="the collectors' queues emptied")
+
+
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = WAIT_S, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():
@@ -74,9 +103,9 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = WA
 
 @contextlib.asynccontextmanager
 async def client(url: str) -> AsyncIterator[tuple[Client, JetStreamContext]]:
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, connect_timeout=CONNECT_TIMEOUT_S)
     try:
-        yield nc, nc.jetstream()
+        yield nc, nc.jetstream(timeout=REQUEST_TIMEOUT_S)
     finally:
         await nc.drain()
 

@@ -175,7 +175,7 @@ def service_command(service: str, variables: Mapping[str, str]) -> list[str]:
 
 def make_env(path: Path) -> dict[str, str]:
     """Run infra/make-env.sh into ``path`` and return the variables it wrote."""
-    subprocess.run(["sh", str(MAKE_ENV), str(path)], check=True, capture_output=True, timeout=30)
+    subprocess.run(["sh", str(MAKE_ENV), str(path)], check=True, capture_output=True, timeout=120)
     out = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -199,7 +199,7 @@ def secured_server(passwords: Mapping[str, str], log_file: Path | None = None) -
     saved = dict(os.environ)
     os.environ.update(passwords)
     try:
-        server = NatsServer(config_file=NATS_CONF, log_file=log_file).start()
+        server = NatsServer(config_file=NATS_CONF, log_file=log_file, startup_timeout_s=60.0).start()
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -212,7 +212,7 @@ def secured_server(passwords: Mapping[str, str], log_file: Path | None = None) -
 def stream_messages(server: NatsServer) -> dict[str, int]:
     """Messages stored per stream, from the monitoring endpoint (which needs no NATS user)."""
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-        f"{server.monitor_url}/jsz?streams=true", timeout=5
+        f"{server.monitor_url}/jsz?streams=true", timeout=30
     ) as response:
         data = json.load(response)
     out: dict[str, int] = {}
@@ -245,8 +245,9 @@ async def connected(url: str, user: str | None, password: str | None) -> AsyncIt
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc).lower())
 
-    # A positive max_reconnect_attempts: with 0, nats-py retries an unreachable server for ever.
-    options: dict[str, Any] = {"allow_reconnect": False, "max_reconnect_attempts": 1, "connect_timeout": 5}
+    # A positive max_reconnect_attempts: with 0, nats-py retries an unreachable server for ever. Without
+    # reconnects, the first attempt must succeed: give it the time a busy machine needs.
+    options: dict[str, Any] = {"allow_reconnect": False, "max_reconnect_attempts": 1, "connect_timeout": 30}
     if user is not None:
         options.update(user=user, password=password)
     nc = await nats.connect(url, error_cb=on_error, **options)

@@ -36,6 +36,10 @@ PRELOAD = [
     "liver.worker_runtime.megatron.train",
 ]
 
+STORE_TIMEOUT_S = 120.0
+"""How long a child's store operations (and its rendezvous) may wait: generous, since every rank of a
+world on a busy two-core machine may be off the CPU for a while."""
+
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
 
@@ -87,7 +91,9 @@ def _child(
 ) -> None:
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        )
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=group_timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -110,14 +116,16 @@ def run_world(
     size: int,
     args: Sequence[Any] = (),
     *,
-    timeout_s: float = 30.0,
+    timeout_s: float = 120.0,
     wait_for: Collection[int] | None = None,
-    group_timeout_s: float = 30.0,
+    group_timeout_s: float = 120.0,
 ) -> list[Outcome]:
     """Run ``fn(world, *args)`` in ``size`` processes; one :class:`Outcome` per rank, in rank order.
 
     Returns when every rank in ``wait_for`` (default: all) has reported or exited, or when ``timeout_s``
-    has passed; the children still running then are killed and reported as ``"hung"``.
+    has passed since the children started; the children still running then are killed and reported as
+    ``"hung"``. Starting them is not counted: the first world of a session waits for the fork server to
+    import torch and Megatron, which takes seconds (more on a busy machine).
     """
     wait_for = set(range(size) if wait_for is None else wait_for)
     store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
@@ -136,7 +144,7 @@ def run_world(
         procs.append(p)
         conns.append(recv_end)
     outcomes: dict[int, Outcome] = {}
-    deadline = t0 + timeout_s
+    deadline = time.monotonic() + timeout_s
     while not wait_for <= outcomes.keys():
         left = deadline - time.monotonic()
         if left <= 0:

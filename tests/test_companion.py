@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -40,8 +41,11 @@ from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import AgentSettings, GenerationRank, WorkerIdentity
 from liver.worker_runtime.companion.thread import CommandBox, Companion, CompanionError, Prepared
 
-FAST = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=5.0)
+FAST = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=60.0)
+START_S = 60.0
+"""How long a companion may take to connect and say hello (the companion's default is 30 s)."""
 _jobs = itertools.count()
+_markers = itertools.count()
 
 
 def identity(job: str, device: Device = DEVICES[0], **changes: Any) -> WorkerIdentity:
@@ -65,7 +69,7 @@ def job() -> str:
 @asynccontextmanager
 async def running(companion: Companion) -> AsyncIterator[Companion]:
     """Start and close on a worker thread, as a training process would, without blocking this loop."""
-    await asyncio.to_thread(companion.start, 10.0)
+    await asyncio.to_thread(companion.start, START_S)
     try:
         yield companion
     finally:
@@ -94,6 +98,31 @@ async def prepared(nc: Client, job: str, companion: Companion, hooks: RecordingH
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _beat_iterations(beats: Collector) -> list[int | None]:
+    return [decode(m.data, Heartbeat).iteration for m in beats.messages]
+
+
+async def handled(nc: Client, job: str) -> None:
+    """Return once the companion has handled every command published so far on the job's subject.
+
+    A malformed marker is published after them: the companion reads the subject through one
+    subscription, whose messages it handles one at a time and in order, so the error event for the
+    marker proves that the commands before it were handled. (What the companion published while
+    handling them, on its one connection, reaches ``nc`` before that event.)
+    """
+    marker = f"marker-{next(_markers)}"
+    errors = await Collector.on(nc, s.errors("worker"))
+    try:
+        await publish(nc, s.worker_commands(job), marker.encode())
+
+        async def reported() -> bool:
+            return any(decode(m.data, ErrorEvent).payload == marker for m in errors.messages)
+
+        await eventually(reported, what=f"the companion handled the commands before {marker}")
+    finally:
+        await errors.close()
 
 
 @asynccontextmanager
@@ -134,6 +163,8 @@ async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(
             await beats.wait_for(1)
             companion.set_iteration(41)
             companion.set_world(GenerationRank(5, 0))
+            # Beats sent before the change may still be on their way: wait for the first one after it.
+            await eventually(lambda: _true(_beat_iterations(beats)[-1] == 41), what="a beat of iteration 41")
             first = len(beats.messages)
             await beats.wait_for(first + 2)
     got = [decode(m.data, Heartbeat) for m in beats.messages]
@@ -203,6 +234,12 @@ async def test_after_the_switch_heartbeats_speak_for_the_new_world(nats_server: 
             await publish(nc, s.worker_commands(job), switch(job, 1))
             await eventually(lambda: _true(len(hooks.named("switch")) == 1), what="on_switch called")
             companion.report("switched", iteration=7)
+            # The ack reaches the companion's loop between two beats: wait for the first beat after it.
+
+            async def new_world() -> bool:
+                return bool(beats.messages) and decode(beats.messages[-1].data, Heartbeat).generation == 1
+
+            await eventually(new_world, what="a beat from generation 1")
             seen = len(beats.messages)
             await beats.wait_for(seen + 2)
     last = decode(beats.messages[-1].data, Heartbeat)
@@ -250,7 +287,7 @@ async def test_abort_of_a_prepared_generation_reaches_the_runtime_once(
         await publish(nc, s.worker_commands(job), abort(job, 1, "node reclaimed"))
         await publish(nc, s.worker_commands(job), switch(job, 1))
         await eventually(lambda: _true(len(hooks.named("abort")) == 1), what="on_abort called")
-        await asyncio.sleep(0.2)
+        await handled(nc, job)  # the repeated abort and the switch too
     assert [a.reason for a in hooks.named("abort")] == ["node reclaimed"]  # type: ignore[attr-defined]
     assert hooks.named("switch") == []
 
@@ -263,7 +300,7 @@ async def test_a_newer_prepare_ends_an_unswitched_older_one_first(nats_server: N
         await eventually(lambda: _true(len(hooks.named("prepare")) == 2), what="second prepare")
         # The old one again: stale, ignored.
         await publish(nc, s.worker_commands(job), prepare(job, 1))
-        await asyncio.sleep(0.2)
+        await handled(nc, job)
     assert [name for name, _ in hooks.calls] == ["prepare", "abort", "prepare"]
     assert hooks.named("abort")[0].generation == 1  # type: ignore[attr-defined]
 
@@ -337,7 +374,9 @@ async def test_a_missing_slice_entry_is_reported_failed_naming_its_key_after_the
     nats_server: NatsServer, job: str
 ) -> None:
     hooks = RecordingHooks()
-    settings = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=0.5)
+    # Long enough for the first read to come back on a busy machine (the error then says "no such
+    # entry", not "not read"): the entry is looked for until the time is up.
+    settings = AgentSettings(heartbeat_s=0.05, fetch_timeout_s=3.0)
     async with client(nats_server.url) as (nc, js):
         acks = await Collector.on(nc, s.worker_status(job))
         index = await put_slice_entries(js, job, 1)  # the bucket exists; the keys below do not
@@ -347,7 +386,7 @@ async def test_a_missing_slice_entry_is_reported_failed_naming_its_key_after_the
             (ack,) = await statuses(acks, 1)
     assert ack.phase == "failed" and ack.error is not None
     assert f"key-value entry {s.KV_PLAN_SLICES}/{job}.1.nothing.00000: no such entry" in ack.error
-    assert "fetch_timeout_s = 0.5 s" in ack.error
+    assert "fetch_timeout_s = 3 s" in ack.error
     assert hooks.calls == []
 
 
@@ -391,7 +430,7 @@ async def test_a_worker_in_neither_world_ignores_the_broadcast_prepare(
         async with running(Companion(spare, hooks, url=nats_server.url)):
             await publish(nc, s.worker_commands(job), prepare(job, 1))
             await publish(nc, s.worker_commands(job), switch(job, 1))
-            await asyncio.sleep(0.3)
+            await handled(nc, job)
     assert hooks.calls == [] and acks.messages == []
 
 
@@ -405,7 +444,7 @@ async def test_a_lost_device_of_the_old_world_ignores_the_broadcast_prepare(
         await put_slices(js, job, 1)
         async with running(Companion(me, hooks, url=nats_server.url)):
             await publish(nc, s.worker_commands(job), prepare(job, 1, lost=(DEVICES[3],)))
-            await asyncio.sleep(0.3)
+            await handled(nc, job)
     assert hooks.calls == [] and acks.messages == []
 
 
@@ -453,7 +492,7 @@ def test_an_ack_that_is_not_a_valid_message_raises_in_the_caller(nats_server: Na
 
 def test_close_leaves_no_thread_behind(nats_server: NatsServer) -> None:
     before = companion_threads()
-    companion = Companion(identity("job-z"), RecordingHooks(), url=nats_server.url).start()
+    companion = Companion(identity("job-z"), RecordingHooks(), url=nats_server.url).start(START_S)
     assert companion.running and len(companion_threads()) == len(before) + 1
     companion.close()
     assert not companion.running
@@ -468,7 +507,7 @@ async def test_acks_handed_over_just_before_close_are_still_published(
     async with client(nats_server.url) as (nc, _):
         acks = await Collector.on(nc, s.worker_status(job))
         companion = Companion(identity(job), hooks, url=nats_server.url)
-        await asyncio.to_thread(companion.start, 10.0)
+        await asyncio.to_thread(companion.start, START_S)
         await prepared(nc, job, companion, hooks)
 
         def report_and_close() -> None:
@@ -483,13 +522,16 @@ async def test_acks_handed_over_just_before_close_are_still_published(
 
 
 def test_start_gives_up_cleanly_when_no_server_answers() -> None:
-    with NatsServer() as server:
-        url = server.url
-    before = companion_threads()
-    companion = Companion(identity("job-z"), RecordingHooks(), url=url, reconnect_time_wait_s=0.05)
-    with pytest.raises(CompanionError, match="not connected"):
-        companion.start(timeout_s=0.5)
-    assert companion_threads() == before
+    # A port bound here and never listened on refuses every connection, and no other process can take
+    # it meanwhile (as it could the port of a server that was stopped).
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{closed.getsockname()[1]}"
+        before = companion_threads()
+        companion = Companion(identity("job-z"), RecordingHooks(), url=url, reconnect_time_wait_s=0.05)
+        with pytest.raises(CompanionError, match="not connected"):
+            companion.start(timeout_s=0.5)
+        assert companion_threads() == before
 
 
 @pytest.fixture

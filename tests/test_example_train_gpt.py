@@ -15,6 +15,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # above the subprocess's own limit (600 s), which ends a stuck run
 def test_the_example_trains_reshards_live_and_keeps_training() -> None:
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),

@@ -68,7 +68,7 @@ def test_jetstream_is_kept_on_a_named_volume() -> None:
 
 
 def test_compose_runs_the_nats_server_version_the_tests_run() -> None:
-    tested = subprocess.run([str(find_binary()), "--version"], capture_output=True, text=True, timeout=30)
+    tested = subprocess.run([str(find_binary()), "--version"], capture_output=True, text=True, timeout=120)
     (version,) = re.findall(r"v(\d+\.\d+\.\d+)", tested.stdout + tested.stderr)
     assert services()["nats"]["image"] == f"nats:{version}-alpine"
 

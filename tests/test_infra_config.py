@@ -33,7 +33,7 @@ def check_config(args: list[str], variables: Mapping[str, str]) -> subprocess.Co
     env = without_nats_settings(os.environ)
     env.update(variables)
     return subprocess.run(
-        [str(find_binary()), *args, "-t"], env=env, capture_output=True, text=True, timeout=30
+        [str(find_binary()), *args, "-t"], env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -172,7 +172,7 @@ def test_make_env_writes_a_distinct_password_for_every_role_readable_by_the_owne
 def test_make_env_never_overwrites_an_existing_file(tmp_path: Path) -> None:
     target = tmp_path / ".env"
     target.write_text("LIVER_NATS_PASSWORD_WORKER=pkeepme\n")
-    result = subprocess.run(["sh", str(MAKE_ENV), str(target)], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(["sh", str(MAKE_ENV), str(target)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "exists" in result.stderr
     assert target.read_text() == "LIVER_NATS_PASSWORD_WORKER=pkeepme\n"

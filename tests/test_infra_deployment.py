@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import IO
 
 import pytest
-from bus_helpers import Collector
+from bus_helpers import REQUEST_TIMEOUT_S, WAIT_S, Collector
 from infra_helpers import (
     ENTRYPOINT,
     INFRA,
@@ -49,8 +49,10 @@ from liver.shared.nats_server import NatsServer
 
 pytestmark = pytest.mark.slow
 
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 180.0
 """Four Python processes importing LiveR at once on a busy two-core machine."""
+STOP_TIMEOUT_S = 60.0
+"""How long a process may take to stop after SIGTERM (it drains its connection) before it is killed."""
 
 
 def _load_healthcheck() -> ModuleType:
@@ -105,11 +107,12 @@ class Deployment:
 
 
 def _stop(*procs: subprocess.Popen[bytes]) -> list[int]:
-    """SIGTERM all at once (as ``docker compose down``), then wait; kill what is left after 20 s."""
+    """SIGTERM all at once (as ``docker compose down``), then wait; kill what is left after
+    STOP_TIMEOUT_S."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + STOP_TIMEOUT_S
     for proc in procs:
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -178,7 +181,7 @@ def test_each_service_passes_its_compose_health_check_as_its_own_user(deployment
         for service in SERVICES
     }
     for service, proc in checks.items():
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=START_TIMEOUT_S)
         assert proc.returncode == 0, f"{service}: {err.decode()}"
         assert out.decode().startswith(f"liver-{service} ") and out.decode().rstrip().endswith(" ok")
 
@@ -187,7 +190,10 @@ def test_a_health_check_with_a_wrong_password_fails(deployment: Deployment) -> N
     env = deployment.environment("ingester")
     env["NATS_PASSWORD"] = "pwrong"
     result = subprocess.run(
-        _healthcheck_command("ingester", deployment.variables), env=env, capture_output=True, timeout=60
+        _healthcheck_command("ingester", deployment.variables),
+        env=env,
+        capture_output=True,
+        timeout=START_TIMEOUT_S,
     )
     assert result.returncode == 1
     assert "authorization violation" in result.stderr.decode().lower()
@@ -214,7 +220,7 @@ async def test_a_spot_warning_from_the_publisher_is_committed_and_seen_by_the_su
             connected(url, "publisher", variables[password_var("publisher")]) as (publisher, publish_errors),
         ):
             committed = await Collector.on(watcher, s.GENERATION_COMMITTED)
-            js = publisher.jetstream()
+            js = publisher.jetstream(timeout=REQUEST_TIMEOUT_S)
             malformed = (
                 b'{"schema_version": 1, "job_id": "%s", "event_id": "bad-1", "node": 7}' % job.encode()
             )
@@ -229,13 +235,14 @@ async def test_a_spot_warning_from_the_publisher_is_committed_and_seen_by_the_su
                 "notice_s": 120,
             }
             await js.publish(s.SPOT_WARNING, json.dumps(warning).encode())
-            out = await committed.one(GenerationCommitted, timeout_s=30)
+            # Through four service processes and the simulated job, each on a busy machine.
+            out = await committed.one(GenerationCommitted, timeout_s=START_TIMEOUT_S)
             assert not watch_errors and not publish_errors
         assert (out.job_id, out.event_id, out.previous_generation, out.generation) == (job, "spot-1", 0, 1)
         assert {d.node for d in out.placement.devices} == {"node000"}
 
         async def malformed_kept() -> None:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + WAIT_S
             while True:
                 counts = stream_messages(deployment.server)
                 if (

@@ -17,6 +17,9 @@ from infra_helpers import DOCKERFILE, ENTRYPOINT, INFRA, MAKE_ENV, REPO, SERVICE
 from liver.shared.nats_server import URL_ENV, NatsServer
 
 HEALTHCHECK = INFRA / "healthcheck.py"
+PROCESS_S = 180
+"""Upper bound on one of these commands (most start an interpreter that imports LiveR): seconds on a busy
+machine, and a bound costs nothing when the command ends first."""
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -61,7 +64,7 @@ def run_entrypoint(*args: str, env: dict[str, str] | None = None) -> subprocess.
     environ["LIVER_PYTHON"] = sys.executable
     environ.update(env or {})
     return subprocess.run(
-        ["bash", str(ENTRYPOINT), *args], env=environ, capture_output=True, text=True, timeout=60
+        ["bash", str(ENTRYPOINT), *args], env=environ, capture_output=True, text=True, timeout=PROCESS_S
     )
 
 
@@ -138,7 +141,7 @@ def test_run_replaces_the_entrypoint_with_the_given_command() -> None:
     proc = subprocess.Popen(
         ["bash", str(ENTRYPOINT), "run", "sh", "-c", "echo $$"], stdout=subprocess.PIPE, text=True
     )
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=PROCESS_S)
     assert proc.returncode == 0
     assert int(out) == proc.pid
 
@@ -178,7 +181,7 @@ def run_healthcheck(*args: str, url: str | None) -> subprocess.CompletedProcess[
     if url is not None:
         env[URL_ENV] = url
     return subprocess.run(
-        [sys.executable, str(HEALTHCHECK), *args], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, str(HEALTHCHECK), *args], env=env, capture_output=True, text=True, timeout=PROCESS_S
     )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import nats
 import nats.errors
 import pytest
-from bus_helpers import Collector, eventually
+from bus_helpers import REQUEST_TIMEOUT_S, WAIT_S, Collector, drained, eventually
 from infra_helpers import ROLES, connected, make_env, password_var, secured_server
 
 from liver.services import bus as b
@@ -50,7 +50,7 @@ async def refused(errors: list[str], kind: str, subject: str) -> None:
     async def reported() -> bool:
         return any(wanted in e for e in errors)
 
-    await eventually(reported, timeout_s=5, what=f"{kind} to {subject} refused; errors: {errors}")
+    await eventually(reported, timeout_s=WAIT_S, what=f"{kind} to {subject} refused; errors: {errors}")
 
 
 def warning(event_id: str) -> bytes:
@@ -60,7 +60,7 @@ def warning(event_id: str) -> bytes:
 async def ingest_stream(rig: Rig) -> None:
     """LIVER_INGEST, declared as the ingester declares it, so that publishes to it are acknowledged."""
     async with connected(rig.url, *rig.login("ingester")) as (nc, _):
-        await b.ensure_stream(nc.jetstream(), s.STREAM_INGEST)
+        await b.ensure_stream(nc.jetstream(timeout=REQUEST_TIMEOUT_S), s.STREAM_INGEST)
 
 
 # -- who may connect ----------------------------------------------------------------------------------
@@ -97,14 +97,14 @@ async def test_the_publisher_publishes_events_but_not_generation_outcomes(rig: R
         connected(rig.url, *rig.login("publisher")) as (nc, errors),
     ):
         outcomes = await Collector.on(watcher, s.GENERATION_COMMITTED)
-        js = nc.jetstream()
+        js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         ack = await js.publish(s.SPOT_WARNING, warning("pub-1"))
         assert ack.stream == s.STREAM_INGEST.name
         scale = b'{"schema_version": 1, "job_id": "job-p", "event_id": "pub-2", "add": []}'
         assert (await js.publish(s.SCALE_REQUEST, scale)).stream == s.STREAM_INGEST.name
         await nc.publish(s.GENERATION_COMMITTED, b'{"forged": true}')
         await refused(errors, "publish", s.GENERATION_COMMITTED)
-        await watcher.flush()
+        await drained(watcher, outcomes)
         assert outcomes.messages == [], "the forged outcome reached a subscriber"
         assert errors.about(s.SPOT_WARNING) == [] and errors.about(s.SCALE_REQUEST) == []
         assert nc.is_connected, "a refused publish does not cost the connection"
@@ -131,10 +131,14 @@ async def test_the_subscriber_receives_generation_outcomes_but_cannot_publish_ev
         outcomes = await Collector.on(nc, s.GENERATION_ABORTED)
         await coordinator.publish(s.GENERATION_ABORTED, b"{}")
         await outcomes.wait_for(1)
-        before = (await ingester.jetstream().stream_info(s.STREAM_INGEST.name)).state.messages
+        before = (
+            await ingester.jetstream(timeout=REQUEST_TIMEOUT_S).stream_info(s.STREAM_INGEST.name)
+        ).state.messages
         await nc.publish(s.SPOT_WARNING, warning("sub-1"))
         await refused(errors, "publish", s.SPOT_WARNING)
-        after = (await ingester.jetstream().stream_info(s.STREAM_INGEST.name)).state.messages
+        after = (
+            await ingester.jetstream(timeout=REQUEST_TIMEOUT_S).stream_info(s.STREAM_INGEST.name)
+        ).state.messages
         assert after == before, "the refused warning was stored"
 
 
@@ -176,7 +180,7 @@ async def test_a_user_cannot_publish_another_roles_subjects(
 async def test_a_service_may_not_delete_streams_it_declares(rig: Rig) -> None:
     await ingest_stream(rig)
     async with connected(rig.url, *rig.login("ingester")) as (nc, errors):
-        js = nc.jetstream()
+        js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         await js.stream_info(s.STREAM_INGEST.name)
         await nc.publish(f"$JS.API.STREAM.DELETE.{s.STREAM_INGEST.name}", b"")
         await refused(errors, "publish", f"$JS.API.STREAM.DELETE.{s.STREAM_INGEST.name}")
@@ -213,18 +217,24 @@ async def test_slice_entries_are_written_by_the_transfer_planner_read_by_workers
         connected(rig.url, *rig.login("worker")) as (worker, errors),
         connected(rig.url, *rig.login("coordinator")) as (coordinator, coordinator_errors),
     ):
-        kv = await b.ensure_kv(transfer.jetstream(), bucket, description="test", ttl_s=60.0)
+        kv = await b.ensure_kv(
+            transfer.jetstream(timeout=REQUEST_TIMEOUT_S), bucket, description="test", ttl_s=60.0
+        )
         await kv.put(key, b"slice")
-        fetcher = PlanFetcher(worker.jetstream())
-        assert await fetcher.fetch_entry(bucket, key, 5.0) == b"slice"
+        fetcher = PlanFetcher(worker.jetstream(timeout=REQUEST_TIMEOUT_S))
+        assert await fetcher.fetch_entry(bucket, key, WAIT_S) == b"slice"
         await worker.publish(f"$KV.{bucket}.{key}", b"forged")
         await refused(errors, "publish", f"$KV.{bucket}.{key}")
         await worker.publish(f"$JS.API.STREAM.PURGE.KV_{bucket}", b"")
         await refused(errors, "publish", f"$JS.API.STREAM.PURGE.KV_{bucket}")
-        assert await fetcher.fetch_entry(bucket, key, 5.0) == b"slice", "the forged write did not land"
-        await coordinator.jetstream().purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.job-p.1.s1.*")
+        assert await fetcher.fetch_entry(bucket, key, WAIT_S) == b"slice", "the forged write did not land"
+        await coordinator.jetstream(timeout=REQUEST_TIMEOUT_S).purge_stream(
+            f"KV_{bucket}", subject=f"$KV.{bucket}.job-p.1.s1.*"
+        )
+        # Waits its whole time for an entry that is gone: long enough for a first read to come back on a
+        # busy machine (only a read that found nothing says "no such entry").
         with pytest.raises(PlanFetchError, match="no such entry"):
-            await fetcher.fetch_entry(bucket, key, 0.2)
+            await fetcher.fetch_entry(bucket, key, 3.0)
         assert transfer_errors == [] and coordinator_errors == []
 
 
@@ -233,6 +243,12 @@ async def test_the_server_logs_every_refusal_it_reports(rig: Rig) -> None:
     async with connected(rig.url, *rig.login("publisher")) as (nc, errors):
         await nc.publish(s.GENERATION_ABORTED, b"{}")
         await refused(errors, "publish", s.GENERATION_ABORTED)
+
+    # The server reports to the client first and then writes its log line: wait for the line.
+    async def logged() -> bool:
+        return 'Publish Violation - Subject "generation.aborted"' in rig.server.log_file.read_text()
+
+    await eventually(logged, what="the refusal in the server's log")
     log = rig.server.log_file.read_text()
     assert 'Publish Violation - Subject "generation.aborted"' in log
     assert '"$G/user:publisher"' in log

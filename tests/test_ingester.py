@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 from bus_helpers import Collector, client, error_events, eventually, put_membership, running, stored
 from nats.aio.client import Client
@@ -26,7 +27,9 @@ from liver.shared.nats_server import NatsServer
 
 JOB = "job-1"
 DEVICES = (Device("node-a", 0), Device("node-a", 1), Device("node-b", 0), Device("node-b", 1))
-FAST = IngesterSettings(ack_wait_s=1.0, retry_delay_s=0.1, max_deliver=3)
+FAST = IngesterSettings(ack_wait_s=30.0, retry_delay_s=0.1, max_deliver=3)
+"""Retries come quickly (a nak with ``retry_delay_s``); the ack wait is long, so that a busy machine never
+has a message taken back while it is prefetched or handled, which would count as a delivery."""
 WARNING = SpotWarning(job_id=JOB, event_id="evt-1", node="node-b", provider="aws", notice_s=120.0)
 
 
@@ -238,7 +241,9 @@ class LosesFirstAck(Ingester):
 
 
 async def test_a_redelivered_event_whose_ack_was_lost_yields_no_second_resize(connection: Started) -> None:
-    ingester = LosesFirstAck(FAST)
+    # Redelivered once the ack wait passes: short enough to wait out, long enough for a busy machine
+    # to handle (and ack) the second delivery within it.
+    ingester = LosesFirstAck(msgspec.structs.replace(FAST, ack_wait_s=3.0))
     async with running(ingester, connection.url):
         await put_membership(connection.js, JOB, DEVICES)
         rig = await rig_for(connection, ingester)

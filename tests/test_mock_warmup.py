@@ -275,7 +275,7 @@ def _run(scenario: Any, size: int, timeout_s: float) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def megatron_run() -> dict[str, Any]:
-    (run,) = _run(megatron_scenario, 1, timeout_s=60.0)
+    (run,) = _run(megatron_scenario, 1, timeout_s=240.0)
     return run
 
 

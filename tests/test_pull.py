@@ -18,7 +18,7 @@ from typing import NamedTuple
 import nats
 import pytest
 import structlog.testing
-from bus_helpers import client, eventually
+from bus_helpers import CONNECT_TIMEOUT_S, WAIT_S, client, eventually
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -74,6 +74,21 @@ def consumer(
     return PullConsumer(js, stream=stream, config=config, handler=handler, batch=batch, **kw)  # type: ignore[arg-type]
 
 
+EXPIRES_S = 300.0
+"""How long a pull request lives where a test tells waiting for a message from waiting for the request
+to expire: far beyond any wait here (WAIT_S)."""
+
+
+async def settled(js: JetStreamContext, stream: str, last: int) -> None:
+    """Wait until the server has every message up to stream sequence ``last`` acknowledged and none out."""
+
+    async def acked() -> bool:
+        info = await js.consumer_info(stream, "pulled")
+        return info.ack_floor.stream_seq >= last and info.num_ack_pending == 0 and info.num_pending == 0
+
+    await eventually(acked, what=f"every message up to {last} acknowledged")
+
+
 async def waiting_requests(js: JetStreamContext, stream: str, count: int = 1) -> None:
     async def waiting() -> bool:
         return (await js.consumer_info(stream, "pulled")).num_waiting >= count
@@ -86,7 +101,7 @@ async def test_a_lone_message_is_handled_at_once_not_when_the_pull_request_expir
 ) -> None:
     _, js, name, subject = stream
     handler = Recorder()
-    pulled = consumer(js, name, handler, batch=64, fetch_timeout_s=30.0)
+    pulled = consumer(js, name, handler, batch=64, fetch_timeout_s=EXPIRES_S)
     await pulled.start()
     try:
         await waiting_requests(js, name)
@@ -95,7 +110,7 @@ async def test_a_lone_message_is_handled_at_once_not_when_the_pull_request_expir
         async def handled() -> bool:
             return handler.payloads == [b"alone"]
 
-        await eventually(handled, timeout_s=5.0, what="the lone message is handled well before 30 s")
+        await eventually(handled, what=f"the lone message is handled well before {EXPIRES_S:g} s")
     finally:
         await pulled.stop()
 
@@ -144,6 +159,8 @@ async def test_stop_naks_prefetched_messages_and_another_instance_then_gets_them
 
     await eventually(all_delivered, what="all five delivered to the first instance")
     stopping = asyncio.create_task(pulled.stop())
+    # Not a wait for time to pass: any yield lets stop() run up to its wait for the message in hand (its
+    # flag is set by then), since that message's handler is blocked on ``release``.
     await asyncio.sleep(0.05)
     release.set()  # the message in hand is finished, the four prefetched ones are given back
     await stopping
@@ -157,7 +174,7 @@ async def test_stop_naks_prefetched_messages_and_another_instance_then_gets_them
         async def taken_over() -> bool:
             return len(second.seen) >= 4
 
-        await eventually(taken_over, timeout_s=5.0, what="the prefetched messages reach the other instance")
+        await eventually(taken_over, what="the prefetched messages reach the other instance")
         assert sorted(second.seen) == [(f"m{i}".encode(), 2) for i in range(1, 5)]
     finally:
         await other.stop()
@@ -167,12 +184,12 @@ async def test_stop_while_idle_returns_without_waiting_for_the_request_to_expire
     stream: Stream,
 ) -> None:
     _, js, name, _ = stream
-    pulled = consumer(js, name, Recorder(), batch=16, fetch_timeout_s=30.0)
+    pulled = consumer(js, name, Recorder(), batch=16, fetch_timeout_s=EXPIRES_S)
     await pulled.start()
     await waiting_requests(js, name)
     started = time.monotonic()
     await pulled.stop()
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < WAIT_S  # far less than the request's EXPIRES_S
 
 
 async def test_two_instances_on_one_durable_share_the_messages_without_duplicates(
@@ -187,19 +204,23 @@ async def test_two_instances_on_one_durable_share_the_messages_without_duplicate
         await waiting_requests(js, name, count=2)
         sent = {f"m{i}".encode() for i in range(200)}
         for data in sorted(sent):
-            await js.publish(subject, data)
+            last = (await js.publish(subject, data)).seq
 
         async def all_handled() -> bool:
             return len(one.seen) + len(two.seen) >= len(sent)
 
         await eventually(all_handled, what="every message handled by one of the instances")
-        await asyncio.sleep(0.2)  # a duplicate would show up now
+        # Nothing left to deliver or redeliver: a duplicate would have been handled (and acked) by now.
+        await settled(js, name, last)
         handled = one.payloads + two.payloads
         assert sorted(handled) == sorted(sent)
         assert one.seen and two.seen
     finally:
         for instance in instances:
             await instance.stop()
+
+
+ACK_WAIT_S = 4.0
 
 
 async def test_messages_from_the_pull_are_jetstream_messages_that_can_be_kept_in_progress_and_terminated(
@@ -212,10 +233,12 @@ async def test_messages_from_the_pull_are_jetstream_messages_that_can_be_kept_in
         meta = msg.metadata
         seen.append((meta.stream, meta.consumer, meta.sequence.stream, meta.num_delivered))
         async with keep_in_progress(msg, every_s=0.2):
-            await asyncio.sleep(1.5)  # past the 1 s ack wait: only the progress reports keep it ours
+            await asyncio.sleep(ACK_WAIT_S + 1.0)  # past the ack wait: only the progress reports keep it ours
         await msg.term()
 
-    config = b.pull_consumer_config("pulled", None, ack_wait_s=1.0, max_deliver=5, description="test")
+    # Reports every 0.2 s against an ack wait of ACK_WAIT_S: a busy machine may stall the loop for a
+    # while without the message being taken back.
+    config = b.pull_consumer_config("pulled", None, ack_wait_s=ACK_WAIT_S, max_deliver=5, description="test")
     pulled = PullConsumer(js, stream=name, config=config, handler=slow_then_term, batch=4)
     await pulled.start()
     try:
@@ -226,7 +249,8 @@ async def test_messages_from_the_pull_are_jetstream_messages_that_can_be_kept_in
             return info.ack_floor.stream_seq == seq and info.num_ack_pending == 0
 
         await eventually(settled, what="the terminated message is settled")
-        await asyncio.sleep(1.2)  # one more ack wait: a message that was not ours would be back
+        # Delivered once (the consumer's sequence counts redeliveries) and terminated: never again.
+        assert (await js.consumer_info(name, "pulled")).delivered.consumer_seq == 1
         assert seen == [(name, "pulled", seq, 1)]
     finally:
         await pulled.stop()
@@ -246,17 +270,34 @@ async def test_a_refused_pull_request_is_asked_again_once_per_backoff_not_in_a_l
     try:
         await waiting_requests(js, name)
         with structlog.testing.capture_logs() as logged:
+            started = time.monotonic()
             await js.delete_consumer(name, "pulled")  # the waiting request ends with 409 Consumer Deleted
-            await asyncio.sleep(1.0)
-        refusals = [e for e in logged if e["event"] == "pull_request_refused"]
+            await asyncio.sleep(1.0)  # the window in which the refusals are counted
+
+            async def refused_twice() -> bool:  # a busy machine may have run the loop less often
+                return len([e for e in logged if e["event"] == "pull_request_refused"]) >= 2
+
+            await eventually(refused_twice, what="the request refused, then asked again")
+            refusals = [e for e in logged if e["event"] == "pull_request_refused"]
+            window = time.monotonic() - started
         assert refusals[0]["description"] == "Consumer Deleted"
-        assert 2 <= len(refusals) <= 6  # then no responders, once per 0.25 s, not once per round trip
+        # Then no responders, once per 0.25 s, not once per round trip: at most 6 in a 1 s window.
+        assert 2 <= len(refusals) <= 2 + window / 0.25
         await js.add_consumer(name, config)
         await js.publish(subject, b"again")
-        assert (await asyncio.wait_for(reading, 5.0)).data == b"again"
+        assert (await asyncio.wait_for(reading, WAIT_S)).data == b"again"
     finally:
         reading.cancel()
         await pull.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def _stored_bytes(store: Path) -> bytes:
+    """What the server's message files under ``store`` hold (JetStream writes payloads as they are)."""
+    return b"".join(block.read_bytes() for block in store.rglob("*.blk"))
 
 
 @pytest.mark.parametrize("crash", [False, True], ids=["graceful", "killed"])
@@ -266,7 +307,9 @@ async def test_a_server_restart_in_the_middle_of_consuming_loses_nothing(tmp_pat
     store = tmp_path / "js"
     server = NatsServer(store_dir=store).start()
     port = server.url.rsplit(":", 1)[1]
-    nc = await nats.connect(server.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+    nc = await nats.connect(
+        server.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1, connect_timeout=CONNECT_TIMEOUT_S
+    )
     js = nc.jetstream()
     await js.add_stream(name="PULL_RESTART", subjects=["test.pull.restart"])
 
@@ -283,10 +326,11 @@ async def test_a_server_restart_in_the_middle_of_consuming_loses_nothing(tmp_pat
         before = [f"before{i}".encode() for i in range(30)]
         for data in before:
             await js.publish("test.pull.restart", data)
-        while len(handler.seen) < 10:
-            await asyncio.sleep(0.005)
+        await eventually(lambda: _true(len(handler.seen) >= 10), what="ten messages handled")
         if crash:
-            await asyncio.sleep(0.1)  # the store writes behind the acknowledgement of a publish
+            # The store writes behind the acknowledgement of a publish: wait until the message files
+            # hold every message (written in order, so the last one), which a SIGKILL then cannot undo.
+            await eventually(lambda: _true(before[-1] in _stored_bytes(store)), what="the messages on disk")
             assert server.pid is not None
             os.kill(server.pid, signal.SIGKILL)
         await asyncio.to_thread(server.stop)
@@ -298,7 +342,7 @@ async def test_a_server_restart_in_the_middle_of_consuming_loses_nothing(tmp_pat
         async def all_handled() -> bool:
             return set(before + after) <= set(handler.payloads)
 
-        await eventually(all_handled, timeout_s=15.0, what="every message handled after the restart")
+        await eventually(all_handled, what="every message handled after the restart")
     finally:
         await pulled.stop()
         await nc.close()

@@ -235,7 +235,7 @@ def test_a_process_never_taken_into_a_world_gives_up_after_its_join_timeout() ->
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="not taken into any world"):
         runtime.step()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # without a join timeout it would wait for ever
 
 
 @pytest.mark.parametrize(
@@ -295,7 +295,7 @@ def test_the_handoff_streams_with_the_schedule_its_preparation_made(monkeypatch:
     plan = plan_between(world_config(ONE, 0), world_config(ONE, 0))
     options = StreamOptions(message_bytes=4096)
     build = ScheduleBuild(plan, DEVICES[0], options)
-    assert build.wait(30) and build.error is None
+    assert build.wait(120) and build.error is None
     state = {}
     prepared = build.result()
     assert prepared is not None
@@ -350,7 +350,7 @@ def test_a_plan_that_does_not_fit_this_process_fails_the_preparation_before_the_
     )
     prep = Preparation(request, role, old, new)
     prep.schedule_build = ScheduleBuild(request.plan, DEVICES[3], StreamOptions())
-    assert prep.schedule_build.wait(30)
+    assert prep.schedule_build.wait(120)
     assert prep.schedule() is None
     failure = prep.failure()
     assert failure is not None
@@ -361,6 +361,12 @@ def test_a_plan_that_does_not_fit_this_process_fails_the_preparation_before_the_
 # -- commands and deadlines, on two processes ------------------------------------------------------------
 
 GATED, COMMANDED, MISSED, RECOVERED = 1, 2, 3, 4
+PEER_TIMEOUT_S = 120.0
+"""How long a process waits for its peer (a vote, a world's rendezvous): no test here is about that
+timeout, and a busy machine may keep one process off the CPU for a while."""
+MAX_ITERATIONS = 20_000
+"""Only against a hang: the loop ends once every request is settled (about 110 iterations on an idle
+machine; on a busy one each world build lasts more iterations, as the loop keeps stepping meanwhile)."""
 WAIT_AFTER_READY = 3  # iterations a process keeps training while ready but not allowed to switch
 
 
@@ -385,14 +391,14 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
         device=DEVICES[proc.rank],
         store=address,
         initial=WorldSpec(job=JOB, generation=0, layout=DP2, placement=world_config(DP2, 0, 1).placement),
-        options=RuntimeOptions(control_timeout_s=20, build_timeout_s=20),
+        options=RuntimeOptions(control_timeout_s=PEER_TIMEOUT_S, build_timeout_s=PEER_TIMEOUT_S),
         on_event=events.append,
     )
     out: dict[str, Any] = {"generation_at": {}, "values_after_switch": {}, "allowed_at": None}
     trainer = runtime.step()
     pending = sorted(plans)
     ready_since: int | None = None
-    while trainer is not None and trainer.iteration < 400:
+    while trainer is not None and trainer.iteration < MAX_ITERATIONS:
         generation = runtime.generation
         if runtime.pending_generation is None and pending:
             g = pending.pop(0)
@@ -519,12 +525,12 @@ def lost_rank_process(proc: Proc, plan: Plan) -> dict[str, Any]:
         device=DEVICES[proc.rank],
         store=address,
         initial=WorldSpec(job=JOB, generation=0, layout=TP2, placement=world_config(TP2, 0, 1).placement),
-        options=RuntimeOptions(control_timeout_s=20, build_timeout_s=20),
+        options=RuntimeOptions(control_timeout_s=PEER_TIMEOUT_S, build_timeout_s=PEER_TIMEOUT_S),
         on_stream_step=die if proc.rank == 1 else None,
     )
     trainer = runtime.step()
     runtime.request_resize(1, ONE, plan.new.placement, plan, address)
-    assert runtime.wait_prepared(20)
+    assert runtime.wait_prepared(PEER_TIMEOUT_S)
     assert trainer is not None
     trainer.train_step()
     try:

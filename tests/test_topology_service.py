@@ -56,7 +56,7 @@ ROOMY = HardwareProfile(
 """No margin and no reserve, so a reported device memory is exactly what training may use."""
 PROFILE = JobProfile(model=MODEL, setup=SETUP, hardware=ROOMY)
 SETTINGS = TopologySettings(
-    default=PROFILE, staging_bytes=0, ack_wait_s=5.0, progress_every_s=1.0, retry_delay_s=0.1
+    default=PROFILE, staging_bytes=0, ack_wait_s=30.0, progress_every_s=1.0, retry_delay_s=0.1
 )
 WORLD = grid_devices(2, 2)
 """node000:0-1 and node001:0-1 run generation 0 as TP2 x DP2."""
@@ -368,7 +368,7 @@ async def test_an_unplannable_request_is_answered_with_a_planning_failure(rig: R
 async def test_a_job_without_a_profile_gets_a_planning_failure_that_says_so(
     server: NatsServer, job: str
 ) -> None:
-    only_other = TopologySettings(jobs={"other-job": PROFILE}, ack_wait_s=5.0, progress_every_s=1.0)
+    only_other = TopologySettings(jobs={"other-job": PROFILE}, ack_wait_s=30.0, progress_every_s=1.0)
     async with client(server.url) as (nc, js), running(TopologyService(only_other), server.url):
         failed = await Collector.on(nc, s.planning_failed(job))
         await js.publish(s.topology_request(job), encode(ask(job)))

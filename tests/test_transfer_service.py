@@ -28,7 +28,7 @@ JOB = "job-t"
 MODEL = PRESETS["tiny-gpt"]
 OLD = ParallelLayout(tp=2, pp=2, dp=2)
 OLD_DEVICES = grid_devices(2, 4)
-FAST = TransferSettings(ack_wait_s=5.0, progress_every_s=1.0, retry_delay_s=0.1)
+FAST = TransferSettings(ack_wait_s=30.0, progress_every_s=1.0, retry_delay_s=0.1)
 MAX_PAYLOAD = 1024 * 1024
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import nats.js.errors
 import pytest
-from bus_helpers import client
+from bus_helpers import WAIT_S, client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -84,7 +84,7 @@ async def test_a_slice_that_fits_a_message_is_one_key_value_entry_and_reads_back
     assert (ref.bucket, ref.name, ref.size) == (s.KV_PLAN_SLICES, "job-s.3.s7.00000", len(data))
     assert (await stores.kv.get(index.key(0))).value == data
     assert not await has_object(stores.objects, index.name(0))
-    assert await PlanFetcher(stores.js).fetch_slice(index.location(0), 5.0) == data
+    assert await PlanFetcher(stores.js).fetch_slice(index.location(0), WAIT_S) == data
 
 
 async def test_a_slice_over_the_limit_is_an_object_and_reads_back_identically(stores: Stores) -> None:
@@ -95,7 +95,7 @@ async def test_a_slice_over_the_limit_is_an_object_and_reads_back_identically(st
     assert refs[1].name == index.name(1) and refs[1].digest is not None
     assert not await has_entry(stores.kv, index.key(1))
     fetcher = PlanFetcher(stores.js)
-    assert [await fetcher.fetch_slice(index.location(i), 5.0) for i in range(3)] == [small, big, small]
+    assert [await fetcher.fetch_slice(index.location(i), WAIT_S) for i in range(3)] == [small, big, small]
 
 
 async def test_a_slice_larger_than_a_message_goes_through_the_object_store(stores: Stores) -> None:
@@ -103,4 +103,4 @@ async def test_a_slice_larger_than_a_message_goes_through_the_object_store(store
     limit = kv_limit(stores.max_payload)
     index, (ref,) = await stores.writer(kv_max_bytes=limit).put_slices(PREFIX, [huge])
     assert index.objects == (0,) and ref.size == len(huge)
-    assert await PlanFetcher(stores.js).fetch_slice(index.location(0), 10.0) == huge
+    assert await PlanFetcher(stores.js).fetch_slice(index.location(0), WAIT_S) == huge

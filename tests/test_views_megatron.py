@@ -23,7 +23,6 @@ translated explicitly (see :func:`expected_megatron_shards` and :func:`liver_box
 from __future__ import annotations
 
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections import defaultdict
@@ -38,7 +37,12 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec, TensorSpec
 from liver.shared.views import view
 
-pytestmark = pytest.mark.slow
+# Two spawned interpreters import torch and Megatron (seconds each, more on a busy machine): the
+# children's own deadline (CHILDREN_S) ends a stuck run, and the test's limit is above it.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+CHILDREN_S = 480.0
+PEER_TIMEOUT_S = 120.0
+"""For the gloo rendezvous and collectives, which must succeed."""
 
 GPT = ModelSpec(  # LayerNorm, GeLU, biases, tied embeddings, learned absolute positions
     name="gpt-bf16",
@@ -452,6 +456,7 @@ def _build_refusal() -> str:
 
 
 def child_main(child: int, port: int, results: Any) -> None:
+    """``port``: the store the parent hosts (so that there is no port to race for)."""
     """One of two processes: the gloo cases together, then its half of the emulated ranks."""
     try:
         import torch
@@ -462,13 +467,9 @@ def child_main(child: int, port: int, results: Any) -> None:
         torch.set_num_threads(1)
         out: dict[str, Any] = {"cases": defaultdict(dict), "timings": {}}
         start = time.perf_counter()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=child,
-            world_size=2,
-            timeout=timedelta(seconds=60),
-        )
+        timeout = timedelta(seconds=PEER_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=child, world_size=2, timeout=timeout)
         for case, (spec, layout) in GLOO_CASES.items():
             out["cases"][case][child] = inspect_rank(spec, layout, gloo_groups=True)
             if case == "TP2PP1-llama":
@@ -497,24 +498,23 @@ def child_main(child: int, port: int, results: Any) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports() -> dict[str, Any]:
     """Run both child processes once; every test below reads their findings."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    # Hosted here on a port the kernel picks: a port picked here and bound by a child later (after its
+    # imports) could be taken meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=child_main, args=(c, port, results), daemon=True) for c in (0, 1)]
     for p in procs:
         p.start()
     found: dict[int, Any] = {}
     errors: list[str] = []
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + CHILDREN_S
     try:
         while len(found) + len(errors) < 2:
             try:

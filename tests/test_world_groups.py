@@ -166,7 +166,7 @@ def test_a_device_outside_the_placement_builds_nothing(store: StoreAddress) -> N
 
 def test_at_most_two_generations_exist_and_release_makes_room(store: StoreAddress) -> None:
     gen0 = build_world(_spec("rules", 0), DEVICE, store)
-    gen1 = build_world_async(_spec("rules", 1), DEVICE, store).result(timeout=20)
+    gen1 = build_world_async(_spec("rules", 1), DEVICE, store).result(timeout=120)
     try:
         assert live_generations("rules") == (0, 1)
         with pytest.raises(WorldError, match="at most two"):
@@ -217,7 +217,7 @@ def test_groups_made_while_a_world_is_the_default_go_with_it(store: StoreAddress
 
 def test_a_discarded_build_is_released(store: StoreAddress) -> None:
     build = build_world_async(_spec("discard", 0), DEVICE, store)
-    assert build.wait(timeout=20)
+    assert build.wait(timeout=120)
     world = build.result()
     build.discard()
     assert world.released

@@ -347,7 +347,7 @@ def run_demo(scenario: Scenario, out_dir: Path, *, name: str, console: Console, 
     return result
 
 
-def _leftovers(mark: str, wait_s: float = 5.0) -> list[int]:
+def _leftovers(mark: str, wait_s: float = 30.0) -> list[int]:
     """Processes with the run's mark still alive after up to ``wait_s`` (exits are not instantaneous)."""
     deadline = time.monotonic() + wait_s
     while True:

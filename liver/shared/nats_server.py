@@ -104,7 +104,7 @@ class NatsServer:
         store_dir: str | os.PathLike[str] | None = None,
         config_file: str | os.PathLike[str] | None = None,
         host: str = "127.0.0.1",
-        startup_timeout_s: float = 15.0,
+        startup_timeout_s: float = 60.0,
         binary: str | os.PathLike[str] | None = None,
         log_file: str | os.PathLike[str] | None = None,
         extra_args: tuple[str, ...] = (),

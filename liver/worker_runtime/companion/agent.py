@@ -234,7 +234,7 @@ class WorkerAgent:
         self.presence = presence or Presence()
         self.settings = settings or AgentSettings()
         self.counts = AgentCounts()
-        self._fetcher = fetcher or PlanFetcher(nc.jetstream())
+        self._fetcher = fetcher or PlanFetcher(nc.jetstream(timeout=self.settings.fetch_timeout_s))
         self._log = log.bind(job_id=identity.job_id, worker_id=identity.worker_id)
         self._handoffs: dict[int, HandoffView] = {}
         self._aborted_unseen: set[int] = set()
