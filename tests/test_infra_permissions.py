@@ -9,13 +9,15 @@ the real services is shown by tests/test_infra_deployment.py.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import nats
 import nats.errors
 import pytest
 from bus_helpers import REQUEST_TIMEOUT_S, WAIT_S, Collector, drained, eventually
-from infra_helpers import ROLES, connected, make_env, password_var, secured_server
+from infra_helpers import ROLES, Errors, connected, make_env, password_var, secured_server
+from nats.aio.client import Client
 
 from liver.services import bus as b
 from liver.shared import subjects as s
@@ -51,6 +53,25 @@ async def refused(errors: list[str], kind: str, subject: str) -> None:
         return any(wanted in e for e in errors)
 
     await eventually(reported, timeout_s=WAIT_S, what=f"{kind} to {subject} refused; errors: {errors}")
+
+
+async def delivered(publisher: Client, subject: str, to: Collector, receiver: Client, errors: Errors) -> None:
+    """Publish ``{}`` on ``subject`` until ``to`` has it: core NATS is at most once, and on a loaded
+    machine a first delivery has been seen to go missing (both clients connected, no error reported).
+    What this shows is that the receiver *may* receive it; a refusal would never arrive."""
+    deadline = time.monotonic() + WAIT_S
+    while not to.messages:
+        await publisher.publish(subject, b"{}")
+        await publisher.flush(timeout=int(WAIT_S))
+        try:
+            await to.wait_for(1, timeout_s=min(5.0, max(0.1, deadline - time.monotonic())))
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"nothing on {subject} in {WAIT_S} s: publisher connected={publisher.is_connected}, "
+                    f"receiver connected={receiver.is_connected}, receiver errors={errors}, "
+                    f"receiver stats={receiver.stats}"
+                ) from None
 
 
 def warning(event_id: str) -> bytes:
@@ -129,8 +150,7 @@ async def test_the_subscriber_receives_generation_outcomes_but_cannot_publish_ev
         connected(rig.url, *rig.login("ingester")) as (ingester, _),
     ):
         outcomes = await Collector.on(nc, s.GENERATION_ABORTED)
-        await coordinator.publish(s.GENERATION_ABORTED, b"{}")
-        await outcomes.wait_for(1)
+        await delivered(coordinator, s.GENERATION_ABORTED, outcomes, nc, errors)
         before = (
             await ingester.jetstream(timeout=REQUEST_TIMEOUT_S).stream_info(s.STREAM_INGEST.name)
         ).state.messages
@@ -201,9 +221,7 @@ async def test_a_worker_receives_its_commands_but_not_the_workers_reports(rig: R
         connected(rig.url, *rig.login("worker")) as (nc, errors),
     ):
         commands = await Collector.on(nc, s.worker_command("job-p", "w1"))
-        await coordinator.publish(s.worker_command("job-p", "w1"), b"{}")
-        await coordinator.flush()  # the server has routed it before the wait starts counting
-        await commands.wait_for(1)
+        await delivered(coordinator, s.worker_command("job-p", "w1"), commands, nc, errors)
         await nc.subscribe(s.WORKER_STATUS_ANY)
         await refused(errors, "subscription", s.WORKER_STATUS_ANY)
 
