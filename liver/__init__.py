@@ -19,6 +19,7 @@ from liver.shared.errors import BusError, HandoffError, InputError, LiverError, 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names load lazily
     from liver.services.transfer.planner import plan_resize
+    from liver.shared.geometry import ModelGeometry
     from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, grid_devices
     from liver.shared.logs import configure_logging
     from liver.shared.model import ModelError, ModelSpec, load_model
@@ -26,7 +27,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.worker_runtime.companion.bridge import RuntimeBridge
     from liver.worker_runtime.companion.thread import Companion
     from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
+    from liver.worker_runtime.megatron.geometry import derive_geometry, derive_geometry_in_subprocess
     from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.train_config import TrainConfig
     from liver.worker_runtime.runtime import (
         AbortReport,
@@ -57,6 +60,9 @@ _LAZY: dict[str, str] = {
     "HandoffFailed": "liver.worker_runtime.handoff",
     # the Megatron-core job
     "MegatronJob": "liver.worker_runtime.megatron.job",
+    "ModelSource": "liver.worker_runtime.megatron.source",
+    "derive_geometry": "liver.worker_runtime.megatron.geometry",
+    "derive_geometry_in_subprocess": "liver.worker_runtime.megatron.geometry",
     "TrainConfig": "liver.worker_runtime.megatron.train_config",
     # worlds and where they meet
     "WorldSpec": "liver.worker_runtime.world",
@@ -67,6 +73,7 @@ _LAZY: dict[str, str] = {
     "RuntimeBridge": "liver.worker_runtime.companion.bridge",
     # models, layouts and plans
     "ModelSpec": "liver.shared.model",
+    "ModelGeometry": "liver.shared.geometry",
     "ModelError": "liver.shared.model",
     "load_model": "liver.shared.model",
     "ParallelLayout": "liver.shared.layout",
@@ -96,6 +103,8 @@ __all__ = [
     "LiverError",
     "MegatronJob",
     "ModelError",
+    "ModelGeometry",
+    "ModelSource",
     "ModelSpec",
     "ParallelLayout",
     "Placement",
@@ -113,6 +122,8 @@ __all__ = [
     "WorldConfig",
     "WorldSpec",
     "configure_logging",
+    "derive_geometry",
+    "derive_geometry_in_subprocess",
     "grid_devices",
     "host_store",
     "load_model",

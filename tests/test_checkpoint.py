@@ -43,7 +43,7 @@ def _manifest(at: int = 6, layout: ParallelLayout = TP2PP2, **changes: Any) -> C
         schema=SCHEMA_VERSION,
         format="megatron-core dist_checkpointing torch_dist/1",
         iteration=at,
-        model=PRESETS["tiny-gpt"],
+        model=PRESETS["tiny-gpt"].geometry(),
         layout=layout,
         config=TrainConfig(),
         progress=TrainingProgress(

@@ -115,7 +115,7 @@ def plan_topology(request: TopologyRequest) -> TopologyPlanned | PlanningFailed:
         event_id=request.event_id,
         from_generation=request.from_generation,
         generation=request.generation,
-        model=MODEL,
+        model=MODEL.geometry(),
         from_layout=request.layout,
         from_placement=request.placement,
         layout=layout,

@@ -51,7 +51,7 @@ def observer_with_one_commit() -> Observer:
         event_id="evt-1",
         from_generation=0,
         generation=1,
-        model=PRESETS["tiny-gpt"],
+        model=PRESETS["tiny-gpt"].geometry(),
         from_layout=OLD,
         from_placement=Placement((A, B)),
         layout=NEW,

@@ -344,12 +344,13 @@ def test_release_mode_frees_old_layers_and_lowers_the_footprint() -> None:
 
 def test_throttle_holds_the_byte_rate_under_the_cap() -> None:
     plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)), budget=32 * KIB)
-    # The cap must bind: a quarter of the rate this machine reaches right now without one (a busy
-    # machine can stream slower than any fixed cap), and never above 3 MB/s.
+    # The cap must bind: a twentieth of the rate this machine reaches right now without one (a busy
+    # machine can stream slower than any fixed cap, and its load changes between two runs: a quarter
+    # was seen not to bind), and never above 3 MB/s.
     free = run_reshard(plan, StreamOptions(timeout_s=STREAM_TIMEOUT_S, message_bytes=8 * KIB))
     assert_resharded(free)
     reached = min((r.stats.bytes_sent + r.stats.bytes_received) / r.stats.seconds for r in free)
-    rate = min(3e6, reached / 4)
+    rate = min(3e6, reached / 20)
     reports = run_reshard(
         plan, StreamOptions(timeout_s=STREAM_TIMEOUT_S, message_bytes=8 * KIB, max_bytes_per_s=rate)
     )

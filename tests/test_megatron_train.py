@@ -62,7 +62,7 @@ def _padding_magnitude(trainer: Any) -> float:
     from liver.shared.views import view
     from liver.worker_runtime.megatron.state import local_state
 
-    spec, layout, rank = trainer.spec, trainer.layout, trainer.groups.rank
+    spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
     largest = 0.0
     for index, tensor in local_state(trainer).items():
         shard = view(spec.tensors()[index], spec, layout, rank)
@@ -77,7 +77,7 @@ def _padding_magnitude(trainer: Any) -> float:
 def _views_share_storage(trainer: Any) -> bool:
     from liver.worker_runtime.megatron.state import local_state, logical_parameter_name
 
-    index_of = {t.name: i for i, t in enumerate(trainer.spec.tensors())}
+    index_of = {t.name: i for i, t in enumerate(trainer.geometry.tensors())}
     live = local_state(trainer)
     return all(
         live[index_of[logical_parameter_name(trainer, name)]].data_ptr() == p.data_ptr()

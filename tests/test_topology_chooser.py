@@ -183,7 +183,7 @@ def test_candidates_are_ranked_and_convert_to_the_planned_message() -> None:
         event_id="ev1",
         from_generation=0,
         generation=1,
-        model=LLAMA,
+        model=LLAMA.geometry(),
         from_layout=current.layout,
         from_placement=current.placement,
         layout=decision.layout,

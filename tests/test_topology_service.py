@@ -140,7 +140,11 @@ def test_the_answer_is_the_choosers_decision_with_its_candidates_and_explanation
     assert (planned.layout, planned.placement) == (expected.layout, expected.placement)
     assert planned.candidates == expected.message_candidates()
     assert planned.explanation == expected.explanation
-    assert (planned.from_layout, planned.from_placement, planned.model) == (LAYOUT, Placement(WORLD), MODEL)
+    assert (planned.from_layout, planned.from_placement, planned.model) == (
+        LAYOUT,
+        Placement(WORLD),
+        MODEL.geometry(),
+    )
 
 
 def test_the_memory_the_workers_report_replaces_the_profiles() -> None:

@@ -38,7 +38,7 @@ def topology(layout: ParallelLayout, devices: tuple[Device, ...], **changes: obj
         "event_id": "evt-1",
         "from_generation": 4,
         "generation": 5,
-        "model": MODEL,
+        "model": MODEL.geometry(),
         "from_layout": OLD,
         "from_placement": Placement(OLD_DEVICES),
         "layout": layout,

@@ -26,8 +26,8 @@ from typing import Annotated, Final, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
-from liver.shared.model import ModelSpec
 from liver.shared.subjects import TOKEN_PATTERN, kv_key_prefix
 
 SCHEMA_VERSION: Final = 1
@@ -337,7 +337,7 @@ class TopologyPlanned(Message, kw_only=True, tag="topology_planned"):
     event_id: EventId
     from_generation: Generation
     generation: Generation
-    model: ModelSpec
+    model: ModelGeometry
     from_layout: ParallelLayout
     from_placement: Placement
     layout: ParallelLayout

@@ -1,9 +1,12 @@
 """GPT-family model descriptions, as Megatron-core builds them, and their logical tensors.
 
-A :class:`ModelSpec` is enough to list every tensor of the training state (parameters, fp32 master
-weights, Adam moments, the step counter) with Megatron-core's parameter names (local layer spec), the
-global shape, dtype, the pipeline position and the tensor-parallel sharding rule. The view function in
-:mod:`liver.shared.views` turns a rule into each rank's box.
+A :class:`ModelSpec` describes the GPT that LiveR's own trainer builds, for what-if planning (``liver
+plan``, ``liver sim``, the topology planner's memory and cost models) and the demo. What the planners
+consume is its :meth:`ModelSpec.geometry` (:mod:`liver.shared.geometry`): every tensor of the training
+state (parameters, fp32 master weights, Adam moments, the step counter) with Megatron-core's parameter
+names (local layer spec), the global shape, dtype, the pipeline position and the tensor-parallel
+sharding rule, exactly what Megatron's own ``sharded_state_dict()`` of the built model gives. The view
+function in :mod:`liver.shared.views` turns a rule into each rank's box.
 
 Logical shapes differ from Megatron's in two documented places:
 
@@ -32,13 +35,30 @@ from typing import Literal
 import msgspec
 
 from liver.shared.errors import InputError
-from liver.shared.layout import LayoutError, ParallelLayout
+from liver.shared.geometry import (
+    DTYPE_BYTES,
+    LAYER_PLACEHOLDER,
+    Home,
+    ModelGeometry,
+    ParamGeometry,
+    Role,
+    Rule,
+    TensorSpec,
+    TpDivisor,
+)
+from liver.shared.layout import ParallelLayout
 
-Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
-Home = Literal["layer", "first", "last", "first+last", "all"]
-Role = Literal["param", "fp32_param", "exp_avg", "exp_avg_sq", "step"]
-
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
+__all__ = [
+    "DTYPE_BYTES",
+    "PRESETS",
+    "Home",
+    "ModelError",
+    "ModelSpec",
+    "Role",
+    "Rule",
+    "TensorSpec",
+    "load_model",
+]
 
 
 class ModelError(InputError):
@@ -103,55 +123,24 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise :class:`LayoutError` naming the reason when Megatron could not shard this model so."""
-        tp = layout.tp
-        for what, value in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_query_groups", self.query_groups),
-            ("ffn_hidden_size", self.ffn_hidden_size),
-        ):
-            if value % tp:
-                raise LayoutError(f"{layout.describe()}: {what} ({value}) is not divisible by tp={tp}")
-        if layout.pp > self.num_layers:
-            raise LayoutError(f"{layout.describe()}: pp={layout.pp} exceeds the {self.num_layers} layers")
-        layout.layers_per_stage(self.num_layers)
+        self.geometry().check_layout(layout)
+
+    def geometry(self) -> ModelGeometry:
+        """The shard geometry of the model this describes: what Megatron's ``sharded_state_dict()`` of
+        the built model gives (:mod:`liver.worker_runtime.megatron.geometry`; a test proves it)."""
+        return _geometry(self)
 
     def tensors(self, optimizer: bool = True) -> tuple[TensorSpec, ...]:
         """All logical tensors of the training state, grouped by streaming layer."""
-        return _tensors(self, optimizer)
+        return self.geometry().tensors(optimizer)
 
     def parameter_count(self) -> int:
-        return sum(math.prod(t.shape) for t in self.tensors(optimizer=False) if t.role == "param")
-
-
-class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One logical tensor of the training state.
-
-    ``layer`` is the streaming unit: 0 holds the embeddings and the step counter, ``1..L`` the decoder
-    layers (Megatron's ``decoder.layers.{layer-1}``), ``L+1`` the final norm and output layer.
-    ``home`` says which pipeline stages hold it; ``rule`` how tensor parallelism splits it.
-    ``param`` is the parameter an optimizer state belongs to (itself for a parameter).
-    """
-
-    name: str
-    layer: int
-    shape: tuple[int, ...]
-    dtype: str
-    role: Role
-    rule: Rule
-    home: Home
-    param: str
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+        return self.geometry().parameter_count()
 
 
 def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Home]]:
-    """(name, layer, logical shape, rule, home) for every parameter, in Megatron's module order."""
+    """(name, layer, logical shape, rule, home) for every parameter, in Megatron's module order
+    (``named_parameters()``)."""
     h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
     qkv_rows = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim
     attn_out = m.num_attention_heads * m.head_dim
@@ -173,12 +162,13 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
         add("input_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("input_layernorm.bias", (h,), "replicated")
-        add("self_attention.linear_qkv.weight", (qkv_rows, h), "column")
-        if m.bias:
-            add("self_attention.linear_qkv.bias", (qkv_rows,), "column")
+        # Megatron's order: Attention creates linear_proj before SelfAttention adds linear_qkv.
         add("self_attention.linear_proj.weight", (h, attn_out), "row")
         if m.bias:
             add("self_attention.linear_proj.bias", (h,), "replicated")
+        add("self_attention.linear_qkv.weight", (qkv_rows, h), "column")
+        if m.bias:
+            add("self_attention.linear_qkv.bias", (qkv_rows,), "column")
         add("pre_mlp_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("pre_mlp_layernorm.bias", (h,), "replicated")
@@ -202,27 +192,40 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
 
 
 @functools.lru_cache(maxsize=64)
-def _tensors(m: ModelSpec, optimizer: bool) -> tuple[TensorSpec, ...]:
-    params = _param_list(m)
-    roles: list[tuple[Role, str]] = [("param", m.params_dtype)]
-    if optimizer:
-        if m.params_dtype != "float32":
-            roles.append(("fp32_param", "float32"))
-        roles += [("exp_avg", "float32"), ("exp_avg_sq", "float32")]
-    out: list[TensorSpec] = []
-    if optimizer:
-        out.append(TensorSpec("optimizer.state.step", 0, (), "int64", "step", "replicated", "all", ""))
-    # Keep each layer's tensors together so the streaming executor walks them in order.
-    by_layer: dict[int, list[TensorSpec]] = {}
-    for name, layer, shape, rule, home in params:
-        for role, dtype in roles:
-            full = name if role == "param" else f"optimizer.state.{role}.{name}"
-            by_layer.setdefault(layer, []).append(
-                TensorSpec(full, layer, shape, dtype, role, rule, home, name)
+def _geometry(m: ModelSpec) -> ModelGeometry:
+    # Every decoder layer of a ModelSpec is the same, so each per-layer parameter is one run of all.
+    params: list[ParamGeometry] = []
+    seen: set[str] = set()
+    for name, layer, shape, rule, home in _param_list(m):
+        if home == "layer":
+            template = name.replace(f"decoder.layers.{layer - 1}.", f"decoder.layers.{LAYER_PLACEHOLDER}.", 1)
+            if template in seen:
+                continue
+            seen.add(template)
+            params.append(
+                ParamGeometry(
+                    name=template,
+                    shape=shape,
+                    dtype=m.params_dtype,
+                    rule=rule,
+                    home=home,
+                    layers=(0, m.num_layers),
+                )
             )
-    for layer in sorted(by_layer):
-        out.extend(by_layer[layer])
-    return tuple(out)
+        else:
+            params.append(ParamGeometry(name=name, shape=shape, dtype=m.params_dtype, rule=rule, home=home))
+    return ModelGeometry(
+        name=m.name,
+        num_layers=m.num_layers,
+        parameters=tuple(params),
+        vocab_size=m.vocab_size,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        tp_divisible=(
+            TpDivisor("num_attention_heads", m.num_attention_heads),
+            TpDivisor("num_query_groups", m.query_groups),
+            TpDivisor("ffn_hidden_size", m.ffn_hidden_size),
+        ),
+    )
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -316,3 +319,8 @@ def load_model(preset_or_path: str) -> ModelSpec:
         raise ModelError(f"model file {preset_or_path}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ModelError(f"model file {preset_or_path}: not valid JSON ({exc})") from None
+
+
+def as_geometry(model: ModelSpec | ModelGeometry) -> ModelGeometry:
+    """The geometry the planners consume, from either a model description or a geometry."""
+    return model.geometry() if isinstance(model, ModelSpec) else model

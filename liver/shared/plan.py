@@ -13,15 +13,19 @@ from collections.abc import Collection, Iterator
 import msgspec
 
 from liver.shared.boxes import Box, volume
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
-from liver.shared.model import ModelSpec, TensorSpec
 
-PLAN_SCHEMA_VERSION = 1
-"""The plan file's and the in-memory :class:`Plan`'s version (``docs/plan-format.md``)."""
+PLAN_SCHEMA_VERSION = 2
+"""The plan file's and the in-memory :class:`Plan`'s version (``docs/plan-format.md``). Version 1 carried
+a :class:`~liver.shared.model.ModelSpec` as ``model``; version 2 carries the model's geometry
+(:class:`~liver.shared.geometry.ModelGeometry`), so a plan can be made for any model. Version 1 files
+are still read."""
 
-SLICE_SCHEMA_VERSION = 2
+SLICE_SCHEMA_VERSION = 3
 """The stored per-device slice's version (:class:`SliceFile`). Version 1 repeated both worlds in every
-slice; version 2 leaves them to the ``Prepare``, which every participant receives once."""
+slice; version 2 leaves them to the ``Prepare``, which every participant receives once; version 3 carries
+the model's geometry instead of its ``ModelSpec``."""
 
 Slice = tuple[int, Box]
 """``(tensor index into Plan.tensors, global box)``: one hyper-rectangle of one tensor."""
@@ -56,7 +60,7 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     """A complete transfer plan. Tasks are sorted by (layer, round, src, dst)."""
 
     schema_version: int = PLAN_SCHEMA_VERSION
-    model: ModelSpec
+    model: ModelGeometry
     old: WorldConfig
     new: WorldConfig
     tensors: tuple[TensorSpec, ...]
@@ -99,7 +103,7 @@ class PlanSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     """
 
     schema_version: int = PLAN_SCHEMA_VERSION
-    model: ModelSpec
+    model: ModelGeometry
     optimizer: bool
     old: WorldConfig
     new: WorldConfig
@@ -141,7 +145,7 @@ class SliceFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
     schema_version: int = SLICE_SCHEMA_VERSION
     generation: int
-    model: ModelSpec
+    model: ModelGeometry
     optimizer: bool
     budget_bytes: int
     device: Device

@@ -21,8 +21,8 @@ from collections.abc import Callable, Collection
 import msgspec
 
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout
-from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan, Slice, TransferTask
 from liver.shared.views import Shard, holding_stages, tp_shard
 
@@ -38,7 +38,7 @@ class _Views:
     """Every tensor's holding stages and per-TP-rank box, computed up front: tensors that share a
     geometry share one computation, and lookups in the hot loop are list indexing."""
 
-    def __init__(self, model: ModelSpec, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
+    def __init__(self, model: ModelGeometry, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
         self.layout = layout
         self.coords = [layout.coords(r) for r in range(layout.world_size)]
         geometry: dict[tuple, list[Shard]] = {}

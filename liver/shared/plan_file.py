@@ -11,8 +11,9 @@ import msgspec
 
 from liver.shared.boxes import Box
 from liver.shared.errors import InputError
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.model import ModelSpec, TensorSpec
+from liver.shared.model import ModelSpec
 from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, TransferTask, WorldConfig
 from liver.shared.views import view
 
@@ -42,12 +43,22 @@ class WorldEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PlanFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     schema_version: int
-    model: ModelSpec
+    model: ModelGeometry
     budget_bytes: int
     tensors: tuple[TensorSpec, ...]
     old: WorldEntry
     new: WorldEntry
     tasks: tuple[TransferTask, ...]
+
+
+class _PlanFileV1(PlanFile, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Version 1: the model as a ``ModelSpec`` (read, converted to its geometry, never written)."""
+
+    model: ModelSpec  # type: ignore[assignment]
+
+
+class _Version(msgspec.Struct):
+    schema_version: int
 
 
 def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
@@ -90,15 +101,28 @@ def write_plan(plan: Plan, path: str) -> None:
 def decode_plan(data: bytes, source: str = "plan") -> Plan:
     """Decode and cross-check a plan file; errors name the field or the inconsistent shard."""
     try:
-        f = msgspec.json.decode(data, type=PlanFile, strict=True)
+        version = msgspec.json.decode(data, type=_Version, strict=True).schema_version
+        if version not in (1, PLAN_SCHEMA_VERSION):
+            raise PlanFileError(
+                f"{source}: schema_version {version} is not supported (expected 1 or {PLAN_SCHEMA_VERSION})"
+            )
+        if version == 1:
+            old = msgspec.json.decode(data, type=_PlanFileV1, strict=True)
+            f = PlanFile(
+                schema_version=PLAN_SCHEMA_VERSION,
+                model=old.model.geometry(),
+                budget_bytes=old.budget_bytes,
+                tensors=old.tensors,
+                old=old.old,
+                new=old.new,
+                tasks=old.tasks,
+            )
+        else:
+            f = msgspec.json.decode(data, type=PlanFile, strict=True)
     except msgspec.ValidationError as exc:
         raise PlanFileError(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise PlanFileError(f"{source}: not valid JSON ({exc})") from None
-    if f.schema_version != PLAN_SCHEMA_VERSION:
-        raise PlanFileError(
-            f"{source}: schema_version {f.schema_version} is not supported (expected {PLAN_SCHEMA_VERSION})"
-        )
     try:
         worlds = []
         for name, entry in (("old", f.old), ("new", f.new)):

@@ -19,8 +19,8 @@ import functools
 from typing import NamedTuple
 
 from liver.shared.boxes import Box
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import ParallelLayout
-from liver.shared.model import ModelSpec, TensorSpec
 
 
 class Shard(NamedTuple):
@@ -30,7 +30,7 @@ class Shard(NamedTuple):
     local_shape: tuple[int, ...]
 
 
-def tp_shard(tensor: TensorSpec, model: ModelSpec, tp: int, tp_rank: int) -> Shard:
+def tp_shard(tensor: TensorSpec, model: ModelGeometry, tp: int, tp_rank: int) -> Shard:
     """The shard of ``tensor`` held by TP rank ``tp_rank`` of ``tp`` (any stage, any DP replica)."""
     shape = tensor.shape
     rule = tensor.rule
@@ -55,7 +55,7 @@ def _stage_of_layers(layout: ParallelLayout, num_layers: int) -> tuple[int, ...]
     return layout.stage_of_layers(num_layers)
 
 
-def holding_stages(tensor: TensorSpec, model: ModelSpec, layout: ParallelLayout) -> tuple[int, ...]:
+def holding_stages(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout) -> tuple[int, ...]:
     """The pipeline stages whose ranks hold ``tensor``."""
     last = layout.pp - 1
     home = tensor.home
@@ -70,7 +70,7 @@ def holding_stages(tensor: TensorSpec, model: ModelSpec, layout: ParallelLayout)
     return tuple(range(layout.pp))
 
 
-def view(tensor: TensorSpec, model: ModelSpec, layout: ParallelLayout, rank: int) -> Shard | None:
+def view(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> Shard | None:
     """The shard ``rank`` holds of ``tensor`` under ``layout``, or ``None`` when its stage holds none."""
     tp, _dp, pp = layout.coords(rank)
     if pp not in holding_stages(tensor, model, layout):

@@ -21,8 +21,9 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
-from liver.shared.model import ModelSpec
+from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import Plan
 from liver.worker_runtime.handoff import Role, handoff_schedule
 from liver.worker_runtime.stream.executor import PreparedSchedule, StreamOptions
@@ -57,7 +58,7 @@ def check_request(
     *,
     job: str,
     device: Device,
-    model: ModelSpec,
+    model: ModelSpec | ModelGeometry,
     active: WorldSpec | None,
     newest_generation: int,
     generation: int,
@@ -79,8 +80,11 @@ def check_request(
         raise ValueError(f"`generation`: {generation} is not newer than generation {newest_generation}")
     check_placement(layout, placement)
     model.check_layout(layout)
-    if plan.model != model:
-        raise ValueError(f"`plan.model`: the plan is for {plan.model.name}, this job trains {model.name}")
+    if plan.model != as_geometry(model):
+        raise ValueError(
+            f"`plan.model`: the plan is for {plan.model.name} ({plan.model.digest()}), this job trains "
+            f"{model.name} ({as_geometry(model).digest()})"
+        )
     if plan.tensors != model.tensors(optimizer=True):
         raise ValueError("`plan.tensors`: the plan must move the whole training state (optimizer included)")
     if plan.new.layout != layout or plan.new.placement != placement:

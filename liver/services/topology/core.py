@@ -123,7 +123,7 @@ def answer(
         event_id=request.event_id,
         from_generation=request.from_generation,
         generation=request.generation,
-        model=profile.model,
+        model=profile.model.geometry(),
         from_layout=request.layout,
         from_placement=request.placement,
         layout=decision.layout,

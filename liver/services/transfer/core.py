@@ -25,9 +25,9 @@ import msgspec
 from liver.services.transfer.placement import local_lower_bound, rank_order_placement
 from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.shared.codec import MessageError
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout
 from liver.shared.messages import PlanningFailed, PlanningStage, PlanSummary, TopologyPlanned
-from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan, PlanSlice, TransferTask, WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import encode_plan
@@ -38,7 +38,7 @@ class Planner(Protocol):
 
     def __call__(
         self,
-        model: ModelSpec,
+        model: ModelGeometry,
         old: WorldConfig,
         new: WorldConfig,
         budget_bytes: int,
@@ -65,7 +65,7 @@ class PlannedTransfer(NamedTuple):
     """Writing the plan file lists every rank's shards: for a large job it costs more than planning."""
 
 
-def _check_layout(model: ModelSpec, layout: ParallelLayout, path: str) -> None:
+def _check_layout(model: ModelGeometry, layout: ParallelLayout, path: str) -> None:
     try:
         model.check_layout(layout)
     except LayoutError as exc:

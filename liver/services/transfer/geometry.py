@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from liver.shared.boxes import Box, intersect, volume
-from liver.shared.model import ModelSpec, TensorSpec
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.views import tp_shard
 
 ANY = -1
@@ -20,7 +20,7 @@ ANY = -1
 
 
 def new_shard_pieces(
-    t: TensorSpec, model: ModelSpec, tp_old: int, tp_new: int, tp_rank_new: int
+    t: TensorSpec, model: ModelGeometry, tp_old: int, tp_new: int, tp_rank_new: int
 ) -> tuple[tuple[int, Box], ...]:
     """The pieces of new TP rank ``tp_rank_new``'s shard of ``t``, each with the old TP rank that holds
     it (or :data:`ANY` when every old TP rank holds it)."""
@@ -34,7 +34,7 @@ def _probe(rule: str, shape: tuple[int, ...]) -> TensorSpec:
 
 @functools.lru_cache(maxsize=4096)
 def _pieces(
-    rule: str, shape: tuple[int, ...], model: ModelSpec, tp_old: int, tp_new: int, tp_rank_new: int
+    rule: str, shape: tuple[int, ...], model: ModelGeometry, tp_old: int, tp_new: int, tp_rank_new: int
 ) -> tuple[tuple[int, Box], ...]:
     t = _probe(rule, shape)
     new = tp_shard(t, model, tp_new, tp_rank_new).box
@@ -53,14 +53,16 @@ def _pieces(
     return tuple(out)
 
 
-def overlap_bytes(t: TensorSpec, model: ModelSpec, tp_old: int, tp_new: int) -> tuple[tuple[int, ...], ...]:
+def overlap_bytes(
+    t: TensorSpec, model: ModelGeometry, tp_old: int, tp_new: int
+) -> tuple[tuple[int, ...], ...]:
     """``[old tp rank][new tp rank]``: bytes of the new shard already held by the old shard."""
     return _overlap(t.rule, t.shape, t.itemsize, model, tp_old, tp_new)
 
 
 @functools.lru_cache(maxsize=4096)
 def _overlap(
-    rule: str, shape: tuple[int, ...], itemsize: int, model: ModelSpec, tp_old: int, tp_new: int
+    rule: str, shape: tuple[int, ...], itemsize: int, model: ModelGeometry, tp_old: int, tp_new: int
 ) -> tuple[tuple[int, ...], ...]:
     t = _probe(rule, shape)
     rows = []
@@ -75,11 +77,11 @@ def _overlap(
     return tuple(rows)
 
 
-def shard_bytes(t: TensorSpec, model: ModelSpec, tp: int, tp_rank: int) -> int:
+def shard_bytes(t: TensorSpec, model: ModelGeometry, tp: int, tp_rank: int) -> int:
     return _shard_elems(t.rule, t.shape, model, tp, tp_rank) * t.itemsize
 
 
 @functools.lru_cache(maxsize=4096)
-def _shard_elems(rule: str, shape: tuple[int, ...], model: ModelSpec, tp: int, tp_rank: int) -> int:
+def _shard_elems(rule: str, shape: tuple[int, ...], model: ModelGeometry, tp: int, tp_rank: int) -> int:
     box = tp_shard(_probe(rule, shape), model, tp, tp_rank).box
     return 0 if box is None else volume(box)

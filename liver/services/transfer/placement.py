@@ -20,8 +20,8 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
-from liver.shared.model import ModelSpec
 from liver.shared.plan import WorldConfig
 from liver.shared.views import holding_stages
 
@@ -32,7 +32,7 @@ DEFAULT_INTER_NODE_WEIGHT = 4.0
 
 @functools.lru_cache(maxsize=256)
 def class_overlap(
-    model: ModelSpec, old: ParallelLayout, new: ParallelLayout, optimizer: bool = True
+    model: ModelGeometry, old: ParallelLayout, new: ParallelLayout, optimizer: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """``overlap[old stage, old tp, new stage, new tp]``: bytes already in place;
     ``need_cls[new stage, new tp]``: bytes each new rank holds."""
@@ -69,7 +69,7 @@ def rank_order_placement(old: WorldConfig, new_devices: Sequence[Device], new: P
 
 
 def optimized_placement(
-    model: ModelSpec,
+    model: ModelGeometry,
     old: WorldConfig,
     new_devices: Sequence[Device],
     new: ParallelLayout,
@@ -90,7 +90,7 @@ def optimized_placement(
 
 
 def cost_matrix(
-    model: ModelSpec,
+    model: ModelGeometry,
     old: WorldConfig,
     new_devices: Sequence[Device],
     new: ParallelLayout,
@@ -135,7 +135,7 @@ def cost_matrix(
     return per_device[:, cls_of_rank].T
 
 
-def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, optimizer: bool = True) -> int:
+def bytes_moved(model: ModelGeometry, old: WorldConfig, new: WorldConfig, optimizer: bool = True) -> int:
     """Exactly the bytes a plan for ``new`` sends between devices, without building the plan.
 
     The planner copies locally every piece the old rank on the same device holds, so what crosses
@@ -156,7 +156,7 @@ def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, optimizer:
 
 
 def local_lower_bound(
-    model: ModelSpec,
+    model: ModelGeometry,
     old: WorldConfig,
     new_devices: Sequence[Device],
     new: ParallelLayout,

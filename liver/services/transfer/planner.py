@@ -30,8 +30,9 @@ import msgspec
 
 from liver.shared.boxes import Box, split, volume
 from liver.shared.errors import PlanningError
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
-from liver.shared.model import ModelSpec, TensorSpec
+from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import Plan, Slice, TransferTask, WorldConfig
 from liver.shared.views import holding_stages, tp_shard
 
@@ -87,7 +88,7 @@ class PlanStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def build_plan(
-    model: ModelSpec,
+    model: ModelSpec | ModelGeometry,
     old: WorldConfig,
     new: WorldConfig,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
@@ -97,6 +98,7 @@ def build_plan(
 ) -> Plan:
     """The plan that moves the training state of ``model`` from ``old`` to ``new``, taking nothing from
     the ``lost`` devices of ``old``; raises :class:`NoSurvivingSource` when some state survives nowhere."""
+    model = as_geometry(model)
     model.check_layout(old.layout)
     model.check_layout(new.layout)
     tensors = model.tensors(optimizer)
@@ -129,7 +131,9 @@ def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) ->
 
 
 @functools.lru_cache(maxsize=64)
-def shard_classes(model: ModelSpec, layout: ParallelLayout) -> tuple[tuple[tuple[int, ...], int, str], ...]:
+def shard_classes(
+    model: ModelGeometry, layout: ParallelLayout
+) -> tuple[tuple[tuple[int, ...], int, str], ...]:
     """Every distinct shard of the state as ``(stages, old TP rank, first tensor)``: held by each rank of
     those stages with that TP rank (:data:`ANY`: with any TP rank), whatever its DP index. Optimizer
     states sit beside their parameters, so parameters alone decide."""
@@ -153,7 +157,7 @@ def _holder_ranks(layout: ParallelLayout, stages: tuple[int, ...], key: int) -> 
 
 
 def orphaned_shards(
-    model: ModelSpec, old: WorldConfig, lost: Collection[Device]
+    model: ModelGeometry, old: WorldConfig, lost: Collection[Device]
 ) -> list[tuple[tuple[int, ...], int, str]]:
     """The shards of :func:`shard_classes` whose every holder in ``old`` is ``lost``: empty exactly when
     a plan from ``old`` without the ``lost`` devices exists (the simulator asks this without planning)."""
@@ -229,7 +233,7 @@ class _Chunk(NamedTuple):
 
 
 def _relative_templates(
-    model: ModelSpec, tensors: tuple[TensorSpec, ...], idxs: list[int], tp_old: int, tp_new: int
+    model: ModelGeometry, tensors: tuple[TensorSpec, ...], idxs: list[int], tp_old: int, tp_new: int
 ) -> list[list[tuple[int, list[tuple[int, Box]], tuple[int, ...]]]]:
     """Per new TP rank: ``(piece key, [(tensor offset in group, box)], sizes)``, independent of which
     layer the group is, so every decoder layer reuses the first one's."""
@@ -247,7 +251,7 @@ def _relative_templates(
 
 
 def _choose_sources(
-    model: ModelSpec,
+    model: ModelGeometry,
     tensors: tuple[TensorSpec, ...],
     old: WorldConfig,
     new: WorldConfig,
@@ -487,7 +491,7 @@ class ResizePlan(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def plan_resize(
-    model: ModelSpec,
+    model: ModelGeometry,
     old: WorldConfig,
     new_layout: ParallelLayout,
     new_devices: Sequence[Device],

@@ -19,8 +19,9 @@ model is built. :func:`build_gpt_model` checks that instead of building a TP=1 m
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -194,6 +195,25 @@ class ParallelGroups:
         )
 
 
+@contextlib.contextmanager
+def parallel_state_pinned_to(groups: ParallelGroups) -> Iterator[None]:
+    """Answer Megatron's remaining ``parallel_state`` rank queries with the given groups' own ranks.
+
+    ``parallel_state.get_data_parallel_rank`` (and the TP rank) return an explicitly set rank before
+    consulting any group, so setting them makes the answer theirs whatever ``parallel_state``
+    describes (another world, or nothing at all); the previous values are restored afterwards.
+    """
+    from megatron.core import parallel_state
+
+    saved = (parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK)
+    parallel_state.set_data_parallel_rank(groups.dp.rank())
+    parallel_state.set_tensor_model_parallel_rank(groups.tp.rank())
+    try:
+        yield
+    finally:
+        parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK = saved
+
+
 def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
     """The groups ``parallel_state`` holds, checked against ``layout`` (the one place that reads it)."""
     _check_parallel_state(layout)
@@ -254,13 +274,13 @@ def check_default_world(groups: ParallelGroups) -> None:
         )
 
 
-def pipeline_split(spec: ModelSpec, layout: ParallelLayout) -> dict[str, Any]:
+def pipeline_split(num_layers: int, layout: ParallelLayout) -> dict[str, Any]:
     """The TransformerConfig settings that give each stage ``layout.layers_per_stage`` layers.
 
     Megatron's ``num_layers_in_first/last_pipeline_stage`` covers splits whose middle stages are equal
     and non-empty; any other split uses its explicit ``pipeline_model_parallel_layout``.
     """
-    per_stage = layout.layers_per_stage(spec.num_layers)
+    per_stage = layout.layers_per_stage(num_layers)
     if layout.pp == 1 or len(set(per_stage)) == 1:
         return {}
     first, *middle, last = per_stage
@@ -301,7 +321,7 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         sequence_parallel=False,
         use_cpu_initialization=True,
-        **pipeline_split(spec, layout),
+        **pipeline_split(spec.num_layers, layout),
         **overrides,
     )
 
@@ -397,3 +417,18 @@ def build_gpt_model(
         local_parameters=built,
     )
     return model
+
+
+@dataclass(frozen=True)
+class SpecProvider:
+    """Builds the GPT a :class:`ModelSpec` describes at a layout (``parallel_state`` initialised for it):
+    the :data:`~liver.worker_runtime.megatron.geometry.Provider` of a preset. Picklable, so a spawned
+    interpreter can derive its geometry."""
+
+    spec: ModelSpec
+
+    def __call__(
+        self, layout: ParallelLayout, pg_collection: ProcessGroupCollection | None = None
+    ) -> GPTModel:
+        """Built on ``parallel_state``'s groups (the probes'), which ``pg_collection`` holds too."""
+        return build_gpt_model(self.spec, layout)

@@ -55,13 +55,12 @@ fsynced), and read by Megatron's default ``torch_dist`` loader.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -72,6 +71,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.errors import HandoffError
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.state import (
@@ -90,6 +90,7 @@ if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and mar
 
     from liver.worker_runtime.megatron.build import ParallelGroups
     from liver.worker_runtime.megatron.data import SyntheticCorpus
+    from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
 __all__ = [
@@ -111,7 +112,9 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version 2 records the model's geometry (version 1 a ``ModelSpec``): any model's checkpoint says what
+it holds."""
 MANIFEST = "liver_manifest.json"
 LATEST = "latest"
 FORMAT = "megatron-core dist_checkpointing torch_dist/1"
@@ -135,7 +138,7 @@ class CheckpointManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     schema: int
     format: str
     iteration: int
-    model: ModelSpec
+    model: ModelGeometry
     layout: ParallelLayout
     config: TrainConfig
     progress: TrainingProgress
@@ -257,25 +260,6 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int) -> list[str]
 # --------------------------------------------------------------------------- sharded state dicts
 
 
-@contextlib.contextmanager
-def _parallel_state_pinned_to(groups: ParallelGroups) -> Iterator[None]:
-    """Answer Megatron's remaining ``parallel_state`` rank queries with the trainer's own ranks.
-
-    ``parallel_state.get_data_parallel_rank`` (and the TP rank) return an explicitly set rank before
-    consulting any group, so setting them makes the answer the trainer's whatever ``parallel_state``
-    describes (another world, or nothing at all); the previous values are restored afterwards.
-    """
-    from megatron.core import parallel_state
-
-    saved = (parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK)
-    parallel_state.set_data_parallel_rank(groups.dp.rank())
-    parallel_state.set_tensor_model_parallel_rank(groups.tp.rank())
-    try:
-        yield
-    finally:
-        parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK = saved
-
-
 def check_replica_ids(state: ShardedStateDict, groups: ParallelGroups) -> None:
     """Every shard's replica id must name this rank's DP rank (last entry) and, where it has one, its
     TP rank: a replica id computed from another world's groups would make the save keep the wrong
@@ -298,8 +282,10 @@ def check_replica_ids(state: ShardedStateDict, groups: ParallelGroups) -> None:
 
 
 def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str, Any]:
+    from liver.worker_runtime.megatron.build import parallel_state_pinned_to
+
     groups = trainer.groups
-    with _parallel_state_pinned_to(groups):
+    with parallel_state_pinned_to(groups):
         model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp})
         optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading)
     state = {"model": model, "optimizer": optimizer}
@@ -355,7 +341,7 @@ def _save_strategy(groups: ParallelGroups) -> Any:
 
 
 def _adam_step(trainer: MegatronTrainer) -> int:
-    step_index = next(i for i, t in enumerate(trainer.spec.tensors()) if t.role == "step")
+    step_index = next(i for i, t in enumerate(trainer.geometry.tensors()) if t.role == "step")
     return int(local_state(trainer)[step_index])
 
 
@@ -433,7 +419,7 @@ def save_checkpoint(trainer: MegatronTrainer, root: str | os.PathLike[str], *, k
         schema=SCHEMA_VERSION,
         format=FORMAT,
         iteration=trainer.iteration,
-        model=trainer.spec,
+        model=trainer.geometry,
         layout=trainer.layout,
         config=trainer.config,
         progress=training_progress(trainer, with_rng=False),
@@ -499,9 +485,11 @@ class PeriodicCheckpoints:
 
 
 def _check_compatible(manifest: CheckpointManifest, trainer: MegatronTrainer, path: Path) -> None:
-    if manifest.model != trainer.spec:
+    if manifest.model != trainer.geometry:
         differing = [
-            f for f in ModelSpec.__struct_fields__ if getattr(manifest.model, f) != getattr(trainer.spec, f)
+            f
+            for f in ModelGeometry.__struct_fields__
+            if getattr(manifest.model, f) != getattr(trainer.geometry, f)
         ]
         raise CheckpointError(f"{path}: saved for another model (model.{differing[0]} differs)")
     if manifest.config.global_batch_size != trainer.config.global_batch_size:
@@ -622,7 +610,7 @@ def _agree_on_checkpoint(root: str | os.PathLike[str]) -> tuple[Path, Checkpoint
 
 def fall_back_to_checkpoint(
     root: str | os.PathLike[str],
-    spec: ModelSpec,
+    spec: ModelSpec | ModelSource,
     layout: ParallelLayout,
     config: TrainConfig,
     *,

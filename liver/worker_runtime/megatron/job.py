@@ -17,10 +17,12 @@ import msgspec
 import structlog
 import torch
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
 from liver.worker_runtime.megatron.data import SyntheticCorpus
+from liver.worker_runtime.megatron.source import ModelSource, as_source
 from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
@@ -46,7 +48,7 @@ class MegatronJob:
 
     def __init__(
         self,
-        spec: ModelSpec,
+        model: ModelSpec | ModelSource,
         config: TrainConfig,
         *,
         corpus: SyntheticCorpus | None = None,
@@ -59,18 +61,19 @@ class MegatronJob:
             )
         if warmup_steps < 1:
             raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
-        self.spec = spec
+        self.source = as_source(model)
         self.config = config
         self.corpus = corpus
         self.warmup_steps = warmup_steps
 
     @property
-    def model(self) -> ModelSpec:
-        return self.spec
+    def model(self) -> ModelGeometry:
+        """What the plans for this job must move (the runtime checks each plan against it)."""
+        return self.source.geometry
 
     def build(self, world: World) -> MegatronTrainer:
         return build_trainer(
-            self.spec, world.layout, self.config, groups=groups_from_world(world), corpus=self.corpus
+            self.source, world.layout, self.config, groups=groups_from_world(world), corpus=self.corpus
         )
 
     def warm_up(self, layout: ParallelLayout, rank: int) -> WarmupReport:
@@ -80,11 +83,11 @@ class MegatronJob:
         """
         from megatron.core import parallel_state
 
-        self.spec.check_layout(layout)
+        self.source.geometry.check_layout(layout)
 
         def build() -> MegatronTrainer:
             initialize_parallel_state(layout, gloo_groups=False)
-            return build_trainer(self.spec, layout, self.config, corpus=self.corpus)
+            return build_trainer(self.source, layout, self.config, corpus=self.corpus)
 
         return mock_warmup(
             build,
@@ -139,7 +142,7 @@ class MegatronJob:
 
         fallback = fall_back_to_checkpoint(
             root,
-            self.spec,
+            self.source,
             world.layout,
             self.config,
             groups=groups_from_world(world),

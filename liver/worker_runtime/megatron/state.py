@@ -1,8 +1,8 @@
 """A trainer's whole training state as LiveR sees it: local tensors by logical index, plus progress.
 
-The executor streams *local state*: a mapping from an index into ``ModelSpec.tensors()`` to the torch
-tensor that holds this rank's shard of that logical tensor (``local_shape`` of the view, the box at
-local index 0). :func:`local_state` gives exactly that for a live :class:`MegatronTrainer`:
+The executor streams *local state*: a mapping from an index into the model geometry's ``tensors()`` to
+the torch tensor that holds this rank's shard of that logical tensor (``local_shape`` of the view, the
+box at local index 0). :func:`local_state` gives exactly that for a live :class:`MegatronTrainer`:
 
 * parameters, and the optimizer's fp32 master weights (half-precision models), ``exp_avg`` and
   ``exp_avg_sq``, as *views of the live storage*: a stream that writes into them (``into=``) writes the
@@ -38,8 +38,8 @@ import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.errors import InputError
+from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import ParallelLayout
-from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.views import view
 
 if TYPE_CHECKING:  # megatron is imported where it is used: the checks and structs need none of it
@@ -64,7 +64,7 @@ class StateMismatch(InputError):
 # --------------------------------------------------------------------------- checking
 
 
-def expected_shards(spec: ModelSpec, layout: ParallelLayout, rank: int) -> dict[int, tuple[int, ...]]:
+def expected_shards(spec: ModelGeometry, layout: ParallelLayout, rank: int) -> dict[int, tuple[int, ...]]:
     """Tensor index -> local shape, for every tensor ``rank`` holds (the view function's answer)."""
     out: dict[int, tuple[int, ...]] = {}
     for index, tensor in enumerate(spec.tensors()):
@@ -76,7 +76,7 @@ def expected_shards(spec: ModelSpec, layout: ParallelLayout, rank: int) -> dict[
 
 def check_local_state(
     state: Mapping[int, torch.Tensor],
-    spec: ModelSpec,
+    spec: ModelGeometry,
     layout: ParallelLayout,
     rank: int,
     *,
@@ -118,15 +118,20 @@ def check_local_state(
 # --------------------------------------------------------------------------- live tensors
 
 
-def logical_parameter_name(trainer: MegatronTrainer, local_name: str) -> str:
-    """The logical tensor name of one of the GPT model's ``named_parameters()``."""
+def logical_name(model: torch.nn.Module, local_name: str) -> str:
+    """The logical tensor name of one of a GPT model's ``named_parameters()``."""
     if local_name.startswith(_LAYERS):
         index, _, rest = local_name.removeprefix(_LAYERS).partition(".")
-        layer = trainer.gpt.decoder.layers[int(index)]
+        layer = model.decoder.layers[int(index)]
         return f"{_LAYERS}{layer.layer_number - 1}.{rest}"
-    if local_name == "output_layer.weight" and trainer.spec.tied_embeddings:
+    if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
         return "embedding.word_embeddings.weight"
     return local_name
+
+
+def logical_parameter_name(trainer: MegatronTrainer, local_name: str) -> str:
+    """The logical tensor name of one of the trainer's model's ``named_parameters()``."""
+    return logical_name(trainer.gpt, local_name)
 
 
 def _optimizer_slots(trainer: MegatronTrainer) -> dict[int, tuple[torch.Tensor, torch.optim.Optimizer]]:
@@ -194,7 +199,7 @@ def local_state(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
     Checked against the view function before it is returned. Creating the view of a fresh optimizer
     creates its (zero) Adam state, exactly as its first step would.
     """
-    spec, layout, rank = trainer.spec, trainer.layout, trainer.groups.rank
+    spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
     tensors = spec.tensors()
     index_of = {t.name: i for i, t in enumerate(tensors)}
     expected = expected_shards(spec, layout, rank)
@@ -244,7 +249,7 @@ def load_local_state(trainer: MegatronTrainer, state: Mapping[int, torch.Tensor]
     """Make ``trainer``'s parameters and Adam state equal ``state`` (a complete local state for its
     rank, e.g. what the executor assembled). Tensors that already are the live storage are left as they
     are; the step is written to every parameter's Adam state."""
-    spec, layout, rank = trainer.spec, trainer.layout, trainer.groups.rank
+    spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
     check_local_state(state, spec, layout, rank)
     live = local_state(trainer)
     step_index = next(i for i, t in enumerate(spec.tensors()) if t.role == "step")

@@ -37,15 +37,13 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.megatron.build import (
-    ParallelGroups,
-    build_gpt_model,
-    groups_from_parallel_state,
-)
+from liver.worker_runtime.megatron.build import ParallelGroups, groups_from_parallel_state
 from liver.worker_runtime.megatron.data import CorpusSpec, SyntheticCorpus
-from liver.worker_runtime.megatron.state import local_state
+from liver.worker_runtime.megatron.source import ModelSource, as_source
+from liver.worker_runtime.megatron.state import local_state, logical_name
 from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
@@ -57,10 +55,10 @@ log = structlog.get_logger(__name__)
 # --------------------------------------------------------------------------- building
 
 
-def _optimizer_config(spec: ModelSpec, config: TrainConfig) -> OptimizerConfig:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        spec.params_dtype
-    ]
+def _optimizer_config(model: torch.nn.Module, config: TrainConfig) -> OptimizerConfig:
+    """Adam in the model's own precision (its ``TransformerConfig``'s bf16/fp16 decide the master copy)."""
+    tconfig = model.config
+    dtype = torch.bfloat16 if tconfig.bf16 else torch.float16 if tconfig.fp16 else torch.float32
     return OptimizerConfig(
         optimizer="adam",
         lr=config.lr,
@@ -77,20 +75,23 @@ def _optimizer_config(spec: ModelSpec, config: TrainConfig) -> OptimizerConfig:
     )
 
 
-def zero_vocab_padding(model: GPTModel, spec: ModelSpec, groups: ParallelGroups) -> None:
+def zero_vocab_padding(model: GPTModel, geometry: ModelGeometry | ModelSpec, groups: ParallelGroups) -> None:
     """Zero the rows of the vocabulary tensors that lie past the real vocabulary (see the docstring)."""
-    per_rank = spec.padded_vocab(groups.layout.tp) // groups.layout.tp
-    first_padding = spec.vocab_size - groups.tp.rank() * per_rank
+    if geometry.vocab_size is None:
+        return
+    per_rank = geometry.padded_vocab(groups.layout.tp) // groups.layout.tp
+    first_padding = geometry.vocab_size - groups.tp.rank() * per_rank
     if first_padding >= per_rank:
         return
+    vocab = {t.name for t in geometry.tensors(optimizer=False) if t.rule == "vocab"}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if logical_name(model, name) in vocab:
                 param[max(first_padding, 0) :].zero_()
 
 
 def build_trainer(
-    spec: ModelSpec,
+    model_source: ModelSpec | ModelSource,
     layout: ParallelLayout,
     config: TrainConfig,
     *,
@@ -105,25 +106,25 @@ def build_trainer(
     The model is initialised from ``config.seed`` exactly as Megatron does, so two builds at the same
     layout start from the same weights.
     """
+    source = as_source(model_source)
     if groups is None:
         groups = groups_from_parallel_state(layout)
     config.micro_batches_per_rank(layout.dp)
-    if config.seq_length > spec.max_sequence_length:
+    if config.seq_length > source.max_sequence_length:
         raise ValueError(
             f"seq_length ({config.seq_length}) exceeds the model's max_sequence_length "
-            f"({spec.max_sequence_length})"
+            f"({source.max_sequence_length})"
         )
-    gpt = build_gpt_model(
-        spec,
+    gpt = source.build(
         layout,
-        groups=groups,
+        groups,
         seed=config.seed,
         config_overrides={
             "hidden_dropout": config.hidden_dropout,
             "attention_dropout": config.attention_dropout,
         },
     )
-    zero_vocab_padding(gpt, spec, groups)
+    zero_vocab_padding(gpt, source.geometry, groups)
     collection = groups.collection()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -135,7 +136,7 @@ def build_trainer(
         config=gpt.config, ddp_config=ddp_config, module=gpt, pg_collection=collection
     )
     optimizer = get_megatron_optimizer(
-        _optimizer_config(spec, config), [model], use_gloo_process_groups=False, pg_collection=collection
+        _optimizer_config(gpt, config), [model], use_gloo_process_groups=False, pg_collection=collection
     )
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -159,14 +160,14 @@ def build_trainer(
     if config.overlap_grad_reduce:
         tconfig.grad_sync_func = model.start_grad_sync
     if corpus is None:
-        vocab = min(config.corpus_vocab_size, spec.vocab_size)
+        vocab = min(config.corpus_vocab_size, source.vocab_size)
         corpus = SyntheticCorpus(CorpusSpec(vocab_size=vocab, seed=config.corpus_seed), config.seq_length)
-    elif corpus.spec.vocab_size > spec.vocab_size or corpus.seq_length != config.seq_length:
+    elif corpus.spec.vocab_size > source.vocab_size or corpus.seq_length != config.seq_length:
         raise ValueError(
             f"corpus: vocabulary {corpus.spec.vocab_size} / seq_length {corpus.seq_length} do not fit "
-            f"the model ({spec.vocab_size}) and the config ({config.seq_length})"
+            f"the model ({source.vocab_size}) and the config ({config.seq_length})"
         )
-    trainer = MegatronTrainer(spec, layout, config, groups, model, optimizer, scheduler, corpus)
+    trainer = MegatronTrainer(source, layout, config, groups, model, optimizer, scheduler, corpus)
     if not config.use_distributed_optimizer:
         # Start-up check: every parameter and Adam state maps to the logical tensor the views give this
         # rank, with the view's local shape (raises StateMismatch naming the first that does not).

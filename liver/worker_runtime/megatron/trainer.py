@@ -26,10 +26,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
-from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import ParallelGroups, ensure_global_memory_buffer
 from liver.worker_runtime.megatron.data import Batch, SyntheticCorpus
+from liver.worker_runtime.megatron.source import ModelSource
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = ["MegatronTrainer", "StepResult", "vocab_parallel_cross_entropy"]
@@ -120,7 +121,7 @@ class MegatronTrainer:
 
     def __init__(
         self,
-        spec: ModelSpec,
+        source: ModelSource,
         layout: ParallelLayout,
         config: TrainConfig,
         groups: ParallelGroups,
@@ -129,7 +130,7 @@ class MegatronTrainer:
         scheduler: OptimizerParamScheduler,
         corpus: SyntheticCorpus,
     ) -> None:
-        self.spec = spec
+        self.source = source
         self.layout = layout
         self.config = config
         self.groups = groups
@@ -149,6 +150,11 @@ class MegatronTrainer:
     def gpt(self) -> GPTModel:
         return self.model.module
 
+    @property
+    def geometry(self) -> ModelGeometry:
+        """What the plans move: every tensor of this trainer's state is one of its tensors."""
+        return self.source.geometry
+
     def data_iterator(self) -> Iterator[Batch]:
         """This rank's micro-batches of the next global batch."""
         return self.corpus.micro_batches(
@@ -166,7 +172,7 @@ class MegatronTrainer:
         output = model(batch.tokens, batch.position_ids, None)
         if not self.groups.is_last_stage:
             return output, _loss_func  # never called: only the last stage computes the loss
-        per_token = vocab_parallel_cross_entropy(output, batch.labels, self.groups.tp, self.spec.vocab_size)
+        per_token = vocab_parallel_cross_entropy(output, batch.labels, self.groups.tp, self.source.vocab_size)
         return per_token, partial(_loss_func, batch.loss_mask)
 
     def train_step(self) -> StepResult:

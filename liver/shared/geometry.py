@@ -1,0 +1,246 @@
+"""A model's shard geometry as data: what the planners need to know about a model, and nothing else.
+
+The transfer planner, the plan checker and the view function never look at a model's architecture;
+they need each logical tensor's global shape, dtype, pipeline home and tensor-parallel rule. A
+:class:`ModelGeometry` is exactly that, as a versioned, torch-free structure (``docs/geometry.md``):
+
+* a preset or a what-if model gives it from its description (:meth:`ModelSpec.geometry
+  <liver.shared.model.ModelSpec.geometry>`);
+* a user's own Megatron-core model gives it from Megatron's ``sharded_state_dict()``
+  (:mod:`liver.worker_runtime.megatron.geometry`), built at a few probe layouts;
+* both must agree for the model a preset describes (a test proves it for every preset).
+
+Decoder layers are described once per run of identical layers: a parameter with ``layers=(a, b)``
+stands for layers ``a .. b-1`` and its ``name`` holds ``{layer}`` where the global layer index goes.
+A 96-layer model is thus a dozen entries, not a thousand, and a model whose layers differ (a custom
+layer, an extra head) lists each kind of layer as its own run.
+
+Logical shapes differ from Megatron's checkpoint shapes in two documented places (the view function
+relies on both): SwiGLU's fused ``linear_fc1`` is ``[2, ffn, ...]`` (gate rows, then up rows) and
+vocabulary tensors have the *real* vocabulary as dimension 0 (Megatron pads it to a multiple of
+``make_vocab_size_divisible_by * tp``; the padding rows carry no state).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from liver.shared.errors import InputError
+from liver.shared.layout import LayoutError, ParallelLayout
+
+GEOMETRY_SCHEMA_VERSION = 1
+"""The version of :class:`ModelGeometry` (``docs/geometry.md``)."""
+
+LAYER_PLACEHOLDER = "{layer}"
+
+Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
+Home = Literal["layer", "first", "last", "first+last", "all"]
+Role = Literal["param", "fp32_param", "exp_avg", "exp_avg_sq", "step"]
+ParamDType = Literal["float32", "bfloat16", "float16"]
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
+
+_Name = Annotated[str, Meta(min_length=1, max_length=500)]
+_Positive = Annotated[int, Meta(ge=1)]
+_Dim = Annotated[int, Meta(ge=1)]
+
+
+class GeometryError(InputError):
+    """A geometry that no Megatron-core model could have (the message names the field)."""
+
+
+class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One logical tensor of the training state.
+
+    ``layer`` is the streaming unit: 0 holds the embeddings and the step counter, ``1..L`` the decoder
+    layers (Megatron's ``decoder.layers.{layer-1}``), ``L+1`` the final norm and output layer.
+    ``home`` says which pipeline stages hold it; ``rule`` how tensor parallelism splits it.
+    ``param`` is the parameter an optimizer state belongs to (itself for a parameter).
+    """
+
+    name: str
+    layer: int
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+    rule: Rule
+    home: Home
+    param: str
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One parameter, or one run of a per-layer parameter (``layers`` set, ``{layer}`` in ``name``).
+
+    ``name`` is the parameter's name in ``named_parameters()`` of a model that holds every layer (one
+    pipeline stage), so the global layer index. Its fp32 master copy (when ``dtype`` is 16-bit) and
+    its Adam moments are part of the state too (:meth:`ModelGeometry.tensors`).
+    """
+
+    name: _Name
+    shape: tuple[_Dim, ...]
+    dtype: ParamDType
+    rule: Rule
+    home: Home
+    layers: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
+    """``(first, stop)``: the decoder layers (0-based, ``stop`` excluded) this entry stands for."""
+
+    def names(self) -> list[tuple[int | None, str]]:
+        """``(decoder layer or None, name)`` for every parameter this entry stands for."""
+        if self.layers is None:
+            return [(None, self.name)]
+        return [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
+
+
+class TpDivisor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A size tensor parallelism must divide beyond the split dimensions (attention heads, groups)."""
+
+    what: _Name
+    value: _Positive
+
+
+class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every parameter of a model with its shard geometry; see the module docstring."""
+
+    schema_version: int = GEOMETRY_SCHEMA_VERSION
+    name: _Name
+    num_layers: _Positive
+    parameters: Annotated[tuple[ParamGeometry, ...], Meta(min_length=1)]
+    vocab_size: _Positive | None = None
+    """The real vocabulary (rows of every ``vocab`` tensor); needed when one exists."""
+    make_vocab_size_divisible_by: _Positive = 128
+    tp_divisible: tuple[TpDivisor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.schema_version != GEOMETRY_SCHEMA_VERSION:
+            raise GeometryError(
+                f"schema_version: {self.schema_version} is not supported (expected {GEOMETRY_SCHEMA_VERSION})"
+            )
+        seen: set[str] = set()
+        for i, p in enumerate(self.parameters):
+            _check_param(p, f"parameters[{i}]", self)
+            for _, name in p.names():
+                if name in seen:
+                    raise GeometryError(f"parameters[{i}].name: {name!r} is listed twice")
+                seen.add(name)
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron's padded vocabulary at tensor parallelism ``tp``."""
+        if self.vocab_size is None:
+            raise GeometryError(f"model {self.name!r} has no vocabulary tensor")
+        multiple = self.make_vocab_size_divisible_by * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise :class:`LayoutError` naming the reason when Megatron could not shard this model so."""
+        _check_layout(self, layout)
+
+    def tensors(self, optimizer: bool = True) -> tuple[TensorSpec, ...]:
+        """All logical tensors of the training state (Adam's when ``optimizer``), grouped by streaming
+        layer and, within one, in parameter order: the order the executor walks."""
+        return _tensors(self, optimizer)
+
+    def parameter_count(self) -> int:
+        return sum(math.prod(p.shape) * len(p.names()) for p in self.parameters)
+
+    def digest(self) -> str:
+        """A short fingerprint: two processes that derived the same geometry agree on it."""
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+
+def stream_layer(home: Home, num_layers: int) -> int:
+    """The streaming unit of a parameter outside the decoder layers: the last stage's come last."""
+    return num_layers + 1 if home == "last" else 0
+
+
+def _check_param(p: ParamGeometry, where: str, g: ModelGeometry) -> None:
+    templated = LAYER_PLACEHOLDER in p.name
+    if (p.layers is None) == templated:
+        raise GeometryError(f"{where}.name: {LAYER_PLACEHOLDER} must appear exactly when `layers` is set")
+    if (p.home == "layer") != (p.layers is not None):
+        raise GeometryError(f"{where}.home: `layer` exactly for per-layer parameters, got {p.home!r}")
+    if p.layers is not None:
+        first, stop = p.layers
+        if not first < stop <= g.num_layers:
+            raise GeometryError(f"{where}.layers: {p.layers} is not a run of the {g.num_layers} layers")
+    need = {"column": 1, "row": 2, "swiglu": 2, "vocab": 1}.get(p.rule, 0)
+    if len(p.shape) < need:
+        raise GeometryError(f"{where}.shape: a {p.rule!r} tensor needs at least {need} dimensions")
+    if p.rule == "swiglu" and p.shape[0] != 2:
+        raise GeometryError(f"{where}.shape: a 'swiglu' tensor is [2, ffn, ...], got {list(p.shape)}")
+    if p.rule == "vocab":
+        if g.vocab_size is None:
+            raise GeometryError(f"{where}.rule: a 'vocab' tensor needs the geometry's vocab_size")
+        if p.shape[0] != g.vocab_size:
+            raise GeometryError(f"{where}.shape: dimension 0 must be vocab_size ({g.vocab_size})")
+
+
+_SPLIT_DIM: dict[str, int] = {"column": 0, "row": 1, "swiglu": 1}
+
+
+def _check_layout(g: ModelGeometry, layout: ParallelLayout) -> None:
+    tp = layout.tp
+    for d in g.tp_divisible:
+        if d.value % tp:
+            raise LayoutError(f"{layout.describe()}: {d.what} ({d.value}) is not divisible by tp={tp}")
+    for p in g.parameters:
+        dim = _SPLIT_DIM.get(p.rule)
+        if dim is not None and p.shape[dim] % tp:
+            raise LayoutError(
+                f"{layout.describe()}: dimension {dim} of {p.name} ({p.shape[dim]}) "
+                f"is not divisible by tp={tp}"
+            )
+    if layout.pp > g.num_layers:
+        raise LayoutError(f"{layout.describe()}: pp={layout.pp} exceeds the {g.num_layers} layers")
+    layout.layers_per_stage(g.num_layers)
+
+
+@functools.lru_cache(maxsize=64)
+def _tensors(g: ModelGeometry, optimizer: bool) -> tuple[TensorSpec, ...]:
+    by_layer: dict[int, list[TensorSpec]] = {}
+    # Parameter order within a streaming layer is the order of the entries; a run contributes to each
+    # of its layers in turn.
+    for p in g.parameters:
+        for index, name in p.names():
+            layer = index + 1 if index is not None else stream_layer(p.home, g.num_layers)
+            by_layer.setdefault(layer, []).extend(_roles(p, name, layer, optimizer))
+    out: list[TensorSpec] = []
+    if optimizer:
+        out.append(TensorSpec("optimizer.state.step", 0, (), "int64", "step", "replicated", "all", ""))
+    for layer in sorted(by_layer):
+        out.extend(by_layer[layer])
+    return tuple(out)
+
+
+def _roles(p: ParamGeometry, name: str, layer: int, optimizer: bool) -> list[TensorSpec]:
+    roles: list[tuple[Role, str]] = [("param", p.dtype)]
+    if optimizer:
+        if p.dtype != "float32":
+            roles.append(("fp32_param", "float32"))
+        roles += [("exp_avg", "float32"), ("exp_avg_sq", "float32")]
+    return [
+        TensorSpec(
+            name if role == "param" else f"optimizer.state.{role}.{name}",
+            layer,
+            p.shape,
+            dtype,
+            role,
+            p.rule,
+            p.home,
+            name,
+        )
+        for role, dtype in roles
+    ]

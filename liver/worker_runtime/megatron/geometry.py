@@ -1,0 +1,547 @@
+"""A model's shard geometry, derived from Megatron-core's own ``sharded_state_dict()``.
+
+LiveR plans for any model Megatron-core can checkpoint with ``dist_checkpointing``: the geometry of a
+user's model is what Megatron says about it, not a table kept by hand. The model is built a few times
+on the ``meta`` device (no memory, no initialisation cost) by the user's own provider, each time as one
+rank of a *probe layout* on torch's ``fake`` process group, and every parameter's ``ShardedTensor`` (or
+factory) is read:
+
+* TP1·PP1, rank 0: names (``named_parameters()``, so global layer indices), shapes, dtypes, order, and
+  which parameters Megatron stacks per decoder layer (a prepended layer axis);
+* TP2, ranks 0 and 1: each parameter's tensor-parallel rule, from the axis Megatron fragments (0:
+  column, 1: row, none: replicated), SwiGLU's factory, and the vocabulary's padded rows;
+* PP2 or PP3, one rank per stage: where each parameter outside the decoder layers lives (first stage,
+  last, both as with tied embeddings, every stage).
+
+Each probe's answer is checked for what the view function assumes (an even split, contiguous boxes in
+rank order, the padded vocabulary as Megatron pads it); anything else is refused with the parameter
+named, never guessed. The result is a :class:`~liver.shared.geometry.ModelGeometry`; a test proves that
+for every preset it equals :meth:`ModelSpec.geometry <liver.shared.model.ModelSpec.geometry>`.
+
+The probes need ``torch.distributed`` to themselves: :func:`derive_geometry` refuses to run in a process
+that has a default world (a training process does), :func:`derive_geometry_in_subprocess` runs it in a
+fresh interpreter for one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from liver.shared.errors import HandoffError, InputError
+from liver.shared.geometry import (
+    LAYER_PLACEHOLDER,
+    Home,
+    ModelGeometry,
+    ParamGeometry,
+    Rule,
+    TensorSpec,
+    TpDivisor,
+)
+from liver.shared.layout import ParallelLayout
+
+log = structlog.get_logger(__name__)
+
+Provider = Callable[[ParallelLayout, Any], torch.nn.Module]
+"""Builds this rank's part of the model at ``layout`` on the given ``ProcessGroupCollection``
+(:data:`.source.UserProvider`), unwrapped (no DDP) and cast to its training dtype. In the probes
+``parallel_state`` is initialised for the layout too, and the collection holds its groups."""
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class GeometryDerivationError(InputError):
+    """Megatron describes a parameter in a way the view function cannot follow (named in the message)."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One ``ShardedTensor`` of a parameter on one probe rank (the layer axis taken off)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    fragments: tuple[int, ...]
+
+
+@dataclass
+class _Param:
+    """What one probe rank saw of one parameter."""
+
+    name: str
+    key: str
+    layer: int | None  # the global decoder layer when Megatron stacks it
+    shape: tuple[int, ...]
+    dtype: str
+    factory: bool
+    pieces: list[_Piece] = field(default_factory=list)
+
+    @property
+    def ident(self) -> tuple[str, int | None]:
+        return (self.key, self.layer)
+
+
+@dataclass(frozen=True)
+class _Probe:
+    layout: ParallelLayout
+    rank: int
+    params: list[_Param]
+    config: Any
+    vocab_rows: int | None  # the model's (padded) vocabulary at this layout, when it has one
+
+    def by_ident(self) -> dict[tuple[str, int | None], _Param]:
+        return {p.ident: p for p in self.params}
+
+
+# --------------------------------------------------------------------------- the probes
+
+
+@contextmanager
+def _fake_world(layout: ParallelLayout, rank: int) -> Iterator[None]:
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from liver.worker_runtime.megatron.build import initialize_parallel_state
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        initialize_parallel_state(layout, gloo_groups=False)
+        yield
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -> _Probe:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    from liver.worker_runtime.megatron.build import groups_from_parallel_state
+
+    with _fake_world(layout, rank):
+        collection = groups_from_parallel_state(layout).collection()
+        with torch.device(device):
+            model = provider(layout, collection)
+        names = {id(p): n for n, p in model.named_parameters()}
+        out: dict[int, _Param] = {}
+        for value in nested_values(model.sharded_state_dict()):
+            if isinstance(value, ShardedObject):
+                continue
+            if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+                raise GeometryDerivationError(
+                    f"sharded_state_dict() holds a {type(value).__name__}; only tensors and factories "
+                    "of parameters can be resharded"
+                )
+            param = value.data
+            if id(param) not in names:
+                raise GeometryDerivationError(
+                    f"sharded_state_dict() key {value.key!r} is not a parameter of the model (a buffer "
+                    "that training changes would be lost in a reshard)"
+                )
+            built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
+            first = built[0]
+            stacked = first.prepend_axis_num == 1
+            if first.prepend_axis_num > 1:
+                raise GeometryDerivationError(f"{value.key}: {first.prepend_axis_num} prepended axes")
+            dtype = _DTYPES.get(param.dtype)
+            if dtype is None:
+                raise GeometryDerivationError(f"{names[id(param)]}: dtype {param.dtype} is not supported")
+            seen = out.setdefault(
+                id(param),
+                _Param(
+                    name=names[id(param)],
+                    key=value.key,
+                    layer=first.global_offset[0] if stacked else None,
+                    shape=tuple(param.shape),
+                    dtype=dtype,
+                    factory=isinstance(value, ShardedTensorFactory),
+                ),
+            )
+            for sh in built:
+                skip = 1 if stacked else 0
+                seen.pieces.append(
+                    _Piece(
+                        key=sh.key,
+                        global_shape=tuple(sh.global_shape[skip:]),
+                        global_offset=tuple(sh.global_offset[skip:]),
+                        local_shape=tuple(sh.local_shape),
+                        fragments=tuple(sh.axis_fragmentations[skip:]),
+                    )
+                )
+        missing = sorted(set(names.values()) - {p.name for p in out.values()})
+        if missing:
+            raise GeometryDerivationError(
+                f"parameter {missing[0]} is not in sharded_state_dict(): Megatron could not checkpoint "
+                "it, so LiveR cannot move it"
+            )
+        vocab = getattr(model, "vocab_size", None)
+        config = getattr(model, "config", None)
+        order = {n: i for i, n in enumerate(names.values())}  # named_parameters(): the module order
+        params = sorted(out.values(), key=lambda p: order[p.name])
+        return _Probe(layout, rank, params, config, vocab if isinstance(vocab, int) else None)
+
+
+# --------------------------------------------------------------------------- generalising
+
+
+def _rule(
+    base: _Param, tp2: tuple[_Param, _Param], vocab: tuple[int, int, int] | None
+) -> tuple[Rule, tuple[int, ...]]:
+    """The tensor-parallel rule and logical shape of ``base`` from what TP ranks 0 and 1 hold.
+
+    ``vocab``: the real vocabulary and its padded size at TP1 and TP2. A tensor split along axis 0 whose
+    rows are the padded vocabulary at both probes is a vocabulary tensor (its logical rows the real
+    vocabulary); every other split must be even and in rank order."""
+    name = base.name
+    shape = base.shape
+    if base.factory:
+        return "swiglu", _swiglu_shape(base, tp2)
+    fragments = {a for r in tp2 for piece in r.pieces for a, n in enumerate(piece.fragments) if n > 1}
+    if not fragments:
+        for r in tp2:
+            if r.shape != shape:
+                raise GeometryDerivationError(f"{name}: unsplit at TP2 but {r.shape} instead of {shape}")
+        return "replicated", shape
+    if len(fragments) > 1 or any(len(r.pieces) != 1 for r in tp2):
+        raise GeometryDerivationError(f"{name}: Megatron splits it along several axes {sorted(fragments)}")
+    (axis,) = fragments
+    if axis > 1:
+        raise GeometryDerivationError(f"{name}: split along axis {axis}; LiveR follows axes 0 and 1")
+    pieces = [r.pieces[0] for r in tp2]
+    if vocab is not None and axis == 0 and shape[0] == vocab[1] and pieces[0].global_shape[0] == vocab[2]:
+        per = vocab[2] // 2
+        for tp_rank, piece in enumerate(pieces):
+            if piece.local_shape[0] != per or piece.global_offset[0] != per * tp_rank:
+                raise GeometryDerivationError(
+                    f"{name}: TP rank {tp_rank} of 2 holds vocabulary rows {piece.global_offset[0]} + "
+                    f"{piece.local_shape[0]}, not its equal share of {vocab[2]} padded rows"
+                )
+        return "vocab", (vocab[0], *shape[1:])
+    per = shape[axis] // 2
+    for tp_rank, piece in enumerate(pieces):
+        if (
+            piece.global_shape != shape
+            or piece.local_shape[axis] != per
+            or piece.global_offset[axis] != per * tp_rank
+        ):
+            raise GeometryDerivationError(
+                f"{name}: TP rank {tp_rank} of 2 holds {piece.local_shape} at {piece.global_offset} of "
+                f"{piece.global_shape}, not an even split of {shape} along axis {axis}"
+            )
+    return ("column" if axis == 0 else "row"), shape
+
+
+def _swiglu_shape(base: _Param, tp2: tuple[_Param, _Param]) -> tuple[int, ...]:
+    """``[2, ffn, ...]`` for SwiGLU's fused fc1 (gate rows, then up rows), checked at TP1 and TP2."""
+    rows, *rest = base.shape
+    ffn = rows // 2
+    for tp_rank, r in enumerate((base, *tp2)):
+        tp = 1 if r is base else 2
+        rank = 0 if r is base else tp_rank - 1
+        per = ffn // tp
+        want = [(2 * ffn, per * rank), (2 * ffn, ffn + per * rank)]
+        got = [(p.global_shape[0], p.global_offset[0]) for p in r.pieces]
+        if rows % 2 or got != want:
+            raise GeometryDerivationError(
+                f"{base.name}: a sharded factory that is not SwiGLU's gate/up split ({got} at TP{tp})"
+            )
+    return (2, ffn, *rest)
+
+
+def _homes(stages: list[set[tuple[str, int | None]]], ident: tuple[str, int | None]) -> Home:
+    held = [i for i, s in enumerate(stages) if ident in s]
+    last = len(stages) - 1
+    if held == list(range(len(stages))) and len(stages) > 2:
+        return "all"
+    if held == [0]:
+        return "first"
+    if held == [last]:
+        return "last"
+    if held == [0, last]:
+        return "first+last"
+    raise GeometryDerivationError(f"{ident[0]}: held by pipeline stages {held} of {len(stages)}")
+
+
+def _tp_divisors(config: Any) -> tuple[TpDivisor, ...]:
+    if config is None:
+        return ()
+    heads = getattr(config, "num_attention_heads", None)
+    groups = getattr(config, "num_query_groups", None) or heads
+    ffn = getattr(config, "ffn_hidden_size", None)
+    out = []
+    for what, value in (
+        ("num_attention_heads", heads),
+        ("num_query_groups", groups),
+        ("ffn_hidden_size", ffn),
+    ):
+        if isinstance(value, int) and value > 0:
+            out.append(TpDivisor(what, value))
+    return tuple(out)
+
+
+def derive_geometry(
+    provider: Provider,
+    *,
+    name: str,
+    num_layers: int,
+    vocab_size: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    device: str = "meta",
+) -> ModelGeometry:
+    """The geometry of the model ``provider`` builds; see the module docstring.
+
+    ``vocab_size`` is the tokenizer's real vocabulary (Megatron only knows the padded one) and
+    ``make_vocab_size_divisible_by`` its padding multiple per TP rank, as the user passes them to
+    Megatron. Raises :class:`GeometryDerivationError` naming the parameter Megatron describes in a
+    way LiveR cannot follow.
+    """
+    if dist.is_initialized():
+        raise GeometryDerivationError(
+            "derive_geometry builds probe worlds of its own; this process already has a default world "
+            "(use derive_geometry_in_subprocess)"
+        )
+    if num_layers < 1:
+        raise GeometryDerivationError(f"num_layers must be at least 1, got {num_layers}")
+
+    def padded(tp: int) -> int | None:
+        if vocab_size is None:
+            return None
+        multiple = make_vocab_size_divisible_by * tp
+        return -(-vocab_size // multiple) * multiple
+
+    base = _probe(provider, ParallelLayout(tp=1, pp=1, dp=1), 0, device)
+    if base.vocab_rows is not None and padded(1) is not None and base.vocab_rows != padded(1):
+        raise GeometryDerivationError(
+            f"the model's vocabulary is {base.vocab_rows} rows at TP1, but vocab_size={vocab_size} padded "
+            f"to a multiple of {make_vocab_size_divisible_by} is {padded(1)}"
+        )
+    tp2 = [_probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)]
+    pp = min(3, num_layers)
+    stages: list[set[tuple[str, int | None]]] = []
+    if pp > 1:
+        even = num_layers % pp == 0
+        layout = ParallelLayout(tp=1, pp=pp, dp=1, stage_layers=None if even else (1, num_layers - 2, 1))
+        for stage in range(pp):
+            stages.append(
+                {p.ident for p in _probe(provider, layout, stage, device).params if p.layer is None}
+            )
+    vocab = None if vocab_size is None else (vocab_size, padded(1) or 0, padded(2) or 0)
+
+    runs: list[dict[str, Any]] = []
+    params: list[ParamGeometry | int] = []  # an int: the index of a run, placed where it first appears
+    for p in base.params:
+        pair = tuple(r.get(p.ident) for r in tp2)
+        if None in pair:
+            raise GeometryDerivationError(f"{p.name}: not on both TP ranks of TP2")
+        rule, shape = _rule(p, pair, vocab)  # type: ignore[arg-type]
+        if p.layer is not None:
+            match = _LAYER_NAME.match(p.name)
+            if match is None or int(match.group(1)) != p.layer:
+                raise GeometryDerivationError(
+                    f"{p.name}: Megatron stacks it as decoder layer {p.layer}; LiveR expects the name "
+                    f"decoder.layers.{p.layer}.<...>"
+                )
+            suffix = match.group(2)
+            signature = (suffix, shape, p.dtype, rule)
+            run = next(
+                (i for i, r in enumerate(runs) if r["sig"] == signature and r["stop"] == p.layer), None
+            )
+            if run is None:
+                runs.append({"sig": signature, "first": p.layer, "stop": p.layer + 1})
+                params.append(len(runs) - 1)
+            else:
+                runs[run]["stop"] = p.layer + 1
+            continue
+        home: Home = _homes(stages, p.ident) if stages else "first+last" if rule == "vocab" else "first"
+        params.append(ParamGeometry(name=p.name, shape=shape, dtype=p.dtype, rule=rule, home=home))  # type: ignore[arg-type]
+
+    out: list[ParamGeometry] = []
+    for entry in params:
+        if isinstance(entry, ParamGeometry):
+            out.append(entry)
+            continue
+        r = runs[entry]
+        suffix, shape, dtype, rule = r["sig"]
+        out.append(
+            ParamGeometry(
+                name=f"decoder.layers.{LAYER_PLACEHOLDER}.{suffix}",
+                shape=shape,
+                dtype=dtype,
+                rule=rule,
+                home="layer",
+                layers=(r["first"], r["stop"]),
+            )
+        )
+    geometry = ModelGeometry(
+        name=name,
+        num_layers=num_layers,
+        parameters=tuple(out),
+        vocab_size=vocab_size if any(p.rule == "vocab" for p in out) else None,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tp_divisible=_tp_divisors(base.config),
+    )
+    log.info("geometry.derived", model=name, parameters=len(out), digest=geometry.digest())
+    return geometry
+
+
+# --------------------------------------------------------------------------- in a fresh interpreter
+
+
+def _child(provider: Provider, kwargs: dict[str, Any], results: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        results.put((derive_geometry(provider, **kwargs), None))
+    except BaseException as exc:  # reported to the parent, which raises
+        results.put((None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def derive_geometry_in_subprocess(
+    provider: Provider, *, timeout_s: float = 600.0, **kwargs: Any
+) -> ModelGeometry:
+    """:func:`derive_geometry` in a spawned interpreter (``provider`` must be importable by name there):
+    for a process that already has a default world, such as a training process under ``torchrun``."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_child, args=(provider, kwargs, results), daemon=True)
+    child.start()
+    try:
+        geometry, error = results.get(timeout=timeout_s)
+    except Exception:
+        raise GeometryDerivationError(
+            f"deriving the geometry took more than {timeout_s} s (child exit code {child.exitcode})"
+        ) from None
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    if error is not None:
+        raise GeometryDerivationError(f"deriving the geometry failed: {error}")
+    return geometry
+
+
+# --------------------------------------------------------------------------- checking a built model
+
+
+class GeometryMismatch(HandoffError):
+    """A built model whose ``sharded_state_dict()`` disagrees with the geometry a plan was made for."""
+
+
+def model_geometry_mismatches(
+    model: torch.nn.Module,
+    geometry: ModelGeometry,
+    layout: ParallelLayout,
+    rank: int,
+    *,
+    metadata: dict[str, Any] | None = None,
+    limit: int = 20,
+) -> list[str]:
+    """Where ``model`` (this rank's part, built at ``layout``) and the view function of ``geometry``
+    disagree, parameter by parameter: the boxes Megatron says each parameter covers against the boxes
+    the plan will stream into it. Empty when they agree.
+
+    Run on the new world's model during preparation, so that a plan made for another model, or a model
+    built differently from the one the geometry was derived from, fails the vote before the cut.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from liver.shared.views import view
+
+    problems: list[str] = []
+    tensors = {t.name: t for t in geometry.tensors(optimizer=False)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    covered: dict[str, list[tuple[tuple[int, int], ...] | None]] = {}
+    for value in nested_values(model.sharded_state_dict(metadata=metadata)):
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or id(value.data) not in names:
+            continue
+        local = names[id(value.data)]
+        built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
+        stacked = built[0].prepend_axis_num == 1
+        match = _LAYER_NAME.match(local)
+        if stacked and match is not None:
+            name = f"decoder.layers.{built[0].global_offset[0]}.{match.group(2)}"
+        elif local in tensors:
+            name = local
+        else:
+            name = value.key  # a replica filed under another parameter's key (tied embeddings)
+        tensor = tensors.get(name)
+        if tensor is None:
+            problems.append(f"{local}: no parameter of {geometry.name} is called {name}")
+            continue
+        skip = 1 if stacked else 0
+        for sh in built:
+            offset, size = tuple(sh.global_offset[skip:]), tuple(sh.local_shape)
+            covered.setdefault(name, []).append(_liver_box(tensor, geometry, offset, size))
+    for name, tensor in tensors.items():
+        shard = view(tensor, geometry, layout, rank)
+        want = None if shard is None else shard.box
+        boxes = covered.get(name)
+        if boxes is None:
+            if shard is not None:
+                problems.append(f"{name}: the plan streams {want} into it, the model has no such parameter")
+            continue
+        got = _merge(boxes)
+        if shard is None:
+            problems.append(f"{name}: the model holds {got}, the plan gives this rank none of it")
+        elif got != want:
+            problems.append(f"{name}: the model covers {got}, the plan {want}")
+        if len(problems) >= limit:
+            break
+    return problems
+
+
+def _liver_box(
+    tensor: TensorSpec, geometry: ModelGeometry, offset: tuple[int, ...], size: tuple[int, ...]
+) -> tuple[tuple[int, int], ...] | None:
+    """The logical box one Megatron shard covers (``None``: vocabulary padding only)."""
+    if tensor.rule == "vocab":
+        lo, hi = offset[0], min(offset[0] + size[0], tensor.shape[0])
+        if lo >= hi:
+            return None
+        return ((lo, hi), *((0, n) for n in tensor.shape[1:]))
+    if tensor.rule == "swiglu":
+        ffn = tensor.shape[1]
+        half, lo = divmod(offset[0], ffn)
+        return ((half, half + 1), (lo, lo + size[0]), *((0, n) for n in tensor.shape[2:]))
+    return tuple((o, o + n) for o, n in zip(offset, size, strict=True))
+
+
+def _merge(boxes: list[tuple[tuple[int, int], ...] | None]) -> tuple[tuple[int, int], ...] | str | None:
+    """One box from a parameter's pieces: SwiGLU's gate and up halves with the same rows make one."""
+    if len(boxes) == 1:
+        return boxes[0]
+    real = sorted(b for b in boxes if b is not None)
+    if len(real) == 2 and real[0][0] == (0, 1) and real[1][0] == (1, 2) and real[0][1:] == real[1][1:]:
+        return ((0, 2), *real[0][1:])
+    return f"{len(boxes)} pieces {boxes}"
+
+
+def check_model_geometry(
+    model: torch.nn.Module,
+    geometry: ModelGeometry,
+    layout: ParallelLayout,
+    rank: int,
+    *,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Raise :class:`GeometryMismatch` naming the first disagreements of :func:`model_geometry_mismatches`
+    (``metadata`` goes to ``sharded_state_dict``: the world's ``dp_cp_group`` when it is not
+    ``parallel_state``'s)."""
+    problems = model_geometry_mismatches(model, geometry, layout, rank, metadata=metadata)
+    if problems:
+        raise GeometryMismatch(
+            f"rank {rank} at {layout.describe()}: the model does not match the geometry of "
+            f"{geometry.name} ({geometry.digest()}): " + "; ".join(problems[:5])
+        )

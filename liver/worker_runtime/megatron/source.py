@@ -1,0 +1,131 @@
+"""Which model a Megatron job trains: how to build this rank's part of it at a layout, and its geometry.
+
+The adapter (trainer, state mapping, checkpoints, live switch) never looks at a model's architecture:
+it needs a way to build the model for a world and the model's geometry (what the plans move). A
+:class:`ModelSource` is those two things, from either
+
+* a :class:`~liver.shared.model.ModelSpec` (LiveR's presets and the demo): built by
+  :func:`~.build.build_gpt_model`, geometry :meth:`ModelSpec.geometry`; or
+* the user's own **model provider**, the function their Megatron-core training script already has,
+  given the layout and the world's process groups: ``provider(layout, pg_collection) -> GPTModel``.
+  Its geometry is derived from Megatron's own ``sharded_state_dict()`` (:mod:`.geometry`).
+
+Every build of a user's model is checked against the geometry, box for box (a metadata walk, no
+collective): the new world's model is built during the handoff, so a provider that builds something
+other than what the plan moves fails there, naming the parameter, instead of corrupting the state.
+Seeds follow Megatron's training loop for both (``seed + 100 * pp_rank`` before the build).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from liver.shared.geometry import ModelGeometry
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import ModelSpec
+from liver.worker_runtime.megatron.build import (
+    ParallelGroups,
+    build_gpt_model,
+    check_default_world,
+    ensure_global_memory_buffer,
+    parallel_state_pinned_to,
+)
+from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
+
+__all__ = ["ModelSource", "UserProvider", "as_source"]
+
+UserProvider = Callable[[ParallelLayout, ProcessGroupCollection], torch.nn.Module]
+"""The user's model provider: this rank's part of the model at ``layout`` on the given groups (pass
+``pg_collection`` to ``GPTModel``; the first and last stage are ``pg_collection.pp.rank() == 0`` and
+``== pg_collection.pp.size() - 1``), unwrapped and cast to its training dtype."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How to build the model at a layout, and its geometry. Make one with :meth:`from_spec` or
+    :meth:`from_provider`."""
+
+    name: str
+    geometry: ModelGeometry
+    vocab_size: int
+    """The real vocabulary: the loss masks logits past it, the data draws tokens below it."""
+    max_sequence_length: int
+    spec: ModelSpec | None = None
+    provider: UserProvider | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelSource:
+        return cls(
+            name=spec.name,
+            geometry=spec.geometry(),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_sequence_length,
+            spec=spec,
+        )
+
+    @classmethod
+    def from_provider(
+        cls, provider: UserProvider, geometry: ModelGeometry, *, max_sequence_length: int
+    ) -> ModelSource:
+        """The user's model, whose ``geometry`` was derived from it (:mod:`.geometry`)."""
+        if geometry.vocab_size is None:
+            raise ValueError("`geometry`: a language model needs a vocabulary tensor (vocab_size is None)")
+        if max_sequence_length < 1:
+            raise ValueError(f"`max_sequence_length`: must be at least 1, got {max_sequence_length}")
+        return cls(
+            name=geometry.name,
+            geometry=geometry,
+            vocab_size=geometry.vocab_size,
+            max_sequence_length=max_sequence_length,
+            provider=provider,
+        )
+
+    def build(
+        self,
+        layout: ParallelLayout,
+        groups: ParallelGroups,
+        *,
+        seed: int,
+        config_overrides: Mapping[str, Any] | None = None,
+    ) -> torch.nn.Module:
+        """This rank's part of the model at ``layout`` on ``groups`` (the default world's).
+
+        ``config_overrides`` (dropout) apply to a ``ModelSpec``'s model; a user's model keeps the
+        settings of the user's own ``TransformerConfig``.
+        """
+        if self.spec is not None:
+            return build_gpt_model(
+                self.spec, layout, groups=groups, seed=seed, config_overrides=config_overrides
+            )
+        assert self.provider is not None
+        from liver.worker_runtime.megatron.geometry import check_model_geometry
+
+        self.geometry.check_layout(layout)
+        apply_cpu_shim()
+        check_default_world(groups)
+        ensure_global_memory_buffer()
+        coords = layout.coords(groups.rank)
+        stage_seed = seed + 100 * coords.pp
+        torch.manual_seed(stage_seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+        model = self.provider(layout, groups.collection())
+        with parallel_state_pinned_to(groups):  # the tied output layer asks parallel_state its DP rank
+            check_model_geometry(
+                model, self.geometry, layout, groups.rank, metadata={"dp_cp_group": groups.dp}
+            )
+        return model
+
+
+def as_source(model: ModelSpec | ModelSource) -> ModelSource:
+    """A source for either (a ``ModelSpec`` is the preset's source)."""
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, ModelSpec):
+        return ModelSource.from_spec(model)
+    raise TypeError(f"`model`: expected a ModelSpec or a ModelSource, got {type(model).__name__}")

@@ -1,0 +1,122 @@
+"""Megatron-core models that no ``ModelSpec`` describes, built the way a user builds theirs.
+
+Each is a model provider in Megatron's sense (``parallel_state`` initialised for the layout, the user's
+own ``TransformerConfig`` and layer spec) and picklable, so that spawned test processes can build it.
+They differ from LiveR's presets where a real model would:
+
+* ``qk-layernorm``: RMSNorm on queries and keys (OLMo 2, Gemma-style attention), SwiGLU, untied;
+* ``qkv-bias``: biases on the QKV projection only (Qwen-style), GeLU, tied embeddings;
+* ``value-head``: a GPT with an extra tensor-parallel head on the last stage (a reward or value model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from liver.shared.layout import ParallelLayout
+
+NUM_LAYERS = 4
+VOCAB_SIZE = 1000
+DIVISIBLE_BY = 16
+KINDS = ("qk-layernorm", "qkv-bias", "value-head")
+
+
+def padded_vocab(tp: int) -> int:
+    multiple = DIVISIBLE_BY * tp
+    return -(-VOCAB_SIZE // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class UserModel:
+    kind: str
+    params_dtype: str = "float32"
+
+    def config(self, layout: ParallelLayout) -> Any:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from liver.worker_runtime.megatron.build import pipeline_split
+
+        dtype = getattr(torch, self.params_dtype)
+        common: dict[str, Any] = dict(
+            num_layers=NUM_LAYERS,
+            hidden_size=64,
+            num_attention_heads=4,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            use_cpu_initialization=True,
+            **pipeline_split(NUM_LAYERS, layout),
+        )
+        if self.kind == "qk-layernorm":
+            return TransformerConfig(
+                **common,
+                ffn_hidden_size=128,
+                num_query_groups=2,
+                normalization="RMSNorm",
+                qk_layernorm=True,
+                gated_linear_unit=True,
+                activation_func=F.silu,
+                add_bias_linear=False,
+            )
+        if self.kind == "qkv-bias":
+            return TransformerConfig(**common, ffn_hidden_size=256, add_bias_linear=False, add_qkv_bias=True)
+        if self.kind == "value-head":
+            return TransformerConfig(**common, ffn_hidden_size=256)
+        raise ValueError(f"unknown kind {self.kind!r}")
+
+    def __call__(self, layout: ParallelLayout, pg_collection: Any) -> Any:
+        """A model provider as LiveR calls one: the layout and the world's process groups."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
+
+        apply_cpu_shim()
+        config = self.config(layout)
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=self.kind == "qk-layernorm", normalization=config.normalization
+        )
+        cls = _value_head_gpt() if self.kind == "value-head" else GPTModel
+        model = cls(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab(layout.tp),
+            max_sequence_length=32,
+            pre_process=pg_collection.pp.rank() == 0,
+            post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1,
+            share_embeddings_and_output_weights=self.kind != "qk-layernorm",
+            position_embedding_type="rope" if self.kind == "qk-layernorm" else "learned_absolute",
+            pg_collection=pg_collection,
+        )
+        if config.bf16:
+            model.bfloat16()
+        return model
+
+
+def _value_head_gpt() -> type:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class _ValueHeadGPT(GPTModel):
+        """A GPT with one more column-parallel projection on its last stage (8 outputs per token)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.post_process:
+                self.value_head = ColumnParallelLinear(
+                    self.config.hidden_size,
+                    8,
+                    config=self.config,
+                    init_method=self.config.init_method,
+                    bias=True,
+                    gather_output=False,
+                    tp_group=self.pg_collection.tp,
+                )
+
+    return _ValueHeadGPT

@@ -1,0 +1,194 @@
+"""The shard geometry as data: what the planners consume, for a preset and for a user's own model alike."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from liver.services.transfer.planner import build_plan
+from liver.shared.geometry import (
+    GEOMETRY_SCHEMA_VERSION,
+    GeometryError,
+    ModelGeometry,
+    ParamGeometry,
+    TpDivisor,
+)
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.model import PRESETS
+from liver.shared.plan import WorldConfig
+from liver.shared.plan_check import verify_plan
+from liver.shared.plan_file import PlanFileError, decode_plan, encode_plan
+from liver.shared.views import view
+
+TINY = PRESETS["tiny-gpt"]
+
+
+def world(layout: ParallelLayout, first: int = 0) -> WorldConfig:
+    return WorldConfig(
+        layout, Placement(tuple(Device("n0", i) for i in range(first, first + layout.world_size)))
+    )
+
+
+def param(
+    name: str, shape: tuple[int, ...], rule: str = "replicated", home: str = "first", **kw: object
+) -> ParamGeometry:
+    return ParamGeometry(name=name, shape=shape, dtype="float32", rule=rule, home=home, **kw)  # type: ignore[arg-type]
+
+
+# A model no ModelSpec describes: its first layer has a QK norm the second lacks, and it has an extra
+# head on the last stage.
+ODD = ModelGeometry(
+    name="odd",
+    num_layers=3,
+    vocab_size=100,
+    make_vocab_size_divisible_by=8,
+    tp_divisible=(TpDivisor("num_attention_heads", 4),),
+    parameters=(
+        param("embedding.word_embeddings.weight", (100, 16), "vocab", "first+last"),
+        param(
+            "decoder.layers.{layer}.self_attention.linear_qkv.weight",
+            (48, 16),
+            "column",
+            "layer",
+            layers=(0, 3),
+        ),
+        param(
+            "decoder.layers.{layer}.self_attention.q_layernorm.weight",
+            (4,),
+            "replicated",
+            "layer",
+            layers=(0, 1),
+        ),
+        param("decoder.layers.{layer}.mlp.linear_fc2.weight", (16, 32), "row", "layer", layers=(0, 3)),
+        param("value_head.weight", (8, 16), "column", "last"),
+    ),
+)
+
+
+def test_every_preset_lists_the_same_tensors_as_its_geometry() -> None:
+    for spec in PRESETS.values():
+        assert spec.tensors() == spec.geometry().tensors()
+        assert spec.tensors(optimizer=False) == spec.geometry().tensors(optimizer=False)
+        assert spec.parameter_count() == spec.geometry().parameter_count()
+
+
+def test_a_geometry_round_trips_through_json_unchanged() -> None:
+    for g in (TINY.geometry(), PRESETS["llama3-8b"].geometry(), ODD):
+        assert msgspec.json.decode(msgspec.json.encode(g), type=ModelGeometry) == g
+
+
+def test_a_96_layer_model_is_described_in_a_few_entries() -> None:
+    g = PRESETS["gpt3-175b"].geometry()
+    assert len(g.parameters) < 20
+    assert len(msgspec.json.encode(g)) < 4096
+
+
+def test_runs_of_layers_expand_in_order_within_each_layer() -> None:
+    names = [t.name for t in ODD.tensors(optimizer=False)]
+    assert names == [
+        "embedding.word_embeddings.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.self_attention.q_layernorm.weight",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "decoder.layers.1.mlp.linear_fc2.weight",
+        "decoder.layers.2.self_attention.linear_qkv.weight",
+        "decoder.layers.2.mlp.linear_fc2.weight",
+        "value_head.weight",
+    ]
+    assert [t.layer for t in ODD.tensors(optimizer=False)] == [0, 1, 1, 1, 2, 2, 3, 3, 4]
+
+
+def test_sixteen_bit_parameters_carry_an_fp32_master_and_fp32_ones_do_not() -> None:
+    half = msgspec.structs.replace(ODD.parameters[4], dtype="bfloat16")
+    g = msgspec.structs.replace(ODD, parameters=(*ODD.parameters[:4], half))
+    roles = {t.role for t in g.tensors() if t.param == "value_head.weight"}
+    assert roles == {"param", "fp32_param", "exp_avg", "exp_avg_sq"}
+    assert {t.role for t in g.tensors() if t.param == "embedding.word_embeddings.weight"} == {
+        "param",
+        "exp_avg",
+        "exp_avg_sq",
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"schema_version": GEOMETRY_SCHEMA_VERSION + 1}, "schema_version"),
+        ({"parameters": (param("decoder.layers.{layer}.w", (4,), home="layer", layers=(0, 4)),)}, "layers"),
+        ({"parameters": (param("decoder.layers.{layer}.w", (4,), home="layer"),)}, "name"),
+        ({"parameters": (param("w", (4,), home="layer", layers=(0, 1)),)}, "name"),
+        ({"parameters": (param("w", (4,)), param("w", (4,)))}, "name"),
+        ({"parameters": (param("w", (4,), "row"),)}, "shape"),
+        ({"parameters": (param("w", (3, 4), "swiglu"),)}, "shape"),
+        ({"parameters": (param("w", (99, 4), "vocab"),)}, "shape"),
+        ({"vocab_size": None}, "rule"),
+    ],
+)
+def test_a_geometry_no_model_could_have_is_refused_naming_the_field(change: dict, field: str) -> None:
+    data = msgspec.to_builtins(ODD) | msgspec.to_builtins(change)
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert(data, ModelGeometry)
+
+
+def test_the_error_is_an_input_error_when_built_in_code() -> None:
+    with pytest.raises(GeometryError, match=r"parameters\[1\]\.name"):
+        ModelGeometry(name="x", num_layers=1, parameters=(param("w", (1,)), param("w", (1,))))
+
+
+def test_a_layout_the_model_cannot_use_is_refused_naming_the_reason() -> None:
+    with pytest.raises(LayoutError, match="num_attention_heads"):
+        ODD.check_layout(ParallelLayout(tp=3, pp=1, dp=1))
+    with pytest.raises(LayoutError, match=r"dimension 0 of decoder\.layers"):
+        msgspec.structs.replace(ODD, tp_divisible=()).check_layout(ParallelLayout(tp=64, pp=1, dp=1))
+    with pytest.raises(LayoutError, match="exceeds the 3 layers"):
+        ODD.check_layout(ParallelLayout(tp=1, pp=4, dp=1))
+    ODD.check_layout(ParallelLayout(tp=2, pp=3, dp=1))
+
+
+def test_the_views_follow_each_parameters_home_and_rule() -> None:
+    layout = ParallelLayout(tp=2, pp=3, dp=1)
+    tensors = {t.name: t for t in ODD.tensors(optimizer=False)}
+    head = tensors["value_head.weight"]
+    assert view(head, ODD, layout, layout.rank_of(1, 0, 2)).box == ((4, 8), (0, 16))
+    assert view(head, ODD, layout, layout.rank_of(1, 0, 0)) is None
+    norm = tensors["decoder.layers.0.self_attention.q_layernorm.weight"]
+    assert view(norm, ODD, layout, layout.rank_of(1, 0, 0)).box == ((0, 4),)
+    words = tensors["embedding.word_embeddings.weight"]
+    assert view(words, ODD, layout, layout.rank_of(1, 0, 2)).box == ((56, 100), (0, 16))
+
+
+def test_a_model_no_modelspec_describes_is_planned_and_verified() -> None:
+    plan = build_plan(
+        ODD, world(ParallelLayout(tp=2, pp=3, dp=1)), world(ParallelLayout(tp=1, pp=1, dp=2), 6)
+    )
+    assert plan.model == ODD
+    assert verify_plan(plan).ok
+    assert decode_plan(encode_plan(plan)) == plan
+
+
+def test_a_version_1_plan_file_with_a_modelspec_is_still_read() -> None:
+    plan = build_plan(
+        TINY, world(ParallelLayout(tp=2, pp=1, dp=1)), world(ParallelLayout(tp=1, pp=2, dp=1), 2)
+    )
+    data = msgspec.json.decode(encode_plan(plan))
+    data["schema_version"] = 1
+    data["model"] = msgspec.to_builtins(TINY)
+    assert decode_plan(msgspec.json.encode(data)) == plan
+
+
+def test_a_plan_file_of_an_unknown_version_is_refused() -> None:
+    plan = build_plan(
+        TINY, world(ParallelLayout(tp=1, pp=1, dp=1)), world(ParallelLayout(tp=1, pp=1, dp=2), 1)
+    )
+    data = msgspec.json.decode(encode_plan(plan))
+    data["schema_version"] = 9
+    with pytest.raises(PlanFileError, match="schema_version 9"):
+        decode_plan(msgspec.json.encode(data))
+
+
+def test_the_digest_tells_two_geometries_apart_and_two_copies_alike() -> None:
+    g = TINY.geometry()
+    assert g.digest() == msgspec.json.decode(msgspec.json.encode(g), type=ModelGeometry).digest()
+    assert g.digest() != PRESETS["tiny-llama"].geometry().digest()
+    assert g.digest() != msgspec.structs.replace(g, make_vocab_size_divisible_by=32).digest()

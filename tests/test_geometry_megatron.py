@@ -1,0 +1,174 @@
+"""A model's geometry comes from Megatron-core itself, for presets and for models no ModelSpec describes.
+
+One spawned interpreter (the probes need ``torch.distributed`` to themselves) derives geometries from
+``sharded_state_dict()`` on the meta device and checks real builds against them at layouts the probes
+never saw, every rank emulated on the ``fake`` process group. The parent plans and verifies with the
+derived geometries, torch-free, as the services do.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import traceback
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
+
+from liver.services.transfer.planner import build_plan
+from liver.shared.geometry import ModelGeometry
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.model import PRESETS
+from liver.shared.plan import WorldConfig
+from liver.shared.plan_check import verify_plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+CHILD_S = 600.0
+
+# Layouts the probes (TP1, TP2, PP3) never built; each is checked on every rank.
+CHECKED = (
+    ParallelLayout(tp=2, pp=2, dp=1),
+    ParallelLayout(tp=4, pp=1, dp=1),
+    ParallelLayout(tp=1, pp=4, dp=1),
+    ParallelLayout(tp=2, pp=2, dp=1, stage_layers=(3, 1)),
+    ParallelLayout(tp=1, pp=3, dp=1, stage_layers=(0, 2, 2)),
+)
+
+
+def _emulated_mismatches(
+    provider: Any, geometry: ModelGeometry, layout: ParallelLayout
+) -> dict[int, list[str]]:
+    import torch
+
+    from liver.worker_runtime.megatron.build import groups_from_parallel_state
+    from liver.worker_runtime.megatron.geometry import _fake_world, model_geometry_mismatches
+
+    out = {}
+    for rank in range(layout.world_size):
+        with _fake_world(layout, rank), torch.device("meta"):
+            collection = groups_from_parallel_state(layout).collection()
+            out[rank] = model_geometry_mismatches(provider(layout, collection), geometry, layout, rank)
+    return out
+
+
+def child_main(results: Any) -> None:
+    try:
+        import torch
+
+        from liver.worker_runtime.megatron.build import SpecProvider
+        from liver.worker_runtime.megatron.geometry import derive_geometry
+
+        torch.set_num_threads(1)
+        out: dict[str, Any] = {"presets": {}, "users": {}, "checked": {}, "wrong": None}
+        for name, spec in PRESETS.items():
+            out["presets"][name] = derive_geometry(
+                SpecProvider(spec),
+                name=spec.name,
+                num_layers=spec.num_layers,
+                vocab_size=spec.vocab_size,
+                make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+            )
+        for kind in KINDS:
+            provider = UserModel(kind)
+            geometry = derive_geometry(
+                provider,
+                name=kind,
+                num_layers=NUM_LAYERS,
+                vocab_size=VOCAB_SIZE,
+                make_vocab_size_divisible_by=DIVISIBLE_BY,
+            )
+            out["users"][kind] = geometry
+            for layout in CHECKED:
+                try:
+                    geometry.check_layout(layout)
+                except LayoutError:
+                    continue
+                out["checked"][(kind, layout.describe())] = _emulated_mismatches(provider, geometry, layout)
+        # A plan made for another model: the tied GPT's geometry against the QK-norm model.
+        layout = ParallelLayout(tp=2, pp=1, dp=1)
+        out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
+        results.put((out, None))
+    except BaseException:
+        results.put((None, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def found() -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=child_main, args=(results,), daemon=True)
+    child.start()
+    try:
+        out, error = results.get(timeout=CHILD_S)
+    except queue_mod.Empty:
+        pytest.fail(f"the child found nothing in {CHILD_S} s (exit code {child.exitcode})", pytrace=False)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    if error:
+        pytest.fail(error, pytrace=False)
+    return out
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_a_presets_geometry_is_exactly_what_megatron_says_of_the_model_it_describes(
+    found: dict[str, Any], name: str
+) -> None:
+    assert found["presets"][name] == PRESETS[name].geometry()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_model_no_modelspec_describes_gets_its_geometry_from_megatron(
+    found: dict[str, Any], kind: str
+) -> None:
+    geometry: ModelGeometry = found["users"][kind]
+    names = {p.name for p in geometry.parameters}
+    extra = {
+        "qk-layernorm": "decoder.layers.{layer}.self_attention.q_layernorm.weight",
+        "qkv-bias": "decoder.layers.{layer}.self_attention.linear_qkv.bias",
+        "value-head": "value_head.weight",
+    }[kind]
+    assert extra in names
+    if kind == "qkv-bias":
+        assert "decoder.layers.{layer}.self_attention.linear_proj.bias" not in names, "no other linear bias"
+    if kind == "value-head":
+        head = next(p for p in geometry.parameters if p.name == "value_head.weight")
+        assert (head.rule, head.home, head.shape) == ("column", "last", (8, 64))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_derived_geometry_holds_at_layouts_the_probes_never_built(
+    found: dict[str, Any], kind: str
+) -> None:
+    checked = {layout: ranks for (k, layout), ranks in found["checked"].items() if k == kind}
+    assert len(checked) >= 3
+    problems = [
+        f"{layout} rank {r}: {m}" for layout, ranks in checked.items() for r, ms in ranks.items() for m in ms
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_model_built_differently_from_the_plans_geometry_is_caught_by_name(found: dict[str, Any]) -> None:
+    problems = " ".join(m for ms in found["wrong"].values() for m in ms)
+    assert "q_layernorm" in problems or "linear_qkv.bias" in problems
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_user_model_is_planned_and_verified_across_tp_pp_and_dp(found: dict[str, Any], kind: str) -> None:
+    geometry: ModelGeometry = found["users"][kind]
+    devices = tuple(Device("n0", i) for i in range(8))
+    moves = [
+        (ParallelLayout(tp=2, pp=2, dp=1), ParallelLayout(tp=1, pp=1, dp=4)),
+        (ParallelLayout(tp=1, pp=4, dp=1), ParallelLayout(tp=2, pp=1, dp=2)),
+        (ParallelLayout(tp=2, pp=1, dp=2), ParallelLayout(tp=2, pp=2, dp=1, stage_layers=(3, 1))),
+    ]
+    for old, new in moves:
+        plan = build_plan(
+            geometry,
+            WorldConfig(old, Placement(devices[:4])),
+            WorldConfig(new, Placement(devices[4:])),
+        )
+        assert verify_plan(plan).ok, (kind, old, new)
+        assert plan.model == geometry

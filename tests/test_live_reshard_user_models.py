@@ -1,0 +1,85 @@
+"""Models no ModelSpec describes reshard live through TP, PP and DP changes, scale-in and scale-out, and
+continue exactly as a reload of their state (or a checkpoint save and load) at the new layout would.
+
+Each model is built by its own provider (``megatron_user_models``: QK-layernorm attention, a QKV-only
+bias, an extra tensor-parallel head), its geometry derived from Megatron's ``sharded_state_dict()`` in
+a spawned interpreter, and the job runs the chain of ``live_chain`` (six processes) against the
+baseline job (four). Dropout is on (Megatron's default 0.1 in each model's own config).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from live_chain import Chain, Runs, Transition, bit_identical, live_trace, reports_of, run_chain
+from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
+
+from liver.shared.layout import ParallelLayout
+from liver.worker_runtime.megatron.train_config import TrainConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+CONFIG = TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16)
+TRANSITIONS = {
+    1: Transition("TP and DP change", ParallelLayout(tp=1, pp=2, dp=2), (0, 1, 2, 3)),
+    2: Transition("PP change and scale-in", ParallelLayout(tp=2, pp=1, dp=1), (0, 1)),
+    3: Transition("scale-out", ParallelLayout(tp=2, pp=1, dp=2), (0, 1, 4, 5)),
+}
+SWITCHED = tuple(TRANSITIONS)
+IDS = [TRANSITIONS[g].name for g in SWITCHED]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    from liver.worker_runtime.megatron.geometry import derive_geometry_in_subprocess
+    from liver.worker_runtime.megatron.source import ModelSource
+
+    provider = UserModel(request.param)
+    geometry = derive_geometry_in_subprocess(
+        provider,
+        name=request.param,
+        num_layers=NUM_LAYERS,
+        vocab_size=VOCAB_SIZE,
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
+    )
+    chain = Chain(
+        job=f"user-{request.param}",
+        model=ModelSource.from_provider(provider, geometry, max_sequence_length=32),
+        config=CONFIG,
+        start=ParallelLayout(tp=2, pp=2, dp=1),
+        start_processes=(0, 1, 2, 3),
+        transitions=TRANSITIONS,
+    )
+    return run_chain(chain, str(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_every_process_switches_at_the_same_cut(runs: Runs, generation: int) -> None:
+    reports = reports_of(runs, generation)
+    plan = runs.plans[generation]
+    assert len(reports) == len(set(plan.old.placement.devices) | set(plan.new.placement.devices))
+    assert {r["iteration"] for r in reports.values()} == {runs.cuts[generation]}
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_the_global_state_right_after_the_switch_equals_the_state_right_before_it(
+    runs: Runs, generation: int
+) -> None:
+    assert bit_identical(runs.before[generation], runs.after[generation])
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_the_trace_after_the_switch_equals_a_reload_and_a_checkpoint_load_at_the_new_layout(
+    runs: Runs, generation: int
+) -> None:
+    live = live_trace(runs, generation)
+    assert len(live) >= 2
+    assert live == runs.baseline[generation] == runs.checkpoint[generation]
+
+
+def test_every_rank_reports_the_same_loss_and_the_loss_is_finite(runs: Runs) -> None:
+    for generation in SWITCHED:
+        traces = [live_trace(runs, generation, p) for p in TRANSITIONS[generation].processes]
+        assert all(t == traces[0] for t in traces), generation
+    assert all(math.isfinite(loss) for _, _, loss, _ in runs.live[0]["trace"])
