@@ -1778,3 +1778,46 @@ RandomEvents.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_random_event_sequences_keep_generations_unique_and_monotonic = RandomEvents.TestCase
+
+
+# -- the job's own model geometry -------------------------------------------------------------------------
+
+
+def test_the_geometry_the_first_world_announces_goes_with_every_topology_request() -> None:
+    d = Driver()
+    for rank, device in enumerate(WORLD):
+        d.hello(device, generation=0, rank=rank)
+    own = MODEL.geometry()
+    d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), geometry=own))
+    d.write()
+    assert d.kv.record is not None and d.kv.record.geometry == own
+    d.warn("evt-1", "node001")
+    d.write()
+    assert d.pop(RequestTopology).request.geometry == own
+
+
+def test_a_world_restarted_without_a_geometry_keeps_the_recorded_one() -> None:
+    d = Driver()
+    for rank, device in enumerate(WORLD):
+        d.hello(device, generation=0, rank=rank)
+    own = MODEL.geometry()
+    d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), geometry=own))
+    d.write()
+    handoff_prepared(d)
+    d.ready()
+    d.write()
+    d.commands(Switch)
+    d.status(WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint")
+    d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
+    d.write()
+    d.write()
+    assert d.kv.record is not None and d.kv.record.generation == 2 and d.kv.record.geometry == own
+
+
+def test_the_planners_answer_is_for_the_geometry_the_job_announced() -> None:
+    # Without a geometry from the job, the record holds none and the planner's configured model decides.
+    d = started()
+    assert d.kv.record is not None and d.kv.record.geometry is None
+    d.warn("evt-1", "node001")
+    d.write()
+    assert d.pop(RequestTopology).request.geometry is None

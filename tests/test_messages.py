@@ -607,3 +607,17 @@ def test_a_lost_device_with_a_bad_node_id_names_its_position() -> None:
 def test_a_lost_device_cannot_be_listed_twice() -> None:
     twice = [{"node": "node001", "index": 3}, {"node": "node001", "index": 3}]
     assert rejected(payload(PLANNED, lost=twice), m.TopologyPlanned).path == "$.lost[1]"
+
+
+def test_a_world_whose_layout_its_own_model_cannot_use_is_refused_naming_the_geometry() -> None:
+    tiny = PRESETS["tiny-gpt"].geometry()  # four heads: no TP of three
+    world = m.WorldStarted(
+        job_id="job-7",
+        generation=0,
+        layout=ParallelLayout(tp=3, pp=1, dp=1),
+        placement=Placement(grid_devices(1, 3)),
+    )
+    data = msgspec.to_builtins(world) | {"geometry": msgspec.to_builtins(tiny)}
+    with pytest.raises(MessageError) as info:
+        decode(msgspec.json.encode(data), m.WorldStarted)
+    assert info.value.path == "$.geometry"

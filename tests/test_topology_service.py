@@ -401,3 +401,29 @@ async def test_a_request_on_another_jobs_subject_is_rejected_naming_the_job(rig:
     assert error.field == "$.job_id"
     assert "arrived on the subject of job" in error.message
     assert not rig.planned.messages and not rig.failed.messages
+
+
+# -- the job's own model geometry -------------------------------------------------------------------------
+
+
+def test_the_jobs_own_geometry_decides_which_layouts_suit_it_and_is_what_the_plan_moves() -> None:
+    # The job's own model has three decoder layers (the configured preset, which sizes memory and cost,
+    # has four): no even two-stage pipeline suits it.
+    preset = MODEL.geometry()
+    own = msgspec.structs.replace(
+        preset,
+        name="own-model",
+        num_layers=3,
+        parameters=tuple(
+            msgspec.structs.replace(p, layers=(0, 3)) if p.layers else p for p in preset.parameters
+        ),
+    )
+    plain = answer(ask(remove=()), PROFILE, SETTINGS, NOW).message
+    planned = answer(ask(remove=(), geometry=own), PROFILE, SETTINGS, NOW).message
+    assert isinstance(plain, TopologyPlanned) and isinstance(planned, TopologyPlanned)
+    assert any(c.layout.pp == 2 and c.fits for c in plain.candidates)
+    assert all(c.layout.pp == 1 for c in planned.candidates if c.fits)
+    assert any("the job's model" in c.note for c in planned.candidates if c.layout.pp == 2)
+    assert planned.model == own
+    transfer = plan_transfer(planned, budget_bytes=1 << 20)
+    assert transfer.plan.model == own and verify_plan(transfer.plan).ok

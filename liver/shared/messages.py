@@ -287,6 +287,9 @@ class TopologyRequest(Message, kw_only=True, tag="topology_request"):
     device_memory_bytes: Count | None = None
     """The smallest device memory the workers of the offered devices reported in their ``Hello``;
     ``None`` when none did, and the planner's hardware profile decides."""
+    geometry: ModelGeometry | None = None
+    """The job's own model geometry, as its world announced it (:class:`WorldStarted`): the chosen
+    layout must suit it and the plan moves it. ``None``: the planner's configured model."""
 
     def _validate(self) -> None:
         if self.generation <= self.from_generation:
@@ -552,9 +555,19 @@ class WorldStarted(Message, kw_only=True, tag="world_started"):
     generation: Generation
     layout: ParallelLayout
     placement: Placement
+    geometry: ModelGeometry | None = None
+    """The job's model as the planners see it (``docs/geometry.md``), derived from the job's own model:
+    every later plan moves exactly these tensors. ``None``: the planners use the model the topology
+    planner is configured with for the job (a preset); a world started after a fallback may leave it
+    out and the one recorded stays."""
 
     def _validate(self) -> None:
         _check_world(self.layout, self.placement, "placement")
+        if self.geometry is not None:
+            try:
+                self.geometry.check_layout(self.layout)
+            except LayoutError as exc:
+                raise _invalid("geometry", f"the model cannot use the world's layout: {exc}") from None
 
 
 # -- internal: workers ------------------------------------------------------------------------------

@@ -417,7 +417,13 @@ class _Worker:
         if generation is None:
             assert s.initial is not None
             generation = s.initial.generation
-        message = WorldStarted(job_id=s.job_id, generation=generation, layout=layout, placement=placement)
+        message = WorldStarted(
+            job_id=s.job_id,
+            generation=generation,
+            layout=layout,
+            placement=placement,
+            geometry=PRESETS[s.model].geometry(),  # what every plan for this job must move
+        )
         asyncio.run(publish_world_started(message, self.url, self.environ, timeout_s=s.announce_timeout_s))
 
     def _record_event(self, event: RuntimeEvent) -> None:

@@ -614,6 +614,7 @@ class Coordinator:
                 placement=event.placement,
                 issued=event.generation,
                 last_outcome=None if record is None else record.last_outcome,
+                geometry=event.geometry or (None if record is None else record.geometry),
             ),
             Wait.WORLD_WRITE,
         )
@@ -787,6 +788,7 @@ class Coordinator:
             add=tuple(sorted({d for t in h.triggers for d in t.add} - world - removed - self._departing)),
             target_devices=targets[-1] if targets else None,
             deadline=h.deadline,
+            geometry=self._record.geometry,
         )
         self._emit(RequestTopology(request=request))
 

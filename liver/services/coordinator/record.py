@@ -30,6 +30,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
 from liver.shared.messages import (
     Bytes,
@@ -169,6 +170,9 @@ class GenerationRecord(Message, kw_only=True, tag="generation_record"):
     live: bool = True
     pending: PendingHandoff | None = None
     last_outcome: GenerationCommitted | GenerationAborted | None = None
+    geometry: ModelGeometry | None = None
+    """The job's model geometry from its ``WorldStarted`` (kept across generations and fallbacks); every
+    topology request carries it."""
 
     def _validate(self) -> None:
         try:

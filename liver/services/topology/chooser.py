@@ -47,6 +47,7 @@ from liver.services.transfer.placement import (
 )
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
 from liver.shared.errors import PlanningError
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.messages import Candidate
 from liver.shared.model import ModelSpec
@@ -192,8 +193,10 @@ class _Chooser:
         staging_bytes: int,
         inter_node_weight: float,
         lost: Collection[Device] = (),
+        geometry: ModelGeometry | None = None,
     ) -> None:
         self.model = model
+        self.geometry = geometry
         self.setup = setup
         self.hardware = hardware
         self.current = current
@@ -257,6 +260,12 @@ class _Chooser:
         ):
             if value % tp:
                 return reject("tp_divisibility", f"{what} ({value}) is not divisible by tp={tp}")
+        if self.geometry is not None:
+            try:
+                self.geometry.check_layout(layout)
+            except LayoutError as exc:
+                rule: Rule = "pp_layers" if f"pp={pp}" in str(exc) else "tp_divisibility"
+                return reject(rule, f"the job's model: {str(exc).partition(': ')[2] or exc}")
         if pp > model.num_layers:
             return reject("pp_layers", f"pp={pp} exceeds the {model.num_layers} layers")
         try:
@@ -342,11 +351,13 @@ def choose_topology(
     staging_bytes: int = DEFAULT_BUDGET_BYTES,
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
     lost: Collection[Device] = (),
+    geometry: ModelGeometry | None = None,
 ) -> TopologyDecision:
     """The target layout and placement for ``model`` on ``devices`` (surviving and added devices),
     coming from ``current`` of which the ``lost`` devices are gone (see the module docstring). Raises
     :class:`TopologyError` naming the reason when no layout of any number of the devices is valid and
-    fits, or when ``devices`` names a lost device."""
+    fits, or when ``devices`` names a lost device. ``geometry``, the job's own model as Megatron
+    describes it, must suit every layout chosen too (``model`` then only sizes memory and cost)."""
     started = time.perf_counter()
     devices = tuple(devices)
     _validate(model, setup, current, devices, tolerance, top, staging_bytes)
@@ -354,7 +365,16 @@ def choose_topology(
     if gone:
         raise TopologyError(f"devices: device {gone[0]} is lost and cannot hold a rank")
     chooser = _Chooser(
-        model, setup, hardware, current, devices, tp_across_nodes, staging_bytes, inter_node_weight, lost
+        model,
+        setup,
+        hardware,
+        current,
+        devices,
+        tp_across_nodes,
+        staging_bytes,
+        inter_node_weight,
+        lost,
+        geometry,
     )
     everything = chooser.evaluate_count(len(devices))
     scored = everything

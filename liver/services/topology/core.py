@@ -114,6 +114,7 @@ def answer(
             tp_across_nodes=settings.tp_across_nodes,
             staging_bytes=settings.staging_bytes,
             lost=request.lost,
+            geometry=request.geometry,
         )
     except (TopologyError, SetupError) as exc:
         return Answer(failed(request, str(exc)), None)
@@ -123,7 +124,7 @@ def answer(
         event_id=request.event_id,
         from_generation=request.from_generation,
         generation=request.generation,
-        model=profile.model.geometry(),
+        model=request.geometry or profile.model.geometry(),
         from_layout=request.layout,
         from_placement=request.placement,
         layout=decision.layout,
