@@ -56,6 +56,8 @@ class Chain(NamedTuple):
     steps: int = 2  # steps on the start world, and on each new world before the next request
     fault_process: int | None = None
     fault_generation: int | None = None
+    corpus: Any = None
+    """``() -> Corpus`` called in each process (picklable), or ``None`` for the synthetic corpus."""
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -65,6 +67,21 @@ class Chain(NamedTuple):
     def switched(self) -> tuple[int, ...]:
         """The generations the job switches to (the faulty one is rolled back)."""
         return tuple(g for g in self.transitions if g != self.fault_generation)
+
+
+class IndexedCorpus(NamedTuple):
+    """Megatron's ``GPTDataset`` over one indexed dataset, recording the samples it reads."""
+
+    prefix: str
+    seq_length: int
+    num_samples: int
+
+    def __call__(self) -> Any:
+        from liver.worker_runtime.megatron.datasets import MegatronCorpus
+
+        return MegatronCorpus(
+            [self.prefix], seq_length=self.seq_length, num_samples=self.num_samples, record=True
+        )
 
 
 def _cut(runtime: Any) -> int:
@@ -206,7 +223,8 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
 
     device = DEVICES[proc.rank]
     address = StoreAddress("127.0.0.1", proc.store.port)
-    factory = MegatronJob(chain.model, chain.config)
+    corpus = chain.corpus() if chain.corpus is not None else None
+    factory = MegatronJob(chain.model, chain.config, corpus=corpus)
 
     def cancel_stream(generation: int, layer: int, rnd: int) -> None:
         if proc.rank == chain.fault_process and generation == chain.fault_generation:
@@ -234,6 +252,7 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
         "switches": {},
         "progress": {},
         "old_storage_left": [],
+        "samples": [],  # (iteration, sample index) read as the first TP rank of the first stage
     }
     published: set[int] = set()
     last: tuple[int, dict[int, np.ndarray], bytes] | None = None  # (iteration, state, progress)
@@ -259,7 +278,11 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
             if nxt in chain.transitions and nxt not in published and iteration >= _cut(runtime) + chain.steps:
                 published.add(nxt)
                 proc.store.set(f"go/{nxt}", "1")
+        read_before = len(corpus.read) if corpus is not None else 0
         result = trainer.train_step()
+        coords = trainer.layout.coords(trainer.groups.rank)
+        if corpus is not None and coords.tp == 0 and coords.pp == 0:
+            out["samples"] += [(result.iteration, i) for i in corpus.read[read_before:]]
         out["trace"].append((runtime.generation, result.iteration, result.loss, result.grad_norm))
         out["step_seconds"].append(result.seconds)
         last = (trainer.iteration, as_numpy(snapshot(trainer)), factory.progress(trainer))
@@ -325,7 +348,8 @@ def baseline_process(
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.streams import reseed
 
-    factory = MegatronJob(chain.model, chain.config)
+    corpus = chain.corpus() if chain.corpus is not None else None
+    factory = MegatronJob(chain.model, chain.config, corpus=corpus)
     geometry = chain.geometry
     traces: dict[str, dict[int, list]] = {"reload": {}, "checkpoint": {}}
     for reload in reloads:

@@ -4,15 +4,28 @@ continue exactly as a reload of their state (or a checkpoint save and load) at t
 Each model is built by its own provider (``megatron_user_models``: QK-layernorm attention, a QKV-only
 bias, an extra tensor-parallel head), its geometry derived from Megatron's ``sharded_state_dict()`` in
 a spawned interpreter, and the job runs the chain of ``live_chain`` (six processes) against the
-baseline job (four). Dropout is on (Megatron's default 0.1 in each model's own config).
+baseline job (four). Dropout is on (Megatron's default 0.1 in each model's own config). The data is
+Megatron's own pipeline: ``GPTDataset`` (through ``BlendedMegatronDatasetBuilder``) over the shipped
+corpus, prepared into indexed ``.bin``/``.idx`` files by ``liver data prepare``.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from pathlib import Path
 
 import pytest
-from live_chain import Chain, Runs, Transition, bit_identical, live_trace, reports_of, run_chain
+from live_chain import (
+    Chain,
+    IndexedCorpus,
+    Runs,
+    Transition,
+    bit_identical,
+    live_trace,
+    reports_of,
+    run_chain,
+)
 from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
 
 from liver.shared.layout import ParallelLayout
@@ -27,13 +40,18 @@ TRANSITIONS = {
     3: Transition("scale-out", ParallelLayout(tp=2, pp=1, dp=2), (0, 1, 4, 5)),
 }
 SWITCHED = tuple(TRANSITIONS)
+CORPUS_TEXT = Path(__file__).parent.parent / "examples" / "data" / "corpus.txt"
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    from liver.worker_runtime.megatron.datasets import prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry_in_subprocess
     from liver.worker_runtime.megatron.source import ModelSource
+
+    prefix = str(tmp_path_factory.mktemp("corpus") / "corpus")
+    prepare_corpus(CORPUS_TEXT, prefix)
 
     provider = UserModel(request.param)
     geometry = derive_geometry_in_subprocess(
@@ -50,6 +68,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         start=ParallelLayout(tp=2, pp=2, dp=1),
         start_processes=(0, 1, 2, 3),
         transitions=TRANSITIONS,
+        corpus=IndexedCorpus(prefix, CONFIG.seq_length, num_samples=400),
     )
     return run_chain(chain, str(tmp_path_factory.mktemp("checkpoints")))
 
@@ -83,3 +102,14 @@ def test_every_rank_reports_the_same_loss_and_the_loss_is_finite(runs: Runs) -> 
         traces = [live_trace(runs, generation, p) for p in TRANSITIONS[generation].processes]
         assert all(t == traces[0] for t in traces), generation
     assert all(math.isfinite(loss) for _, _, loss, _ in runs.live[0]["trace"])
+
+
+def test_every_sample_of_the_data_is_read_once_across_the_switches_as_without_them(runs: Runs) -> None:
+    # One reader per DP replica (TP rank 0 of the first stage); the DP replicas read disjoint slices.
+    read = Counter(index for found in runs.live for _, index in found["samples"])
+    steps = runs.live[0]["trace"][-1][1]
+    without_switches = Counter(range(steps * CONFIG.global_batch_size))  # one world, the same sampler
+    assert read == without_switches
+    for found in runs.live:  # each step reads its own global batch
+        for iteration, index in found["samples"]:
+            assert index // CONFIG.global_batch_size == iteration - 1

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "workers": ("liver.cli.workers_cmd", "run a simulated job of N workers on the bus (no training)"),
     "demo": ("liver.cli.demo_cmd", "live scale-in and scale-out of a tiny Megatron GPT on CPU workers"),
     "sim": ("liver.sim.cli", "simulate a training job under volatile capacity (docs/simulator.md)"),
+    "data": ("liver.cli.data_cmd", "prepare training data in Megatron's indexed format"),
 }
 
 # name -> (module with add_arguments(parser) and run(args), help)

@@ -89,7 +89,7 @@ if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and mar
     from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 
     from liver.worker_runtime.megatron.build import ParallelGroups
-    from liver.worker_runtime.megatron.data import SyntheticCorpus
+    from liver.worker_runtime.megatron.data import Corpus
     from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
@@ -615,7 +615,7 @@ def fall_back_to_checkpoint(
     config: TrainConfig,
     *,
     groups: ParallelGroups,
-    corpus: SyntheticCorpus | None = None,
+    corpus: Corpus | None = None,
     reached_iteration: int | None = None,
 ) -> Fallback:
     """Restart the job on ``layout`` from the last durable checkpoint under ``root`` (invariant I4).

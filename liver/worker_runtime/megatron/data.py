@@ -13,7 +13,7 @@ best achievable loss is about ``log(branching)`` while an untrained model starts
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 import torch
@@ -26,6 +26,27 @@ class Batch(NamedTuple):
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
+
+
+class Corpus(Protocol):
+    """What a trainer reads its data from: micro-batches by data position (``consumed_samples``).
+
+    The synthetic corpus here and Megatron's own ``GPTDataset`` (:class:`.datasets.MegatronCorpus`)
+    both are one; the trainer never asks for more."""
+
+    seq_length: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def micro_batches(
+        self,
+        consumed_samples: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> Iterator[Batch]: ...
 
 
 class CorpusSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -54,6 +75,10 @@ class SyntheticCorpus:
         self._successors = torch.randint(
             spec.vocab_size, (spec.vocab_size, spec.branching), generator=table, dtype=torch.int64
         )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
 
     def sample(self, index: int) -> torch.Tensor:
         """The ``seq_length + 1`` tokens of sample ``index`` (any non-negative integer)."""

@@ -21,7 +21,7 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
-from liver.worker_runtime.megatron.data import SyntheticCorpus
+from liver.worker_runtime.megatron.data import Corpus
 from liver.worker_runtime.megatron.source import ModelSource, as_source
 from liver.worker_runtime.megatron.state import (
     RngState,
@@ -51,7 +51,7 @@ class MegatronJob:
         model: ModelSpec | ModelSource,
         config: TrainConfig,
         *,
-        corpus: SyntheticCorpus | None = None,
+        corpus: Corpus | None = None,
         warmup_steps: int = 1,
     ) -> None:
         if config.use_distributed_optimizer:

@@ -41,7 +41,7 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import ParallelGroups, groups_from_parallel_state
-from liver.worker_runtime.megatron.data import CorpusSpec, SyntheticCorpus
+from liver.worker_runtime.megatron.data import Corpus, CorpusSpec, SyntheticCorpus
 from liver.worker_runtime.megatron.source import ModelSource, as_source
 from liver.worker_runtime.megatron.state import local_state, logical_name
 from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -96,7 +96,7 @@ def build_trainer(
     config: TrainConfig,
     *,
     groups: ParallelGroups | None = None,
-    corpus: SyntheticCorpus | None = None,
+    corpus: Corpus | None = None,
 ) -> MegatronTrainer:
     """Build model, DDP, optimizer and schedule for this rank of ``layout``, and check that its state
     agrees with the view function (not for the distributed optimizer, whose state LiveR cannot map).
@@ -162,9 +162,9 @@ def build_trainer(
     if corpus is None:
         vocab = min(config.corpus_vocab_size, source.vocab_size)
         corpus = SyntheticCorpus(CorpusSpec(vocab_size=vocab, seed=config.corpus_seed), config.seq_length)
-    elif corpus.spec.vocab_size > source.vocab_size or corpus.seq_length != config.seq_length:
+    elif corpus.vocab_size > source.vocab_size or corpus.seq_length != config.seq_length:
         raise ValueError(
-            f"corpus: vocabulary {corpus.spec.vocab_size} / seq_length {corpus.seq_length} do not fit "
+            f"corpus: vocabulary {corpus.vocab_size} / seq_length {corpus.seq_length} do not fit "
             f"the model ({source.vocab_size}) and the config ({config.seq_length})"
         )
     trainer = MegatronTrainer(source, layout, config, groups, model, optimizer, scheduler, corpus)

@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.worker_runtime.megatron.build import ParallelGroups, ensure_global_memory_buffer
-from liver.worker_runtime.megatron.data import Batch, SyntheticCorpus
+from liver.worker_runtime.megatron.data import Batch, Corpus
 from liver.worker_runtime.megatron.source import ModelSource
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
@@ -128,7 +128,7 @@ class MegatronTrainer:
         model: DistributedDataParallel,
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
-        corpus: SyntheticCorpus,
+        corpus: Corpus,
     ) -> None:
         self.source = source
         self.layout = layout
