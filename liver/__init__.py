@@ -27,9 +27,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.worker_runtime.companion.bridge import RuntimeBridge
     from liver.worker_runtime.companion.thread import Companion
     from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
+    from liver.worker_runtime.megatron.datasets import MegatronCorpus, prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry, derive_geometry_in_subprocess
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.source import ModelSource
+    from liver.worker_runtime.megatron.train import TrainerHooks
     from liver.worker_runtime.megatron.train_config import TrainConfig
     from liver.worker_runtime.runtime import (
         AbortReport,
@@ -61,6 +63,9 @@ _LAZY: dict[str, str] = {
     # the Megatron-core job
     "MegatronJob": "liver.worker_runtime.megatron.job",
     "ModelSource": "liver.worker_runtime.megatron.source",
+    "TrainerHooks": "liver.worker_runtime.megatron.train",
+    "MegatronCorpus": "liver.worker_runtime.megatron.datasets",
+    "prepare_corpus": "liver.worker_runtime.megatron.datasets",
     "derive_geometry": "liver.worker_runtime.megatron.geometry",
     "derive_geometry_in_subprocess": "liver.worker_runtime.megatron.geometry",
     "TrainConfig": "liver.worker_runtime.megatron.train_config",
@@ -101,6 +106,7 @@ __all__ = [
     "LayoutError",
     "LiveRuntime",
     "LiverError",
+    "MegatronCorpus",
     "MegatronJob",
     "ModelError",
     "ModelGeometry",
@@ -119,6 +125,7 @@ __all__ = [
     "SwitchReport",
     "TrainConfig",
     "TrainerFactory",
+    "TrainerHooks",
     "WorldConfig",
     "WorldSpec",
     "configure_logging",
@@ -128,6 +135,7 @@ __all__ = [
     "host_store",
     "load_model",
     "plan_resize",
+    "prepare_corpus",
 ]
 
 

@@ -91,6 +91,7 @@ if TYPE_CHECKING:  # Megatron is imported where it is used: the manifest and mar
     from liver.worker_runtime.megatron.build import ParallelGroups
     from liver.worker_runtime.megatron.data import Corpus
     from liver.worker_runtime.megatron.source import ModelSource
+    from liver.worker_runtime.megatron.train import TrainerHooks
     from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
 __all__ = [
@@ -617,6 +618,7 @@ def fall_back_to_checkpoint(
     groups: ParallelGroups,
     corpus: Corpus | None = None,
     reached_iteration: int | None = None,
+    hooks: TrainerHooks | None = None,
 ) -> Fallback:
     """Restart the job on ``layout`` from the last durable checkpoint under ``root`` (invariant I4).
 
@@ -638,7 +640,7 @@ def fall_back_to_checkpoint(
         raise CheckpointError(
             f"reached_iteration: {reached_iteration} is before the latest checkpoint ({manifest.iteration})"
         )
-    trainer = build_trainer(spec, layout, config, groups=groups, corpus=corpus)
+    trainer = build_trainer(spec, layout, config, groups=groups, corpus=corpus, hooks=hooks)
     load_checkpoint(trainer, checkpoint, moved=True)
     seconds = time.perf_counter() - started
     log.warning(

@@ -10,7 +10,8 @@ factory) is read:
   which parameters Megatron stacks per decoder layer (a prepended layer axis);
 * TP2, ranks 0 and 1: each parameter's tensor-parallel rule, from the axis Megatron fragments (0:
   column, 1: row, none: replicated), SwiGLU's factory, and the vocabulary's padded rows;
-* PP2 or PP3, one rank per stage: where each parameter outside the decoder layers lives (first stage,
+* a pipeline of three or more stages (the fewest that split the layers evenly; two for a two-layer
+  model), one rank per stage: where each parameter outside the decoder layers lives (first stage,
   last, both as with tied embeddings, every stage).
 
 Each probe's answer is checked for what the view function assumes (an even split, contiguous boxes in
@@ -274,6 +275,19 @@ def _homes(stages: list[set[tuple[str, int | None]]], ident: tuple[str, int | No
     raise GeometryDerivationError(f"{ident[0]}: held by pipeline stages {held} of {len(stages)}")
 
 
+def _homes_probe(num_layers: int) -> ParallelLayout | None:
+    """A pipeline with a first, a middle and a last stage, split evenly when the layers allow it (a
+    provider that ignores ``layout.stage_layers`` then builds it right); two stages for two layers."""
+    if num_layers < 2:
+        return None
+    if num_layers == 2:
+        return ParallelLayout(tp=1, pp=2, dp=1)
+    even = next((p for p in range(3, num_layers + 1) if num_layers % p == 0), None)
+    if even is not None:
+        return ParallelLayout(tp=1, pp=even, dp=1)
+    return ParallelLayout(tp=1, pp=3, dp=1, stage_layers=(1, num_layers - 2, 1))
+
+
 def _tp_divisors(config: Any) -> tuple[TpDivisor, ...]:
     if config is None:
         return ()
@@ -328,15 +342,12 @@ def derive_geometry(
             f"to a multiple of {make_vocab_size_divisible_by} is {padded(1)}"
         )
     tp2 = [_probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)]
-    pp = min(3, num_layers)
     stages: list[set[tuple[str, int | None]]] = []
-    if pp > 1:
-        even = num_layers % pp == 0
-        layout = ParallelLayout(tp=1, pp=pp, dp=1, stage_layers=None if even else (1, num_layers - 2, 1))
-        for stage in range(pp):
-            stages.append(
-                {p.ident for p in _probe(provider, layout, stage, device).params if p.layer is None}
-            )
+    homes_layout = _homes_probe(num_layers)
+    if homes_layout is not None:
+        for stage in range(homes_layout.pp):
+            probe = _probe(provider, homes_layout, stage, device)
+            stages.append({p.ident for p in probe.params if p.layer is None})
     vocab = None if vocab_size is None else (vocab_size, padded(1) or 0, padded(2) or 0)
 
     runs: list[dict[str, Any]] = []

@@ -34,7 +34,7 @@ from liver.worker_runtime.megatron.state import (
     training_progress,
 )
 from liver.worker_runtime.megatron.streams import resume_streams
-from liver.worker_runtime.megatron.train import build_trainer
+from liver.worker_runtime.megatron.train import TrainerHooks, build_trainer
 from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.megatron.trainer import MegatronTrainer
 from liver.worker_runtime.mock_warmup import WarmupReport, mock_warmup
@@ -53,6 +53,7 @@ class MegatronJob:
         *,
         corpus: Corpus | None = None,
         warmup_steps: int = 1,
+        hooks: TrainerHooks | None = None,
     ) -> None:
         if config.use_distributed_optimizer:
             raise ValueError(
@@ -61,10 +62,17 @@ class MegatronJob:
             )
         if warmup_steps < 1:
             raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
+        user_optimizer = hooks.optimizer_config if hooks is not None else None
+        if user_optimizer is not None and user_optimizer.use_distributed_optimizer:
+            raise ValueError(
+                "hooks.optimizer_config.use_distributed_optimizer: the distributed optimizer is not "
+                "resharded live yet; use the plain optimizer"
+            )
         self.source = as_source(model)
         self.config = config
         self.corpus = corpus
         self.warmup_steps = warmup_steps
+        self.hooks = hooks
 
     @property
     def model(self) -> ModelGeometry:
@@ -73,7 +81,12 @@ class MegatronJob:
 
     def build(self, world: World) -> MegatronTrainer:
         return build_trainer(
-            self.source, world.layout, self.config, groups=groups_from_world(world), corpus=self.corpus
+            self.source,
+            world.layout,
+            self.config,
+            groups=groups_from_world(world),
+            corpus=self.corpus,
+            hooks=self.hooks,
         )
 
     def warm_up(self, layout: ParallelLayout, rank: int) -> WarmupReport:
@@ -87,7 +100,7 @@ class MegatronJob:
 
         def build() -> MegatronTrainer:
             initialize_parallel_state(layout, gloo_groups=False)
-            return build_trainer(self.source, layout, self.config, corpus=self.corpus)
+            return build_trainer(self.source, layout, self.config, corpus=self.corpus, hooks=self.hooks)
 
         return mock_warmup(
             build,
@@ -148,6 +161,7 @@ class MegatronJob:
             groups=groups_from_world(world),
             corpus=self.corpus,
             reached_iteration=reached_iteration,
+            hooks=self.hooks,
         )
         return fallback.trainer, str(fallback.checkpoint)
 

@@ -26,6 +26,10 @@ which gradients are summed), never which samples form it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import structlog
 import torch
 from megatron.core.distributed import (
@@ -47,12 +51,27 @@ from liver.worker_runtime.megatron.state import local_state, logical_name
 from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.megatron.trainer import MegatronTrainer
 
-__all__ = ["build_trainer", "zero_vocab_padding"]
+__all__ = ["TrainerHooks", "build_trainer", "zero_vocab_padding"]
 
 log = structlog.get_logger(__name__)
 
 
 # --------------------------------------------------------------------------- building
+
+
+@dataclass(frozen=True)
+class TrainerHooks:
+    """The user's own pieces of a Megatron training script, used for every world the job trains in.
+
+    ``optimizer_config``: Megatron's ``OptimizerConfig`` as the user passes it to
+    ``get_megatron_optimizer`` (otherwise Adam from the :class:`TrainConfig`); its precision must be
+    the model's. ``scheduler``: ``(optimizer) -> OptimizerParamScheduler``, the user's own schedule
+    (otherwise the :class:`TrainConfig`'s); it is rebuilt for each world and its state carried across
+    the switch, so it must be the same function every time.
+    """
+
+    optimizer_config: OptimizerConfig | None = None
+    scheduler: Callable[[Any], OptimizerParamScheduler] | None = None
 
 
 def _optimizer_config(model: torch.nn.Module, config: TrainConfig) -> OptimizerConfig:
@@ -97,6 +116,7 @@ def build_trainer(
     *,
     groups: ParallelGroups | None = None,
     corpus: Corpus | None = None,
+    hooks: TrainerHooks | None = None,
 ) -> MegatronTrainer:
     """Build model, DDP, optimizer and schedule for this rank of ``layout``, and check that its state
     agrees with the view function (not for the distributed optimizer, whose state LiveR cannot map).
@@ -135,23 +155,39 @@ def build_trainer(
     model = DistributedDataParallel(
         config=gpt.config, ddp_config=ddp_config, module=gpt, pg_collection=collection
     )
+    hooks = hooks or TrainerHooks()
+    opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
+    if opt_config.use_distributed_optimizer != config.use_distributed_optimizer:
+        raise ValueError(
+            "optimizer_config.use_distributed_optimizer must match the TrainConfig's (the gradient "
+            "buffers are laid out for one or the other)"
+        )
+    if (opt_config.bf16, opt_config.fp16) != (gpt.config.bf16, gpt.config.fp16):
+        raise ValueError(
+            f"optimizer_config: bf16={opt_config.bf16}, fp16={opt_config.fp16}, but the model is built "
+            f"with bf16={gpt.config.bf16}, fp16={gpt.config.fp16}"
+        )
     optimizer = get_megatron_optimizer(
-        _optimizer_config(gpt, config), [model], use_gloo_process_groups=False, pg_collection=collection
+        opt_config, [model], use_gloo_process_groups=False, pg_collection=collection
     )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=config.lr,
-        min_lr=config.min_lr,
-        lr_warmup_steps=config.lr_warmup_iters * config.global_batch_size,
-        lr_decay_steps=config.lr_decay_iters * config.global_batch_size,
-        lr_decay_style=config.lr_decay_style,
-        start_wd=config.weight_decay,
-        end_wd=config.weight_decay,
-        wd_incr_steps=config.lr_decay_iters * config.global_batch_size,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
+    scheduler = (
+        hooks.scheduler(optimizer)
+        if hooks.scheduler is not None
+        else OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0,
+            max_lr=config.lr,
+            min_lr=config.min_lr,
+            lr_warmup_steps=config.lr_warmup_iters * config.global_batch_size,
+            lr_decay_steps=config.lr_decay_iters * config.global_batch_size,
+            lr_decay_style=config.lr_decay_style,
+            start_wd=config.weight_decay,
+            end_wd=config.weight_decay,
+            wd_incr_steps=config.lr_decay_iters * config.global_batch_size,
+            wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=False,
+        )
     )
     tconfig = gpt.config
     tconfig.grad_scale_func = optimizer.scale_loss

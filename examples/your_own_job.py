@@ -1,0 +1,178 @@
+"""Your own Megatron-core job, resharded live: your model provider and TransformerConfig, your
+OptimizerConfig and LR schedule, Megatron's indexed datasets. The LiveR lines are marked ``# LiveR``.
+
+    liver data prepare --input examples/data/corpus.txt --output-prefix /tmp/liver-data/corpus
+    torchrun --nproc-per-node 4 examples/your_own_job.py --data /tmp/liver-data/corpus --tp 2 --pp 2 \
+        --reshard-at 4 --reshard-to 2,1,1
+
+The model is not one of LiveR's presets: a GPT with QK-layernorm attention (RMSNorm on queries and
+keys), SwiGLU and grouped-query attention, built by the provider below exactly as a Megatron-core
+training script builds its model, except that it is handed the layout and the world's process groups
+(LiveR builds it again for every world the job moves to). LiveR learns the model's shard geometry from
+Megatron's own ``sharded_state_dict()``. With ``--reshard-at N --reshard-to TP,PP,DP`` the job moves live
+after step N to that layout on the first ``TP*PP*DP`` processes (the others stream their state out and
+exit); here every process plans the move itself, in a deployment the coordinator does and each
+process's bus companion hands in its slice of the plan. ``--json`` prints JSON lines. Runs on CPU
+(gloo) as on GPUs (NCCL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from liver import (  # LiveR
+    LiveRuntime,
+    MegatronCorpus,
+    MegatronJob,
+    ModelSource,
+    ParallelLayout,
+    Placement,
+    StoreAddress,
+    TrainConfig,
+    TrainerHooks,
+    WorldConfig,
+    WorldSpec,
+    configure_logging,
+    derive_geometry,
+    grid_devices,
+    host_store,
+    plan_resize,
+)
+
+NUM_LAYERS, VOCAB_SIZE, DIVISIBLE_BY, MAX_SEQUENCE = 4, 258, 16, 64  # the byte tokenizer's vocabulary
+LR, STEPS = 3e-3, 20
+
+
+def padded_vocab_size(tp: int) -> int:
+    multiple = DIVISIBLE_BY * tp
+    return -(-VOCAB_SIZE // multiple) * multiple
+
+
+def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
+    """Your model provider: this rank's part of the model at ``layout`` on the given process groups."""
+    config = TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        vocab_size=padded_vocab_size(layout.tp),
+        max_sequence_length=MAX_SEQUENCE,
+        pre_process=pg_collection.pp.rank() == 0,
+        post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        pg_collection=pg_collection,
+    )
+
+
+def optimizer_config() -> OptimizerConfig:
+    return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.01, clip_grad=1.0)
+
+
+def lr_schedule(optimizer: Any) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=LR,
+        min_lr=LR / 10,
+        lr_warmup_steps=2 * 8,  # Megatron counts samples: 2 iterations of the global batch of 8
+        lr_decay_steps=STEPS * 8,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=STEPS * 8,
+        wd_incr_style="constant",
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", required=True, help="the indexed dataset's prefix (liver data prepare)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--reshard-at", type=int, default=None)
+    parser.add_argument("--reshard-to", default=None, help="TP,PP,DP")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if (args.reshard_at is None) != (args.reshard_to is None):
+        parser.error("--reshard-at and --reshard-to go together")
+    configure_logging(level="WARNING")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    devices = grid_devices(1, world)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp))
+    address = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    _hosted = host_store(address.host, address.port) if rank == 0 and not _agent_store() else None
+
+    geometry = derive_geometry(  # LiveR: the shard geometry, from sharded_state_dict() (before any world)
+        model_provider,
+        name="qk-norm-gpt",
+        num_layers=NUM_LAYERS,
+        vocab_size=VOCAB_SIZE,
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
+    )
+    train = TrainConfig(global_batch_size=8, micro_batch_size=2, seq_length=32)
+    corpus = MegatronCorpus([args.data], seq_length=train.seq_length, num_samples=args.steps * 8)
+    job = MegatronJob(  # LiveR: your model, data, optimizer and schedule, rebuilt for every world
+        ModelSource.from_provider(model_provider, geometry, max_sequence_length=MAX_SEQUENCE),
+        train,
+        corpus=corpus,
+        hooks=TrainerHooks(optimizer_config=optimizer_config(), scheduler=lr_schedule),
+    )
+    start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
+    runtime = LiveRuntime(job, job="your-job", device=devices[rank], store=address, initial=start)  # LiveR
+
+    trainer = runtime.step()  # LiveR: the trainer of the world this process is in (None: it left)
+    while trainer is not None and trainer.iteration < args.steps:
+        if trainer.iteration == args.reshard_at and runtime.generation == 0:  # LiveR: move live
+            target = ParallelLayout.parse(args.reshard_to)
+            new_devices = devices[: target.world_size]
+            plan = plan_resize(geometry, WorldConfig(layout, start.placement), target, new_devices).plan
+            runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
+        result = trainer.train_step()
+        if runtime.world is not None and runtime.world.rank == 0:
+            described = runtime.world.layout.describe()
+            if args.json:
+                print(json.dumps({"layout": described, **result._asdict()}), flush=True)
+            else:
+                print(f"step {result.iteration:3d}  loss {result.loss:.4f}  [{described}]", flush=True)
+        trainer = runtime.step()  # LiveR: switches at the agreed iteration boundary
+    runtime.close()
+    return 0
+
+
+def _agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
