@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("liver.cli.demo_cmd", "live scale-in and scale-out of a tiny Megatron GPT on CPU workers"),
     "sim": ("liver.sim.cli", "simulate a training job under volatile capacity (docs/simulator.md)"),
     "data": ("liver.cli.data_cmd", "prepare training data in Megatron's indexed format"),
+    "geometry": ("liver.cli.geometry_cmd", "derive a Megatron-core model's shard geometry from its provider"),
 }
 
 # name -> (module with add_arguments(parser) and run(args), help)

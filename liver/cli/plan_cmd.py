@@ -10,7 +10,7 @@ import msgspec
 
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, plan_resize
 from liver.shared.layout import Device, ParallelLayout, Placement, default_devices, parse_devices
-from liver.shared.model import load_model
+from liver.shared.model import load_model_or_geometry
 from liver.shared.plan import WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import write_plan
@@ -83,7 +83,9 @@ def parse_lost(text: str, old_devices: tuple[Device, ...]) -> tuple[Device, ...]
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan the state transfer of one resize and print its summary")
     p.add_argument(
-        "--model", required=True, help="a preset (gpt3-175b, llama3-8b, ...) or a model .json file"
+        "--model",
+        required=True,
+        help="a preset (gpt3-175b, llama3-8b, ...), a ModelSpec .json or a geometry .json (liver geometry)",
     )
     p.add_argument("--from", dest="old", required=True, type=layout_arg, metavar="TP,PP,DP")
     p.add_argument("--to", dest="new", required=True, type=layout_arg, metavar="TP,PP,DP")
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--per-node must be at least 1")
     if args.budget_mib <= 0:
         raise ValueError("--budget-mib must be positive")
-    model = load_model(args.model)
+    model = load_model_or_geometry(args.model)
     model.check_layout(args.old)
     model.check_layout(args.new)
     old_devices = default_devices(args.old.world_size, args.per_node)

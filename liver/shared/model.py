@@ -324,3 +324,25 @@ def load_model(preset_or_path: str) -> ModelSpec:
 def as_geometry(model: ModelSpec | ModelGeometry) -> ModelGeometry:
     """The geometry the planners consume, from either a model description or a geometry."""
     return model.geometry() if isinstance(model, ModelSpec) else model
+
+
+def load_model_or_geometry(preset_or_path: str) -> ModelSpec | ModelGeometry:
+    """A preset, a ``.json`` ``ModelSpec``, or a ``.json`` ``ModelGeometry`` (``liver geometry`` writes
+    one for a user's own model; it has ``parameters``). Errors name the file and the bad field."""
+    if preset_or_path in PRESETS or not preset_or_path.endswith(".json"):
+        return load_model(preset_or_path)
+    try:
+        with open(preset_or_path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ModelError(f"cannot read model file {preset_or_path}: {exc.strerror}") from None
+    try:
+        fields = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ModelError(f"model file {preset_or_path}: not valid JSON ({exc})") from None
+    if not (isinstance(fields, dict) and "parameters" in fields):
+        return load_model(preset_or_path)
+    try:
+        return msgspec.json.decode(data, type=ModelGeometry, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ModelError(f"geometry file {preset_or_path}: {exc}") from None
