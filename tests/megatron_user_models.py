@@ -7,6 +7,9 @@ They differ from LiveR's presets where a real model would:
 * ``qk-layernorm``: RMSNorm on queries and keys (OLMo 2, Gemma-style attention), SwiGLU, untied;
 * ``qkv-bias``: biases on the QKV projection only (Qwen-style), GeLU, tied embeddings;
 * ``value-head``: a GPT with an extra tensor-parallel head on the last stage (a reward or value model).
+
+Two more for the derivation's edges: ``tp1-only`` (its provider refuses any TP above 1) and
+``broken`` (a provider that raises).
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ class UserModel:
             return TransformerConfig(**common, ffn_hidden_size=256, add_bias_linear=False, add_qkv_bias=True)
         if self.kind == "value-head":
             return TransformerConfig(**common, ffn_hidden_size=256)
+        if self.kind == "tp1-only":  # as a model Megatron refuses to split (its check, not ours)
+            if layout.tp > 1:
+                raise ValueError(f"this model cannot be split over tp={layout.tp}")
+            return TransformerConfig(**common, ffn_hidden_size=256)
+        if self.kind == "broken":
+            raise RuntimeError("the provider's own bug")
         raise ValueError(f"unknown kind {self.kind!r}")
 
     def __call__(self, layout: ParallelLayout, pg_collection: Any) -> Any:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -123,6 +126,7 @@ def test_sixteen_bit_parameters_carry_an_fp32_master_and_fp32_ones_do_not() -> N
         ({"parameters": (param("w", (3, 4), "swiglu"),)}, "shape"),
         ({"parameters": (param("w", (99, 4), "vocab"),)}, "shape"),
         ({"vocab_size": None}, "rule"),
+        ({"num_layers": 4}, "num_layers"),
     ],
 )
 def test_a_geometry_no_model_could_have_is_refused_naming_the_field(change: dict, field: str) -> None:
@@ -167,14 +171,27 @@ def test_a_model_no_modelspec_describes_is_planned_and_verified() -> None:
     assert decode_plan(encode_plan(plan)) == plan
 
 
-def test_a_version_1_plan_file_with_a_modelspec_is_still_read() -> None:
-    plan = build_plan(
-        TINY, world(ParallelLayout(tp=2, pp=1, dp=1)), world(ParallelLayout(tp=1, pp=2, dp=1), 2)
-    )
-    data = msgspec.json.decode(encode_plan(plan))
-    data["schema_version"] = 1
-    data["model"] = msgspec.to_builtins(TINY)
-    assert decode_plan(msgspec.json.encode(data)) == plan
+def test_a_version_1_plan_file_written_before_the_geometry_is_still_read_and_moves_the_same_bytes() -> None:
+    # Written by `liver plan --model tiny-gpt --from 2,1,1 --to 1,2,1 --per-node 2 --budget-mib 0.05 --out`
+    # at c928365: a ModelSpec as the model, tensors in the order of that time (linear_qkv first).
+    data = (Path(__file__).parent / "data" / "plan-v1-tiny-gpt.json").read_bytes()
+    old = msgspec.json.decode(data)
+    plan = decode_plan(data)
+    assert plan.schema_version == 2 and plan.model == TINY.geometry()
+    assert verify_plan(plan).ok
+    assert [t.name for t in plan.tensors] != [t["name"] for t in old["tensors"]], "the order did change"
+    moved_before = {
+        (t[0], t[1], t[2], t[3], old["tensors"][ti]["name"], json.dumps(box))
+        for t in old["tasks"]
+        for ti, box in t[5]
+    }
+    moved_now = {
+        (t.layer, t.round, t.src, t.dst, plan.tensors[ti].name, json.dumps([list(b) for b in box]))
+        for t in plan.tasks
+        for ti, box in t.slices
+    }
+    assert moved_now == moved_before
+    assert decode_plan(encode_plan(plan)) == plan
 
 
 def test_a_plan_file_of_an_unknown_version_is_refused() -> None:

@@ -57,7 +57,7 @@ def child_main(results: Any) -> None:
         import torch
 
         from liver.worker_runtime.megatron.build import SpecProvider
-        from liver.worker_runtime.megatron.geometry import derive_geometry
+        from liver.worker_runtime.megatron.geometry import GeometryDerivationError, derive_geometry
 
         torch.set_num_threads(1)
         out: dict[str, Any] = {"presets": {}, "users": {}, "checked": {}, "wrong": None}
@@ -85,6 +85,25 @@ def child_main(results: Any) -> None:
                 except LayoutError:
                     continue
                 out["checked"][(kind, layout.describe())] = _emulated_mismatches(provider, geometry, layout)
+        out["tp1"] = derive_geometry(
+            UserModel("tp1-only"),
+            name="tp1-only",
+            num_layers=NUM_LAYERS,
+            vocab_size=VOCAB_SIZE,
+            make_vocab_size_divisible_by=DIVISIBLE_BY,
+        )
+        out["refusals"] = {}
+        for case, kwargs in {
+            "num_layers": {"provider": UserModel("qkv-bias"), "num_layers": NUM_LAYERS + 1},
+            "vocab_size": {"provider": UserModel("qkv-bias"), "num_layers": NUM_LAYERS, "vocab_size": None},
+            "provider": {"provider": UserModel("broken"), "num_layers": NUM_LAYERS},
+        }.items():
+            settings = {"name": case, "vocab_size": VOCAB_SIZE, "make_vocab_size_divisible_by": DIVISIBLE_BY}
+            try:
+                derive_geometry(**(settings | kwargs))
+                out["refusals"][case] = None
+            except GeometryDerivationError as exc:
+                out["refusals"][case] = str(exc)
         # A plan made for another model: the tied GPT's geometry against the QK-norm model.
         layout = ParallelLayout(tp=2, pp=1, dp=1)
         out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
@@ -172,3 +191,24 @@ def test_a_user_model_is_planned_and_verified_across_tp_pp_and_dp(found: dict[st
         )
         assert verify_plan(plan).ok, (kind, old, new)
         assert plan.model == geometry
+
+
+def test_a_model_that_cannot_be_built_at_tp2_gets_a_geometry_that_refuses_tp2(found: dict[str, Any]) -> None:
+    tp1: ModelGeometry = found["tp1"]
+    tp1.check_layout(ParallelLayout(tp=1, pp=2, dp=2))
+    with pytest.raises(LayoutError, match="tp=2"):
+        tp1.check_layout(ParallelLayout(tp=2, pp=1, dp=1))
+    rules = {p.name: p.rule for p in tp1.parameters}
+    assert rules["embedding.word_embeddings.weight"] == "vocab"
+    assert rules["decoder.layers.{layer}.self_attention.linear_qkv.weight"] == "replicated"
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [("num_layers", "num_layers"), ("vocab_size", "--vocab-size"), ("provider", "the provider's own bug")],
+)
+def test_a_derivation_that_cannot_be_right_is_refused_naming_why(
+    found: dict[str, Any], case: str, named: str
+) -> None:
+    reason = found["refusals"][case]
+    assert reason is not None and named in reason

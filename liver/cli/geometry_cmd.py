@@ -42,12 +42,14 @@ def load_provider(reference: str) -> Any:
             if spec is None or spec.loader is None or not path.is_file():
                 raise InputError(f"--provider: no such file {where}")
             module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module  # so that a spawned interpreter can find the function
+            sys.modules[spec.name] = module
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except ImportError as exc:
-        raise InputError(f"--provider: cannot import {where}: {exc}") from None
+    except InputError:
+        raise
+    except Exception as exc:  # the user's file: a syntax error, an import that fails, ...
+        raise InputError(f"--provider: cannot import {where}: {type(exc).__name__}: {exc}") from None
     provider = getattr(module, name, None)
     if not callable(provider):
         raise InputError(f"--provider: {where} has no function {name!r}")

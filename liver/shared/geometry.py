@@ -130,12 +130,20 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                 f"schema_version: {self.schema_version} is not supported (expected {GEOMETRY_SCHEMA_VERSION})"
             )
         seen: set[str] = set()
+        layers: set[int] = set()
         for i, p in enumerate(self.parameters):
             _check_param(p, f"parameters[{i}]", self)
-            for _, name in p.names():
+            for layer, name in p.names():
                 if name in seen:
                     raise GeometryError(f"parameters[{i}].name: {name!r} is listed twice")
                 seen.add(name)
+                if layer is not None:
+                    layers.add(layer)
+        missing = sorted(set(range(self.num_layers)) - layers)
+        if layers and missing:
+            raise GeometryError(
+                f"num_layers: {self.num_layers}, but no parameter belongs to decoder layer {missing[0]}"
+            )
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's padded vocabulary at tensor parallelism ``tp``."""

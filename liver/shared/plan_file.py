@@ -61,6 +61,50 @@ class _Version(msgspec.Struct):
     schema_version: int
 
 
+def _upgrade(old: _PlanFileV1, source: str) -> PlanFile:
+    """A version 1 file as version 2: the model becomes its geometry, and since the geometry lists
+    tensors in Megatron's module order (version 1 had ``linear_qkv`` before ``linear_proj``), every
+    tensor index in the shards and tasks is renumbered by name. Slice order within a task, which is
+    the order of the bytes in its message, is kept."""
+    geometry = old.model.geometry()
+    tensors = geometry.tensors(optimizer=any(t.role != "param" for t in old.tensors))
+    index = {t.name: i for i, t in enumerate(tensors)}
+    if sorted(index) != sorted(t.name for t in old.tensors):
+        raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
+    remap = [index[t.name] for t in old.tensors]
+    if any(tensors[remap[i]] != t for i, t in enumerate(old.tensors)):
+        raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
+
+    def world(entry: WorldEntry, name: str) -> WorldEntry:
+        ranks = []
+        for r in entry.ranks:
+            shards = []
+            for k, e in enumerate(r.shards):
+                if not 0 <= e.tensor < len(remap):
+                    raise PlanFileError(
+                        f"{source}: $.{name}.ranks[{r.rank}].shards[{k}]: no tensor {e.tensor}"
+                    )
+                shards.append(ShardEntry(remap[e.tensor], e.box, e.local_shape))
+            ranks.append(RankEntry(r.rank, r.device, tuple(sorted(shards, key=lambda e: e.tensor))))
+        return WorldEntry(entry.layout, tuple(ranks))
+
+    tasks = []
+    for k, task in enumerate(old.tasks):
+        if any(not 0 <= ti < len(remap) for ti, _ in task.slices):
+            raise PlanFileError(f"{source}: $.tasks[{k}].slices name a tensor the plan does not have")
+        slices = tuple((remap[ti], box) for ti, box in task.slices)
+        tasks.append(msgspec.structs.replace(task, slices=slices))
+    return PlanFile(
+        schema_version=PLAN_SCHEMA_VERSION,
+        model=geometry,
+        budget_bytes=old.budget_bytes,
+        tensors=tensors,
+        old=world(old.old, "old"),
+        new=world(old.new, "new"),
+        tasks=tuple(tasks),
+    )
+
+
 def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
     # A shard depends on the rank's TP and PP coordinates only (DP replicas hold the same state), so
     # each distinct (tp, pp) is computed once: a 1,024-rank world at DP 512 has two, not 1,024.
@@ -107,16 +151,7 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
                 f"{source}: schema_version {version} is not supported (expected 1 or {PLAN_SCHEMA_VERSION})"
             )
         if version == 1:
-            old = msgspec.json.decode(data, type=_PlanFileV1, strict=True)
-            f = PlanFile(
-                schema_version=PLAN_SCHEMA_VERSION,
-                model=old.model.geometry(),
-                budget_bytes=old.budget_bytes,
-                tensors=old.tensors,
-                old=old.old,
-                new=old.new,
-                tasks=old.tasks,
-            )
+            f = _upgrade(msgspec.json.decode(data, type=_PlanFileV1, strict=True), source)
         else:
             f = msgspec.json.decode(data, type=PlanFile, strict=True)
     except msgspec.ValidationError as exc:

@@ -27,13 +27,16 @@ fresh interpreter for one.
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import re
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 import torch.distributed as dist
@@ -63,6 +66,10 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 class GeometryDerivationError(InputError):
     """Megatron describes a parameter in a way the view function cannot follow (named in the message)."""
+
+
+class ProbeBuildError(GeometryDerivationError):
+    """The provider could not build the model at a probe layout (the layout is named)."""
 
 
 @dataclass(frozen=True)
@@ -133,11 +140,18 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
 
     with _fake_world(layout, rank):
         collection = groups_from_parallel_state(layout).collection()
-        with torch.device(device):
-            model = provider(layout, collection)
+        try:
+            with torch.device(device):
+                model = provider(layout, collection)
+            state = model.sharded_state_dict()
+        except Exception as exc:  # the user's code: reported with the probe it failed at
+            raise ProbeBuildError(
+                f"the provider failed to build rank {rank} of {layout.describe()}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         names = {id(p): n for n, p in model.named_parameters()}
         out: dict[int, _Param] = {}
-        for value in nested_values(model.sharded_state_dict()):
+        for value in nested_values(state):
             if isinstance(value, ShardedObject):
                 continue
             if not isinstance(value, (ShardedTensor, ShardedTensorFactory)):
@@ -275,6 +289,17 @@ def _homes(stages: list[set[tuple[str, int | None]]], ident: tuple[str, int | No
     raise GeometryDerivationError(f"{ident[0]}: held by pipeline stages {held} of {len(stages)}")
 
 
+def _tp1_rule(base: _Param, vocab: tuple[int, int, int] | None) -> tuple[Rule, tuple[int, ...]]:
+    """For a model that cannot be built at TP2 (so every layout has TP1): each tensor whole, but the
+    vocabulary, whose local rows stay padded."""
+    if base.factory:
+        rows, *rest = base.shape
+        return "swiglu", (2, rows // 2, *rest)
+    if vocab is not None and base.layer is None and base.shape and base.shape[0] == vocab[1]:
+        return "vocab", (vocab[0], *base.shape[1:])
+    return "replicated", base.shape
+
+
 def _homes_probe(num_layers: int) -> ParallelLayout | None:
     """A pipeline with a first, a middle and a last stage, split evenly when the layers allow it (a
     provider that ignores ``layout.stage_layers`` then builds it right); two stages for two layers."""
@@ -282,7 +307,7 @@ def _homes_probe(num_layers: int) -> ParallelLayout | None:
         return None
     if num_layers == 2:
         return ParallelLayout(tp=1, pp=2, dp=1)
-    even = next((p for p in range(3, num_layers + 1) if num_layers % p == 0), None)
+    even = next((p for p in range(3, min(num_layers, 8) + 1) if num_layers % p == 0), None)
     if even is not None:
         return ParallelLayout(tp=1, pp=even, dp=1)
     return ParallelLayout(tp=1, pp=3, dp=1, stage_layers=(1, num_layers - 2, 1))
@@ -328,6 +353,14 @@ def derive_geometry(
         )
     if num_layers < 1:
         raise GeometryDerivationError(f"num_layers must be at least 1, got {num_layers}")
+    if make_vocab_size_divisible_by < 1:
+        raise GeometryDerivationError(
+            f"make_vocab_size_divisible_by must be at least 1, got {make_vocab_size_divisible_by}"
+        )
+    if vocab_size is not None and vocab_size < 1:
+        raise GeometryDerivationError(f"vocab_size must be at least 1, got {vocab_size}")
+    if not name:
+        raise GeometryDerivationError("name: give the model a name")
 
     def padded(tp: int) -> int | None:
         if vocab_size is None:
@@ -336,12 +369,34 @@ def derive_geometry(
         return -(-vocab_size // multiple) * multiple
 
     base = _probe(provider, ParallelLayout(tp=1, pp=1, dp=1), 0, device)
+    built_layers = getattr(base.config, "num_layers", None)
+    stacked = {p.layer for p in base.params if p.layer is not None}
+    if isinstance(built_layers, int) and built_layers != num_layers:
+        raise GeometryDerivationError(
+            f"num_layers: {num_layers}, but the provider's TransformerConfig builds {built_layers} layers"
+        )
+    if stacked and stacked != set(range(num_layers)):
+        raise GeometryDerivationError(
+            f"num_layers: {num_layers}, but Megatron stacks parameters of decoder layers "
+            f"{min(stacked)}..{max(stacked)}"
+        )
+    if base.vocab_rows is not None and vocab_size is None:
+        raise GeometryDerivationError(
+            f"vocab_size: the model has a vocabulary ({base.vocab_rows} padded rows at TP1); give the "
+            "tokenizer's real size (--vocab-size), which Megatron does not know"
+        )
     if base.vocab_rows is not None and padded(1) is not None and base.vocab_rows != padded(1):
         raise GeometryDerivationError(
             f"the model's vocabulary is {base.vocab_rows} rows at TP1, but vocab_size={vocab_size} padded "
             f"to a multiple of {make_vocab_size_divisible_by} is {padded(1)}"
         )
-    tp2 = [_probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)]
+    try:
+        tp2: list[dict[tuple[str, int | None], _Param]] | None = [
+            _probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)
+        ]
+    except ProbeBuildError as exc:  # e.g. one query group: Megatron allows no tensor parallelism at all
+        log.info("geometry.tp1_only", model=name, reason=str(exc))
+        tp2 = None
     stages: list[set[tuple[str, int | None]]] = []
     homes_layout = _homes_probe(num_layers)
     if homes_layout is not None:
@@ -353,10 +408,13 @@ def derive_geometry(
     runs: list[dict[str, Any]] = []
     params: list[ParamGeometry | int] = []  # an int: the index of a run, placed where it first appears
     for p in base.params:
-        pair = tuple(r.get(p.ident) for r in tp2)
-        if None in pair:
-            raise GeometryDerivationError(f"{p.name}: not on both TP ranks of TP2")
-        rule, shape = _rule(p, pair, vocab)  # type: ignore[arg-type]
+        if tp2 is None:
+            rule, shape = _tp1_rule(p, vocab)
+        else:
+            pair = tuple(r.get(p.ident) for r in tp2)
+            if None in pair:
+                raise GeometryDerivationError(f"{p.name}: not on both TP ranks of TP2")
+            rule, shape = _rule(p, pair, vocab if p.layer is None else None)  # type: ignore[arg-type]
         if p.layer is not None:
             match = _LAYER_NAME.match(p.name)
             if match is None or int(match.group(1)) != p.layer:
@@ -401,8 +459,9 @@ def derive_geometry(
         parameters=tuple(out),
         vocab_size=vocab_size if any(p.rule == "vocab" for p in out) else None,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        tp_divisible=_tp_divisors(base.config),
+        tp_divisible=_tp_divisors(base.config) if tp2 is not None else (TpDivisor("tensor parallelism", 1),),
     )
+    geometry = msgspec.convert(msgspec.to_builtins(geometry), ModelGeometry)  # the wire's field limits too
     log.info("geometry.derived", model=name, parameters=len(out), digest=geometry.digest())
     return geometry
 
@@ -427,12 +486,22 @@ def derive_geometry_in_subprocess(
     results = ctx.Queue()
     child = ctx.Process(target=_child, args=(provider, kwargs, results), daemon=True)
     child.start()
+    deadline = time.monotonic() + timeout_s
     try:
-        geometry, error = results.get(timeout=timeout_s)
-    except Exception:
-        raise GeometryDerivationError(
-            f"deriving the geometry took more than {timeout_s} s (child exit code {child.exitcode})"
-        ) from None
+        while True:
+            try:
+                geometry, error = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not child.is_alive():
+                    raise GeometryDerivationError(
+                        f"the interpreter deriving the geometry exited with code {child.exitcode} before "
+                        "answering (is the provider importable by name there?)"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise GeometryDerivationError(
+                        f"deriving the geometry took more than {timeout_s} s"
+                    ) from None
     finally:
         child.join(timeout=30)
         if child.is_alive():

@@ -157,6 +157,11 @@ def build_trainer(
     )
     hooks = hooks or TrainerHooks()
     opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
+    if opt_config.optimizer != "adam":
+        raise ValueError(
+            f"optimizer_config.optimizer: {opt_config.optimizer!r}; LiveR moves Adam's state (two moments "
+            "and a step per parameter), so only 'adam' reshards live"
+        )
     if opt_config.use_distributed_optimizer != config.use_distributed_optimizer:
         raise ValueError(
             "optimizer_config.use_distributed_optimizer must match the TrainConfig's (the gradient "
