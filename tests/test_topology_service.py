@@ -33,6 +33,7 @@ from liver.services.transfer.core import plan_transfer, planning_failed
 from liver.services.transfer.planner import NoSurvivingSource
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
+from liver.shared.geometry import TpDivisor
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import PlanningFailed, TopologyPlanned, TopologyRequest
 from liver.shared.model import PRESETS
@@ -407,8 +408,25 @@ async def test_a_request_on_another_jobs_subject_is_rejected_naming_the_job(rig:
 
 
 def test_the_jobs_own_geometry_decides_which_layouts_suit_it_and_is_what_the_plan_moves() -> None:
-    # The job's own model has three decoder layers (the configured preset, which sizes memory and cost,
-    # has four): no even two-stage pipeline suits it.
+    # The job's own model splits its heads at most two ways (the configured preset allows four), and
+    # this cluster's nodes are large enough for TP4.
+    own = msgspec.structs.replace(
+        MODEL.geometry(), name="own-model", tp_divisible=(TpDivisor("num_attention_heads", 2),)
+    )
+    one_node = grid_devices(1, 4)
+    request = ask(layout=ParallelLayout(tp=2, pp=1, dp=2), placement=Placement(one_node), remove=())
+    plain = answer(request, PROFILE, SETTINGS, NOW).message
+    planned = answer(msgspec.structs.replace(request, geometry=own), PROFILE, SETTINGS, NOW).message
+    assert isinstance(plain, TopologyPlanned) and isinstance(planned, TopologyPlanned)
+    assert any(c.layout.tp == 4 and c.fits for c in plain.candidates)
+    assert all(c.layout.tp <= 2 for c in planned.candidates if c.fits)
+    assert any("the job's model" in c.note for c in planned.candidates if c.layout.tp == 4)
+    assert planned.model == own
+    transfer = plan_transfer(planned, budget_bytes=1 << 20)
+    assert transfer.plan.model == own and verify_plan(transfer.plan).ok
+
+
+def test_a_job_model_deeper_or_shallower_than_the_configured_one_fails_planning_naming_both() -> None:
     preset = MODEL.geometry()
     own = msgspec.structs.replace(
         preset,
@@ -418,12 +436,6 @@ def test_the_jobs_own_geometry_decides_which_layouts_suit_it_and_is_what_the_pla
             msgspec.structs.replace(p, layers=(0, 3)) if p.layers else p for p in preset.parameters
         ),
     )
-    plain = answer(ask(remove=()), PROFILE, SETTINGS, NOW).message
-    planned = answer(ask(remove=(), geometry=own), PROFILE, SETTINGS, NOW).message
-    assert isinstance(plain, TopologyPlanned) and isinstance(planned, TopologyPlanned)
-    assert any(c.layout.pp == 2 and c.fits for c in plain.candidates)
-    assert all(c.layout.pp == 1 for c in planned.candidates if c.fits)
-    assert any("the job's model" in c.note for c in planned.candidates if c.layout.pp == 2)
-    assert planned.model == own
-    transfer = plan_transfer(planned, budget_bytes=1 << 20)
-    assert transfer.plan.model == own and verify_plan(transfer.plan).ok
+    failed = answer(ask(geometry=own), PROFILE, SETTINGS, NOW).message
+    assert isinstance(failed, PlanningFailed)
+    assert "3 decoder layers" in failed.reason and "4" in failed.reason

@@ -91,6 +91,17 @@ def answer(
             failed(request, f"the request's deadline {request.deadline.isoformat()} passed before planning"),
             None,
         )
+    own = request.geometry
+    if own is not None and own.num_layers != profile.model.num_layers:
+        return Answer(
+            failed(
+                request,
+                f"the job's model {own.name!r} has {own.num_layers} decoder layers, the model configured "
+                f"for its memory and cost estimates ({profile.model.name!r}) {profile.model.num_layers}: "
+                "configure a model of the same depth for this job",
+            ),
+            None,
+        )
     notes: list[str] = []
     hardware = profile.hardware
     if request.device_memory_bytes is not None and request.device_memory_bytes != hardware.memory_bytes:
