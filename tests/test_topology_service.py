@@ -33,7 +33,7 @@ from liver.services.transfer.core import plan_transfer, planning_failed
 from liver.services.transfer.planner import NoSurvivingSource
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
-from liver.shared.geometry import TpDivisor
+from liver.shared.geometry import ParamGeometry, TpDivisor
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import PlanningFailed, TopologyPlanned, TopologyRequest
 from liver.shared.model import PRESETS
@@ -439,3 +439,20 @@ def test_a_job_model_deeper_or_shallower_than_the_configured_one_fails_planning_
     failed = answer(ask(geometry=own), PROFILE, SETTINGS, NOW).message
     assert isinstance(failed, PlanningFailed)
     assert "3 decoder layers" in failed.reason and "4" in failed.reason
+
+
+def test_the_memory_estimate_counts_the_state_of_the_jobs_own_model_tensor_for_tensor() -> None:
+    preset = MODEL.geometry()
+    head = ParamGeometry(
+        name="value_head.weight", shape=(4096, 64), dtype="float32", rule="column", home="last"
+    )
+    own = msgspec.structs.replace(preset, name="own-model", parameters=(*preset.parameters, head))
+    request = ask(remove=())
+    plain = answer(request, PROFILE, SETTINGS, NOW).message
+    planned = answer(msgspec.structs.replace(request, geometry=own), PROFILE, SETTINGS, NOW).message
+    assert isinstance(plain, TopologyPlanned) and isinstance(planned, TopologyPlanned)
+    layout = ParallelLayout(tp=2, pp=1, dp=2)
+    before = next(c.memory_bytes for c in plain.candidates if c.layout == layout)
+    after = next(c.memory_bytes for c in planned.candidates if c.layout == layout)
+    # Half the head per TP rank: fp32 weight and two Adam moments, and its fp32 gradient.
+    assert after - before == (4096 * 64 // 2) * 4 * (3 + 1)

@@ -288,7 +288,7 @@ class _Chooser:
             devices = self.select(n, 1)
             assert devices is not None  # n <= len(self.devices)
         single_node = len({d.node for d in devices}) == 1
-        mem = memory_estimate(model, setup, self.hardware, layout, self.staging_bytes)
+        mem = memory_estimate(model, setup, self.hardware, layout, self.staging_bytes, self.geometry)
         cost = step_cost(
             model, setup, self.hardware, layout, tp_within_node=within or single_node, single_node=single_node
         )

@@ -26,6 +26,7 @@ import msgspec
 from msgspec import Meta
 
 from liver.shared.errors import InputError
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
 from liver.shared.views import tp_shard
@@ -195,17 +196,17 @@ class _StateByHome(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _state_by_home(model: ModelSpec, tp: int, grad_reduce_in_fp32: bool) -> _StateByHome:
+def _state_by_home(model: ModelSpec | ModelGeometry, tp: int, grad_reduce_in_fp32: bool) -> _StateByHome:
     """Bytes of every tensor at its allocated TP shard size (every TP rank allocates the same shape:
-    vocabulary shards are padded, the others split evenly)."""
-    grad_item = 4 if grad_reduce_in_fp32 else DTYPE_BYTES[model.params_dtype]
+    vocabulary shards are padded, the others split evenly). A geometry gives the exact tensors of a
+    user's own model; a parameter's gradient has its own dtype unless gradients reduce in fp32."""
     layer_state = [0] * model.num_layers
     layer_grad = [0] * model.num_layers
     home_state = dict.fromkeys(("first", "last", "first+last", "all"), 0)
     home_grad = dict(home_state)
     for t in model.tensors(optimizer=True):
         elems = math.prod(tp_shard(t, model, tp, 0).local_shape)
-        grad = elems * grad_item if t.role == "param" else 0
+        grad = elems * (4 if grad_reduce_in_fp32 else t.itemsize) if t.role == "param" else 0
         if t.home == "layer":
             layer_state[t.layer - 1] += elems * t.itemsize
             layer_grad[t.layer - 1] += grad
@@ -228,9 +229,10 @@ def _homes(stage: int, pp: int) -> tuple[str, ...]:
 
 
 def stage_state_bytes(
-    model: ModelSpec, setup: TrainingSetup, layout: ParallelLayout
+    model: ModelSpec | ModelGeometry, setup: TrainingSetup, layout: ParallelLayout
 ) -> tuple[tuple[int, int], ...]:
-    """``(state bytes, gradient bytes)`` of one rank of each pipeline stage."""
+    """``(state bytes, gradient bytes)`` of one rank of each pipeline stage (of the job's own model
+    when ``model`` is its geometry)."""
     by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32)
     out = []
     start = 0
@@ -281,8 +283,11 @@ def memory_estimate(
     hardware: HardwareProfile,
     layout: ParallelLayout,
     staging_bytes: int = 0,
+    geometry: ModelGeometry | None = None,
 ) -> MemoryEstimate:
-    """Peak memory of each pipeline stage of ``layout`` (see the module docstring)."""
+    """Peak memory of each pipeline stage of ``layout`` (see the module docstring). With the job's own
+    ``geometry`` (of ``model``'s depth) the training state is that model's, tensor for tensor; the
+    activations still follow ``model``."""
     tp, pp = layout.tp, layout.pp
     micro_batches = setup.global_batch_size // (layout.dp * setup.micro_batch_size)
     tokens = setup.tokens_per_micro_batch
@@ -292,7 +297,7 @@ def memory_estimate(
     e = DTYPE_BYTES[model.params_dtype]
     logits = tokens * (model.padded_vocab(tp) // tp) * (e + 4)
     stages: list[StageMemory] = []
-    per_stage = stage_state_bytes(model, setup, layout)
+    per_stage = stage_state_bytes(geometry if geometry is not None else model, setup, layout)
     for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
         in_flight = in_flight_micro_batches(s, pp, micro_batches)
         act = in_flight * n * per_layer_act + (recompute_work if n else 0)
