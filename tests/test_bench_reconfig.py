@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,6 +105,9 @@ def test_the_ratio_is_restart_over_live_and_the_aim_is_judged_on_it(report: dict
         (("--large", "--model", "tiny-gpt"), "--large"),
         (("--steps-before", "0"), "--steps-before"),
         (("--threads", "0"), "--threads"),
+        (("--provider", "examples/your_own_job.py:model_provider", "--max-seq", "64"), "--num-layers"),
+        (("--provider", "no_such_module:fn", "--num-layers", "4", "--max-seq", "64"), "provider"),
+        (("--provider", "m:f", "--model", "tiny-gpt"), "--large"),
     ],
 )
 def test_a_bad_option_is_refused_before_any_process_starts_naming_the_flag(
@@ -113,3 +117,18 @@ def test_a_bad_option_is_refused_before_any_process_starts_naming_the_flag(
     assert rc == 2
     assert out == ""
     assert f"liver bench reconfig: {flag}" in err
+
+
+@pytest.mark.slow
+def test_a_users_own_model_is_measured_the_same_way() -> None:
+    """The user's provider (examples/your_own_job.py, a QK-layernorm GPT) on both sides."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py"
+    rc, out, err = _run(
+        *("--provider", f"{example}:model_provider", "--num-layers", "4", "--vocab-size", "258"),
+        *("--divisible-by", "16", "--max-seq", "64", "--quick", "--json"),
+    )
+    assert rc == 0, err[-3000:]
+    report = json.loads(out)
+    assert report["model"] == "model_provider" and report["parameters"] > 0
+    assert report["live"]["bytes_moved"] > 0 and report["restart"]["total_s"] > 0
+    assert report["ratio"] == pytest.approx(report["restart"]["total_s"] / report["live"]["downtime_s"])

@@ -116,3 +116,19 @@ def test_the_format_can_be_chosen_by_environment(monkeypatch: pytest.MonkeyPatch
     configure_logging(stream=out)
     structlog.get_logger().info("hello")
     assert json.loads(out.getvalue())["event"] == "hello"
+
+
+def test_without_a_stream_lines_go_to_the_stderr_of_the_moment_not_to_one_since_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A command configured logging while a test captured stderr; that capture is closed afterwards.
+    captured = io.StringIO()
+    monkeypatch.setattr("sys.stderr", captured)
+    configure_logging(json_output=True, level="INFO")
+    captured.close()
+    now = io.StringIO()
+    monkeypatch.setattr("sys.stderr", now)
+    structlog.get_logger("t").warning("after_the_capture")
+    logging.getLogger("stdlib").warning("stdlib_after_the_capture")
+    events = [json.loads(line)["event"] for line in now.getvalue().splitlines()]
+    assert events == ["after_the_capture", "stdlib_after_the_capture"]

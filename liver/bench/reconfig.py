@@ -42,7 +42,7 @@ from liver.bench.procs import ProcsError, run_procs
 from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
 from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart
 from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
-from liver.shared.model import ModelError, ModelSpec, load_model
+from liver.shared.model import ModelError, ModelRef, ModelSpec, load_model
 from liver.shared.plan import Plan, WorldConfig
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
@@ -126,7 +126,7 @@ class ReconfigReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Setup(msgspec.Struct, frozen=True, kw_only=True):
-    model: ModelSpec
+    model: ModelRef
     config: TrainConfig
     plan: Plan
     store_port: int
@@ -154,6 +154,7 @@ def _live_worker(rank: int, size: int, setup: _Setup) -> _LiveResult:
     """One process of the live job: train, hand in the resize, switch, one step on the new world."""
     from liver.shared.logs import configure_logging
     from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.source import source_of
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
     from liver.worker_runtime.world import StoreAddress, WorldSpec
 
@@ -163,7 +164,7 @@ def _live_worker(rank: int, size: int, setup: _Setup) -> _LiveResult:
     address = StoreAddress("127.0.0.1", setup.store_port)
     initial = WorldSpec(job=JOB, generation=0, layout=plan.old.layout, placement=plan.old.placement)
     runtime = LiveRuntime(
-        MegatronJob(setup.model, setup.config),
+        MegatronJob(source_of(setup.model), setup.config),
         job=JOB,
         device=device,
         store=address,
@@ -247,7 +248,7 @@ def _downtime(results: list[_LiveResult]) -> LiveDowntime:
 
 
 def measure_live(
-    spec: ModelSpec,
+    model: ModelSpec | ModelRef,
     old: ParallelLayout,
     new: ParallelLayout,
     config: TrainConfig,
@@ -260,10 +261,14 @@ def measure_live(
     from liver.services.transfer.planner import plan_resize
     from liver.worker_runtime.world import host_store
 
+    spec = ModelRef.of(model)
     size = max(old.world_size, new.world_size)
     devices = grid_devices(1, size)
     plan = plan_resize(
-        spec, WorldConfig(old, Placement(devices[: old.world_size])), new, devices[: new.world_size]
+        spec.model_geometry(),
+        WorldConfig(old, Placement(devices[: old.world_size])),
+        new,
+        devices[: new.world_size],
     ).plan
     store = host_store()
     setup = _Setup(
@@ -298,6 +303,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--large", action="store_true", help=f"the larger built-in model ({LARGE_MODEL.name}, seq 128)"
     )
     parser.add_argument(
+        "--provider",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="your own model: its provider (layout, pg_collection) -> GPTModel, FILE.py:FUNCTION too",
+    )
+    parser.add_argument("--num-layers", type=int, default=None, help="with --provider: decoder layers")
+    parser.add_argument("--vocab-size", type=int, default=None, help="with --provider: the real vocabulary")
+    parser.add_argument("--divisible-by", type=int, default=128, help="with --provider: vocabulary padding")
+    parser.add_argument("--max-seq", type=int, default=None, help="with --provider: max_sequence_length")
+    parser.add_argument(
         "--from", dest="from_layout", default="2,1,1", help="old layout TP,PP,DP (default 2,1,1)"
     )
     parser.add_argument("--to", dest="to_layout", default="1,2,1", help="new layout TP,PP,DP (default 1,2,1)")
@@ -319,11 +334,34 @@ def _layout(text: str, flag: str) -> ParallelLayout:
         raise ValueError(f"{flag}: {exc}") from None
 
 
-def _resolve(args: argparse.Namespace) -> tuple[ModelSpec, ParallelLayout, ParallelLayout, TrainConfig, int]:
-    if args.large and args.model is not None:
-        raise ValueError("--large: choose either --large or --model")
+def _user_model(args: argparse.Namespace) -> ModelRef:
+    """The user's own model from ``--provider``: its geometry derived here, once, from Megatron."""
+    from liver.shared.logs import configure_logging
+    from liver.worker_runtime.megatron.geometry import derive_geometry
+    from liver.worker_runtime.megatron.source import load_provider
+
+    configure_logging(level="WARNING")  # to stderr: stdout is the report's
+    for flag, value in (("--num-layers", args.num_layers), ("--max-seq", args.max_seq)):
+        if value is None:
+            raise ValueError(f"{flag}: required with --provider")
+    geometry = derive_geometry(
+        load_provider(args.provider),
+        name=args.provider.rpartition(":")[2],
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.divisible_by,
+    )
+    return ModelRef(provider=args.provider, geometry=geometry, max_sequence_length=args.max_seq)
+
+
+def _resolve(args: argparse.Namespace) -> tuple[ModelRef, ParallelLayout, ParallelLayout, TrainConfig, int]:
+    if sum((args.large, args.model is not None, args.provider is not None)) > 1:
+        raise ValueError("--large: choose one of --large, --model and --provider")
     try:
-        spec = LARGE_MODEL if args.large else load_model(args.model or MODEL_DEFAULT)
+        if args.provider is not None:
+            spec = _user_model(args)
+        else:
+            spec = ModelRef(spec=LARGE_MODEL if args.large else load_model(args.model or MODEL_DEFAULT))
     except ModelError as exc:
         raise ValueError(f"--model: {exc}") from None
     old, new = _layout(args.from_layout, "--from"), _layout(args.to_layout, "--to")
@@ -361,7 +399,8 @@ def run(args: argparse.Namespace) -> int:
     load_before = load_average()
     progress(
         "reconfig",
-        f"{spec.name} ({spec.parameter_count():,} parameters): {old.describe()} -> {new.describe()}, "
+        f"{spec.name} ({spec.model_geometry().parameter_count():,} parameters): {old.describe()} -> "
+        f"{new.describe()}, "
         f"{steps_before} step(s) before the cut",
     )
     try:
@@ -398,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         date=utc_now(),
         model=spec.name,
-        parameters=spec.parameter_count(),
+        parameters=spec.model_geometry().parameter_count(),
         old_layout=old.describe(),
         new_layout=new.describe(),
         config=config,

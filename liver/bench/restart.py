@@ -47,7 +47,7 @@ import msgspec
 
 from liver.shared.errors import LiverError
 from liver.shared.layout import ParallelLayout
-from liver.shared.model import ModelSpec, load_model
+from liver.shared.model import ModelRef, ModelSpec, load_model
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = ["PHASES", "RestartBreakdown", "RestartError", "check_fits", "measure_restart"]
@@ -104,7 +104,7 @@ class RestartBreakdown(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 class _Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     role: Literal["old", "new"]
     rank: int
-    model: ModelSpec
+    model: ModelRef
     layout: ParallelLayout
     config: TrainConfig
     port: int
@@ -160,7 +160,9 @@ def _worker(task_file: str) -> None:
     )
     initialize_parallel_state(task.layout)
     initialized = time.time()
-    trainer = build_trainer(task.model, task.layout, task.config)
+    from liver.worker_runtime.megatron.source import source_of
+
+    trainer = build_trainer(source_of(task.model), task.layout, task.config)
     built = time.time()
     times = dict(
         role=task.role,
@@ -272,27 +274,27 @@ class _World:
                 proc.wait()
 
 
-def check_fits(spec: ModelSpec, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
+def check_fits(spec: ModelSpec | ModelRef, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
     """Refuse a layout that ``spec`` or ``config``'s batch cannot be split by, naming it ``name``."""
     try:
-        spec.check_layout(layout)
+        ModelRef.of(spec).model_geometry().check_layout(layout)
         config.micro_batches_per_rank(layout.dp)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
 
 
-def _checked(spec: ModelSpec, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
+def _checked(spec: ModelRef, layout: ParallelLayout, config: TrainConfig, name: str) -> None:
     """Refuse in the parent what the workers would refuse after seconds of imports."""
     check_fits(spec, layout, config, name)
-    if config.seq_length > spec.max_sequence_length:
+    if config.seq_length > spec.sequence_limit:
         raise ValueError(
             f"config.seq_length: {config.seq_length} exceeds the model's max_sequence_length "
-            f"({spec.max_sequence_length})"
+            f"({spec.sequence_limit})"
         )
 
 
 def measure_restart(
-    spec: ModelSpec,
+    model: ModelSpec | ModelRef,
     old: ParallelLayout,
     new: ParallelLayout,
     config: TrainConfig | None = None,
@@ -310,6 +312,7 @@ def measure_restart(
     the system's temporary directory, removed afterwards.
     """
     config = config or TrainConfig()
+    spec = ModelRef.of(model)
     _checked(spec, old, config, "old")
     _checked(spec, new, config, "new")
     if warmup_steps < 1:

@@ -10,13 +10,8 @@ FILE``) exactly as the services plan them for the running job.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
-
-from liver.shared.errors import InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,37 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_provider(reference: str) -> Any:
-    """``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``; errors name what is missing."""
-    where, _, name = reference.rpartition(":")
-    if not where or not name:
-        raise InputError(f"--provider {reference!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            spec = importlib.util.spec_from_file_location(f"liver_provider_{path.stem}", path)
-            if spec is None or spec.loader is None or not path.is_file():
-                raise InputError(f"--provider: no such file {where}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except InputError:
-        raise
-    except Exception as exc:  # the user's file: a syntax error, an import that fails, ...
-        raise InputError(f"--provider: cannot import {where}: {type(exc).__name__}: {exc}") from None
-    provider = getattr(module, name, None)
-    if not callable(provider):
-        raise InputError(f"--provider: {where} has no function {name!r}")
-    return provider
-
-
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from liver.shared.logs import configure_logging
     from liver.worker_runtime.megatron.geometry import derive_geometry
+    from liver.worker_runtime.megatron.source import load_provider
 
     configure_logging(level="WARNING")
     provider = load_provider(args.provider)

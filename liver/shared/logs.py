@@ -61,6 +61,20 @@ def _serialize(event_dict: dict[str, Any], **_: Any) -> str:
     return _ENCODER.encode(event_dict).decode("utf-8")
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured: a stream
+    captured then (a test's, a redirected one) may be closed by the time a later line comes."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure_logging(
     *,
     json_output: bool | None = None,
@@ -70,9 +84,10 @@ def configure_logging(
     """Configure structlog and the standard library's root logger for this process.
 
     ``json_output`` defaults to ``$LIVER_LOG_FORMAT`` and otherwise to "JSON unless writing to a
-    terminal"; ``level`` to ``$LIVER_LOG_LEVEL`` or INFO. Safe to call again (tests do).
+    terminal"; ``level`` to ``$LIVER_LOG_LEVEL`` or INFO; ``stream`` to the current ``sys.stderr`` at
+    each write. Safe to call again (tests do).
     """
-    out = stream if stream is not None else sys.stderr
+    out = stream if stream is not None else _CurrentStderr()
     if json_output is None:
         chosen = os.environ.get(FORMAT_ENV, "").strip().lower()
         json_output = chosen == "json" or (chosen != "console" and not _is_tty(out))

@@ -346,3 +346,41 @@ def load_model_or_geometry(preset_or_path: str) -> ModelSpec | ModelGeometry:
         return msgspec.json.decode(data, type=ModelGeometry, strict=True)
     except msgspec.ValidationError as exc:
         raise ModelError(f"geometry file {preset_or_path}: {exc}") from None
+
+
+class ModelRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A model another process can build, as data: a preset's ``spec``, or the importable name of a
+    user's model ``provider`` (``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``) with the geometry derived
+    from it. What the benchmarks hand their worker processes."""
+
+    spec: ModelSpec | None = None
+    provider: str | None = None
+    geometry: ModelGeometry | None = None
+    max_sequence_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.spec is None) == (self.provider is None):
+            raise ModelError("ModelRef: give either spec or provider")
+        if self.provider is not None and (self.geometry is None or not self.max_sequence_length):
+            raise ModelError("ModelRef: a provider needs its geometry and max_sequence_length")
+
+    @classmethod
+    def of(cls, model: ModelSpec | ModelRef) -> ModelRef:
+        return model if isinstance(model, ModelRef) else cls(spec=model)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec is not None else self.model_geometry().name
+
+    @property
+    def sequence_limit(self) -> int:
+        if self.spec is not None:
+            return self.spec.max_sequence_length
+        assert self.max_sequence_length is not None
+        return self.max_sequence_length
+
+    def model_geometry(self) -> ModelGeometry:
+        if self.spec is not None:
+            return self.spec.geometry()
+        assert self.geometry is not None
+        return self.geometry

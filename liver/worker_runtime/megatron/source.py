@@ -18,17 +18,22 @@ Seeds follow Megatron's training loop for both (``seed + 100 * pp_rank`` before 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
-from liver.shared.model import ModelSpec
+from liver.shared.model import ModelRef, ModelSpec
 from liver.worker_runtime.megatron.build import (
     ParallelGroups,
     build_gpt_model,
@@ -38,7 +43,7 @@ from liver.worker_runtime.megatron.build import (
 )
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
 
-__all__ = ["ModelSource", "UserProvider", "as_source"]
+__all__ = ["ModelSource", "UserProvider", "as_source", "load_provider", "source_of"]
 
 UserProvider = Callable[[ParallelLayout, ProcessGroupCollection], torch.nn.Module]
 """The user's model provider: this rank's part of the model at ``layout`` on the given groups (pass
@@ -129,3 +134,43 @@ def as_source(model: ModelSpec | ModelSource) -> ModelSource:
     if isinstance(model, ModelSpec):
         return ModelSource.from_spec(model)
     raise TypeError(f"`model`: expected a ModelSpec or a ModelSource, got {type(model).__name__}")
+
+
+def load_provider(reference: str) -> UserProvider:
+    """The provider ``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` names; errors name what is missing."""
+    where, _, name = reference.rpartition(":")
+    if not where or not name:
+        raise InputError(f"provider {reference!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise InputError(f"provider {reference!r}: no such file {where}")
+            spec = importlib.util.spec_from_file_location(f"liver_provider_{path.stem}", path)
+            if spec is None or spec.loader is None:
+                raise InputError(f"provider {reference!r}: {where} is not a Python file")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's file: a syntax error, an import that fails, ...
+        raise InputError(
+            f"provider {reference!r}: cannot import {where}: {type(exc).__name__}: {exc}"
+        ) from None
+    provider = getattr(module, name, None)
+    if not callable(provider):
+        raise InputError(f"provider {reference!r}: {where} has no function {name!r}")
+    return provider
+
+
+def source_of(ref: ModelRef) -> ModelSource:
+    """The source a :class:`~liver.shared.model.ModelRef` names (its provider imported here)."""
+    if ref.spec is not None:
+        return ModelSource.from_spec(ref.spec)
+    assert ref.provider is not None and ref.geometry is not None and ref.max_sequence_length is not None
+    return ModelSource.from_provider(
+        load_provider(ref.provider), ref.geometry, max_sequence_length=ref.max_sequence_length
+    )
