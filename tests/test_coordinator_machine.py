@@ -47,6 +47,7 @@ from liver.services.coordinator import (
     WriteRecord,
 )
 from liver.shared.codec import MessageError, decode, encode
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import (
     Abort,
@@ -1783,13 +1784,21 @@ test_random_event_sequences_keep_generations_unique_and_monotonic = RandomEvents
 # -- the job's own model geometry -------------------------------------------------------------------------
 
 
-def test_the_geometry_the_first_world_announces_goes_with_every_topology_request() -> None:
+def started_with(geometry: ModelGeometry) -> Driver:
+    """A job whose generation 0 announced ``geometry`` with its world."""
     d = Driver()
     for rank, device in enumerate(WORLD):
         d.hello(device, generation=0, rank=rank)
-    own = MODEL.geometry()
-    d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), geometry=own))
+    d.feed(
+        WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), geometry=geometry)
+    )
     d.write()
+    return d
+
+
+def test_the_geometry_the_first_world_announces_goes_with_every_topology_request() -> None:
+    own = MODEL.geometry()
+    d = started_with(own)
     assert d.kv.record is not None and d.kv.record.geometry == own
     d.warn("evt-1", "node001")
     d.write()
@@ -1797,12 +1806,8 @@ def test_the_geometry_the_first_world_announces_goes_with_every_topology_request
 
 
 def test_a_world_restarted_without_a_geometry_keeps_the_recorded_one() -> None:
-    d = Driver()
-    for rank, device in enumerate(WORLD):
-        d.hello(device, generation=0, rank=rank)
     own = MODEL.geometry()
-    d.feed(WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), geometry=own))
-    d.write()
+    d = started_with(own)
     handoff_prepared(d)
     d.ready()
     d.write()

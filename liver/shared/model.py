@@ -308,17 +308,21 @@ def load_model(preset_or_path: str) -> ModelSpec:
             f"unknown model preset {preset_or_path!r}; presets: {', '.join(sorted(PRESETS))}, "
             "or a path to a .json model file"
         )
-    try:
-        with open(preset_or_path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ModelError(f"cannot read model file {preset_or_path}: {exc.strerror}") from None
+    data = _read(preset_or_path)
     try:
         return msgspec.json.decode(data, type=ModelSpec, strict=True)
     except msgspec.ValidationError as exc:
         raise ModelError(f"model file {preset_or_path}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ModelError(f"model file {preset_or_path}: not valid JSON ({exc})") from None
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ModelError(f"cannot read model file {path}: {exc.strerror}") from None
 
 
 def as_geometry(model: ModelSpec | ModelGeometry) -> ModelGeometry:
@@ -331,11 +335,7 @@ def load_model_or_geometry(preset_or_path: str) -> ModelSpec | ModelGeometry:
     one for a user's own model; it has ``parameters``). Errors name the file and the bad field."""
     if preset_or_path in PRESETS or not preset_or_path.endswith(".json"):
         return load_model(preset_or_path)
-    try:
-        with open(preset_or_path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ModelError(f"cannot read model file {preset_or_path}: {exc.strerror}") from None
+    data = _read(preset_or_path)
     try:
         fields = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:

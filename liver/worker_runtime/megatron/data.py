@@ -114,12 +114,24 @@ class SyntheticCorpus:
         DP rank ``d`` reads the ``d``-th contiguous slice of the global batch, micro-batch by
         micro-batch, as Megatron's pretraining sampler does.
         """
-        per_rank, rest = divmod(global_batch_size, dp_size)
-        if rest or per_rank % micro_batch_size:
-            raise ValueError(
-                f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
-                f"{micro_batch_size} x dp {dp_size}"
-            )
-        start = consumed_samples + dp_rank * per_rank
-        for m in range(per_rank // micro_batch_size):
-            yield self.batch(start + m * micro_batch_size, micro_batch_size)
+        for first in micro_batch_starts(
+            consumed_samples, global_batch_size, micro_batch_size, dp_rank, dp_size
+        ):
+            yield self.batch(first, micro_batch_size)
+
+
+def micro_batch_starts(
+    consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> range:
+    """The first sample index of each of DP rank ``dp_rank``'s micro-batches of the global batch that
+    starts at ``consumed_samples``: the ``dp_rank``-th contiguous slice of it, as Megatron's pretraining
+    sampler gives it. The one rule every corpus follows, so changing DP never changes which samples
+    form a batch."""
+    per_rank, rest = divmod(global_batch_size, dp_size)
+    if rest or per_rank % micro_batch_size:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
+            f"{micro_batch_size} x dp {dp_size}"
+        )
+    start = consumed_samples + dp_rank * per_rank
+    return range(start, start + per_rank, micro_batch_size)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from liver.shared.errors import InputError
-from liver.worker_runtime.megatron.data import Batch
+from liver.worker_runtime.megatron.data import Batch, micro_batch_starts
 
 __all__ = ["ByteTokenizer", "CorpusError", "MegatronCorpus", "prepare_corpus"]
 
@@ -178,12 +178,11 @@ class MegatronCorpus:
         dp_size: int,
     ) -> Iterator[Batch]:
         """This DP rank's micro-batches of the global batch that starts at ``consumed_samples``."""
-        per_rank, rest = divmod(global_batch_size, dp_size)
-        if rest or per_rank % micro_batch_size:
-            raise CorpusError(
-                f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
-                f"{micro_batch_size} x dp {dp_size}"
+        try:
+            starts = micro_batch_starts(
+                consumed_samples, global_batch_size, micro_batch_size, dp_rank, dp_size
             )
-        start = consumed_samples + dp_rank * per_rank
-        for m in range(per_rank // micro_batch_size):
-            yield self.batch(start + m * micro_batch_size, micro_batch_size)
+        except ValueError as exc:
+            raise CorpusError(str(exc)) from None
+        for first in starts:
+            yield self.batch(first, micro_batch_size)
