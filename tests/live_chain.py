@@ -105,7 +105,16 @@ def make_plans(chain: Chain) -> dict[int, Plan]:
 
 
 def as_numpy(state: dict[int, Any]) -> dict[int, np.ndarray]:
-    return {index: tensor.detach().cpu().numpy().copy() for index, tensor in state.items()}
+    """Plain arrays; a bfloat16 tensor (numpy has no such type) as its bits, an int16 array."""
+    import torch
+
+    def plain(tensor: Any) -> np.ndarray:
+        tensor = tensor.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.int16)
+        return tensor.numpy().copy()
+
+    return {index: plain(tensor) for index, tensor in state.items()}
 
 
 def gather(
@@ -332,7 +341,12 @@ def _fresh_world(proc: Proc, generation: int, layout: ParallelLayout) -> Any:
 def _loaded(reload: Reload, layout: ParallelLayout, rank: int, geometry: ModelGeometry) -> dict[int, Any]:
     import torch
 
-    return {i: torch.from_numpy(a) for i, a in local_slice(reload.state, layout, rank, geometry).items()}
+    tensors = geometry.tensors()
+    out = {}
+    for i, a in local_slice(reload.state, layout, rank, geometry).items():
+        tensor = torch.from_numpy(a)
+        out[i] = tensor.view(torch.bfloat16) if tensors[i].dtype == "bfloat16" else tensor
+    return out
 
 
 def baseline_process(

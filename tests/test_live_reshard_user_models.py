@@ -44,7 +44,12 @@ CORPUS_TEXT = Path(__file__).parent.parent / "examples" / "data" / "corpus.txt"
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
 
 
-@pytest.fixture(scope="module", params=KINDS)
+# Each model in fp32, and one in bf16 (Megatron's mixed-precision optimizer: an fp32 master copy of every
+# parameter moves too).
+MODELS = [(kind, "float32") for kind in KINDS] + [("qk-layernorm", "bfloat16")]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[f"{k}-{d}" for k, d in MODELS])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     from liver.worker_runtime.megatron.datasets import prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry_in_subprocess
@@ -53,16 +58,17 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     prefix = str(tmp_path_factory.mktemp("corpus") / "corpus")
     prepare_corpus(CORPUS_TEXT, prefix)
 
-    provider = UserModel(request.param)
+    kind, dtype = request.param
+    provider = UserModel(kind, params_dtype=dtype)
     geometry = derive_geometry_in_subprocess(
         provider,
-        name=request.param,
+        name=f"{kind}-{dtype}",
         num_layers=NUM_LAYERS,
         vocab_size=VOCAB_SIZE,
         make_vocab_size_divisible_by=DIVISIBLE_BY,
     )
     chain = Chain(
-        job=f"user-{request.param}",
+        job=f"user-{kind}-{dtype}",
         model=ModelSource.from_provider(provider, geometry, max_sequence_length=32),
         config=CONFIG,
         start=ParallelLayout(tp=2, pp=2, dp=1),
