@@ -259,3 +259,19 @@ def test_with_dropout_the_rng_streams_are_what_makes_the_resumed_run_identical(r
         assert [loss for loss, _, _ in found["resumed_without_rng"]] != [
             loss for loss, _, _ in found["continued"]
         ]
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"optimizer": "sgd"}, "hooks.optimizer_config.optimizer"),
+        ({"use_distributed_optimizer": True}, "hooks.optimizer_config.use_distributed_optimizer"),
+    ],
+)
+def test_a_users_optimizer_liver_cannot_move_is_refused_naming_the_field(settings: dict, field: str) -> None:
+    from megatron.core.optimizer import OptimizerConfig
+
+    from liver.worker_runtime.megatron.train import TrainerHooks
+
+    with pytest.raises(ValueError, match=field):
+        TrainerHooks(optimizer_config=OptimizerConfig(lr=1e-3, **settings))

@@ -335,17 +335,18 @@ def load_model_or_geometry(preset_or_path: str) -> ModelSpec | ModelGeometry:
     one for a user's own model; it has ``parameters``). Errors name the file and the bad field."""
     if preset_or_path in PRESETS or not preset_or_path.endswith(".json"):
         return load_model(preset_or_path)
-    data = _read(preset_or_path)
     try:
-        fields = msgspec.json.decode(data)
+        fields = msgspec.json.decode(_read(preset_or_path))
     except msgspec.DecodeError as exc:
         raise ModelError(f"model file {preset_or_path}: not valid JSON ({exc})") from None
-    if not (isinstance(fields, dict) and "parameters" in fields):
-        return load_model(preset_or_path)
+    kind: type[ModelSpec | ModelGeometry] = ModelSpec
+    if isinstance(fields, dict) and "parameters" in fields:
+        kind = ModelGeometry
     try:
-        return msgspec.json.decode(data, type=ModelGeometry, strict=True)
+        return msgspec.convert(fields, kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise ModelError(f"geometry file {preset_or_path}: {exc}") from None
+        what = "geometry" if kind is ModelGeometry else "model"
+        raise ModelError(f"{what} file {preset_or_path}: {exc}") from None
 
 
 class ModelRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -380,7 +381,6 @@ class ModelRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         return self.max_sequence_length
 
     def model_geometry(self) -> ModelGeometry:
-        if self.spec is not None:
-            return self.spec.geometry()
-        assert self.geometry is not None
-        return self.geometry
+        model = self.spec if self.spec is not None else self.geometry
+        assert model is not None
+        return as_geometry(model)

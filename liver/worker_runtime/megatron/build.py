@@ -351,6 +351,15 @@ def _check_parallel_state(layout: ParallelLayout) -> None:
         )
 
 
+def seed_build(seed: int, layout: ParallelLayout, rank: int) -> None:
+    """Seed a build as Megatron's training loop does (``seed + 100 * pp_rank``; the TP ranks of a stage
+    build the same master weights and keep their slice), and ready the model-parallel RNG tracker."""
+    coords = layout.coords(rank)
+    stage_seed = seed + 100 * coords.pp
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+
+
 def build_gpt_model(
     spec: ModelSpec,
     layout: ParallelLayout,
@@ -379,11 +388,8 @@ def build_gpt_model(
     check_default_world(groups)
     ensure_global_memory_buffer()
     rank = groups.rank
-    coords = layout.coords(rank)
     config = transformer_config(spec, layout, config_overrides)
-    stage_seed = seed + 100 * coords.pp
-    torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+    seed_build(seed, layout, rank)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),

@@ -531,8 +531,9 @@ def model_geometry_mismatches(
     disagree, parameter by parameter: the boxes Megatron says each parameter covers against the boxes
     the plan will stream into it. Empty when they agree.
 
-    Run on the new world's model during preparation, so that a plan made for another model, or a model
-    built differently from the one the geometry was derived from, fails the vote before the cut.
+    Run on every build of a user's model (:meth:`.source.ModelSource.build`): a joiner's in its mock
+    warm-up, before the cut; a staying rank's when it builds the new world's model after the cut, before
+    any byte is streamed into it (a mismatch there rolls the handoff back).
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory

@@ -62,17 +62,6 @@ class MegatronJob:
             )
         if warmup_steps < 1:
             raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
-        user_optimizer = hooks.optimizer_config if hooks is not None else None
-        if user_optimizer is not None and user_optimizer.optimizer != "adam":
-            raise ValueError(
-                f"hooks.optimizer_config.optimizer: {user_optimizer.optimizer!r}; LiveR moves Adam's "
-                "state, so only 'adam' reshards live"
-            )
-        if user_optimizer is not None and user_optimizer.use_distributed_optimizer:
-            raise ValueError(
-                "hooks.optimizer_config.use_distributed_optimizer: the distributed optimizer is not "
-                "resharded live yet; use the plain optimizer"
-            )
         self.source = as_source(model)
         self.config = config
         self.corpus = corpus

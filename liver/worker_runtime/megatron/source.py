@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from liver.shared.errors import InputError
@@ -40,6 +39,7 @@ from liver.worker_runtime.megatron.build import (
     check_default_world,
     ensure_global_memory_buffer,
     parallel_state_pinned_to,
+    seed_build,
 )
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
 
@@ -115,10 +115,7 @@ class ModelSource:
         apply_cpu_shim()
         check_default_world(groups)
         ensure_global_memory_buffer()
-        coords = layout.coords(groups.rank)
-        stage_seed = seed + 100 * coords.pp
-        torch.manual_seed(stage_seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+        seed_build(seed, layout, groups.rank)
         model = self.provider(layout, groups.collection())
         with parallel_state_pinned_to(groups):  # the tied output layer asks parallel_state its DP rank
             check_model_geometry(

@@ -73,6 +73,19 @@ class TrainerHooks:
     optimizer_config: OptimizerConfig | None = None
     scheduler: Callable[[Any], OptimizerParamScheduler] | None = None
 
+    def __post_init__(self) -> None:
+        opt = self.optimizer_config
+        if opt is not None and opt.optimizer != "adam":
+            raise ValueError(
+                f"hooks.optimizer_config.optimizer: {opt.optimizer!r}; LiveR moves Adam's state (two "
+                "moments and a step per parameter), so only 'adam' reshards live"
+            )
+        if opt is not None and opt.use_distributed_optimizer:
+            raise ValueError(
+                "hooks.optimizer_config.use_distributed_optimizer: the distributed optimizer is not "
+                "resharded live yet; use the plain optimizer"
+            )
+
 
 def _optimizer_config(model: torch.nn.Module, config: TrainConfig) -> OptimizerConfig:
     """Adam in the model's own precision (its ``TransformerConfig``'s bf16/fp16 decide the master copy)."""
@@ -94,7 +107,7 @@ def _optimizer_config(model: torch.nn.Module, config: TrainConfig) -> OptimizerC
     )
 
 
-def zero_vocab_padding(model: GPTModel, geometry: ModelGeometry | ModelSpec, groups: ParallelGroups) -> None:
+def zero_vocab_padding(model: GPTModel, geometry: ModelGeometry, groups: ParallelGroups) -> None:
     """Zero the rows of the vocabulary tensors that lie past the real vocabulary (see the docstring)."""
     if geometry.vocab_size is None:
         return
@@ -157,11 +170,6 @@ def build_trainer(
     )
     hooks = hooks or TrainerHooks()
     opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
-    if opt_config.optimizer != "adam":
-        raise ValueError(
-            f"optimizer_config.optimizer: {opt_config.optimizer!r}; LiveR moves Adam's state (two moments "
-            "and a step per parameter), so only 'adam' reshards live"
-        )
     if opt_config.use_distributed_optimizer != config.use_distributed_optimizer:
         raise ValueError(
             "optimizer_config.use_distributed_optimizer must match the TrainConfig's (the gradient "
