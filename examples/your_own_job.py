@@ -1,5 +1,6 @@
 """Your own Megatron-core job, resharded live: your model provider and TransformerConfig, your
-OptimizerConfig and LR schedule, Megatron's indexed datasets. The LiveR lines are marked ``# LiveR``.
+OptimizerConfig and LR schedule, your forward step and loss, Megatron's indexed datasets. The LiveR
+lines are marked ``# LiveR``.
 
     liver data prepare --input examples/data/corpus.txt --output-prefix /tmp/liver-data/corpus
     torchrun --nproc-per-node 4 examples/your_own_job.py --data /tmp/liver-data/corpus --tp 2 --pp 2 \
@@ -8,12 +9,14 @@ OptimizerConfig and LR schedule, Megatron's indexed datasets. The LiveR lines ar
 The model is not one of LiveR's presets: a GPT with QK-layernorm attention (RMSNorm on queries and
 keys), SwiGLU and grouped-query attention, built by the provider below exactly as a Megatron-core
 training script builds its model, except that it is handed the layout and the world's process groups
-(LiveR builds it again for every world the job moves to). LiveR learns the model's shard geometry from
-Megatron's own ``sharded_state_dict()``. With ``--reshard-at N --reshard-to TP,PP,DP`` the job moves live
-after step N to that layout on the first ``TP*PP*DP`` processes (the others stream their state out and
-exit); here every process plans the move itself, in a deployment the coordinator does and each
-process's bus companion hands in its slice of the plan. ``--json`` prints JSON lines. Runs on CPU
-(gloo) as on GPUs (NCCL).
+(LiveR builds it again for every world the job moves to). The forward step is ``pretrain_gpt``'s: the
+model computes Megatron's vocab-parallel cross entropy, which finds its TP group in ``parallel_state``;
+LiveR keeps ``parallel_state`` answering for whichever world the step runs in. LiveR learns the model's
+shard geometry from Megatron's own ``sharded_state_dict()``. With ``--reshard-at N --reshard-to
+TP,PP,DP`` the job moves live after step N to that layout on the first ``TP*PP*DP`` processes (the
+others stream their state out and exit); here every process plans the move itself, in a deployment the
+coordinator does and each process's bus companion hands in its slice of the plan. ``--json`` prints
+JSON lines. Runs on CPU (gloo) as on GPUs (NCCL).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from typing import Any
 
 import torch
@@ -91,6 +95,21 @@ def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
     )
 
 
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Your loss (Megatron's contract): summed loss, token count, and what to report."""
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.float().view(-1) * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator: Any, model: GPTModel) -> tuple[torch.Tensor, Any]:
+    """Your forward step: the batch as Megatron's GPTDataset gives it, the loss computed by the model."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
 def optimizer_config() -> OptimizerConfig:
     return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.01, clip_grad=1.0)
 
@@ -142,11 +161,13 @@ def main() -> int:
     )
     train = TrainConfig(global_batch_size=8, micro_batch_size=2, seq_length=32)
     corpus = MegatronCorpus([args.data], seq_length=train.seq_length, num_samples=args.steps * 8)
-    job = MegatronJob(  # LiveR: your model, data, optimizer and schedule, rebuilt for every world
+    job = MegatronJob(  # LiveR: your model, data, optimizer, schedule and step, for every world
         ModelSource.from_provider(model_provider, geometry, max_sequence_length=MAX_SEQUENCE),
         train,
         corpus=corpus,
-        hooks=TrainerHooks(optimizer_config=optimizer_config(), scheduler=lr_schedule),
+        hooks=TrainerHooks(
+            optimizer_config=optimizer_config(), scheduler=lr_schedule, forward_step=forward_step
+        ),
     )
     start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
     runtime = LiveRuntime(job, job="your-job", device=devices[rank], store=address, initial=start)  # LiveR

@@ -58,6 +58,8 @@ class Chain(NamedTuple):
     fault_generation: int | None = None
     corpus: Any = None
     """``() -> Corpus`` called in each process (picklable), or ``None`` for the synthetic corpus."""
+    hooks: Any = None
+    """The job's ``TrainerHooks`` (picklable), in the live job and the baselines alike."""
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -233,7 +235,7 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
     device = DEVICES[proc.rank]
     address = StoreAddress("127.0.0.1", proc.store.port)
     corpus = chain.corpus() if chain.corpus is not None else None
-    factory = MegatronJob(chain.model, chain.config, corpus=corpus)
+    factory = MegatronJob(chain.model, chain.config, corpus=corpus, hooks=chain.hooks)
 
     def cancel_stream(generation: int, layer: int, rnd: int) -> None:
         if proc.rank == chain.fault_process and generation == chain.fault_generation:
@@ -363,7 +365,7 @@ def baseline_process(
     from liver.worker_runtime.megatron.streams import reseed
 
     corpus = chain.corpus() if chain.corpus is not None else None
-    factory = MegatronJob(chain.model, chain.config, corpus=corpus)
+    factory = MegatronJob(chain.model, chain.config, corpus=corpus, hooks=chain.hooks)
     geometry = chain.geometry
     traces: dict[str, dict[int, list]] = {"reload": {}, "checkpoint": {}}
     for reload in reloads:

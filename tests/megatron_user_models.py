@@ -129,3 +129,26 @@ def _value_head_gpt() -> type:
                 )
 
     return _ValueHeadGPT
+
+
+def user_forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
+    """A forward step as a plain Megatron script writes it: the stage and the TP group come from
+    ``parallel_state`` (Megatron's ``vocab_parallel_cross_entropy`` reads it), not from LiveR."""
+    from functools import partial
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None)
+    if not parallel_state.is_pipeline_last_stage():
+        return output, partial(user_loss_func, batch["loss_mask"])
+    losses = tensor_parallel.vocab_parallel_cross_entropy(output.float(), batch["labels"])
+    return losses, partial(user_loss_func, batch["loss_mask"])
+
+
+def user_loss_func(loss_mask: Any, losses: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Megatron's three-value loss contract, reported under the user's own key."""
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}

@@ -26,7 +26,14 @@ from live_chain import (
     reports_of,
     run_chain,
 )
-from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
+from megatron_user_models import (
+    DIVISIBLE_BY,
+    KINDS,
+    NUM_LAYERS,
+    VOCAB_SIZE,
+    UserModel,
+    user_forward_step,
+)
 
 from liver.shared.layout import ParallelLayout
 from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -58,8 +65,12 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     prefix = str(tmp_path_factory.mktemp("corpus") / "corpus")
     prepare_corpus(CORPUS_TEXT, prefix)
 
+    from liver.worker_runtime.megatron.train import TrainerHooks
+
     kind, dtype = request.param
     provider = UserModel(kind, params_dtype=dtype)
+    # The bf16 job brings its own forward step too: Megatron's loss on parallel_state's groups.
+    own_step = TrainerHooks(forward_step=user_forward_step, loss_key="loss") if dtype == "bfloat16" else None
     geometry = derive_geometry_in_subprocess(
         provider,
         name=f"{kind}-{dtype}",
@@ -75,6 +86,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         start_processes=(0, 1, 2, 3),
         transitions=TRANSITIONS,
         corpus=IndexedCorpus(prefix, CONFIG.seq_length, num_samples=400),
+        hooks=own_step,
     )
     return run_chain(chain, str(tmp_path_factory.mktemp("checkpoints")))
 

@@ -19,9 +19,8 @@ model is built. :func:`build_gpt_model` checks that instead of building a TP=1 m
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,11 +115,13 @@ class ParallelGroups:
 
     ``embd`` (first and last stage of this rank's pipeline) is ``None`` on middle stages and
     ``pos_embd`` (first stage) on every later stage, as in ``parallel_state``. ``single`` is a group of
-    this rank alone: Megatron's context-parallel group.
+    this rank alone: Megatron's context-parallel group. ``world`` is every rank of the world: the one
+    distributed-optimizer instance, over which its grad norm is reduced.
     """
 
     layout: ParallelLayout
     rank: int
+    world: dist.ProcessGroup
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
@@ -140,6 +141,7 @@ class ParallelGroups:
             ("mp", self.mp, layout.tp * layout.pp, coords.tp + layout.tp * coords.pp),
             ("tp_dp", self.tp_dp, layout.tp * layout.dp, coords.tp + layout.tp * coords.dp),
             ("single", self.single, 1, 0),
+            ("world", self.world, layout.world_size, self.rank),
         ):
             if group.size() != size or group.rank() != index:
                 raise MegatronBuildError(
@@ -182,7 +184,7 @@ class ParallelGroups:
             tp_cp=self.tp,
             hcp=[self.single],
             ep=self.single,
-            expt_tp=self.single,
+            expt_tp=self.tp,
             tp_ep=self.tp,
             tp_ep_pp=self.mp,
             tp_dp_cp=self.tp_dp,
@@ -191,27 +193,8 @@ class ParallelGroups:
             expt_dp=self.dp,
             intra_dp_cp=self.dp,
             intra_expt_dp=self.dp,
-            intra_dist_opt=self.dp,
+            intra_dist_opt=self.world,
         )
-
-
-@contextlib.contextmanager
-def parallel_state_pinned_to(groups: ParallelGroups) -> Iterator[None]:
-    """Answer Megatron's remaining ``parallel_state`` rank queries with the given groups' own ranks.
-
-    ``parallel_state.get_data_parallel_rank`` (and the TP rank) return an explicitly set rank before
-    consulting any group, so setting them makes the answer theirs whatever ``parallel_state``
-    describes (another world, or nothing at all); the previous values are restored afterwards.
-    """
-    from megatron.core import parallel_state
-
-    saved = (parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK)
-    parallel_state.set_data_parallel_rank(groups.dp.rank())
-    parallel_state.set_tensor_model_parallel_rank(groups.tp.rank())
-    try:
-        yield
-    finally:
-        parallel_state._MPU_DATA_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK = saved
 
 
 def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
@@ -220,6 +203,7 @@ def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
     return ParallelGroups(
         layout=layout,
         rank=dist.get_rank(),
+        world=parallel_state.get_intra_distributed_optimizer_instance_group(),
         tp=parallel_state.get_tensor_model_parallel_group(),
         pp=parallel_state.get_pipeline_model_parallel_group(),
         dp=parallel_state.get_data_parallel_group(),
@@ -241,6 +225,7 @@ def groups_from_world(world: World) -> ParallelGroups:
     return ParallelGroups(
         layout=world.layout,
         rank=world.rank,
+        world=world.group(GroupKind.WORLD),
         tp=world.group(GroupKind.TP),
         pp=world.group(GroupKind.PP),
         dp=world.group(GroupKind.DP),

@@ -41,10 +41,11 @@ all ranks (a shared file system across nodes), as for any Megatron checkpoint.
 Process groups: ``dist_checkpointing.save/load`` run their collectives on torch.distributed's default
 world (``get_rank()``, ``barrier()``, ``all_gather_object`` without a group), so the trainer's world must
 be the default one (checked, as for building). Everything that takes a group gets the trainer's own:
-the model's ``dp_cp_group``, the fully parallel save's DP group. The one value Megatron still reads
-from ``parallel_state`` (the DP rank in the tied output layer's replica id) is pinned to the trainer's
-DP rank while the state dicts are built, and every replica id is then checked against the trainer's
-groups, so a stale ``parallel_state`` (the previous world's) can never decide what is saved.
+the model's ``dp_cp_group``, the fully parallel save's DP group. What Megatron still reads from
+``parallel_state`` (the DP rank in the tied output layer's replica id) answers for the trainer's world
+while the state dicts are built (:mod:`.pinned_state`), and every replica id is then checked against
+the trainer's groups, so a stale ``parallel_state`` (the previous world's) can never decide what is
+saved.
 
 Writing: Megatron's default ``torch_dist`` writer starts a ``multiprocessing.Manager`` with the spawn
 method and forks one writer process per file on every save. That cannot run in a daemonic process (the
@@ -283,10 +284,10 @@ def check_replica_ids(state: ShardedStateDict, groups: ParallelGroups) -> None:
 
 
 def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str, Any]:
-    from liver.worker_runtime.megatron.build import parallel_state_pinned_to
+    from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 
     groups = trainer.groups
-    with parallel_state_pinned_to(groups):
+    with parallel_state_of(groups):
         model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp})
         optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading)
     state = {"model": model, "optimizer": optimizer}

@@ -38,10 +38,10 @@ from liver.worker_runtime.megatron.build import (
     build_gpt_model,
     check_default_world,
     ensure_global_memory_buffer,
-    parallel_state_pinned_to,
     seed_build,
 )
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
+from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 
 __all__ = ["ModelSource", "UserProvider", "as_source", "load_provider", "source_of"]
 
@@ -116,8 +116,8 @@ class ModelSource:
         check_default_world(groups)
         ensure_global_memory_buffer()
         seed_build(seed, layout, groups.rank)
-        model = self.provider(layout, groups.collection())
-        with parallel_state_pinned_to(groups):  # the tied output layer asks parallel_state its DP rank
+        with parallel_state_of(groups):  # a provider (and the tied output layer) may ask parallel_state
+            model = self.provider(layout, groups.collection())
             check_model_geometry(
                 model, self.geometry, layout, groups.rank, metadata={"dp_cp_group": groups.dp}
             )

@@ -1,23 +1,22 @@
 """One Megatron-core training job on one world: GPT model, DDP, optimizer, LR schedule and a step.
 
 :func:`build_trainer` assembles what Megatron-LM's ``pretrain`` would, from Megatron-core parts only:
-the GPTModel of :mod:`.build`, Megatron's ``DistributedDataParallel``, ``get_megatron_optimizer``
-(Adam) and ``OptimizerParamScheduler``, all on the explicit process groups of one world. Each
+the GPTModel of :mod:`.build` (or the user's provider's), Megatron's ``DistributedDataParallel``,
+``get_megatron_optimizer`` (Adam) and ``OptimizerParamScheduler``, all on the explicit process groups of
+one world, with ``parallel_state`` answering for that world while they are built. Each
 :meth:`MegatronTrainer.train_step` runs Megatron's own schedule (``get_forward_backward_func``: 1F1B
-when PP > 1) over the micro-batches of one global batch and returns the loss and the grad norm.
+when PP > 1) with Megatron's GPT forward step or the user's over the micro-batches of one global batch
+and returns the loss and the grad norm.
 
-Two deliberate differences from Megatron-LM's ``pretrain_gpt``:
-
-* The loss is computed here (the GPT model returns logits): Megatron's unfused vocab-parallel cross
-  entropy reads the TP group from ``parallel_state``, which may describe another world while a second
-  one is built. The arithmetic is Megatron's own (its ``VocabParallelCrossEntropy`` steps), over the
-  explicit TP group.
-* Vocabulary padding carries no state. Megatron pads the vocabulary to a multiple of
-  ``make_vocab_size_divisible_by * tp``, so the number of padding rows changes with TP; if they took part
-  in the softmax, their weights and Adam moments would be training state that no other layout could
-  hold. Here padding rows start at zero and their logits are ``-inf`` in the loss, so their gradients
-  are exactly zero and they stay zero forever (AdamW moves a zero weight with zero moments by exactly
-  zero). LiveR's logical tensors exclude padding (:mod:`liver.shared.model`); this makes that exact.
+One deliberate difference from Megatron-LM's ``pretrain_gpt``: vocabulary padding carries no state.
+Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``, so the number of
+padding rows changes with TP; if they took part in the softmax, their weights and Adam moments would be
+training state that no other layout could hold. Here padding rows start at zero and a forward hook on
+the output layer sets their logits to ``-inf`` (:func:`mask_vocab_padding`), whatever loss the forward
+step computes from them, so their gradients are exactly zero and they stay zero forever (AdamW moves a
+zero weight with zero moments by exactly zero). LiveR's logical tensors exclude padding
+(:mod:`liver.shared.model`); this makes that exact. (A loss with label smoothing over a padded
+vocabulary would average ``log 0``; keep the vocabulary a multiple of the padding or smoothing off.)
 
 The global batch size is fixed by :class:`TrainConfig`; the micro-batches per rank follow from the
 layout's DP (``global / (micro * dp)``), so changing DP changes how a batch is split (and the order in
@@ -46,12 +45,13 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import ParallelGroups, groups_from_parallel_state
 from liver.worker_runtime.megatron.data import Corpus, CorpusSpec, SyntheticCorpus
+from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 from liver.worker_runtime.megatron.source import ModelSource, as_source
 from liver.worker_runtime.megatron.state import local_state, logical_name
 from liver.worker_runtime.megatron.train_config import TrainConfig
-from liver.worker_runtime.megatron.trainer import MegatronTrainer
+from liver.worker_runtime.megatron.trainer import ForwardStep, MegatronTrainer, gpt_forward_step
 
-__all__ = ["TrainerHooks", "build_trainer", "zero_vocab_padding"]
+__all__ = ["TrainerHooks", "build_trainer", "mask_vocab_padding", "zero_vocab_padding"]
 
 log = structlog.get_logger(__name__)
 
@@ -67,13 +67,24 @@ class TrainerHooks:
     ``get_megatron_optimizer`` (otherwise Adam from the :class:`TrainConfig`); its precision must be
     the model's. ``scheduler``: ``(optimizer) -> OptimizerParamScheduler``, the user's own schedule
     (otherwise the :class:`TrainConfig`'s); it is rebuilt for each world and its state carried across
-    the switch, so it must be the same function every time.
+    the switch, so it must be the same function every time. ``forward_step``: the user's
+    ``forward_step_func`` (:data:`~.trainer.ForwardStep`; otherwise Megatron's GPT forward step), run
+    with ``parallel_state`` describing the world it trains in; its ``loss_func`` reports the loss under
+    ``loss_key``.
     """
 
     optimizer_config: OptimizerConfig | None = None
     scheduler: Callable[[Any], OptimizerParamScheduler] | None = None
+    forward_step: ForwardStep | None = None
+    loss_key: str = "lm loss"
 
     def __post_init__(self) -> None:
+        if self.forward_step is not None and not callable(self.forward_step):
+            raise ValueError(f"hooks.forward_step: expected a function, got {type(self.forward_step)}")
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise ValueError(f"hooks.scheduler: expected a function, got {type(self.scheduler)}")
+        if not isinstance(self.loss_key, str) or not self.loss_key:
+            raise ValueError(f"hooks.loss_key: expected the loss report's key, got {self.loss_key!r}")
         opt = self.optimizer_config
         if opt is not None and opt.optimizer != "adam":
             raise ValueError(
@@ -122,6 +133,34 @@ def zero_vocab_padding(model: GPTModel, geometry: ModelGeometry, groups: Paralle
                 param[max(first_padding, 0) :].zero_()
 
 
+def mask_vocab_padding(model: torch.nn.Module, geometry: ModelGeometry, groups: ParallelGroups) -> None:
+    """Make the output layer's logits of padding columns ``-inf`` (see the module docstring).
+
+    Out of place, so autograd gives those columns exactly zero gradient; the layer's output may be
+    vocab-parallel (this TP rank's columns) or gathered (all of them)."""
+    output_layer = getattr(model, "output_layer", None)
+    if geometry.vocab_size is None or output_layer is None or not groups.is_last_stage:
+        return
+    tp = groups.layout.tp
+    padded = geometry.padded_vocab(tp)
+    if padded == geometry.vocab_size:
+        return
+    per_rank = padded // tp
+    vocab_size = geometry.vocab_size
+
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        logits, *rest = output if isinstance(output, tuple) else (output,)
+        width = logits.size(-1)
+        first = groups.tp.rank() * per_rank if width == per_rank else 0
+        if width not in (per_rank, padded) or first + width <= vocab_size:
+            return None
+        column = torch.arange(first, first + width, device=logits.device)
+        masked = logits.masked_fill(column >= vocab_size, float("-inf"))
+        return (masked, *rest) if isinstance(output, tuple) else masked
+
+    output_layer.register_forward_hook(hook)
+
+
 def build_trainer(
     model_source: ModelSpec | ModelSource,
     layout: ParallelLayout,
@@ -142,6 +181,18 @@ def build_trainer(
     source = as_source(model_source)
     if groups is None:
         groups = groups_from_parallel_state(layout)
+    with parallel_state_of(groups):
+        return _build_trainer(source, layout, config, groups, corpus, hooks or TrainerHooks())
+
+
+def _build_trainer(
+    source: ModelSource,
+    layout: ParallelLayout,
+    config: TrainConfig,
+    groups: ParallelGroups,
+    corpus: Corpus | None,
+    hooks: TrainerHooks,
+) -> MegatronTrainer:
     config.micro_batches_per_rank(layout.dp)
     if config.seq_length > source.max_sequence_length:
         raise ValueError(
@@ -158,6 +209,7 @@ def build_trainer(
         },
     )
     zero_vocab_padding(gpt, source.geometry, groups)
+    mask_vocab_padding(gpt, source.geometry, groups)
     collection = groups.collection()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -168,7 +220,6 @@ def build_trainer(
     model = DistributedDataParallel(
         config=gpt.config, ddp_config=ddp_config, module=gpt, pg_collection=collection
     )
-    hooks = hooks or TrainerHooks()
     opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
     if opt_config.use_distributed_optimizer != config.use_distributed_optimizer:
         raise ValueError(
@@ -216,7 +267,18 @@ def build_trainer(
             f"corpus: vocabulary {corpus.vocab_size} / seq_length {corpus.seq_length} do not fit "
             f"the model ({source.vocab_size}) and the config ({config.seq_length})"
         )
-    trainer = MegatronTrainer(source, layout, config, groups, model, optimizer, scheduler, corpus)
+    trainer = MegatronTrainer(
+        source,
+        layout,
+        config,
+        groups,
+        model,
+        optimizer,
+        scheduler,
+        corpus,
+        forward_step=hooks.forward_step or gpt_forward_step,
+        loss_key=hooks.loss_key,
+    )
     if not config.use_distributed_optimizer:
         # Start-up check: every parameter and Adam state maps to the logical tensor the views give this
         # rank, with the view's local shape (raises StateMismatch naming the first that does not).

@@ -2,10 +2,13 @@
 
 :class:`MegatronTrainer` holds what :func:`~.train.build_trainer` assembled (the DDP-wrapped GPTModel,
 Megatron's optimizer, the LR/WD schedule) and runs Megatron's own schedule in
-:meth:`MegatronTrainer.train_step`. It is apart from the build so that the state mapping
-(:mod:`.state`), which reads a trainer, and the build, which checks a new trainer against that mapping,
-each import it without importing each other. Why the loss is computed here and how vocabulary padding
-is kept out of the state: see :mod:`.train`.
+:meth:`MegatronTrainer.train_step` with a ``forward_step_func``: Megatron's GPT forward step
+(:func:`gpt_forward_step`, the model computing its loss) or the user's own. The step runs with
+``parallel_state`` answering for the trainer's world (:mod:`.pinned_state`), so code written for a plain
+Megatron job (Megatron's standard loss reads the TP group from there) works in every world a job moves
+to. It is apart from the build so that the state mapping (:mod:`.state`), which reads a trainer, and
+the build, which checks a new trainer against that mapping, each import it without importing each
+other. How vocabulary padding is kept out of the state: see :mod:`.train`.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
+from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.worker_runtime.megatron.build import ParallelGroups, ensure_global_memory_buffer
-from liver.worker_runtime.megatron.data import Batch, Corpus
+from liver.worker_runtime.megatron.data import Corpus
+from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 from liver.worker_runtime.megatron.source import ModelSource
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
-__all__ = ["MegatronTrainer", "StepResult", "vocab_parallel_cross_entropy"]
+__all__ = ["ForwardStep", "MegatronTrainer", "StepResult", "gpt_forward_step", "gpt_loss_func"]
 
 log = structlog.get_logger(__name__)
 
@@ -49,66 +53,35 @@ class StepResult(NamedTuple):
     seconds: float
 
 
-# --------------------------------------------------------------------------- loss
+# --------------------------------------------------------------------------- the step's loss
+
+ForwardStep = Callable[
+    [Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Callable[..., Any]]
+]
+"""A Megatron ``forward_step_func``: ``(data_iterator, model) -> (output_tensor, loss_func)``. The
+iterator yields this rank's micro-batches as dicts of ``[batch, seq]`` tensors keyed ``tokens``,
+``labels``, ``loss_mask`` and ``position_ids`` (Megatron's ``GPTDataset`` samples, collated; no
+``attention_mask``: the causal mask). ``loss_func`` follows Megatron's contract and reports the loss
+under a key (``"lm loss"``) as ``[loss_sum, num_tokens]`` or as a mean."""
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Megatron's vocab-parallel cross entropy over an explicit TP group, padding columns masked."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        group: dist.ProcessGroup,
-        vocab_size: int,
-    ) -> torch.Tensor:
-        steps = VocabParallelCrossEntropy
-        logits = logits.float()
-        per_rank = logits.size(-1)
-        start = group.rank() * per_rank
-        padding_from = vocab_size - start
-        if padding_from < per_rank:
-            logits[..., max(padding_from, 0) :] = float("-inf")
-        logits_max = torch.max(logits, dim=-1)[0]
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
-            logits, target, logits_max, start, start + per_rank
-        )
-        dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
-        softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
-        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        steps = VocabParallelCrossEntropy
-        grad_2d, arange_1d, softmax_update, grad_input = steps.prepare_gradient_calculation_operands(
-            softmax, target_mask
-        )
-        grad = steps.calculate_gradients(
-            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, grad_output
-        )
-        return grad, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int
-) -> torch.Tensor:
-    """Per-token loss for logits split over ``tp_group`` along the (padded) vocabulary; columns at or
-    past ``vocab_size`` are padding and get probability exactly zero."""
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_size)
-
-
-def _loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Megatron's three-value loss contract: summed loss, token count, and what to report."""
+def gpt_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Megatron's GPT loss contract (``pretrain_gpt``): summed loss, token count, and the report."""
     mask = loss_mask.reshape(-1).float()
-    loss_sum = torch.sum(per_token.reshape(-1).float() * mask)
+    loss_sum = torch.sum(output_tensor.reshape(-1).float() * mask)
     num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
+    report = torch.cat([loss_sum.detach().clone().view(1), num_tokens.detach().float().view(1)])
     return loss_sum, num_tokens, {"lm loss": report}
+
+
+def gpt_forward_step(
+    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[..., Any]]:
+    """Megatron's GPT forward step: the model computes the per-token loss itself (Megatron's
+    vocab-parallel cross entropy, on the TP group ``parallel_state`` names: the trainer's world)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(gpt_loss_func, batch["loss_mask"])
 
 
 class MegatronTrainer:
@@ -129,6 +102,9 @@ class MegatronTrainer:
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
         corpus: Corpus,
+        *,
+        forward_step: ForwardStep = gpt_forward_step,
+        loss_key: str = "lm loss",
     ) -> None:
         self.source = source
         self.layout = layout
@@ -138,6 +114,8 @@ class MegatronTrainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.corpus = corpus
+        self.forward_step = forward_step
+        self.loss_key = loss_key
         self.iteration = 0
         self.consumed_samples = 0
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
@@ -155,50 +133,42 @@ class MegatronTrainer:
         """What the plans move: every tensor of this trainer's state is one of its tensors."""
         return self.source.geometry
 
-    def data_iterator(self) -> Iterator[Batch]:
-        """This rank's micro-batches of the next global batch."""
-        return self.corpus.micro_batches(
+    def data_iterator(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the next global batch, as the forward step takes them."""
+        batches = self.corpus.micro_batches(
             self.consumed_samples,
             self.config.global_batch_size,
             self.config.micro_batch_size,
             self.groups.dp.rank(),
             self.layout.dp,
         )
-
-    def _forward_step(
-        self, data_iterator: Iterator[Batch], model: DistributedDataParallel
-    ) -> tuple[torch.Tensor, Callable[..., Any]]:
-        batch = next(data_iterator)
-        output = model(batch.tokens, batch.position_ids, None)
-        if not self.groups.is_last_stage:
-            return output, _loss_func  # never called: only the last stage computes the loss
-        per_token = vocab_parallel_cross_entropy(output, batch.labels, self.groups.tp, self.source.vocab_size)
-        return per_token, partial(_loss_func, batch.loss_mask)
+        return (batch._asdict() for batch in batches)
 
     def train_step(self) -> StepResult:
         """One iteration over the next global batch: forward/backward, grad sync, optimizer, LR."""
         start = time.perf_counter()
         ensure_global_memory_buffer()
         config = self.config
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        reports = self._forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=self.data_iterator(),
-            model=[self.model],
-            num_microbatches=self.num_microbatches,
-            seq_length=config.seq_length,
-            micro_batch_size=config.micro_batch_size,
-            forward_only=False,
-            p2p_communicator=self._p2p,
-            pg_collection=self._collection,
-        )
-        succeeded, grad_norm, _ = self.optimizer.step()
-        if succeeded:
-            self.scheduler.step(increment=config.global_batch_size)
-        self.iteration += 1
-        self.consumed_samples += config.global_batch_size
-        loss = self._global_loss(reports)
+        with parallel_state_of(self.groups):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reports = self._forward_backward(
+                forward_step_func=self.forward_step,
+                data_iterator=self.data_iterator(),
+                model=[self.model],
+                num_microbatches=self.num_microbatches,
+                seq_length=config.seq_length,
+                micro_batch_size=config.micro_batch_size,
+                forward_only=False,
+                p2p_communicator=self._p2p,
+                pg_collection=self._collection,
+            )
+            succeeded, grad_norm, _ = self.optimizer.step()
+            if succeeded:
+                self.scheduler.step(increment=config.global_batch_size)
+            self.iteration += 1
+            self.consumed_samples += config.global_batch_size
+            loss = self._global_loss(reports)
         lr = float(self.optimizer.param_groups[0]["lr"])
         result = StepResult(
             iteration=self.iteration,
@@ -212,13 +182,28 @@ class MegatronTrainer:
         return result
 
     def _global_loss(self, reports: list[dict[str, torch.Tensor]]) -> float:
-        """Mean token loss of the global batch: summed over micro-batches and DP replicas on the last
-        stage, then shared along the pipeline (other stages add zeros, which keeps the value exact)."""
+        """Mean token loss of the global batch, the same on every rank.
+
+        A ``[loss_sum, num_tokens]`` report is summed over micro-batches and DP replicas and divided
+        once; a one-value report is a mean and is averaged. Either way the last stage's value is shared
+        along the pipeline (other stages add zeros, which keeps it exact)."""
         total = torch.zeros(2, dtype=torch.float32)
         if self.groups.is_last_stage:
             for report in reports:
-                total += report["lm loss"]
+                total += self._report_pair(report)
             dist.all_reduce(total, group=self.groups.dp)
         if self.layout.pp > 1:
             dist.all_reduce(total, group=self.groups.pp)
         return float(total[0] / total[1])
+
+    def _report_pair(self, report: object) -> torch.Tensor:
+        """One micro-batch's report as ``[loss_sum, count]`` (a mean counts once)."""
+        value = report.get(self.loss_key) if isinstance(report, dict) else None
+        if not isinstance(value, torch.Tensor) or value.numel() not in (1, 2):
+            found = sorted(report) if isinstance(report, dict) else type(report).__name__
+            raise InputError(
+                f"hooks.forward_step: its loss_func must report {self.loss_key!r} as a tensor "
+                f"[loss_sum, num_tokens] or a mean (Megatron's contract); it reported {found}"
+            )
+        value = value.detach().float().reshape(-1)
+        return value if value.numel() == 2 else torch.cat([value, torch.ones(1)])
