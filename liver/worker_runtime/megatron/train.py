@@ -45,6 +45,7 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import ParallelGroups, groups_from_parallel_state
 from liver.worker_runtime.megatron.data import Corpus, CorpusSpec, SyntheticCorpus
+from liver.worker_runtime.megatron.dist_opt import check_owned_ranges
 from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 from liver.worker_runtime.megatron.source import ModelSource, as_source
 from liver.worker_runtime.megatron.state import local_state, logical_name
@@ -171,7 +172,8 @@ def build_trainer(
     hooks: TrainerHooks | None = None,
 ) -> MegatronTrainer:
     """Build model, DDP, optimizer and schedule for this rank of ``layout``, and check that its state
-    agrees with the view function (not for the distributed optimizer, whose state LiveR cannot map).
+    agrees with the view function (for the distributed optimizer: that it owns the ranges the planner
+    predicts, :mod:`liver.shared.dist_opt`).
 
     ``groups`` default to ``parallel_state``'s (which must then be initialised for ``layout``); the
     world they belong to must be torch.distributed's default world (see :mod:`.build`).
@@ -279,7 +281,10 @@ def _build_trainer(
         forward_step=hooks.forward_step or gpt_forward_step,
         loss_key=hooks.loss_key,
     )
-    if not config.use_distributed_optimizer:
+    if config.use_distributed_optimizer:
+        # Start-up check: the optimizer owns exactly the ranges the planner predicts for this rank.
+        check_owned_ranges(trainer)
+    else:
         # Start-up check: every parameter and Adam state maps to the logical tensor the views give this
         # rank, with the view's local shape (raises StateMismatch naming the first that does not).
         local_state(trainer)

@@ -1,0 +1,269 @@
+"""Who owns what under Megatron's distributed optimizer, as data the planners can use.
+
+With ``use_distributed_optimizer`` (ZeRO-1), DDP lays every stage's parameters out in flat buffers
+(one per parameter dtype), cut into buckets; each bucket is split into DP-size equal ranges and DP rank
+``d`` owns range ``d`` of every bucket: the fp32 master weights and Adam moments of exactly those
+elements. So a rank's share of one parameter's optimizer state is a contiguous range of that
+parameter's flattened local (TP-sharded) tensor, and a contiguous range of a row-major box is a union
+of at most ``2 * ndim - 1`` boxes (:func:`flat_range_boxes`): ownership reduces to the planner's box
+algebra and the plan checker proves it like any other shard.
+
+The layout rules are Megatron-core 0.16.1's (``_ParamAndGradBuffer.__init__`` and
+``DistributedOptimizer._build_model_gbuf_range``), restated here because the planner is torch-free:
+
+* parameters that need a gradient, grouped by dtype (one buffer each, in order of first appearance),
+  in *reverse* ``named_parameters()`` order;
+* each parameter starts at a multiple of 64 elements;
+* a bucket closes once it holds at least ``bucket_size`` elements (``overlap_grad_reduce`` only; never
+  on pipeline stages after the first), and the tied embedding of a pipelined model (``shared_embedding``)
+  gets a bucket of its own;
+* every bucket ends padded to a multiple of ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
+  ``pad_buckets_for_high_nccl_busbw``).
+
+A rule restated can drift, so tests compare :func:`owned_ranges` with the ranges Megatron's own
+optimizer computes for presets and user models at many layouts, and every rank checks its real
+optimizer against it when it builds one (``worker_runtime/megatron``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import msgspec
+
+from liver.shared.boxes import Box, intersect
+from liver.shared.geometry import GeometryError, ModelGeometry, TensorSpec
+from liver.shared.layout import ParallelLayout
+from liver.shared.views import holding_stages, tp_shard
+
+__all__ = [
+    "BufferLayout",
+    "DdpSettings",
+    "ParamSlot",
+    "buffer_layouts",
+    "flat_range_boxes",
+    "owned_boxes",
+    "owned_ranges",
+    "stage_parameters",
+]
+
+PARAM_ALIGNMENT = 64
+BUCKET_ALIGNMENT = 128
+HIGH_BUSBW_ALIGNMENT = 2**16
+
+
+class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The DDP settings that decide the buffer layout (Megatron's ``DistributedDataParallelConfig``).
+
+    ``bucket_size`` is in elements and only applies with ``overlap_grad_reduce``, as in Megatron
+    (``None`` there means its default, ``max(40_000_000, 1_000_000 * dp)``).
+    """
+
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise GeometryError(f"ddp.bucket_size: must be at least 1 when given, got {self.bucket_size}")
+
+    def effective_bucket_size(self, dp: int, pp_rank: int) -> int | None:
+        """Elements after which a bucket closes on stage ``pp_rank`` (``None``: one bucket)."""
+        if not self.overlap_grad_reduce or pp_rank > 0:
+            return None
+        return self.bucket_size if self.bucket_size is not None else max(40_000_000, 1_000_000 * dp)
+
+
+class ParamSlot(NamedTuple):
+    """One parameter in a buffer: its flat range ``[start, end)`` and its bucket."""
+
+    name: str  # the parameter (TensorSpec.param)
+    start: int
+    end: int
+    bucket: int
+
+
+class BufferLayout(NamedTuple):
+    """One DDP buffer of a stage: its dtype, its parameters in buffer order and its buckets."""
+
+    dtype: str
+    params: tuple[ParamSlot, ...]
+    buckets: tuple[tuple[int, int], ...]
+
+
+def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int) -> tuple[TensorSpec, ...]:
+    """The parameters a rank of stage ``pp_rank`` holds, in ``named_parameters()`` order: embeddings,
+    the stage's decoder layers, then the last stage's own parameters and the tied embedding's replica
+    (Megatron's ``output_layer.weight`` on a last stage that is not also the first)."""
+    last = layout.pp - 1
+    first: list[TensorSpec] = []
+    layers: list[TensorSpec] = []
+    final: list[TensorSpec] = []
+    replica: list[TensorSpec] = []
+    for t in geometry.tensors(optimizer=False):
+        stages = holding_stages(t, geometry, layout)
+        if pp_rank not in stages:
+            continue
+        if t.home == "all":
+            raise GeometryError(
+                f"{t.name}: a parameter on every pipeline stage has no place in Megatron's buffer order"
+            )
+        if t.home == "layer":
+            layers.append(t)
+        elif t.home == "last":
+            final.append(t)
+        elif t.home == "first+last" and pp_rank == last and pp_rank != 0:
+            replica.append(t)
+        else:
+            first.append(t)
+    return (*first, *layers, *final, *replica)
+
+
+def _pad(n: int, divisor: int) -> int:
+    return math.ceil(n / divisor) * divisor
+
+
+def buffer_layouts(
+    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, tp_rank: int, ddp: DdpSettings
+) -> tuple[BufferLayout, ...]:
+    """The DDP buffers of the ranks at (``pp_rank``, ``tp_rank``) of ``layout`` (the same on every DP
+    rank), as Megatron lays them out (module docstring)."""
+    dp = layout.dp
+    bucket_size = ddp.effective_bucket_size(dp, pp_rank)
+    shared = layout.pp > 1
+    by_dtype: dict[str, list[tuple[TensorSpec, int]]] = {}
+    for t in stage_parameters(geometry, layout, pp_rank):
+        numel = math.prod(tp_shard(t, geometry, layout.tp, tp_rank).local_shape)
+        by_dtype.setdefault(t.dtype, []).append((t, numel))
+    divisor = math.lcm(dp, BUCKET_ALIGNMENT)
+    if ddp.pad_buckets_for_high_nccl_busbw:
+        divisor = math.lcm(divisor, HIGH_BUSBW_ALIGNMENT)
+    out = []
+    for dtype, params in by_dtype.items():
+        out.append(_one_buffer(dtype, params, bucket_size, shared, ddp.distributed_optimizer, divisor))
+    return tuple(out)
+
+
+def _one_buffer(
+    dtype: str,
+    params: list[tuple[TensorSpec, int]],
+    bucket_size: int | None,
+    shared_embeddings: bool,
+    distributed: bool,
+    divisor: int,
+) -> BufferLayout:
+    slots: list[ParamSlot] = []
+    buckets: list[tuple[int, int]] = []
+    bucket_start = 0
+    start = 0
+    in_bucket = 0
+    end = 0
+
+    def close(param_end: int) -> int:
+        nonlocal bucket_start, in_bucket
+        bucket_end = _pad(param_end, divisor) if distributed else param_end
+        buckets.append((bucket_start, bucket_end))
+        bucket_start = bucket_end
+        in_bucket = 0
+        return bucket_end
+
+    for t, numel in reversed(params):
+        own_bucket = distributed and shared_embeddings and t.home == "first+last"
+        if distributed:
+            start = _pad(start, PARAM_ALIGNMENT)
+        if own_bucket and in_bucket:
+            start = close(start)
+        end = start + numel
+        slots.append(ParamSlot(t.param, start, end, len(buckets)))
+        in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if in_bucket:
+        close(end)
+    return BufferLayout(dtype, tuple(slots), tuple(buckets))
+
+
+def owned_ranges(
+    geometry: ModelGeometry, layout: ParallelLayout, rank: int, ddp: DdpSettings
+) -> dict[str, tuple[int, int]]:
+    """The range of each parameter's flattened local tensor whose optimizer state ``rank`` owns, by
+    parameter name; parameters of its stage that it owns nothing of are absent."""
+    if not ddp.distributed_optimizer:
+        raise GeometryError("ddp.distributed_optimizer: ownership ranges exist only for it")
+    coords = layout.coords(rank)
+    out: dict[str, tuple[int, int]] = {}
+    for buffer in buffer_layouts(geometry, layout, coords.pp, coords.tp, ddp):
+        for slot in buffer.params:
+            lo, hi = buffer.buckets[slot.bucket]
+            size = (hi - lo) // layout.dp
+            own_lo = lo + coords.dp * size
+            a, b = max(slot.start, own_lo), min(slot.end, own_lo + size)
+            if a < b:
+                out[slot.name] = (a - slot.start, b - slot.start)
+    return out
+
+
+def owned_boxes(
+    geometry: ModelGeometry, layout: ParallelLayout, rank: int, ddp: DdpSettings
+) -> dict[str, tuple[Box, ...]]:
+    """What ``rank`` owns of each parameter's optimizer state (master weights, Adam moments), as boxes
+    of the parameter's *global* logical indices, by parameter name: its owned flat range of the local
+    tensor, cut into boxes and moved to the TP shard's place. Vocabulary padding rows hold no state and
+    are left out (a rank may own padding only: an empty tuple)."""
+    coords = layout.coords(rank)
+    specs = {t.param: t for t in stage_parameters(geometry, layout, coords.pp)}
+    out: dict[str, tuple[Box, ...]] = {}
+    for name, (lo, hi) in owned_ranges(geometry, layout, rank, ddp).items():
+        shard = tp_shard(specs[name], geometry, layout.tp, coords.tp)
+        if shard.box is None:
+            out[name] = ()
+            continue
+        boxes = []
+        for local in flat_range_boxes(shard.local_shape, lo, hi):
+            placed = intersect(tuple((a + o, b + o) for (a, b), (o, _) in zip(local, shard.box)), shard.box)
+            if placed is not None:
+                boxes.append(placed)
+        out[name] = tuple(boxes)
+    return out
+
+
+def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> tuple[Box, ...]:
+    """The boxes, in flat order, whose union is elements ``[lo, hi)`` of a row-major ``shape``: at most
+    ``2 * ndim - 1`` of them, each contiguous in the flattening."""
+    total = math.prod(shape)
+    if not 0 <= lo <= hi <= total:
+        raise ValueError(f"range [{lo}, {hi}) is not within the {total} elements of {shape}")
+    if lo == hi:
+        return ()
+    if not shape:
+        return ((),)
+    return tuple(_boxes(shape, lo, hi))
+
+
+def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
+    """Split ``[lo, hi)`` along the outermost dimension: a partial head row, whole rows, a partial tail."""
+    if len(shape) == 1:
+        return [((lo, hi),)]
+    inner = math.prod(shape[1:])
+    inner_full = tuple((0, n) for n in shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return [
+            ((first, first + 1), *sub) for sub in _boxes(shape[1:], lo - first * inner, hi - first * inner)
+        ]
+    out: list[Box] = []
+    head_lo = lo - first * inner
+    if head_lo:
+        out += [((first, first + 1), *sub) for sub in _boxes(shape[1:], head_lo, inner)]
+        first += 1
+    tail_hi = hi - last * inner
+    whole_end = last + 1 if tail_hi == inner else last
+    if whole_end > first:
+        out.append(((first, whole_end), *inner_full))
+    if tail_hi != inner:
+        out += [((last, last + 1), *sub) for sub in _boxes(shape[1:], 0, tail_hi)]
+    return out
