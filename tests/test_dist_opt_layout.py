@@ -19,7 +19,8 @@ from megatron.core import parallel_state
 from megatron_user_models import DIVISIBLE_BY, NUM_LAYERS, VOCAB_SIZE, UserModel
 
 from liver.shared.boxes import volume
-from liver.shared.dist_opt import DdpSettings, buffer_layouts, flat_range_boxes, owned_ranges
+from liver.shared.dist_opt import buffer_layouts, flat_range_boxes, owned_ranges
+from liver.shared.geometry import DdpSettings
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS
 
@@ -130,16 +131,14 @@ def test_every_ranks_buffers_and_owned_ranges_are_megatrons(
     model: str, dtype: str, layout: ParallelLayout, ddp: DdpSettings
 ) -> None:
     source = _source(model, dtype)
-    geometry = (
-        source.geometry() if hasattr(source, "geometry") and callable(source.geometry) else source.geometry
-    )
+    geometry = (source.geometry() if callable(source.geometry) else source.geometry).with_ddp(ddp)
     real = _megatron(source, layout, ddp, dtype)
     buckets = set()
     for rank, (buffers, ranges) in real.items():
         coords = layout.coords(rank)
-        assert buffer_layouts(geometry, layout, coords.pp, coords.tp, ddp) == buffers, f"rank {rank}"
+        assert buffer_layouts(geometry, layout, coords.pp, coords.tp) == buffers, f"rank {rank}"
         if ddp.distributed_optimizer:
-            assert owned_ranges(geometry, layout, rank, ddp) == ranges, f"rank {rank}"
+            assert owned_ranges(geometry, layout, rank) == ranges, f"rank {rank}"
         buckets.add(sum(len(b.buckets) for b in buffers))
     if ddp.bucket_size is not None:
         assert max(buckets) > 1  # the case really has several buckets
@@ -167,12 +166,14 @@ def test_the_dp_ranks_owned_boxes_tile_every_tp_shard_exactly_once(
     from liver.shared.dist_opt import owned_boxes, stage_parameters
     from liver.shared.views import tp_shard
 
-    geometry = PRESETS[model].geometry()
+    geometry = PRESETS[model].geometry().with_ddp(ddp)
     for pp, tp in itertools.product(range(layout.pp), range(layout.tp)):
         ranks = [layout.rank_of(tp, dp, pp) for dp in range(layout.dp)]
-        owned = [owned_boxes(geometry, layout, r, ddp) for r in ranks]
+        owned = [owned_boxes(geometry, layout, r) for r in ranks]
         names = set().union(*owned)
-        stage = stage_parameters(geometry, layout, pp)
+        stage = [
+            t for t in stage_parameters(geometry, layout, pp) if tp_shard(t, geometry, layout.tp, tp).box
+        ]
         assert names == {t.param for t in stage}, (pp, tp)
         for t in stage:
             box = tp_shard(t, geometry, layout.tp, tp).box

@@ -27,23 +27,24 @@ optimizer against it when it builds one (``worker_runtime/megatron``).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
-import msgspec
-
 from liver.shared.boxes import Box, intersect
-from liver.shared.geometry import GeometryError, ModelGeometry, TensorSpec
+from liver.shared.geometry import DdpSettings, GeometryError, ModelGeometry, TensorSpec
 from liver.shared.layout import ParallelLayout
 from liver.shared.views import holding_stages, tp_shard
 
 __all__ = [
     "BufferLayout",
     "DdpSettings",
+    "OwnedPiece",
     "ParamSlot",
     "buffer_layouts",
     "flat_range_boxes",
     "owned_boxes",
+    "owned_pieces",
     "owned_ranges",
     "stage_parameters",
 ]
@@ -51,29 +52,6 @@ __all__ = [
 PARAM_ALIGNMENT = 64
 BUCKET_ALIGNMENT = 128
 HIGH_BUSBW_ALIGNMENT = 2**16
-
-
-class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The DDP settings that decide the buffer layout (Megatron's ``DistributedDataParallelConfig``).
-
-    ``bucket_size`` is in elements and only applies with ``overlap_grad_reduce``, as in Megatron
-    (``None`` there means its default, ``max(40_000_000, 1_000_000 * dp)``).
-    """
-
-    distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    bucket_size: int | None = None
-    pad_buckets_for_high_nccl_busbw: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise GeometryError(f"ddp.bucket_size: must be at least 1 when given, got {self.bucket_size}")
-
-    def effective_bucket_size(self, dp: int, pp_rank: int) -> int | None:
-        """Elements after which a bucket closes on stage ``pp_rank`` (``None``: one bucket)."""
-        if not self.overlap_grad_reduce or pp_rank > 0:
-            return None
-        return self.bucket_size if self.bucket_size is not None else max(40_000_000, 1_000_000 * dp)
 
 
 class ParamSlot(NamedTuple):
@@ -126,10 +104,11 @@ def _pad(n: int, divisor: int) -> int:
 
 
 def buffer_layouts(
-    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, tp_rank: int, ddp: DdpSettings
+    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, tp_rank: int
 ) -> tuple[BufferLayout, ...]:
     """The DDP buffers of the ranks at (``pp_rank``, ``tp_rank``) of ``layout`` (the same on every DP
-    rank), as Megatron lays them out (module docstring)."""
+    rank), as Megatron lays them out with the geometry's ``ddp`` settings (module docstring)."""
+    ddp = geometry.ddp
     dp = layout.dp
     bucket_size = ddp.effective_bucket_size(dp, pp_rank)
     shared = layout.pp > 1
@@ -187,16 +166,14 @@ def _one_buffer(
     return BufferLayout(dtype, tuple(slots), tuple(buckets))
 
 
-def owned_ranges(
-    geometry: ModelGeometry, layout: ParallelLayout, rank: int, ddp: DdpSettings
-) -> dict[str, tuple[int, int]]:
+def owned_ranges(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> dict[str, tuple[int, int]]:
     """The range of each parameter's flattened local tensor whose optimizer state ``rank`` owns, by
     parameter name; parameters of its stage that it owns nothing of are absent."""
-    if not ddp.distributed_optimizer:
+    if not geometry.distributed:
         raise GeometryError("ddp.distributed_optimizer: ownership ranges exist only for it")
     coords = layout.coords(rank)
     out: dict[str, tuple[int, int]] = {}
-    for buffer in buffer_layouts(geometry, layout, coords.pp, coords.tp, ddp):
+    for buffer in buffer_layouts(geometry, layout, coords.pp, coords.tp):
         for slot in buffer.params:
             lo, hi = buffer.buckets[slot.bucket]
             size = (hi - lo) // layout.dp
@@ -207,28 +184,51 @@ def owned_ranges(
     return out
 
 
-def owned_boxes(
-    geometry: ModelGeometry, layout: ParallelLayout, rank: int, ddp: DdpSettings
-) -> dict[str, tuple[Box, ...]]:
-    """What ``rank`` owns of each parameter's optimizer state (master weights, Adam moments), as boxes
-    of the parameter's *global* logical indices, by parameter name: its owned flat range of the local
-    tensor, cut into boxes and moved to the TP shard's place. Vocabulary padding rows hold no state and
-    are left out (a rank may own padding only: an empty tuple)."""
+class OwnedPiece(NamedTuple):
+    """One box of a rank's owned range of a parameter's optimizer state."""
+
+    box: Box  # global logical indices (vocabulary padding rows left out)
+    local_shape: tuple[int, ...]  # the piece in the rank's flat range, viewed as a box (padding included)
+    offset: int  # where the piece starts in the rank's owned flat range
+
+
+def owned_pieces(
+    geometry: ModelGeometry, layout: ParallelLayout, rank: int
+) -> dict[str, tuple[OwnedPiece, ...]]:
+    """What ``rank`` owns of each parameter's optimizer state (master weights, Adam moments), by
+    parameter name: its owned flat range of the local tensor cut into boxes (:func:`flat_range_boxes`)
+    and moved to the TP shard's place. Pieces wholly in vocabulary padding hold no state and are left
+    out, so a parameter the rank owns only padding of is absent."""
+    return dict(_owned_pieces(geometry, layout, rank))
+
+
+@functools.lru_cache(maxsize=256)
+def _owned_pieces(
+    geometry: ModelGeometry, layout: ParallelLayout, rank: int
+) -> tuple[tuple[str, tuple[OwnedPiece, ...]], ...]:
     coords = layout.coords(rank)
     specs = {t.param: t for t in stage_parameters(geometry, layout, coords.pp)}
-    out: dict[str, tuple[Box, ...]] = {}
-    for name, (lo, hi) in owned_ranges(geometry, layout, rank, ddp).items():
+    out = []
+    for name, (lo, hi) in owned_ranges(geometry, layout, rank).items():
         shard = tp_shard(specs[name], geometry, layout.tp, coords.tp)
         if shard.box is None:
-            out[name] = ()
             continue
-        boxes = []
+        pieces = []
+        offset = 0
         for local in flat_range_boxes(shard.local_shape, lo, hi):
             placed = intersect(tuple((a + o, b + o) for (a, b), (o, _) in zip(local, shard.box)), shard.box)
+            extent = tuple(b - a for a, b in local)
             if placed is not None:
-                boxes.append(placed)
-        out[name] = tuple(boxes)
-    return out
+                pieces.append(OwnedPiece(placed, extent, offset))
+            offset += math.prod(extent)
+        if pieces:
+            out.append((name, tuple(pieces)))
+    return tuple(out)
+
+
+def owned_boxes(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> dict[str, tuple[Box, ...]]:
+    """The global boxes of :func:`owned_pieces`, by parameter name."""
+    return {name: tuple(p.box for p in pieces) for name, pieces in _owned_pieces(geometry, layout, rank)}
 
 
 def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> tuple[Box, ...]:

@@ -34,8 +34,9 @@ from msgspec import Meta
 from liver.shared.errors import InputError
 from liver.shared.layout import LayoutError, ParallelLayout
 
-GEOMETRY_SCHEMA_VERSION = 1
-"""The version of :class:`ModelGeometry` (``docs/geometry.md``)."""
+GEOMETRY_SCHEMA_VERSION = 2
+"""The version of :class:`ModelGeometry` (``docs/geometry.md``). Version 2 added ``ddp`` (how the
+optimizer state is sharded); a version 1 geometry is read as version 2 with the plain optimizer."""
 
 LAYER_PLACEHOLDER = "{layer}"
 
@@ -112,6 +113,26 @@ class TpDivisor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_l
     value: _Positive
 
 
+class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How Megatron's DDP lays out gradients and, with ``distributed_optimizer``, shards the optimizer
+    state over DP (Megatron's ``DistributedDataParallelConfig``; :mod:`liver.shared.dist_opt`).
+
+    ``bucket_size`` is in elements and only applies with ``overlap_grad_reduce``, as in Megatron
+    (``None`` there means its default, ``max(40_000_000, 1_000_000 * dp)``).
+    """
+
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    bucket_size: Annotated[int, Meta(ge=1)] | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+
+    def effective_bucket_size(self, dp: int, pp_rank: int) -> int | None:
+        """Elements after which a bucket closes on stage ``pp_rank`` (``None``: one bucket)."""
+        if not self.overlap_grad_reduce or pp_rank > 0:
+            return None
+        return self.bucket_size if self.bucket_size is not None else max(40_000_000, 1_000_000 * dp)
+
+
 class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Every parameter of a model with its shard geometry; see the module docstring."""
 
@@ -123,8 +144,13 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """The real vocabulary (rows of every ``vocab`` tensor); needed when one exists."""
     make_vocab_size_divisible_by: _Positive = 128
     tp_divisible: tuple[TpDivisor, ...] = ()
+    ddp: DdpSettings = DdpSettings()
+    """How the job's optimizer state is sharded (the plain optimizer unless ``distributed_optimizer``):
+    the job's setting, not the model's, so a geometry derived once is given it with :meth:`with_ddp`."""
 
     def __post_init__(self) -> None:
+        if self.schema_version == 1:
+            msgspec.structs.force_setattr(self, "schema_version", GEOMETRY_SCHEMA_VERSION)
         if self.schema_version != GEOMETRY_SCHEMA_VERSION:
             raise GeometryError(
                 f"schema_version: {self.schema_version} is not supported (expected {GEOMETRY_SCHEMA_VERSION})"
@@ -144,6 +170,15 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
             raise GeometryError(
                 f"num_layers: {self.num_layers}, but no parameter belongs to decoder layer {missing[0]}"
             )
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the optimizer state is sharded over DP (Megatron's distributed optimizer)."""
+        return self.ddp.distributed_optimizer
+
+    def with_ddp(self, ddp: DdpSettings) -> ModelGeometry:
+        """This geometry for a job whose DDP and optimizer are set so."""
+        return self if ddp == self.ddp else msgspec.structs.replace(self, ddp=ddp)
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's padded vocabulary at tensor parallelism ``tp``."""

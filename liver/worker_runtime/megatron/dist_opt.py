@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from liver.shared.dist_opt import BufferLayout, DdpSettings, ParamSlot, buffer_layouts, owned_ranges
+from liver.shared.dist_opt import BufferLayout, ParamSlot, buffer_layouts, owned_ranges
 from liver.shared.errors import HandoffError
+from liver.shared.geometry import DdpSettings
 from liver.worker_runtime.megatron.state import logical_name
 
 if TYPE_CHECKING:
@@ -89,9 +90,13 @@ def megatron_owned_ranges(trainer: MegatronTrainer) -> dict[str, tuple[int, int]
 def check_owned_ranges(trainer: MegatronTrainer) -> None:
     """Raise :class:`DistributedOptimizerMismatch` naming the first parameter whose owned range differs
     from :func:`liver.shared.dist_opt.owned_ranges` (the planner's), so no plan moves the wrong bytes."""
-    settings = ddp_settings(trainer)
+    geometry = trainer.geometry
+    if geometry.ddp != ddp_settings(trainer):
+        raise DistributedOptimizerMismatch(
+            f"the trainer's DDP is set {ddp_settings(trainer)}, its config says {geometry.ddp}"
+        )
     rank = trainer.groups.rank
-    predicted = owned_ranges(trainer.geometry, trainer.layout, rank, settings)
+    predicted = owned_ranges(geometry, trainer.layout, rank)
     real = megatron_owned_ranges(trainer)
     for name in sorted(predicted.keys() | real.keys()):
         if predicted.get(name) != real.get(name):
@@ -99,9 +104,7 @@ def check_owned_ranges(trainer: MegatronTrainer) -> None:
                 f"rank {rank} of {trainer.layout.describe()}: Megatron's distributed optimizer owns "
                 f"{real.get(name)} of {name}, the planner predicts {predicted.get(name)}"
             )
-    expected = buffer_layouts(
-        trainer.geometry, trainer.layout, trainer.groups.pp_rank, trainer.groups.tp.rank(), settings
-    )
+    expected = buffer_layouts(geometry, trainer.layout, trainer.groups.pp_rank, trainer.groups.tp.rank())
     if megatron_buffer_layouts(trainer) != expected:
         raise DistributedOptimizerMismatch(
             f"rank {rank} of {trainer.layout.describe()}: Megatron's gradient buffers are laid out "

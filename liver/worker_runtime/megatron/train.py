@@ -217,6 +217,7 @@ def _build_trainer(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=config.overlap_grad_reduce,
         use_distributed_optimizer=config.use_distributed_optimizer,
+        overlap_param_gather=config.overlap_param_gather,
         bucket_size=config.bucket_size,
     )
     model = DistributedDataParallel(

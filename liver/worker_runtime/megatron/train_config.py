@@ -11,6 +11,8 @@ from typing import Literal
 
 import msgspec
 
+from liver.shared.geometry import DdpSettings
+
 
 class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything about training that is not the model or the layout. Batch sizes are in samples."""
@@ -35,6 +37,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     attention_dropout: float = 0.0
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # the distributed optimizer's all-gather behind the next forward
     bucket_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -59,6 +62,20 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be at least 1 when given, got {self.bucket_size}")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ValueError(
+                "overlap_param_gather needs use_distributed_optimizer and overlap_grad_reduce "
+                "(as in Megatron)"
+            )
+
+    @property
+    def ddp(self) -> DdpSettings:
+        """What of this config decides how the optimizer state is laid out and sharded."""
+        return DdpSettings(
+            distributed_optimizer=self.use_distributed_optimizer,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            bucket_size=self.bucket_size,
+        )
 
     def micro_batches_per_rank(self, dp: int) -> int:
         """Micro-batches each DP rank runs per step; raises when the global batch does not split."""

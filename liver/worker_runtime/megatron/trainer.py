@@ -130,8 +130,9 @@ class MegatronTrainer:
 
     @property
     def geometry(self) -> ModelGeometry:
-        """What the plans move: every tensor of this trainer's state is one of its tensors."""
-        return self.source.geometry
+        """What the plans move: every tensor of this trainer's state is one of its tensors, sharded as
+        its DDP and optimizer shard them."""
+        return self.source.geometry.with_ddp(self.config.ddp)
 
     def data_iterator(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the next global batch, as the forward step takes them."""
