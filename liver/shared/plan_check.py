@@ -22,9 +22,10 @@ import msgspec
 
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.plan import Plan, Slice, TransferTask
-from liver.shared.views import Shard, holding_stages, tp_shard
+from liver.shared.views import holding_stages, tp_shard
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -35,36 +36,50 @@ class VerifyReport(msgspec.Struct, frozen=True):
 
 
 class _Views:
-    """Every tensor's holding stages and per-TP-rank box, computed up front: tensors that share a
-    geometry share one computation, and lookups in the hot loop are list indexing."""
+    """Every tensor's holding on every rank, computed as needed: tensors that share a geometry share
+    one computation (a replica per TP rank and stage), and only the distributed optimizer's DP-sharded
+    state is per rank (:mod:`liver.shared.holdings`)."""
 
     def __init__(self, model: ModelGeometry, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
+        self.model = model
         self.layout = layout
+        self.tensors = tensors
         self.coords = [layout.coords(r) for r in range(layout.world_size)]
-        geometry: dict[tuple, list[Shard]] = {}
+        geometry: dict[tuple, list[Holding | None]] = {}
         self.stages: list[frozenset[int]] = []
-        self.shards: list[list[Shard]] = []
+        self.shards: list[list[Holding | None] | None] = []
         for t in tensors:
             self.stages.append(frozenset(holding_stages(t, model, layout)))
+            if is_dp_sharded(t, model):
+                self.shards.append(None)
+                continue
             key = (t.rule, t.shape)
             if key not in geometry:
-                geometry[key] = [tp_shard(t, model, layout.tp, r) for r in range(layout.tp)]
+                geometry[key] = [(tp_shard(t, model, layout.tp, r),) for r in range(layout.tp)]
             self.shards.append(geometry[key])
+        self.owned: dict[tuple[int, int], Holding | None] = {}
 
-    def of(self, ti: int, rank: int) -> Shard | None:
+    def of(self, ti: int, rank: int) -> Holding | None:
         tp, _dp, pp = self.coords[rank]
         if pp not in self.stages[ti]:
             return None
-        return self.shards[ti][tp]
+        per_tp = self.shards[ti]
+        if per_tp is not None:
+            return per_tp[tp]
+        key = (ti, rank)
+        if key not in self.owned:
+            self.owned[key] = holding(self.tensors[ti], self.model, self.layout, rank)
+        return self.owned[key]
 
-    def holders(self, ti: int) -> list[int]:
-        lay = self.layout
-        return [
-            lay.rank_of(tp, dp, pp)
-            for pp in sorted(self.stages[ti])
-            for dp in range(lay.dp)
-            for tp in range(lay.tp)
-        ]
+    def class_of(self, rank: int) -> tuple[int, ...]:
+        """Ranks with one class hold the same of every tensor: (TP rank, stage), and the DP rank too
+        when DP ranks hold different pieces."""
+        c = self.coords[rank]
+        return (c.tp, c.pp, c.dp) if self.model.distributed else (c.tp, c.pp)
+
+
+def _within(pieces: Holding | None, box: Box) -> bool:
+    return pieces is not None and any(p.box is not None and contains(p.box, box) for p in pieces)
 
 
 class _Enough(Exception):
@@ -118,8 +133,7 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
             fail(f"{where}: local={task.local} does not match the devices")
         if lost and old_dev[task.src] in lost:
             fail(f"{where}: source rank {task.src} is on lost device {old_dev[task.src]}")
-        sc, dc = old_v.coords[task.src], new_v.coords[task.dst]
-        key = (id(task.slices), sc.tp, sc.pp, dc.tp, dc.pp)
+        key = (id(task.slices), *old_v.class_of(task.src), -1, *new_v.class_of(task.dst))
         nbytes = memo.get(key, -1)
         if nbytes is None or nbytes < 0:
             nbytes = memo[key] = _check_slices(plan, task, old_v, new_v, where, fail)
@@ -133,9 +147,8 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
             round_bytes[(task.layer, task.round, task.dst)] += nbytes
     covered: dict[tuple, list[str]] = {}
     for rank in range(len(new_dev)):
-        c = new_v.coords[rank]
         parts = incoming.get(rank, [])
-        key = (c.tp, c.pp, tuple(sorted(map(id, parts))))
+        key = (*new_v.class_of(rank), tuple(sorted(map(id, parts))))
         if key not in covered:
             covered[key] = _check_cover(plan, new_v, rank, parts, counts)
         else:
@@ -167,13 +180,11 @@ def _check_slices(
         if t.layer != task.layer:
             fail(f"{where}: {t.name} belongs to layer {t.layer}")
             ok = False
-        src_shard = old_v.of(ti, task.src)
-        if src_shard is None or src_shard.box is None or not contains(src_shard.box, box):
+        if not _within(old_v.of(ti, task.src), box):
             fail(f"{t.name}: old rank {task.src} does not hold {box}")
             ok = False
             continue
-        dst_shard = new_v.of(ti, task.dst)
-        if dst_shard is None or dst_shard.box is None or not contains(dst_shard.box, box):
+        if not _within(new_v.of(ti, task.dst), box):
             fail(f"{t.name}: new rank {task.dst} does not need {box}")
             ok = False
             continue
@@ -191,14 +202,28 @@ def _check_cover(
             received[ti].append(box)
     out = []
     for ti, t in enumerate(plan.tensors):
-        shard = new_v.of(ti, rank)
-        if shard is None or shard.box is None:
+        pieces = [p.box for p in new_v.of(ti, rank) or () if p.box is not None]
+        if not pieces:
             continue
         counts[0] += 1
         got = received.get(ti, ())
-        if len(got) == 1 and got[0] == shard.box:
+        if len(pieces) == 1 and len(got) == 1 and got[0] == pieces[0]:
             out.append("")
             continue
-        reason = disjoint_cover(shard.box, got)
+        reason = _cover_pieces(pieces, got)
         out.append("" if reason is None else f"{t.name}: {reason}")
     return out
+
+
+def _cover_pieces(pieces: list[Box], got: Collection[Box]) -> str | None:
+    """Each piece covered exactly once by the boxes received inside it, and none received elsewhere."""
+    inside = 0
+    for piece in pieces:
+        parts = [b for b in got if contains(piece, b)]
+        inside += len(parts)
+        reason = disjoint_cover(piece, parts)
+        if reason is not None:
+            return reason
+    if inside != len(got):
+        return f"{len(got) - inside} slice(s) lie outside every piece the rank owns"
+    return None

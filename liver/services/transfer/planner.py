@@ -28,9 +28,10 @@ from typing import NamedTuple
 
 import msgspec
 
-from liver.shared.boxes import Box, split, volume
+from liver.shared.boxes import Box, intersect, split, volume
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import Plan, Slice, TransferTask, WorldConfig
@@ -105,6 +106,8 @@ def build_plan(
     if budget_bytes < max(t.itemsize for t in tensors):
         raise ValueError(f"budget_bytes ({budget_bytes}) is smaller than one element")
     lost = _check_lost(lost, old, new)
+    if lost and model.distributed:
+        _check_owners_survive(model, tensors, old, lost)
     orphans = orphaned_shards(model, old, lost)
     if orphans:
         stages, key, tensor = orphans[0]
@@ -113,6 +116,20 @@ def build_plan(
     coalesced = _choose_sources(model, tensors, old, new, lost)
     tasks = _stream(coalesced, tensors, old, new, budget_bytes)
     return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
+
+
+def _check_owners_survive(
+    model: ModelGeometry, tensors: tuple[TensorSpec, ...], old: WorldConfig, lost: frozenset[Device]
+) -> None:
+    """Under the distributed optimizer each piece of the optimizer state has one owner: a lost owner
+    takes it along (:class:`NoSurvivingSource` naming the first such tensor)."""
+    devices = old.placement.devices
+    for rank, device in enumerate(devices):
+        if device not in lost:
+            continue
+        for t in tensors:
+            if is_dp_sharded(t, model) and holding(t, model, old.layout, rank):
+                raise NoSurvivingSource(t.name, [device], sorted(lost))
 
 
 def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) -> frozenset[Device]:
@@ -260,8 +277,12 @@ def _choose_sources(
     """``(layer, src, dst) -> chunks``: steps 1-3 of the module docstring."""
     ol, nl = old.layout, new.layout
     groups: dict[tuple[int, str], list[int]] = {}
+    owned: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.layer, t.home), []).append(i)
+        if is_dp_sharded(t, model):
+            owned.setdefault(t.layer, []).append(i)
+        else:
+            groups.setdefault((t.layer, t.home), []).append(i)
     sources = _Sources(old, lost)
     old_dev, new_dev = old.placement.devices, new.placement.devices
     templates: dict[tuple, list] = {}
@@ -300,7 +321,53 @@ def _choose_sources(
                         if old_dev[src] != dev:
                             sources.sent[src] += chunk.nbytes
                         out[(layer, src, dst)].append(chunk)
+    for layer, idxs in owned.items():
+        for (src, dst), chunk in _owned_chunks(model, tensors, idxs, old, new).items():
+            out[(layer, src, dst)].append(chunk)
     return out
+
+
+def _owned_chunks(
+    model: ModelGeometry,
+    tensors: tuple[TensorSpec, ...],
+    idxs: list[int],
+    old: WorldConfig,
+    new: WorldConfig,
+) -> dict[tuple[int, int], _Chunk]:
+    """``(src, dst) -> chunk`` for optimizer state the distributed optimizer shards over DP: each piece
+    a new rank owns comes from the one old rank that owns it (no choice, so no balancing), piece by
+    piece; :func:`build_plan` refused lost owners before."""
+    ol, nl = old.layout, new.layout
+    old_rank_on = old.placement.rank_on()
+    slices: dict[tuple[int, int], list[Slice]] = defaultdict(list)
+    sizes: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for ti in idxs:
+        t = tensors[ti]
+        s_old = holding_stages(t, model, ol)
+        replicated = t.rule == "replicated"
+        # Replicas own alike: every old TP rank of a TP-replicated tensor, and the first and last stage
+        # of a tied embedding (Megatron gives it a bucket of its own on both). One replica's owners
+        # send it: the one on the destination's device if it holds one, else the first.
+        old_pieces: dict[tuple[int, int], list[tuple[int, Box]]] = defaultdict(list)
+        for src in _holder_ranks(ol, s_old, ANY):
+            c = ol.coords(src)
+            for piece in holding(t, model, ol, src) or ():
+                old_pieces[(c.pp, c.tp if replicated else ANY)].append((src, piece.box))
+        for pp in holding_stages(t, model, nl):
+            for dst in _holder_ranks(nl, (pp,), ANY):
+                here = old_rank_on.get(new.placement.devices[dst])
+                if here is not None and ol.coords(here).pp in s_old:
+                    stage, tp = ol.coords(here).pp, ol.coords(here).tp
+                else:
+                    stage, tp = s_old[0], nl.coords(dst).tp % ol.tp
+                candidates = old_pieces[(stage, tp if replicated else ANY)]
+                for piece in holding(t, model, nl, dst) or ():
+                    for src, box in candidates:
+                        common = intersect(box, piece.box)
+                        if common is not None:
+                            slices[(src, dst)].append((ti, common))
+                            sizes[(src, dst)].append(volume(common) * t.itemsize)
+    return {key: _Chunk(tuple(sl), tuple(sizes[key]), sum(sizes[key])) for key, sl in slices.items()}
 
 
 def _flatten(chunks: list[_Chunk]) -> tuple[Slice, ...]:
