@@ -209,7 +209,7 @@ def test_the_buffer_holds_the_largest_step_and_its_copies_up_to_their_budget() -
 def test_old_state_of_the_wrong_shape_is_refused_naming_the_tensor() -> None:
     plan = tp2_to_dp2()
     sched = build_schedule(plan, 0, 0, GroupRanks.by_device(plan), 0, 2, 1024)
-    state = {ti: torch.zeros(s.local_shape) for ti, s in sched.old_shards.items()}
+    state = {ti: torch.zeros(s[0].local_shape) for ti, s in sched.old_shards.items()}
     state[0] = torch.zeros((), dtype=torch.int64)  # the step counter
     qkv = next(
         ti for ti, t in enumerate(plan.tensors) if t.name.endswith("0.self_attention.linear_qkv.weight")
@@ -254,7 +254,7 @@ def random_old_state(plan: Plan) -> dict[int, torch.Tensor]:
     sched = build_schedule(plan, 0, 0, GroupRanks.by_device(plan), 0, 1, 1024)
     g = torch.Generator().manual_seed(7)
     out = {}
-    for ti, s in sched.old_shards.items():
+    for ti, (s,) in sched.old_shards.items():
         dtype = torch.int64 if plan.tensors[ti].dtype == "int64" else torch.float32
         t = torch.zeros(s.local_shape, dtype=dtype)
         if s.box is not None:

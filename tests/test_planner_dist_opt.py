@@ -68,7 +68,7 @@ def test_every_distributed_optimizer_plan_verifies(sc: Scenario, bucket_size: in
         ("TP1,PP1,DP4", "TP1,PP1,DP3"),  # DP change only: every bucket re-cut
     ],
 )
-def test_a_dp_sharded_piece_comes_from_an_owner_and_from_the_only_one_unless_replicated(old: str, new: str) -> None:
+def test_a_dp_sharded_piece_comes_from_its_owner_the_only_one_unless_replicated(old: str, new: str) -> None:
     model = PRESETS["tiny-llama"].geometry().with_ddp(DIST)
     plan = build_plan(model, _world(ParallelLayout.parse(old)), _world(ParallelLayout.parse(new), "m"))
     assert verify_plan(plan).ok

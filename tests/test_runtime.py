@@ -299,7 +299,7 @@ def test_the_handoff_streams_with_the_schedule_its_preparation_made(monkeypatch:
     state = {}
     prepared = build.result()
     assert prepared is not None
-    for ti, shard in prepared.schedule.old_shards.items():
+    for ti, (shard,) in prepared.schedule.old_shards.items():
         dtype = torch.int64 if plan.tensors[ti].dtype == "int64" else torch.float32
         t = state[ti] = torch.zeros(shard.local_shape, dtype=dtype)  # padding rows stay zero
         if shard.box is not None:

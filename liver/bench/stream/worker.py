@@ -20,14 +20,22 @@ import torch
 from liver.bench.report import progress
 from liver.bench.stream.loop import Segment, barrier, measure_loop
 from liver.bench.stream.rss import reset_peak_rss, status_kib
-from liver.bench.stream.workload import JOB, KIB, checksum, shard_content, state_digest
+from liver.bench.stream.workload import (
+    JOB,
+    KIB,
+    checksum,
+    empty_holding,
+    holding_content,
+    state_digest,
+)
 from liver.shared.plan import Plan
 from liver.worker_runtime.stream.executor import (
-    TORCH_DTYPES,
     GroupRanks,
+    LocalTensor,
     StreamOptions,
     StreamStats,
     devices_in_stream_order,
+    pieces_of,
     prepare_schedule,
     ranks_on_device,
     stream_plan,
@@ -149,12 +157,17 @@ def _raw_once(
 
 
 def _local_copier(
-    schedule: Schedule, old_state: dict[int, torch.Tensor], into: dict[int, torch.Tensor]
+    schedule: Schedule, old_state: dict[int, LocalTensor], into: dict[int, LocalTensor]
 ) -> Callable[[], None]:
     """The slices that stay in this process, copied from its old shards into its new ones exactly as
     the executor copies them (the same regions, from the executor's own schedule), and nothing else."""
     pairs = [
-        (into[c.tensor], _index(c.dst), old_state[c.tensor], _index(c.src))
+        (
+            pieces_of(into[c.tensor])[c.dst_piece],
+            _index(c.dst),
+            pieces_of(old_state[c.tensor])[c.src_piece],
+            _index(c.src),
+        )
         for step in schedule.steps()
         for c in step.copies
     ]
@@ -197,14 +210,11 @@ def _measure_stream(
         options=setup.options,
     ).schedule
     say("process 0: making the synthetic old state and the expected checksums")
-    old_state = {ti: shard_content(plan, ti, s) for ti, s in schedule.old_shards.items()}
+    old_state = {ti: holding_content(plan, ti, s) for ti, s in schedule.old_shards.items()}
     new_shards = schedule.new_shards
-    expected = {ti: checksum(shard_content(plan, ti, s)) for ti, s in new_shards.items()}
-    into = {
-        ti: torch.empty(s.local_shape, dtype=TORCH_DTYPES[plan.tensors[ti].dtype])
-        for ti, s in new_shards.items()
-    }
-    new_bytes = sum(t.numel() * t.element_size() for t in into.values())
+    expected = {ti: checksum(holding_content(plan, ti, s)) for ti, s in new_shards.items()}
+    into = {ti: empty_holding(plan, ti, s) for ti, s in new_shards.items()}
+    new_bytes = sum(t.numel() * t.element_size() for v in into.values() for t in pieces_of(v))
     say("process 0: warm-up exchange (untimed)")
     _raw_once(pg, rank, setup.pair_bytes, tag=999_999)
     local_copies = _local_copier(schedule, old_state, into)
@@ -227,8 +237,9 @@ def _measure_stream(
                 continue
             given = None
             if mode == "into":
-                for t in into.values():
-                    t.fill_(_SENTINEL)
+                for v in into.values():
+                    for t in pieces_of(v):
+                        t.fill_(_SENTINEL)
                 given = into
             base = reset_peak_rss()
             barrier(pg)

@@ -13,11 +13,12 @@ from collections import defaultdict
 
 import torch
 
+from liver.shared.holdings import Holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan
 from liver.shared.views import Shard
-from liver.worker_runtime.stream.executor import TORCH_DTYPES, GroupRanks
+from liver.worker_runtime.stream.executor import TORCH_DTYPES, GroupRanks, LocalTensor, pieces_of
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -128,8 +129,24 @@ def shard_content(plan: Plan, ti: int, shard: Shard) -> torch.Tensor:
     return out
 
 
-def checksum(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.contiguous().reshape(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
+def holding_content(plan: Plan, ti: int, pieces: Holding) -> LocalTensor:
+    """A rank's local tensor(s) of one holding: one per piece for DP-sharded optimizer state."""
+    made = tuple(shard_content(plan, ti, piece) for piece in pieces)
+    return made if is_dp_sharded(plan.tensors[ti], plan.model) else made[0]
+
+
+def empty_holding(plan: Plan, ti: int, pieces: Holding) -> LocalTensor:
+    """Uninitialised storage for one holding, shaped as the executor wants it (``into``)."""
+    dtype = TORCH_DTYPES[plan.tensors[ti].dtype]
+    made = tuple(torch.empty(piece.local_shape, dtype=dtype) for piece in pieces)
+    return made if is_dp_sharded(plan.tensors[ti], plan.model) else made[0]
+
+
+def checksum(value: LocalTensor) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in pieces_of(value):
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def state_digest(sums: dict[int, str]) -> str:

@@ -73,8 +73,8 @@ import structlog
 import torch
 
 from liver.shared.errors import HandoffError
+from liver.shared.holdings import Holding, is_dp_sharded
 from liver.shared.plan import Plan
-from liver.shared.views import Shard
 from liver.worker_runtime.stream.memory import MemoryLedger
 from liver.worker_runtime.stream.schedule import (
     GroupRanks,
@@ -106,6 +106,11 @@ __all__ = [
     "ranks_on_device",
     "stream_plan",
 ]
+
+
+LocalTensor = torch.Tensor | tuple[torch.Tensor, ...]
+"""This process's local tensor of one logical tensor, or, for state DP ranks hold different pieces of
+(the distributed optimizer's), one tensor per piece in the holding's order."""
 
 log = structlog.get_logger(__name__)
 
@@ -258,8 +263,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StreamResult(NamedTuple):
-    new_state: dict[int, torch.Tensor]
-    """Tensor index -> this process's new shard (``local_shape`` of the new view, padding zeroed)."""
+    new_state: dict[int, LocalTensor]
+    """Tensor index -> this process's new shard (``local_shape`` of the new view, padding zeroed); a
+    tuple of its pieces for state DP ranks hold different pieces of (:mod:`liver.shared.holdings`)."""
     stats: StreamStats
 
 
@@ -270,8 +276,8 @@ def stream_plan(
     new_rank: int | None,
     group: P2PGroup,
     group_ranks: GroupRanks,
-    old_state: MutableMapping[int, torch.Tensor],
-    into: Mapping[int, torch.Tensor] | None = None,
+    old_state: MutableMapping[int, LocalTensor],
+    into: Mapping[int, LocalTensor] | None = None,
     device: torch.device | str | None = None,
     options: StreamOptions | None = None,
     on_step: Callable[[int, int], None] | None = None,
@@ -403,18 +409,18 @@ def _check_prepared(
             raise PlanMismatch(f"schedule: prepared for {field} {had!r}, but this stream has {got!r}")
 
 
-def _pick_device(device: torch.device | str | None, old_state: Mapping[int, torch.Tensor]) -> torch.device:
+def _pick_device(device: torch.device | str | None, old_state: Mapping[int, LocalTensor]) -> torch.device:
     if device is not None:
         return torch.device(device)
-    for t in old_state.values():
-        return t.device
+    for value in old_state.values():
+        return pieces_of(value)[0].device
     return torch.device("cpu")
 
 
 def _check_state(
     plan: Plan,
-    shards: Mapping[int, Shard],
-    state: Mapping[int, torch.Tensor],
+    shards: Mapping[int, Holding],
+    state: Mapping[int, LocalTensor],
     field: str,
     device: torch.device,
     exact: bool,
@@ -423,26 +429,44 @@ def _check_state(
         if ti not in shards:
             what = plan.tensors[ti].name if isinstance(ti, int) and 0 <= ti < len(plan.tensors) else repr(ti)
             raise ValueError(f"{field}[{ti!r}] ({what}): this rank holds no such tensor in that world")
-    for ti, shard in shards.items():
+    for ti, pieces in shards.items():
         spec = plan.tensors[ti]
-        t = state.get(ti)
-        if t is None:
+        value = state.get(ti)
+        if value is None:
             if exact:
                 raise ValueError(f"{field}[{ti}] ({spec.name}) is missing: the rank holds it")
             continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{field}[{ti}] ({spec.name}) is a {type(t).__name__}, not a tensor")
-        want_shape = shard.local_shape
-        if tuple(t.shape) != tuple(want_shape):
+        tensors = (value,) if isinstance(value, torch.Tensor) else value
+        if not isinstance(tensors, tuple) or len(tensors) != len(pieces):
             raise ValueError(
-                f"{field}[{ti}] ({spec.name}) has shape {tuple(t.shape)}, the view says {want_shape}"
+                f"{field}[{ti}] ({spec.name}) must be {len(pieces)} tensor(s), one per piece the rank "
+                f"holds, got a {type(value).__name__}"
+                + (f" of {len(value)}" if isinstance(value, tuple) else "")
             )
-        if t.dtype != TORCH_DTYPES[spec.dtype]:
-            raise ValueError(f"{field}[{ti}] ({spec.name}) has dtype {t.dtype}, the model says {spec.dtype}")
-        if t.device != device:
-            raise ValueError(f"{field}[{ti}] ({spec.name}) is on {t.device}, the stream runs on {device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{field}[{ti}] ({spec.name}) is not contiguous")
+        for k, (t, piece) in enumerate(zip(tensors, pieces)):
+            where = f"{field}[{ti}]" + (f"[{k}]" if len(pieces) > 1 else "")
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{where} ({spec.name}) is a {type(t).__name__}, not a tensor")
+            want_shape = piece.local_shape
+            if tuple(t.shape) != tuple(want_shape):
+                raise ValueError(
+                    f"{where} ({spec.name}) has shape {tuple(t.shape)}, the view says {want_shape}"
+                )
+            if t.dtype != TORCH_DTYPES[spec.dtype]:
+                raise ValueError(f"{where} ({spec.name}) has dtype {t.dtype}, the model says {spec.dtype}")
+            if t.device != device:
+                raise ValueError(f"{where} ({spec.name}) is on {t.device}, the stream runs on {device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{where} ({spec.name}) is not contiguous")
+
+
+def pieces_of(value: LocalTensor) -> tuple[torch.Tensor, ...]:
+    """The local tensors of one holding: a plain tensor is its only piece."""
+    return (value,) if isinstance(value, torch.Tensor) else value
+
+
+def _piece(value: LocalTensor, k: int) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else value[k]
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -527,8 +551,8 @@ class _Stream:
         plan: Plan,
         schedule: Schedule,
         group: P2PGroup,
-        old_state: MutableMapping[int, torch.Tensor],
-        into: Mapping[int, torch.Tensor] | None,
+        old_state: MutableMapping[int, LocalTensor],
+        into: Mapping[int, LocalTensor] | None,
         device: torch.device,
         opts: StreamOptions,
         on_step: Callable[[int, int], None] | None,
@@ -544,7 +568,7 @@ class _Stream:
         self.opts = opts
         self.on_step = on_step
         self.mem = MemoryLedger()
-        self.new: dict[int, torch.Tensor] = {}
+        self.new: dict[int, LocalTensor] = {}
         self.buffer = torch.empty(0, dtype=torch.uint8, device=device)
         self.released = False
         self.released_bytes = 0
@@ -557,7 +581,7 @@ class _Stream:
     def run(self) -> StreamResult:
         t0 = time.perf_counter()
         self.t0 = t0
-        old_bytes = sum(t.numel() * t.element_size() for t in self.old.values())
+        old_bytes = sum(t.numel() * t.element_size() for v in self.old.values() for t in pieces_of(v))
         self.mem.add("old", old_bytes)
         # With every new shard preallocated, posting the next step before this one is waited for costs
         # only the next step's staged bytes: the buffer holds two steps' worth (never beyond B). A
@@ -699,20 +723,24 @@ class _Stream:
         """The layer's new shards, padding rows zeroed; returns the bytes this executor allocated."""
         owned = 0
         for ti in lw.new_tensors:
-            shard = self.s.new_shards[ti]
+            pieces = self.s.new_shards[ti]
             spec = self.plan.tensors[ti]
             given = self.into.get(ti) if self.into is not None else None
-            if given is None:
-                t = torch.empty(shard.local_shape, dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-                owned += t.numel() * t.element_size()
-            else:
-                t = given
-                self.mem.add("new", t.numel() * t.element_size())
-            if shard.box is None:
-                t.zero_()
-            elif shard.box and shard.box[0][1] - shard.box[0][0] < shard.local_shape[0]:
-                t[shard.box[0][1] - shard.box[0][0] :].zero_()
-            self.new[ti] = t
+            made: list[torch.Tensor] = []
+            for k, shard in enumerate(pieces):
+                if given is None:
+                    t = torch.empty(shard.local_shape, dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                    owned += t.numel() * t.element_size()
+                else:
+                    t = _piece(given, k)
+                    self.mem.add("new", t.numel() * t.element_size())
+                if shard.box is None:
+                    t.zero_()
+                elif shard.box and shard.box[0][1] - shard.box[0][0] < shard.local_shape[0]:
+                    t[shard.box[0][1] - shard.box[0][0] :].zero_()
+                made.append(t)
+            dp_sharded = is_dp_sharded(spec, self.plan.model)
+            self.new[ti] = tuple(made) if dp_sharded else made[0]
         self.mem.add("assembly", owned)
         return owned
 
@@ -747,7 +775,7 @@ class _Stream:
         lo = align(step.staging_bytes)
         copies = _CopyRing(lo, min(self.buffer_size, lo + max(self.s.copy_budget, step.largest_copy)))
         for msg in step.sends:
-            src = _view(self.old[msg.tensor], msg.region)
+            src = _view(_piece(self.old[msg.tensor], msg.piece), msg.region)
             copy_bytes = 0
             if msg.copy:
                 copy_bytes = align(msg.nbytes)
@@ -769,7 +797,9 @@ class _Stream:
         """The slices that stay here, while the step's messages are in flight; returns the bytes."""
         nbytes = 0
         for c in step.copies:
-            _view(self.new[c.tensor], c.dst).copy_(_view(self.old[c.tensor], c.src))
+            _view(_piece(self.new[c.tensor], c.dst_piece), c.dst).copy_(
+                _view(_piece(self.old[c.tensor], c.src_piece), c.src)
+            )
             nbytes += c.nbytes
         self.local += nbytes
         return nbytes
@@ -783,7 +813,7 @@ class _Stream:
         for p in posted.recvs:
             wait_s += self._wait(step, p, deadline)
             if p.msg.staging_offset >= 0:
-                _view(self.new[p.msg.tensor], p.msg.region).copy_(p.buffer)
+                _view(_piece(self.new[p.msg.tensor], p.msg.piece), p.msg.region).copy_(p.buffer)
             self.received += p.msg.nbytes
         for i in posted.copied:
             wait_s += self._wait(step, posted.sends[i], deadline)
@@ -801,7 +831,7 @@ class _Stream:
 
     def _recv_buffer(self, msg: PeerMessage, base: int) -> torch.Tensor:
         if msg.staging_offset < 0:
-            buf = _view(self.new[msg.tensor], msg.region)
+            buf = _view(_piece(self.new[msg.tensor], msg.piece), msg.region)
             if not buf.is_contiguous():
                 raise AssertionError(
                     f"schedule marked {self.plan.tensors[msg.tensor].name}{msg.box} contiguous"
@@ -862,16 +892,17 @@ class _Stream:
         return err
 
     def _release(self, ti: int) -> None:
-        t = self.old.pop(ti, None)
-        if t is None:
+        value = self.old.pop(ti, None)
+        if value is None:
             return
         self.released = True
-        nbytes = t.numel() * t.element_size()
-        storage = t.untyped_storage()
-        if t.storage_offset() == 0 and storage.nbytes() == nbytes:
-            storage.resize_(0)
-        self.mem.sub("old", nbytes)
-        self.released_bytes += nbytes
+        for t in pieces_of(value):
+            nbytes = t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            if t.storage_offset() == 0 and storage.nbytes() == nbytes:
+                storage.resize_(0)
+            self.mem.sub("old", nbytes)
+            self.released_bytes += nbytes
 
     def _throttle(self) -> None:
         rate = self.opts.max_bytes_per_s

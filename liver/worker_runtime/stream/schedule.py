@@ -28,10 +28,11 @@ import msgspec
 
 from liver.shared.boxes import Box, contains, split, volume
 from liver.shared.errors import InputError
+from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device
 from liver.shared.model import TensorSpec
 from liver.shared.plan import Plan, TransferTask
-from liver.shared.views import Shard, view
+from liver.shared.views import Shard
 
 Region = tuple[tuple[int, int], ...]
 """A box in a local tensor's own indices (0-based), as ``(lo, hi)`` per dimension."""
@@ -87,6 +88,7 @@ class PeerMessage(NamedTuple):
     region: Region  # in this side's local tensor: the old shard when sending, the new one when receiving
     copy: bool  # sender: the region is not contiguous, so the piece goes from a contiguous copy
     staging_offset: int  # receiver: offset in the staging buffer, -1 when received in place
+    piece: int = 0  # which of this side's local tensors of ``tensor`` (see ``Holding``) holds ``region``
 
 
 class LocalCopy(NamedTuple):
@@ -96,6 +98,8 @@ class LocalCopy(NamedTuple):
     src: Region
     dst: Region
     nbytes: int
+    src_piece: int = 0
+    dst_piece: int = 0
 
 
 class StreamStep(NamedTuple):
@@ -130,8 +134,8 @@ class Schedule(NamedTuple):
     old_rank: int | None
     new_rank: int | None
     group_rank: int
-    old_shards: dict[int, Shard]  # every tensor this process's old rank holds
-    new_shards: dict[int, Shard]  # every tensor its new rank holds
+    old_shards: dict[int, Holding]  # every tensor this process's old rank holds, as its pieces
+    new_shards: dict[int, Holding]  # every tensor its new rank holds
     layers: tuple[LayerWork, ...]
     unread_old: tuple[int, ...]  # old tensors no task of this plan reads from this process
     staging_bytes: int  # the largest staging need of any step (at most the plan's budget)
@@ -176,7 +180,7 @@ def _local(box: Box, origin: Box) -> Region:
 
 
 class _Placed(NamedTuple):
-    """Where one slice sits in its source's and destination's local tensors."""
+    """Where one slice sits in its source's and destination's local tensors (which piece of each)."""
 
     src_shard: Shard
     dst_shard: Shard
@@ -185,6 +189,8 @@ class _Placed(NamedTuple):
     elements: int
     src_contiguous: bool
     dst_contiguous: bool
+    src_piece: int
+    dst_piece: int
 
 
 ViewKey = tuple[tuple[int, ...], str, str, int]
@@ -198,30 +204,50 @@ def view_key(t: TensorSpec) -> ViewKey:
 
 
 class _Views:
-    """``view`` memoized by :func:`view_key`, per layout and rank."""
+    """Holdings memoized by :func:`view_key` (and, for state DP ranks hold different pieces of, the
+    parameter), per layout and rank."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.keys = [view_key(t) for t in plan.tensors]
-        self.memo: dict[tuple[ViewKey, bool, int], Shard | None] = {}
+        model = plan.model
+        self.keys = [(view_key(t), t.param if is_dp_sharded(t, model) else None) for t in plan.tensors]
+        self.memo: dict[tuple[object, bool, int], Holding | None] = {}
 
-    def __call__(self, ti: int, rank: int, old: bool) -> Shard | None:
+    def __call__(self, ti: int, rank: int, old: bool) -> Holding | None:
         k = (self.keys[ti], old, rank)
         if k in self.memo:
             return self.memo[k]
         layout = self.plan.old.layout if old else self.plan.new.layout
-        s = self.memo[k] = view(self.plan.tensors[ti], self.plan.model, layout, rank)
+        s = self.memo[k] = holding(self.plan.tensors[ti], self.plan.model, layout, rank)
         return s
 
-    def shards(self, rank: int | None, old: bool) -> dict[int, Shard]:
+    def shards(self, rank: int | None, old: bool) -> dict[int, Holding]:
         if rank is None:
             return {}
-        out: dict[int, Shard] = {}
+        out: dict[int, Holding] = {}
         for ti in range(len(self.keys)):
             s = self(ti, rank, old)
             if s is not None:
                 out[ti] = s
         return out
+
+
+def _containing(pieces: Holding | None, box: Box) -> int:
+    """The index of the piece that holds ``box`` whole, or -1."""
+    for k, piece in enumerate(pieces or ()):
+        if piece.box is not None and contains(piece.box, box):
+            return k
+    return -1
+
+
+def holding_elements(pieces: Holding) -> int:
+    """Elements of state in a holding (padding excluded)."""
+    return sum(volume(p.box) for p in pieces if p.box is not None)
+
+
+def holding_bytes(pieces: Holding, itemsize: int) -> int:
+    """Bytes of a holding's local tensors (padding included)."""
+    return sum(_numel(p.local_shape) for p in pieces) * itemsize
 
 
 def _check_identity(
@@ -282,15 +308,19 @@ def build_schedule(
 
     def where(task: TransferTask, ti: int, box: Box) -> _Placed:
         t = tensors[ti]
-        s, d = views(ti, task.src, old=True), views(ti, task.dst, old=False)
-        if s is None or s.box is None or not contains(s.box, box):
+        s_pieces, d_pieces = views(ti, task.src, old=True), views(ti, task.dst, old=False)
+        sk, dk = _containing(s_pieces, box), _containing(d_pieces, box)
+        if sk < 0:
             raise PlanMismatch(
                 f"task layer {task.layer} round {task.round}: old rank {task.src} does not hold {t.name}{box}"
             )
-        if d is None or d.box is None or not contains(d.box, box):
+        if dk < 0:
             raise PlanMismatch(
                 f"task layer {task.layer} round {task.round}: new rank {task.dst} does not need {t.name}{box}"
             )
+        assert s_pieces is not None and d_pieces is not None
+        s, d = s_pieces[sk], d_pieces[dk]
+        assert s.box is not None and d.box is not None
         src, dst = _local(box, s.box), _local(box, d.box)
         return _Placed(
             s,
@@ -300,6 +330,8 @@ def build_schedule(
             volume(box),
             region_is_contiguous(src, s.local_shape),
             region_is_contiguous(dst, d.local_shape),
+            sk,
+            dk,
         )
 
     placed: dict[tuple[ViewKey, int, int, Box], _Placed] = {}
@@ -332,16 +364,18 @@ def build_schedule(
             if receiving:
                 received[ti] += p.elements
             if task.local:
-                copies.append(LocalCopy(ti, p.src, p.dst, p.elements * t.itemsize))
+                copies.append(LocalCopy(ti, p.src, p.dst, p.elements * t.itemsize, p.src_piece, p.dst_piece))
                 continue
             if p.src_contiguous:  # one message, straight from the old storage
                 nbytes = p.elements * t.itemsize
                 if sending:
-                    sends.append(PeerMessage(dst_g, task.dst, ti, box, nbytes, p.src, False, -1))
+                    sends.append(PeerMessage(dst_g, task.dst, ti, box, nbytes, p.src, False, -1, p.src_piece))
                 else:
                     staged = not (direct_receive and p.dst_contiguous)
                     recvs.append(
-                        PeerMessage(src_g, task.src, ti, box, nbytes, p.dst, False, 0 if staged else -1)
+                        PeerMessage(
+                            src_g, task.src, ti, box, nbytes, p.dst, False, 0 if staged else -1, p.dst_piece
+                        )
                     )
                 continue
             s, d = p.src_shard, p.dst_shard
@@ -351,19 +385,30 @@ def build_schedule(
                 if sending:
                     src_region = _local(piece, s.box)
                     copy = not region_is_contiguous(src_region, s.local_shape)
-                    sends.append(PeerMessage(dst_g, task.dst, ti, piece, nbytes, src_region, copy, -1))
+                    sends.append(
+                        PeerMessage(dst_g, task.dst, ti, piece, nbytes, src_region, copy, -1, p.src_piece)
+                    )
                 else:
                     dst_region = _local(piece, d.box)
                     staged = not (direct_receive and region_is_contiguous(dst_region, d.local_shape))
                     recvs.append(
                         PeerMessage(
-                            src_g, task.src, ti, piece, nbytes, dst_region, False, 0 if staged else -1
+                            src_g,
+                            task.src,
+                            ti,
+                            piece,
+                            nbytes,
+                            dst_region,
+                            False,
+                            0 if staged else -1,
+                            p.dst_piece,
                         )
                     )
-    for ti, shard in new_shards.items():
-        if shard.box is not None and received[ti] != volume(shard.box):
+    for ti, pieces in new_shards.items():
+        need = holding_elements(pieces)
+        if received[ti] != need:
             raise PlanMismatch(
-                f"new rank {new_rank} receives {received[ti]} of the {volume(shard.box)} elements of "
+                f"new rank {new_rank} receives {received[ti]} of the {need} elements of "
                 f"{tensors[ti].name}: the plan does not cover its shard"
             )
     release: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -404,7 +449,7 @@ def build_schedule(
     layers = []
     for layer in sorted(set(new_by_layer) | set(steps_by_layer)):
         idx = tuple(new_by_layer.get(layer, ()))
-        nbytes = sum(_numel(new_shards[ti].local_shape) * tensors[ti].itemsize for ti in idx)
+        nbytes = sum(holding_bytes(new_shards[ti], tensors[ti].itemsize) for ti in idx)
         layers.append(LayerWork(layer, idx, nbytes, tuple(steps_by_layer.get(layer, ()))))
     every_step = [st for lw in layers for st in lw.steps]
     cap = 2 * message_bytes if copy_budget is None else copy_budget
