@@ -21,7 +21,7 @@ from liver.bench.procs import ProcsError, run_procs
 from liver.bench.stream import bench as stream_bench
 from liver.bench.stream import workload
 from liver.bench.stream.report import StreamBenchReport
-from liver.shared.model import ModelSpec
+from liver.shared.geometry import ModelGeometry
 from liver.shared.views import tp_shard
 
 
@@ -82,7 +82,7 @@ def test_new_shards_are_bit_exact(report: dict[str, Any]) -> None:
     stream = report["stream"]
     assert stream["bit_exact"] is True
     assert stream["mismatched"] == []
-    model = msgspec.convert(report["config"]["model"], ModelSpec)
+    model = msgspec.convert(report["config"]["model"], ModelGeometry)
     # TP1 x DP2: each of the two new ranks holds every tensor of the state.
     assert stream["tensors_checked"] == 2 * len(model.tensors(optimizer=True))
 
@@ -257,6 +257,8 @@ def test_message_split_leaves_room_for_staging_beside_two_pieces(mib: float) -> 
         (("--procs", "5"), "--procs"),
         (("--procs", "3"), "--procs"),  # tp-to-dp needs an even count
         (("--timeout", "0"), "--timeout"),
+        (("--model", "tiny-gpt", "--size-mib", "8"), "--size-mib"),
+        (("--model", "no-such-model"), "no-such-model"),
     ],
 )
 def test_bad_options_are_rejected_naming_the_option(argv: tuple[str, ...], field: str) -> None:
@@ -279,3 +281,28 @@ def _fails_on_rank_one(rank: int, size: int) -> int:
 def test_a_failing_worker_is_reported_by_its_process_number() -> None:
     with pytest.raises(ProcsError, match=r"process 1 raised(.|\n)*synthetic failure in a worker"):
         run_procs(_fails_on_rank_one, 2, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def dist_report() -> dict[str, Any]:
+    """TP1 x DP2 -> TP2 with the distributed optimizer, of a preset's state: the old ranks each own half
+    of the master weights and moments, which reach the new ranks piece by piece."""
+    argv = ("--model", "tiny-gpt", "--distributed-optimizer", "--reshape", "dp-to-tp")
+    rc, out = _run_json(*argv, "--repeat", "1", "--loop-steps", "0")
+    assert rc == 0
+    return json.loads(out)
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizers_pieces_arrive_bit_exact(dist_report: dict[str, Any]) -> None:
+    from liver.shared.holdings import holding, is_dp_sharded
+    from liver.shared.layout import ParallelLayout
+
+    model = msgspec.convert(dist_report["config"]["model"], ModelGeometry)
+    assert model.name == "tiny-gpt" and model.distributed
+    stream = dist_report["stream"]
+    assert stream["bit_exact"] is True and stream["mismatched"] == []
+    old = ParallelLayout.parse(dist_report["config"]["old_layout"])
+    sharded = [t for t in model.tensors(optimizer=True) if is_dp_sharded(t, model)]
+    split = [t for t in sharded if all(holding(t, model, old, r) for r in (0, 1))]
+    assert sharded and split  # the two old ranks own parts of the same tensor

@@ -62,7 +62,9 @@ from liver.bench.stream.workload import (
     synthetic_model,
 )
 from liver.services.transfer.planner import build_plan, plan_stats
+from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Placement
+from liver.shared.model import as_geometry, load_model_or_geometry
 from liver.shared.plan import WorldConfig
 from liver.worker_runtime.stream.executor import StreamOptions
 from liver.worker_runtime.world import host_store
@@ -78,6 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size-mib",
         type=float,
         help=f"training state in total (default {full['size_mib']:g}, quick {quick['size_mib']:g})",
+    )
+    parser.add_argument(
+        "--model",
+        help="stream this model's state instead of a synthetic one: a preset, a ModelSpec .json, or a "
+        "geometry .json (`liver geometry --provider ...` writes one for your own model); not with "
+        "--size-mib",
+    )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="the job uses Megatron's distributed optimizer: its master weights and Adam moments are "
+        "sharded over DP and move piece by piece",
     )
     parser.add_argument("--procs", type=int, default=2, help="local processes, 2-4 (default 2)")
     parser.add_argument(
@@ -141,8 +155,17 @@ def run(args: argparse.Namespace) -> int:
     old_layout, new_layout = reshape_layouts(args.reshape, args.procs)
     budget = int(v["budget_mib"] * MIB)
     copies, message = message_split(budget)
-    requested = int(v["size_mib"] * MIB)
-    model = synthetic_model(requested)
+    if args.model is not None and args.size_mib is not None:
+        raise ValueError("--size-mib: the state of --model is the model's own; give one of them")
+    if args.model is not None:
+        model = as_geometry(load_model_or_geometry(args.model))
+    else:
+        model = synthetic_model(int(v["size_mib"] * MIB)).geometry()
+    if args.distributed_optimizer:
+        model = model.with_ddp(DdpSettings(distributed_optimizer=True))
+    model.check_layout(old_layout)
+    model.check_layout(new_layout)
+    requested = state_bytes(model) if args.model is not None else int(v["size_mib"] * MIB)
     devices = local_devices(args.procs)
     plan = build_plan(
         model,

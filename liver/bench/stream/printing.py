@@ -17,9 +17,10 @@ def print_report(r: StreamBenchReport) -> None:
     out.append(f"liver bench stream{' (quick)' if c.quick else ''}: {r.date}, {r.machine}")
     out.append(f"load average (1 min) before / after: {r.load_average[0]:.2f} / {r.load_average[1]:.2f}")
     out.append(
-        f"state {size(c.state_bytes, 2)} (hidden {c.model.hidden_size}, {c.model.num_layers} layers, vocab "
-        f"{c.model.vocab_size}, bf16 + fp32 master + Adam), {c.old_layout} -> {c.new_layout} on "
-        f"{c.procs} processes ({c.backend})"
+        f"state {size(c.state_bytes, 2)} ({c.model.name}: {c.model.parameter_count():,} parameters, "
+        f"{c.model.num_layers} layers, vocab {c.model.vocab_size}; parameters + fp32 master + Adam, "
+        f"{'distributed optimizer' if c.model.distributed else 'plain optimizer'}), "
+        f"{c.old_layout} -> {c.new_layout} on {c.procs} processes ({c.backend})"
     )
     out.append(
         f"B {size(c.budget_bytes, 2)}: one buffer for staged pieces and send copies (at most "

@@ -17,7 +17,7 @@ import torch
 
 from liver.bench.report import Check, musts_passed, size, utc_now
 from liver.bench.stream.worker import ProcessResult
-from liver.shared.model import ModelSpec
+from liver.shared.geometry import ModelGeometry
 from liver.shared.plan import Plan
 from liver.worker_runtime.stream.executor import LayerStats, StreamStats
 
@@ -112,7 +112,7 @@ class StreamBenchConfig(msgspec.Struct, frozen=True, kw_only=True):
     reshape: str
     old_layout: str
     new_layout: str
-    model: ModelSpec
+    model: ModelGeometry  # with the job's DDP settings: the distributed optimizer's shards DP
     state_bytes: int
     requested_bytes: int
     budget_bytes: int  # B: the plan's budget

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import torch
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import Holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
@@ -27,7 +28,7 @@ LAYERS = 12  # divisible by every pipeline size the reshapes use (2, 3, 4)
 HEADS = 12  # divisible by every tensor-parallel size (2, 3, 4)
 HIDDEN_STEP = 48  # hidden sizes are multiples of it: 4 x hidden stays divisible by 2, 3 and 4
 MAX_MESSAGE_BYTES = 32 * MIB
-RESHAPES = ("tp-to-dp", "pp-to-tp")
+RESHAPES = ("tp-to-dp", "dp-to-tp", "pp-to-tp")
 
 
 # -- the synthetic model and reshape -------------------------------------------------------------------
@@ -45,7 +46,7 @@ def _spec(hidden: int, vocab: int) -> ModelSpec:
     )
 
 
-def state_bytes(model: ModelSpec) -> int:
+def state_bytes(model: ModelSpec | ModelGeometry) -> int:
     """The whole training state: parameters plus fp32 master weights, both Adam moments and the step."""
     return sum(t.nbytes for t in model.tensors(optimizer=True))
 
@@ -71,14 +72,19 @@ def synthetic_model(target_bytes: int) -> ModelSpec:
 
 
 def reshape_layouts(reshape: str, procs: int) -> tuple[ParallelLayout, ParallelLayout]:
-    """``tp-to-dp``: TP n -> TP n/2 x DP 2 (n even); ``pp-to-tp``: PP n -> TP n; both on the same n
-    processes in rank order."""
+    """``tp-to-dp``: TP n -> TP n/2 x DP 2 (n even); ``dp-to-tp`` the other way (the old state is what
+    the distributed optimizer shards); ``pp-to-tp``: PP n -> TP n; all on the same n processes in rank
+    order."""
     if not 2 <= procs <= 4:
         raise ValueError(f"--procs: between 2 and 4 local processes, got {procs}")
     if reshape == "tp-to-dp":
         if procs % 2:
             raise ValueError(f"--procs: tp-to-dp needs an even number of processes, got {procs}")
         return ParallelLayout(tp=procs, pp=1, dp=1), ParallelLayout(tp=procs // 2, pp=1, dp=2)
+    if reshape == "dp-to-tp":
+        if procs % 2:
+            raise ValueError(f"--procs: dp-to-tp needs an even number of processes, got {procs}")
+        return ParallelLayout(tp=procs // 2, pp=1, dp=2), ParallelLayout(tp=procs, pp=1, dp=1)
     if reshape == "pp-to-tp":
         return ParallelLayout(tp=1, pp=procs, dp=1), ParallelLayout(tp=procs, pp=1, dp=1)
     raise ValueError(f"--reshape: one of {', '.join(RESHAPES)}, got {reshape!r}")
