@@ -23,10 +23,10 @@ from mp_helpers import World as Proc
 from mp_helpers import run_world
 
 from liver.shared.geometry import ModelGeometry
+from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan, WorldConfig
-from liver.shared.views import view
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 DEVICES = tuple(Device("n0", i) for i in range(6))
@@ -63,7 +63,9 @@ class Chain(NamedTuple):
 
     @property
     def geometry(self) -> ModelGeometry:
-        return self.model.geometry() if isinstance(self.model, ModelSpec) else self.model.geometry
+        """The model's geometry with the job's DDP settings (the distributed optimizer's shards)."""
+        model = self.model.geometry() if isinstance(self.model, ModelSpec) else self.model.geometry
+        return model.with_ddp(self.config.ddp)
 
     @property
     def switched(self) -> tuple[int, ...]:
@@ -116,7 +118,10 @@ def as_numpy(state: dict[int, Any]) -> dict[int, np.ndarray]:
             tensor = tensor.view(torch.int16)
         return tensor.numpy().copy()
 
-    return {index: plain(tensor) for index, tensor in state.items()}
+    return {
+        index: tuple(plain(t) for t in value) if isinstance(value, tuple) else plain(value)
+        for index, value in state.items()
+    }
 
 
 def gather(
@@ -131,23 +136,26 @@ def gather(
     full: dict[int, np.ndarray] = {}
     seen: dict[int, np.ndarray] = {}
     for rank, state in sorted(states.items()):
-        for index, local in state.items():
+        for index, value in state.items():
             spec = tensors[index]
-            shard = view(spec, geometry, layout, rank)
-            assert shard is not None, f"rank {rank} holds {spec.name}, which its view does not give it"
-            if shard.box is None:
-                continue
-            target = full.setdefault(index, np.zeros(spec.shape, dtype=local.dtype))
-            covered = seen.setdefault(index, np.zeros(spec.shape, dtype=bool))
-            box = tuple(slice(lo, hi) for lo, hi in shard.box)
-            piece = local[tuple(slice(0, hi - lo) for lo, hi in shard.box)]
-            overlap = covered[box]
-            if overlap.any():
-                assert np.array_equal(target[box][overlap], piece[overlap]), (
-                    f"{spec.name}: rank {rank}'s replica disagrees with another rank's"
-                )
-            target[box] = piece
-            covered[box] = True
+            pieces = holding(spec, geometry, layout, rank)
+            assert pieces is not None, f"rank {rank} holds {spec.name}, which its view does not give it"
+            locals_ = value if isinstance(value, tuple) else (value,)
+            assert len(locals_) == len(pieces), f"rank {rank}: {spec.name} has the wrong number of pieces"
+            for shard, local in zip(pieces, locals_):
+                if shard.box is None:
+                    continue
+                target = full.setdefault(index, np.zeros(spec.shape, dtype=local.dtype))
+                covered = seen.setdefault(index, np.zeros(spec.shape, dtype=bool))
+                box = tuple(slice(lo, hi) for lo, hi in shard.box)
+                piece = local[tuple(slice(0, hi - lo) for lo, hi in shard.box)]
+                overlap = covered[box]
+                if overlap.any():
+                    assert np.array_equal(target[box][overlap], piece[overlap]), (
+                        f"{spec.name}: rank {rank}'s replica disagrees with another rank's"
+                    )
+                target[box] = piece
+                covered[box] = True
     for index, spec in enumerate(tensors):
         assert index in seen and seen[index].all(), f"{spec.name} is not fully covered"
     return full
@@ -157,17 +165,20 @@ def local_slice(
     full: dict[int, np.ndarray], layout: ParallelLayout, rank: int, geometry: ModelGeometry
 ) -> dict[int, np.ndarray]:
     """``rank``'s local state of ``layout`` cut out of the global tensors (vocabulary padding zero)."""
-    out = {}
+    out: dict[int, Any] = {}
     for index, spec in enumerate(geometry.tensors()):
-        shard = view(spec, geometry, layout, rank)
-        if shard is None:
+        pieces = holding(spec, geometry, layout, rank)
+        if pieces is None:
             continue
-        local = np.zeros(shard.local_shape, dtype=full[index].dtype)
-        if shard.box is not None:
-            local[tuple(slice(0, hi - lo) for lo, hi in shard.box)] = full[index][
-                tuple(slice(lo, hi) for lo, hi in shard.box)
-            ]
-        out[index] = local
+        made = []
+        for shard in pieces:
+            local = np.zeros(shard.local_shape, dtype=full[index].dtype)
+            if shard.box is not None:
+                local[tuple(slice(0, hi - lo) for lo, hi in shard.box)] = full[index][
+                    tuple(slice(lo, hi) for lo, hi in shard.box)
+                ]
+            made.append(local)
+        out[index] = tuple(made) if is_dp_sharded(spec, geometry) else made[0]
     return out
 
 
@@ -296,6 +307,7 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
             out["samples"] += [(result.iteration, i) for i in corpus.read[read_before:]]
         out["trace"].append((runtime.generation, result.iteration, result.loss, result.grad_norm))
         out["step_seconds"].append(result.seconds)
+        trainer.sync_params()  # overlap_param_gather: what other DP ranks updated, before it is read
         last = (trainer.iteration, as_numpy(snapshot(trainer)), factory.progress(trainer))
         previous, trainer = trainer, runtime.step()
         if trainer is not previous:  # switched (or left): the old trainer's memory is already free
@@ -345,9 +357,14 @@ def _loaded(reload: Reload, layout: ParallelLayout, rank: int, geometry: ModelGe
 
     tensors = geometry.tensors()
     out = {}
+
+    def tensor(a: np.ndarray, dtype: str) -> Any:
+        t = torch.from_numpy(a)
+        return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
     for i, a in local_slice(reload.state, layout, rank, geometry).items():
-        tensor = torch.from_numpy(a)
-        out[i] = tensor.view(torch.bfloat16) if tensors[i].dtype == "bfloat16" else tensor
+        dtype = tensors[i].dtype
+        out[i] = tuple(tensor(x, dtype) for x in a) if isinstance(a, tuple) else tensor(a, dtype)
     return out
 
 

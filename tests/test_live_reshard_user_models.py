@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 from live_chain import (
     Chain,
@@ -52,11 +53,28 @@ IDS = [TRANSITIONS[g].name for g in SWITCHED]
 
 
 # Each model in fp32, and one in bf16 (Megatron's mixed-precision optimizer: an fp32 master copy of every
-# parameter moves too).
-MODELS = [(kind, "float32") for kind in KINDS] + [("qk-layernorm", "bfloat16")]
+# parameter moves too); two in bf16 with Megatron's distributed optimizer (master weights and moments
+# sharded over DP), one of them overlapping its gradient reduce-scatter and parameter all-gather with
+# compute over several buckets.
+PLAIN, DIST, OVERLAP = "plain", "dist-opt", "dist-opt-overlap"
+MODELS = [(kind, "float32", PLAIN) for kind in KINDS] + [
+    ("qk-layernorm", "bfloat16", PLAIN),
+    ("qk-layernorm", "bfloat16", DIST),
+    ("qkv-bias", "bfloat16", OVERLAP),
+]
+OPTIMIZERS = {
+    PLAIN: {},
+    DIST: {"use_distributed_optimizer": True},
+    OVERLAP: {
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+        "bucket_size": 20_000,
+    },
+}
 
 
-@pytest.fixture(scope="module", params=MODELS, ids=[f"{k}-{d}" for k, d in MODELS])
+@pytest.fixture(scope="module", params=MODELS, ids=[f"{k}-{d}-{o}" for k, d, o in MODELS])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     from liver.worker_runtime.megatron.datasets import prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry_in_subprocess
@@ -67,9 +85,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
     from liver.worker_runtime.megatron.train import TrainerHooks
 
-    kind, dtype = request.param
+    kind, dtype, optimizer = request.param
     provider = UserModel(kind, params_dtype=dtype)
-    # The bf16 job brings its own forward step too: Megatron's loss on parallel_state's groups.
+    # The bf16 jobs bring their own forward step too: Megatron's loss on parallel_state's groups.
     own_step = TrainerHooks(forward_step=user_forward_step, loss_key="loss") if dtype == "bfloat16" else None
     geometry = derive_geometry_in_subprocess(
         provider,
@@ -79,9 +97,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         make_vocab_size_divisible_by=DIVISIBLE_BY,
     )
     chain = Chain(
-        job=f"user-{kind}-{dtype}",
+        job=f"user-{kind}-{dtype}-{optimizer}",
         model=ModelSource.from_provider(provider, geometry, max_sequence_length=32),
-        config=CONFIG,
+        config=msgspec.structs.replace(CONFIG, **OPTIMIZERS[optimizer]),
         start=ParallelLayout(tp=2, pp=2, dp=1),
         start_processes=(0, 1, 2, 3),
         transitions=TRANSITIONS,
@@ -131,3 +149,13 @@ def test_every_sample_of_the_data_is_read_once_across_the_switches_as_without_th
     for found in runs.live:  # each step reads its own global batch
         for iteration, index in found["samples"]:
             assert index // CONFIG.global_batch_size == iteration - 1
+
+
+def test_the_plans_move_the_optimizer_state_as_the_jobs_optimizer_shards_it(
+    runs: Runs, request: pytest.FixtureRequest
+) -> None:
+    # The runtime refuses a plan whose geometry is not its job's: these plans are what the jobs ran.
+    optimizer = request.node.callspec.params["runs"][2]
+    for plan in runs.plans.values():
+        assert plan.model.distributed == (optimizer != PLAIN)
+        assert plan.model.ddp.overlap_grad_reduce == (optimizer == OVERLAP)

@@ -29,7 +29,7 @@ def _state_from_views(rank: int = 1) -> dict[int, torch.Tensor]:
     tensors = LLAMA.tensors()
     return {
         i: torch.zeros(shape, dtype=DTYPES[tensors[i].dtype])
-        for i, shape in expected_shards(LLAMA, TP2, rank).items()
+        for i, (shape,) in expected_shards(LLAMA, TP2, rank).items()
     }
 
 
@@ -43,8 +43,8 @@ def test_a_state_shaped_by_the_views_passes_the_check() -> None:
 
 def test_the_views_give_swiglu_fc1_its_folded_shape_and_vocabulary_shards_their_padding() -> None:
     shapes = expected_shards(LLAMA, TP2, rank=1)
-    assert shapes[_index("decoder.layers.2.mlp.linear_fc1.weight")] == (2, 96, 64)
-    assert shapes[_index("optimizer.state.exp_avg.output_layer.weight")] == (512, 64)  # 1024 padded / 2
+    assert shapes[_index("decoder.layers.2.mlp.linear_fc1.weight")] == ((2, 96, 64),)
+    assert shapes[_index("optimizer.state.exp_avg.output_layer.weight")] == ((512, 64),)  # 1024 padded / 2
 
 
 def test_a_wrong_shape_is_refused_naming_the_tensor() -> None:
@@ -70,7 +70,7 @@ def test_a_partial_state_passes_when_completeness_is_not_required() -> None:
 def test_a_tensor_the_rank_does_not_hold_is_refused() -> None:
     pp2 = ParallelLayout(tp=1, pp=2, dp=1)
     shapes = expected_shards(LLAMA, pp2, rank=0)
-    state = {i: torch.zeros(s, dtype=DTYPES[LLAMA.tensors()[i].dtype]) for i, s in shapes.items()}
+    state = {i: torch.zeros(s, dtype=DTYPES[LLAMA.tensors()[i].dtype]) for i, (s,) in shapes.items()}
     state[_index("output_layer.weight")] = torch.zeros(1008, 64)
     with pytest.raises(StateMismatch, match=r"output_layer\.weight.*holds no shard"):
         check_local_state(state, LLAMA, pp2, rank=0)

@@ -265,7 +265,7 @@ def measure_live(
     size = max(old.world_size, new.world_size)
     devices = grid_devices(1, size)
     plan = plan_resize(
-        spec.model_geometry(),
+        spec.model_geometry().with_ddp(config.ddp),
         WorldConfig(old, Placement(devices[: old.world_size])),
         new,
         devices[: new.world_size],
@@ -318,6 +318,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", dest="to_layout", default="1,2,1", help="new layout TP,PP,DP (default 1,2,1)")
     parser.add_argument(
         "--steps-before", type=int, default=None, help="training steps before the cut (default 2, quick 1)"
+    )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="train with Megatron's distributed optimizer (master weights and Adam moments sharded over DP)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument(
@@ -374,6 +379,8 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelRef, ParallelLayout, Parall
             f"{old.describe()} -> {new.describe()} needs {size}"
         )
     config = LARGE_CONFIG if args.large else QUICK_CONFIG if args.quick else FULL_CONFIG
+    if args.distributed_optimizer:
+        config = msgspec.structs.replace(config, use_distributed_optimizer=True)
     for layout, flag in ((old, "--from"), (new, "--to")):
         check_fits(spec, layout, config, flag)
     steps_before = args.steps_before if args.steps_before is not None else 1 if args.quick else 2
@@ -462,7 +469,8 @@ def _print_report(r: ReconfigReport) -> None:
     live, restart = r.live, r.restart
     out: list[str] = [
         f"liver bench reconfig{' (quick)' if r.quick else ''}: {r.model} ({r.parameters:,} parameters), "
-        f"{r.old_layout} -> {r.new_layout}, cut after iteration {live.cut_iteration}",
+        f"{r.old_layout} -> {r.new_layout}, cut after iteration {live.cut_iteration}, "
+        f"{'distributed' if r.config.use_distributed_optimizer else 'plain'} optimizer",
         "",
         f"live reshard ({live.processes} warm processes; cut -> first step on the new world done)",
     ]

@@ -11,13 +11,16 @@ shape with each shard at its global offset, so a checkpoint saved at one (TP, PP
 trainer built at any other: the load computes which part of which saved shard each new rank needs
 (reshape on load). Vocabulary tensors are saved with the save-time padded vocabulary; the load reads the
 rows both paddings share and zero-fills the rest (Megatron's ``allow_shape_mismatch``), which is exact
-because padding rows are zero (see :mod:`.train`). The optimizer is Megatron's ``FP32Optimizer``
+because padding rows are zero (see :mod:`.train`). The plain optimizer is Megatron's ``FP32Optimizer``
 or mixed-precision ``Float16OptimizerWithFloat16Params``, whose state is parameter-shaped, so it reshards
-exactly like the parameters. The distributed optimizer is refused: its default checkpoint format fails
-in megatron-core 0.16.1 ("ShardedTensor.flattened_range is not supported"), ``dp_reshardable`` only
-reshards across DP, and only ``fully_reshardable`` would reshard TP/PP, by gathering a stage's whole
-optimizer state on its DP rank 0 (a second full copy of it in one process); LiveR does not map that
-optimizer's state either (:mod:`.state`), so it is refused rather than saved that way quietly.
+exactly like the parameters. The distributed optimizer's state is saved in LiveR's own terms instead
+(:func:`_owned_sharded_state`): each range a rank owns is a few boxes of the logical master weights and
+moments, saved as irregular shards at their global offsets, so it too reshards TP, PP and DP on load,
+with nothing gathered on one rank. Megatron's formats for it do not serve: its default fails in
+megatron-core 0.16.1 ("ShardedTensor.flattened_range is not supported"), ``dp_reshardable`` reshards DP
+only, and ``fully_reshardable`` gathers a stage's whole optimizer state on its DP rank 0 and, in 0.16.1,
+corrupts a buffer of several buckets (NVIDIA/Megatron-LM#5077), which every pipelined model with tied
+embeddings has.
 
 Besides tensors, a checkpoint holds a manifest (``liver_manifest.json``): the model, the layout it was
 saved at, the train config, the :class:`TrainingProgress` (iteration, data position, LR schedule) and
@@ -61,7 +64,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -73,12 +76,14 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
+from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
     local_state,
+    pieces_of,
     restore_progress,
     rng_state,
     training_progress,
@@ -289,10 +294,84 @@ def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str,
     groups = trainer.groups
     with parallel_state_of(groups):
         model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp})
+        if trainer.geometry.distributed:
+            state = {"model": model}
+            check_replica_ids(state, groups)
+            state[_OWNED] = _owned_sharded_state(trainer)
+            return state
         optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading)
     state = {"model": model, "optimizer": optimizer}
     check_replica_ids(state, groups)
     return state
+
+
+_OWNED = "liver_optimizer"
+"""The distributed optimizer's master weights and moments, as LiveR's logical tensors (see below)."""
+
+
+def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
+    """The distributed optimizer's state as ``ShardedTensor`` s of LiveR's logical tensors.
+
+    Megatron's own formats for this optimizer either reshard DP only (``dp_reshardable``) or gather a
+    stage's whole optimizer state on one rank and, in 0.16.1, corrupt a buffer of several buckets
+    (``fully_reshardable``; the tied embedding of a pipelined model always has a bucket of its own).
+    Each piece a rank owns (:mod:`liver.shared.holdings`) is a box of its logical tensor, so it is saved
+    as one irregular shard at its global offset (``axis_fragmentations=None``: DCP checks coverage) and
+    a load at any layout reads the boxes it owns there. TP replicas of a replicated tensor and the tied
+    embedding's copy on the last stage are saved by one rank only (replica ids); padding holds none.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    geometry, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
+    coords = layout.coords(rank)
+    tensors = geometry.tensors()
+    out: dict[str, list[Any]] = {}
+    for index, value in local_state(trainer).items():
+        t = tensors[index]
+        if not is_dp_sharded(t, geometry):
+            continue
+        pieces = holding(t, geometry, layout, rank) or ()
+        tp_replica = coords.tp if t.rule == "replicated" else 0
+        pp_replica = int(t.home == "first+last" and coords.pp == layout.pp - 1 and layout.pp > 1)
+        shards = []
+        for piece, local in zip(pieces, pieces_of(value)):
+            if piece.box is None:
+                continue
+            data = local[tuple(slice(0, hi - lo) for lo, hi in piece.box)]
+            shards.append(
+                ShardedTensor(
+                    key=f"{_OWNED}.{t.name}",
+                    data=data,
+                    dtype=data.dtype,
+                    local_shape=tuple(data.shape),
+                    global_shape=t.shape,
+                    global_offset=tuple(lo for lo, _ in piece.box),
+                    axis_fragmentations=None,
+                    replica_id=(pp_replica, tp_replica, 0),
+                )
+            )
+        out[t.name] = shards
+    return out
+
+
+def _load_owned(trainer: MegatronTrainer, loaded: Mapping[str, list[torch.Tensor]]) -> None:
+    """Write what a load read for :func:`_owned_sharded_state` into the live optimizer state."""
+    geometry, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
+    tensors = geometry.tensors()
+    with torch.no_grad():
+        for index, value in local_state(trainer).items():
+            t = tensors[index]
+            if not is_dp_sharded(t, geometry):
+                continue
+            pieces = [(p, v) for p, v in zip(holding(t, geometry, layout, rank) or (), pieces_of(value))]
+            boxes = [(p, v) for p, v in pieces if p.box is not None]
+            read = loaded.get(t.name, [])
+            if len(read) != len(boxes):
+                raise CheckpointError(
+                    f"{t.name}: the load read {len(read)} pieces, rank {rank} owns {len(boxes)}"
+                )
+            for (piece, local), data in zip(boxes, read):
+                local[tuple(slice(0, hi - lo) for lo, hi in piece.box)].copy_(data)
 
 
 @functools.cache
@@ -348,11 +427,6 @@ def _adam_step(trainer: MegatronTrainer) -> int:
 
 
 def _check_trainer(trainer: MegatronTrainer) -> None:
-    if trainer.config.use_distributed_optimizer:
-        raise CheckpointError(
-            "use_distributed_optimizer: its checkpoint formats do not reshard TP/PP changes without "
-            "gathering the optimizer on one rank (see liver.worker_runtime.megatron.checkpoint)"
-        )
     from liver.worker_runtime.megatron.build import check_default_world
 
     check_default_world(trainer.groups)
@@ -412,6 +486,7 @@ def save_checkpoint(trainer: MegatronTrainer, root: str | os.PathLike[str], *, k
         staging.mkdir()
 
     _on_rank_zero(prepare, f"preparing {staging}")
+    trainer.sync_params()  # overlap_param_gather: the parameters other DP ranks updated, first
     state = _sharded_state_dict(trainer, loading=False)
     dist_checkpointing.save(state, str(staging), sharded_strategy=_save_strategy(trainer.groups))
     mine = rng_state()
@@ -547,7 +622,10 @@ def load_checkpoint(
     state = _sharded_state_dict(trainer, loading=True)
     loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL)
     trainer.gpt.load_state_dict(loaded["model"], strict=True)
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    if _OWNED in loaded:
+        _load_owned(trainer, loaded[_OWNED])
+    else:
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
     _set_adam_step(trainer, manifest.adam_step)
 
     rng = rng_streams_for(manifest, trainer.layout, trainer.groups.rank, moved=moved)

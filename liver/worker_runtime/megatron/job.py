@@ -15,7 +15,6 @@ from collections.abc import Mapping
 
 import msgspec
 import structlog
-import torch
 
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
@@ -24,10 +23,12 @@ from liver.worker_runtime.megatron.build import groups_from_world, initialize_pa
 from liver.worker_runtime.megatron.data import Corpus
 from liver.worker_runtime.megatron.source import ModelSource, as_source
 from liver.worker_runtime.megatron.state import (
+    LocalTensor,
     RngState,
     TrainingProgress,
     load_local_state,
     local_state,
+    pieces_of,
     restore_progress,
     restore_rng_state,
     rng_state,
@@ -55,11 +56,6 @@ class MegatronJob:
         warmup_steps: int = 1,
         hooks: TrainerHooks | None = None,
     ) -> None:
-        if config.use_distributed_optimizer:
-            raise ValueError(
-                "config.use_distributed_optimizer: the distributed optimizer shards flat buffers, whose "
-                "state LiveR cannot stream; use the plain optimizer"
-            )
         if warmup_steps < 1:
             raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
         self.source = as_source(model)
@@ -70,8 +66,9 @@ class MegatronJob:
 
     @property
     def model(self) -> ModelGeometry:
-        """What the plans for this job must move (the runtime checks each plan against it)."""
-        return self.source.geometry
+        """What the plans for this job must move (the runtime checks each plan against it): the model's
+        geometry with this job's DDP settings (the distributed optimizer shards its state over DP)."""
+        return self.source.geometry.with_ddp(self.config.ddp)
 
     def build(self, world: World) -> MegatronTrainer:
         return build_trainer(
@@ -108,7 +105,11 @@ class MegatronJob:
     def iteration(self, trainer: MegatronTrainer) -> int:
         return trainer.iteration
 
-    def local_state(self, trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
+    def local_state(self, trainer: MegatronTrainer) -> dict[int, LocalTensor]:
+        """The trainer's state as the executor streams it. With ``overlap_param_gather`` a step leaves
+        the parameters outside each rank's owned range stale until the next forward: they are gathered
+        first (a collective over DP, which every rank of the world reaches at the same point: the cut)."""
+        trainer.sync_params()
         return local_state(trainer)
 
     def progress(self, trainer: MegatronTrainer) -> bytes:
@@ -118,7 +119,7 @@ class MegatronJob:
     def resume(
         self,
         trainer: MegatronTrainer,
-        state: Mapping[int, torch.Tensor],
+        state: Mapping[int, LocalTensor],
         progress: bytes | TrainingProgress,
     ) -> None:
         """Load ``state``, restore the progress and reseed: a fresh trainer continues from there."""
@@ -166,7 +167,7 @@ class MegatronJob:
         dropping the trainer frees nothing until a full garbage collection. The trainer must never be
         used again.
         """
-        tensors = list(local_state(trainer).values())
+        tensors = [t for value in local_state(trainer).values() for t in pieces_of(value)]
         for buffer in (*trainer.model.buffers, *trainer.model.expert_parallel_buffers):
             tensors.append(buffer.grad_data)
             if buffer.param_data is not None:

@@ -28,6 +28,7 @@ mismatch raises :class:`StateMismatch` naming the tensor. The rest of the traini
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,10 +38,12 @@ import structlog
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
+from liver.shared.dist_opt import OwnedPiece, owned_pieces
 from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import ParallelLayout
-from liver.shared.views import view
+from liver.shared.model import as_geometry
 
 if TYPE_CHECKING:  # megatron is imported where it is used: the checks and structs need none of it
     from liver.worker_runtime.megatron.trainer import MegatronTrainer
@@ -54,6 +57,9 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+LocalTensor = torch.Tensor | tuple[torch.Tensor, ...]
+"""One entry of a local state: a tensor, or one tensor per piece of DP-sharded optimizer state."""
 _LAYERS = "decoder.layers."
 
 
@@ -64,28 +70,34 @@ class StateMismatch(InputError):
 # --------------------------------------------------------------------------- checking
 
 
-def expected_shards(spec: ModelGeometry, layout: ParallelLayout, rank: int) -> dict[int, tuple[int, ...]]:
-    """Tensor index -> local shape, for every tensor ``rank`` holds (the view function's answer)."""
-    out: dict[int, tuple[int, ...]] = {}
+def expected_shards(
+    spec: ModelGeometry, layout: ParallelLayout, rank: int
+) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Tensor index -> the local shape of each piece, for every tensor ``rank`` holds (the holdings:
+    one piece, or the owned pieces of optimizer state under the distributed optimizer)."""
+    spec = as_geometry(spec)
+    out: dict[int, tuple[tuple[int, ...], ...]] = {}
     for index, tensor in enumerate(spec.tensors()):
-        shard = view(tensor, spec, layout, rank)
-        if shard is not None:
-            out[index] = tuple(shard.local_shape)
+        pieces = holding(tensor, spec, layout, rank)
+        if pieces is not None:
+            out[index] = tuple(tuple(p.local_shape) for p in pieces)
     return out
 
 
 def check_local_state(
-    state: Mapping[int, torch.Tensor],
+    state: Mapping[int, LocalTensor],
     spec: ModelGeometry,
     layout: ParallelLayout,
     rank: int,
     *,
     complete: bool = True,
 ) -> None:
-    """Raise :class:`StateMismatch` unless ``state`` holds exactly what the views give ``rank``.
+    """Raise :class:`StateMismatch` unless ``state`` holds exactly what the views give ``rank``: a tensor
+    per held tensor, and a tuple of one tensor per piece for DP-sharded optimizer state.
 
     ``complete=False`` accepts a subset (a partly assembled state); shapes and dtypes still must match.
     """
+    spec = as_geometry(spec)
     tensors = spec.tensors()
     expected = expected_shards(spec, layout, rank)
     for index, value in state.items():
@@ -96,16 +108,25 @@ def check_local_state(
             raise StateMismatch(
                 f"state[{index}] ({name}): rank {rank} holds no shard of it at {layout.describe()}"
             )
-        if not isinstance(value, torch.Tensor):
-            raise StateMismatch(f"state[{index}] ({name}) is a {type(value).__name__}, not a tensor")
-        if tuple(value.shape) != expected[index]:
+        sharded = is_dp_sharded(tensors[index], spec)
+        pieces = value if sharded and isinstance(value, tuple) else (value,)
+        if sharded != isinstance(value, tuple) or len(pieces) != len(expected[index]):
             raise StateMismatch(
-                f"state[{index}] ({name}) has shape {tuple(value.shape)}, the view at "
-                f"{layout.describe()} rank {rank} says {expected[index]}"
+                f"state[{index}] ({name}) is a {type(value).__name__}, the view at {layout.describe()} "
+                f"rank {rank} holds {len(expected[index])} piece(s)"
+                + (" as a tuple" if sharded else " as a tensor")
             )
         want = _TORCH_DTYPES[tensors[index].dtype]
-        if value.dtype != want:
-            raise StateMismatch(f"state[{index}] ({name}) has dtype {value.dtype}, the model says {want}")
+        for piece, shape in zip(pieces, expected[index]):
+            if not isinstance(piece, torch.Tensor):
+                raise StateMismatch(f"state[{index}] ({name}) is a {type(piece).__name__}, not a tensor")
+            if tuple(piece.shape) != shape:
+                raise StateMismatch(
+                    f"state[{index}] ({name}) has shape {tuple(piece.shape)}, the view at "
+                    f"{layout.describe()} rank {rank} says {shape}"
+                )
+            if piece.dtype != want:
+                raise StateMismatch(f"state[{index}] ({name}) has dtype {piece.dtype}, the model says {want}")
     if complete:
         missing = sorted(expected.keys() - state.keys())
         if missing:
@@ -113,6 +134,11 @@ def check_local_state(
                 f"state lacks {len(missing)} tensor(s) rank {rank} holds, first {tensors[missing[0]].name} "
                 f"(index {missing[0]})"
             )
+
+
+def pieces_of(value: LocalTensor) -> tuple[torch.Tensor, ...]:
+    """The tensors of one local state entry (a plain tensor is its only piece)."""
+    return value if isinstance(value, tuple) else (value,)
 
 
 # --------------------------------------------------------------------------- live tensors
@@ -135,12 +161,20 @@ def logical_parameter_name(trainer: MegatronTrainer, local_name: str) -> str:
 
 
 def _optimizer_slots(trainer: MegatronTrainer) -> dict[int, tuple[torch.Tensor, torch.optim.Optimizer]]:
-    """id(model parameter) -> (the tensor the optimizer updates, the torch optimizer holding its state)."""
+    """id(model parameter) -> (the tensor the optimizer updates, the torch optimizer holding its state).
+
+    Under the distributed optimizer that tensor is the 1-D fp32 shard of the range this rank owns
+    (a view of the parameter buffer for fp32 parameters), and parameters it owns nothing of are absent.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     slots: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
     for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        if isinstance(opt, Float16OptimizerWithFloat16Params):
+        if isinstance(opt, DistributedOptimizer):
+            for param, (group, order) in opt.model_param_group_index_map.items():
+                slots[id(param)] = (opt.optimizer.param_groups[group]["params"][order], opt.optimizer)
+        elif isinstance(opt, Float16OptimizerWithFloat16Params):
             for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for model_param, main_param in zip(model_group, main_group):
                     slots[id(model_param)] = (main_param, opt.optimizer)
@@ -193,18 +227,21 @@ def _step_value(steps: list[torch.Tensor]) -> int:
     return int(value)
 
 
-def local_state(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
+def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
     """This rank's local state: views of the live parameters and Adam state, and the step as a copy.
 
-    Checked against the view function before it is returned. Creating the view of a fresh optimizer
-    creates its (zero) Adam state, exactly as its first step would.
+    Under the distributed optimizer the master weights and moments are the pieces of the range this
+    rank owns (:func:`liver.shared.dist_opt.owned_pieces`): views into the optimizer's 1-D shards.
+    Checked against the holdings before it is returned. Creating the view of a fresh optimizer creates
+    its (zero) Adam state, exactly as its first step would.
     """
     spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
     tensors = spec.tensors()
     index_of = {t.name: i for i, t in enumerate(tensors)}
     expected = expected_shards(spec, layout, rank)
     slots = _optimizer_slots(trainer)
-    state: dict[int, torch.Tensor] = {}
+    owned = owned_pieces(spec, layout, rank) if spec.distributed else {}
+    state: dict[int, LocalTensor] = {}
     steps: list[torch.Tensor] = []
     for local_name, param in trainer.gpt.named_parameters():
         name = logical_parameter_name(trainer, local_name)
@@ -217,9 +254,16 @@ def local_state(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
             )
         if index in state:
             raise StateMismatch(f"{name}: two parameters of the model map to it")
-        shape = expected[index]
+        (shape,) = expected[index]
         state[index] = _as_local(param.detach(), tensors[index], shape)
         slot = slots.get(id(param))
+        if spec.distributed:
+            if slot is not None:
+                main, inner = slot
+                adam = _adam_state(main, inner)
+                steps.append(adam["step"])
+                _add_owned(state, index_of, tensors, name, main, adam, owned.get(name, ()), param)
+            continue
         if slot is None:
             raise StateMismatch(f"{name}: the optimizer does not update this parameter")
         main, inner = slot
@@ -240,12 +284,47 @@ def local_state(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
     return state
 
 
-def snapshot(trainer: MegatronTrainer) -> dict[int, torch.Tensor]:
+def _add_owned(
+    state: dict[int, LocalTensor],
+    index_of: Mapping[str, int],
+    tensors: tuple[TensorSpec, ...],
+    name: str,
+    main: torch.Tensor,
+    adam: Mapping[str, torch.Tensor],
+    pieces: tuple[OwnedPiece, ...],
+    param: torch.Tensor,
+) -> None:
+    """The owned pieces of ``name``'s master weights and moments, as views of the optimizer's shards."""
+    flats: dict[str, torch.Tensor] = {role: adam[role] for role in _MOMENTS}
+    fp32_name = f"optimizer.state.fp32_param.{name}"
+    if fp32_name in index_of:
+        flats["fp32_param"] = main
+    elif main.dtype != param.dtype:
+        raise StateMismatch(f"{name}: the optimizer keeps a master copy the model description lacks")
+    if not pieces:
+        return  # it owns padding only: nothing of it is state
+    need = pieces[-1].offset + math.prod(pieces[-1].local_shape)
+    for role, flat in flats.items():
+        if flat.dim() != 1 or flat.numel() < need:
+            raise StateMismatch(
+                f"optimizer.state.{role}.{name}: the optimizer's shard has {flat.numel()} elements, the "
+                f"owned range needs {need}"
+            )
+        index = index_of[f"optimizer.state.{role}.{name}"]
+        state[index] = tuple(
+            flat.detach()[p.offset : p.offset + math.prod(p.local_shape)].view(p.local_shape) for p in pieces
+        )
+
+
+def snapshot(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
     """A copy of :func:`local_state` that later training does not change."""
-    return {index: tensor.clone() for index, tensor in local_state(trainer).items()}
+    return {
+        index: tuple(t.clone() for t in value) if isinstance(value, tuple) else value.clone()
+        for index, value in local_state(trainer).items()
+    }
 
 
-def load_local_state(trainer: MegatronTrainer, state: Mapping[int, torch.Tensor]) -> None:
+def load_local_state(trainer: MegatronTrainer, state: Mapping[int, LocalTensor]) -> None:
     """Make ``trainer``'s parameters and Adam state equal ``state`` (a complete local state for its
     rank, e.g. what the executor assembled). Tensors that already are the live storage are left as they
     are; the step is written to every parameter's Adam state."""
@@ -257,10 +336,10 @@ def load_local_state(trainer: MegatronTrainer, state: Mapping[int, torch.Tensor]
         for index, target in live.items():
             if index == step_index:
                 continue
-            source = state[index]
-            if source.data_ptr() != target.data_ptr():
-                target.copy_(source)
-    step = float(int(state[step_index]))
+            for to, source in zip(pieces_of(target), pieces_of(state[index])):
+                if source.data_ptr() != to.data_ptr():
+                    to.copy_(source)
+    step = float(int(pieces_of(state[step_index])[0]))
     for main, inner in _optimizer_slots(trainer).values():
         inner.state[main]["step"].fill_(step)
     log.debug("megatron_state.loaded", layout=layout.describe(), rank=rank, tensors=len(live), step=int(step))

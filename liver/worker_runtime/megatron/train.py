@@ -92,11 +92,6 @@ class TrainerHooks:
                 f"hooks.optimizer_config.optimizer: {opt.optimizer!r}; LiveR moves Adam's state (two "
                 "moments and a step per parameter), so only 'adam' reshards live"
             )
-        if opt is not None and opt.use_distributed_optimizer:
-            raise ValueError(
-                "hooks.optimizer_config.use_distributed_optimizer: the distributed optimizer is not "
-                "resharded live yet; use the plain optimizer"
-            )
 
 
 def _optimizer_config(model: torch.nn.Module, config: TrainConfig) -> OptimizerConfig:

@@ -118,6 +118,7 @@ class MegatronTrainer:
         self.loss_key = loss_key
         self.iteration = 0
         self.consumed_samples = 0
+        self.params_stale = False  # a step with overlap_param_gather left the gather to the next forward
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
         self._collection = groups.collection()
         self._forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
@@ -169,6 +170,7 @@ class MegatronTrainer:
                 self.scheduler.step(increment=config.global_batch_size)
             self.iteration += 1
             self.consumed_samples += config.global_batch_size
+            self.params_stale = config.overlap_param_gather
             loss = self._global_loss(reports)
         lr = float(self.optimizer.param_groups[0]["lr"])
         result = StepResult(
@@ -181,6 +183,15 @@ class MegatronTrainer:
         )
         self._log.debug("megatron_train.step", **result._asdict())
         return result
+
+    def sync_params(self) -> None:
+        """Gather the parameters the distributed optimizer updated on other DP ranks now, when a step
+        left that to the next forward (``overlap_param_gather``): a collective over the DP group."""
+        if not self.params_stale:
+            return
+        with parallel_state_of(self.groups):
+            self.model.start_param_sync(force_sync=True)
+        self.params_stale = False
 
     def _global_loss(self, reports: list[dict[str, torch.Tensor]]) -> float:
         """Mean token loss of the global batch, the same on every rank.
