@@ -16,7 +16,8 @@ shard geometry from Megatron's own ``sharded_state_dict()``. With ``--reshard-at
 TP,PP,DP`` the job moves live after step N to that layout on the first ``TP*PP*DP`` processes (the
 others stream their state out and exit); here every process plans the move itself, in a deployment the
 coordinator does and each process's bus companion hands in its slice of the plan. ``--json`` prints
-JSON lines. Runs on CPU (gloo) as on GPUs (NCCL).
+JSON lines; ``--distributed-optimizer`` trains with Megatron's distributed optimizer, whose sharded
+state moves live as well. Runs on CPU (gloo) as on GPUs (NCCL).
 """
 
 from __future__ import annotations
@@ -110,8 +111,15 @@ def forward_step(data_iterator: Any, model: GPTModel) -> tuple[torch.Tensor, Any
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def optimizer_config() -> OptimizerConfig:
-    return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, weight_decay=0.01, clip_grad=1.0)
+def optimizer_config(distributed: bool) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=LR,
+        min_lr=LR / 10,
+        weight_decay=0.01,
+        clip_grad=1.0,
+        use_distributed_optimizer=distributed,
+    )
 
 
 def lr_schedule(optimizer: Any) -> OptimizerParamScheduler:
@@ -140,6 +148,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--reshard-at", type=int, default=None)
     parser.add_argument("--reshard-to", default=None, help="TP,PP,DP")
+    parser.add_argument("--distributed-optimizer", action="store_true", help="Megatron's ZeRO-1 optimizer")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if (args.reshard_at is None) != (args.reshard_to is None):
@@ -159,14 +168,17 @@ def main() -> int:
         vocab_size=VOCAB_SIZE,
         make_vocab_size_divisible_by=DIVISIBLE_BY,
     )
-    train = TrainConfig(global_batch_size=8, micro_batch_size=2, seq_length=32)
+    distributed = args.distributed_optimizer
+    train = TrainConfig(
+        global_batch_size=8, micro_batch_size=2, seq_length=32, use_distributed_optimizer=distributed
+    )
     corpus = MegatronCorpus([args.data], seq_length=train.seq_length, num_samples=args.steps * 8)
     job = MegatronJob(  # LiveR: your model, data, optimizer, schedule and step, for every world
         ModelSource.from_provider(model_provider, geometry, max_sequence_length=MAX_SEQUENCE),
         train,
         corpus=corpus,
         hooks=TrainerHooks(
-            optimizer_config=optimizer_config(), scheduler=lr_schedule, forward_step=forward_step
+            optimizer_config=optimizer_config(distributed), scheduler=lr_schedule, forward_step=forward_step
         ),
     )
     start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
@@ -177,7 +189,7 @@ def main() -> int:
         if trainer.iteration == args.reshard_at and runtime.generation == 0:  # LiveR: move live
             target = ParallelLayout.parse(args.reshard_to)
             new_devices = devices[: target.world_size]
-            plan = plan_resize(geometry, WorldConfig(layout, start.placement), target, new_devices).plan
+            plan = plan_resize(job.model, WorldConfig(layout, start.placement), target, new_devices).plan
             runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
         result = trainer.train_step()
         if runtime.world is not None and runtime.world.rank == 0:

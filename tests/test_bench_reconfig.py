@@ -132,3 +132,14 @@ def test_a_users_own_model_is_measured_the_same_way() -> None:
     assert report["model"] == "model_provider" and report["parameters"] > 0
     assert report["live"]["bytes_moved"] > 0 and report["restart"]["total_s"] > 0
     assert report["ratio"] == pytest.approx(report["restart"]["total_s"] / report["live"]["downtime_s"])
+
+
+@pytest.mark.slow
+def test_a_job_with_the_distributed_optimizer_is_measured_the_same_way() -> None:
+    """DP2 -> TP2: the old DP ranks each own half of the optimizer state; live it moves piece by piece,
+    the restart saves and loads it through the checkpoint."""
+    rc, out, err = _run("--quick", "--json", "--distributed-optimizer", "--from", "1,1,2", "--to", "2,1,1")
+    assert rc == 0, err[-3000:]
+    report = json.loads(out)
+    assert report["config"]["use_distributed_optimizer"] is True
+    assert report["live"]["bytes_moved"] > 0 and report["restart"]["load_s"] > 0

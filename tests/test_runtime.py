@@ -164,6 +164,15 @@ def test_a_plan_for_another_model_is_refused() -> None:
         member_runtime().request_resize(1, TP2, NEW.placement, plan, STORE)
 
 
+def test_a_plan_that_shards_the_optimizer_state_otherwise_than_the_job_is_refused_saying_so() -> None:
+    from liver.shared.geometry import DdpSettings
+
+    sharded = SPEC.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
+    plan = plan_between(OLD, NEW, model=sharded)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`plan\.model\.ddp`.*MegatronJob\.model"):
+        member_runtime().request_resize(1, TP2, NEW.placement, plan, STORE)
+
+
 def test_a_plan_that_leaves_the_optimizer_state_behind_is_refused() -> None:
     plan = plan_between(OLD, NEW, optimizer=False)
     with pytest.raises(ValueError, match=r"`plan\.tensors`"):

@@ -80,10 +80,16 @@ def check_request(
         raise ValueError(f"`generation`: {generation} is not newer than generation {newest_generation}")
     check_placement(layout, placement)
     model.check_layout(layout)
-    if plan.model != as_geometry(model):
+    job_model = as_geometry(model)
+    if plan.model != job_model:
+        if plan.model.with_ddp(job_model.ddp) == job_model:
+            raise ValueError(
+                f"`plan.model.ddp`: the plan shards the optimizer state as {plan.model.ddp}, this job as "
+                f"{job_model.ddp}; plan with the job's geometry (MegatronJob.model)"
+            )
         raise ValueError(
             f"`plan.model`: the plan is for {plan.model.name} ({plan.model.digest()}), this job trains "
-            f"{model.name} ({as_geometry(model).digest()})"
+            f"{model.name} ({job_model.digest()})"
         )
     if plan.tensors != model.tensors(optimizer=True):
         raise ValueError("`plan.tensors`: the plan must move the whole training state (optimizer included)")
