@@ -3,6 +3,8 @@ behaviour (1F1B in-flight micro-batches, margins, recomputation)."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -16,9 +18,11 @@ from liver.services.topology.memory import (
     activation_bytes_per_token,
     in_flight_micro_batches,
     memory_estimate,
+    stage_state_bytes,
 )
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec
+from liver.shared.views import holding_stages
 
 # 2 layers, h=8, 2 heads of 4, ffn 16, vocabulary 10 padded to 16 at TP2, no biases, untied output.
 TINY = ModelSpec(
@@ -125,3 +129,25 @@ def test_hardware_profile_decodes_from_json_with_field_checks() -> None:
     bad = data.replace(b'"memory_margin":0.1', b'"memory_margin":2.0')
     with pytest.raises(msgspec.ValidationError, match="memory_margin"):
         msgspec.json.decode(bad, type=HardwareProfile)
+
+
+def test_under_the_distributed_optimizer_a_rank_keeps_its_dp_share_of_the_optimizer_state() -> None:
+    from liver.shared.dist_opt import buffer_layouts
+    from liver.shared.geometry import DdpSettings
+    from liver.shared.views import tp_shard
+
+    plain = PRESETS["tiny-llama"].geometry()
+    sharded = plain.with_ddp(DdpSettings(distributed_optimizer=True))
+    layout = ParallelLayout(tp=2, pp=2, dp=4)
+    for stage, ((mine, grad), (theirs, grad_plain)) in enumerate(
+        zip(stage_state_bytes(sharded, SETUP, layout), stage_state_bytes(plain, SETUP, layout))
+    ):
+        params = sum(
+            t.itemsize * math.prod(tp_shard(t, plain, layout.tp, 0).local_shape)
+            for t in plain.tensors(optimizer=False)
+            if stage in holding_stages(t, plain, layout)
+        )
+        (buffer,) = buffer_layouts(sharded, layout, stage, 0)
+        owned = buffer.buckets[-1][1] // layout.dp * 4 * 2  # fp32: two moments, the master is the param
+        assert mine == params + owned + 8  # and the step
+        assert grad == grad_plain and mine < theirs

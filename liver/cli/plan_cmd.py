@@ -9,8 +9,9 @@ import time
 import msgspec
 
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, plan_resize
+from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Device, ParallelLayout, Placement, default_devices, parse_devices
-from liver.shared.model import load_model_or_geometry
+from liver.shared.model import as_geometry, load_model_or_geometry
 from liver.shared.plan import WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import write_plan
@@ -104,6 +105,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_BYTES / MIB, help="staging buffer B")
     p.add_argument("--params-only", action="store_true", help="plan parameters only, no optimizer state")
     p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="the job uses Megatron's distributed optimizer: master weights and Adam moments sharded over DP",
+    )
+    p.add_argument(
+        "--bucket-size",
+        type=int,
+        metavar="ELEMENTS",
+        help="with --distributed-optimizer: DDP buckets of this many elements (overlap_grad_reduce on)",
+    )
+    p.add_argument(
         "--rank-order", action="store_true", help="place new ranks in rank order (no optimisation)"
     )
     p.add_argument("--no-verify", action="store_true", help="skip the coverage proof")
@@ -118,6 +130,17 @@ def run(args: argparse.Namespace) -> int:
     if args.budget_mib <= 0:
         raise ValueError("--budget-mib must be positive")
     model = load_model_or_geometry(args.model)
+    if args.bucket_size is not None and not args.distributed_optimizer:
+        raise ValueError("--bucket-size: only with --distributed-optimizer")
+    if args.bucket_size is not None and args.bucket_size < 1:
+        raise ValueError(f"--bucket-size: at least 1, got {args.bucket_size}")
+    if args.distributed_optimizer:
+        ddp = DdpSettings(
+            distributed_optimizer=True,
+            overlap_grad_reduce=args.bucket_size is not None,
+            bucket_size=args.bucket_size,
+        )
+        model = as_geometry(model).with_ddp(ddp)
     model.check_layout(args.old)
     model.check_layout(args.new)
     old_devices = default_devices(args.old.world_size, args.per_node)

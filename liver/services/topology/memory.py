@@ -25,8 +25,10 @@ from typing import Annotated, Literal, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from liver.shared.dist_opt import buffer_layouts
 from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry
+from liver.shared.holdings import is_dp_sharded
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
 from liver.shared.views import tp_shard
@@ -193,6 +195,8 @@ class _StateByHome(NamedTuple):
     layer_grad: tuple[int, ...]
     home_state: dict[str, int]  # "first", "last", "first+last", "all"
     home_grad: dict[str, int]
+    layer_sharded: tuple[int, ...]  # the part of layer_state the distributed optimizer shards over DP
+    home_sharded: dict[str, int]
 
 
 @functools.lru_cache(maxsize=256)
@@ -202,18 +206,38 @@ def _state_by_home(model: ModelSpec | ModelGeometry, tp: int, grad_reduce_in_fp3
     user's own model; a parameter's gradient has its own dtype unless gradients reduce in fp32."""
     layer_state = [0] * model.num_layers
     layer_grad = [0] * model.num_layers
+    layer_sharded = [0] * model.num_layers
     home_state = dict.fromkeys(("first", "last", "first+last", "all"), 0)
     home_grad = dict(home_state)
+    home_sharded = dict(home_state)
+    distributed = isinstance(model, ModelGeometry) and model.distributed
     for t in model.tensors(optimizer=True):
         elems = math.prod(tp_shard(t, model, tp, 0).local_shape)
         grad = elems * (4 if grad_reduce_in_fp32 else t.itemsize) if t.role == "param" else 0
+        sharded = elems * t.itemsize if distributed and is_dp_sharded(t, model) else 0
         if t.home == "layer":
             layer_state[t.layer - 1] += elems * t.itemsize
             layer_grad[t.layer - 1] += grad
+            layer_sharded[t.layer - 1] += sharded
         else:
             home_state[t.home] += elems * t.itemsize
             home_grad[t.home] += grad
-    return _StateByHome(tuple(layer_state), tuple(layer_grad), home_state, home_grad)
+            home_sharded[t.home] += sharded
+    return _StateByHome(
+        tuple(layer_state), tuple(layer_grad), home_state, home_grad, tuple(layer_sharded), home_sharded
+    )
+
+
+def _owned_optimizer_bytes(model: ModelGeometry, layout: ParallelLayout, stage: int) -> int:
+    """A rank's share of its stage's master weights and moments under the distributed optimizer: every
+    bucket is cut into DP equal ranges, so each rank owns ``numel / dp`` of each buffer (padding
+    included), in fp32, with a master copy when the buffer's parameters are 16-bit."""
+    total = 0
+    for buffer in buffer_layouts(model, layout, stage, 0):
+        numel = buffer.buckets[-1][1] if buffer.buckets else 0
+        per_element = 4 * (2 if buffer.dtype == "float32" else 3)
+        total += numel // layout.dp * per_element
+    return total
 
 
 def _homes(stage: int, pp: int) -> tuple[str, ...]:
@@ -232,13 +256,18 @@ def stage_state_bytes(
     model: ModelSpec | ModelGeometry, setup: TrainingSetup, layout: ParallelLayout
 ) -> tuple[tuple[int, int], ...]:
     """``(state bytes, gradient bytes)`` of one rank of each pipeline stage (of the job's own model
-    when ``model`` is its geometry)."""
+    when ``model`` is its geometry). Under the distributed optimizer a rank keeps only its DP share of
+    the stage's master weights and moments (:func:`_owned_optimizer_bytes`)."""
     by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32)
     out = []
     start = 0
     for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
         homes = _homes(s, layout.pp)
         state = sum(by_home.layer_state[start : start + n]) + sum(by_home.home_state[h] for h in homes)
+        sharded = sum(by_home.layer_sharded[start : start + n]) + sum(by_home.home_sharded[h] for h in homes)
+        if sharded:
+            assert isinstance(model, ModelGeometry)
+            state += _owned_optimizer_bytes(model, layout, s) - sharded
         grad = sum(by_home.layer_grad[start : start + n]) + sum(by_home.home_grad[h] for h in homes)
         out.append((state, grad))
         start += n

@@ -589,16 +589,28 @@ def plan_resize(
     t2 = time.perf_counter()
     stats = plan_stats(plan)
     rank_order_bytes = stats.bytes_moved
+    distributed = as_geometry(model).distributed
     if optimize and compare_rank_order:
         # Which surviving replica sends a byte does not change how many bytes cross devices: ``lost``
         # does not enter the count.
         baseline = rank_order_placement(old, new_devices, new_layout)
-        rank_order_bytes = bytes_moved(model, old, WorldConfig(new_layout, baseline), optimizer)
+        if distributed:  # the class overlap takes optimizer state as DP replicas: count a real plan
+            baseline_plan = build_plan(
+                model, old, WorldConfig(new_layout, baseline), budget_bytes, optimizer, lost=lost
+            )
+            rank_order_bytes = plan_stats(baseline_plan).bytes_moved
+            if rank_order_bytes < stats.bytes_moved:  # the placement's estimate misjudged: keep the better
+                plan, stats = baseline_plan, plan_stats(baseline_plan)
+        else:
+            rank_order_bytes = bytes_moved(model, old, WorldConfig(new_layout, baseline), optimizer)
+    # Under the distributed optimizer only the parameters' bound is certain (the class overlap takes
+    # DP-sharded optimizer state for replicas): a lower, still valid, bound.
+    bound_optimizer = optimizer and not distributed
     return ResizePlan(
         plan=plan,
         stats=stats,
         rank_order_bytes_moved=rank_order_bytes,
-        lower_bound_bytes=local_lower_bound(model, old, new_devices, new_layout, optimizer),
+        lower_bound_bytes=local_lower_bound(model, old, new_devices, new_layout, bound_optimizer),
         plan_seconds=t2 - t0,
         placement_seconds=t1 - t0,
     )
