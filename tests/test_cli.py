@@ -71,3 +71,26 @@ def test_plan_refuses_a_lost_device_outside_the_old_world(capsys):
     argv = ["plan", "--model", "tiny-gpt", "--from", "2,1,1", "--to", "1,1,1"]
     assert main([*argv, "--lost", "node007:3"]) == 2
     assert "--lost: 'node007:3' is not a device" in capsys.readouterr().err
+
+
+def test_a_distributed_optimizer_plan_is_written_with_its_ddp_settings(tmp_path, capsys):
+    from liver.shared.plan_file import read_plan
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny-gpt", "--from", "1,1,2", "--to", "2,1,1", "--distributed-optimizer"]
+    assert main([*argv, "--bucket-size", "5000", "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"] is True
+    plan = read_plan(str(out))
+    assert plan.model.distributed and plan.model.ddp.bucket_size == 5000
+
+
+def test_a_distributed_optimizer_whose_lost_owner_held_state_cannot_be_planned(capsys):
+    argv = ["plan", "--model", "tiny-gpt", "--from", "1,1,2", "--to", "1,1,1", "--per-node", "1"]
+    assert main([*argv, "--lost", "node001", "--distributed-optimizer"]) == 1
+    assert "falls back to its last checkpoint" in capsys.readouterr().err
+
+
+def test_a_bucket_size_without_the_distributed_optimizer_is_refused(capsys):
+    argv = ["plan", "--model", "tiny-gpt", "--from", "1,1,2", "--to", "1,1,1", "--bucket-size", "10"]
+    assert main(argv) == 2
+    assert "--bucket-size" in capsys.readouterr().err

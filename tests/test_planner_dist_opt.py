@@ -146,3 +146,18 @@ def test_device_names_do_not_matter_to_ownership() -> None:
         _world(ParallelLayout(1, 1, 4), "m"),
     )
     assert [(t.src, t.dst, t.slices) for t in a.tasks] == [(t.src, t.dst, t.slices) for t in b.tasks]
+
+
+@pytest.mark.parametrize(("old", "new"), [("TP4,PP4,DP4", "TP4,PP2,DP6"), ("TP2,PP2,DP4", "TP4,PP2,DP2")])
+def test_the_chosen_placement_never_moves_more_than_rank_order_and_the_bound_holds(
+    old: str, new: str
+) -> None:
+    from liver.shared.layout import default_devices
+
+    model = PRESETS["llama3-8b"].geometry().with_ddp(DIST)
+    before = ParallelLayout.parse(old)
+    devices = default_devices(before.world_size, 8)
+    after = ParallelLayout.parse(new)
+    rp = plan_resize(model, WorldConfig(before, Placement(devices)), after, devices[: after.world_size])
+    assert rp.stats.bytes_moved <= rp.rank_order_bytes_moved
+    assert rp.lower_bound_bytes <= rp.stats.bytes_moved
