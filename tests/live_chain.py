@@ -60,6 +60,9 @@ class Chain(NamedTuple):
     """``() -> Corpus`` called in each process (picklable), or ``None`` for the synthetic corpus."""
     hooks: Any = None
     """The job's ``TrainerHooks`` (picklable), in the live job and the baselines alike."""
+    check_layouts: bool = False
+    """Check each new layout's model before the cut (``MegatronJob.check_layout``: a spawned interpreter
+    per switch, so only where a test is about it)."""
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -246,7 +249,9 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
     device = DEVICES[proc.rank]
     address = StoreAddress("127.0.0.1", proc.store.port)
     corpus = chain.corpus() if chain.corpus is not None else None
-    factory = MegatronJob(chain.model, chain.config, corpus=corpus, hooks=chain.hooks)
+    factory = MegatronJob(
+        chain.model, chain.config, corpus=corpus, hooks=chain.hooks, check_layouts=chain.check_layouts
+    )
 
     def cancel_stream(generation: int, layer: int, rnd: int) -> None:
         if proc.rank == chain.fault_process and generation == chain.fault_generation:
@@ -300,6 +305,10 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
             if nxt in chain.transitions and nxt not in published and iteration >= _cut(runtime) + chain.steps:
                 published.add(nxt)
                 proc.store.set(f"go/{nxt}", "1")
+        if chain.check_layouts and runtime.pending_generation is not None:
+            # The check of the new layout's model starts an interpreter beside six training processes on
+            # two cores: pause here until it is done rather than train on towards the iteration cap.
+            runtime.wait_prepared(CONTROL_TIMEOUT_S)
         read_before = len(corpus.read) if corpus is not None else 0
         result = trainer.train_step()
         coords = trainer.layout.coords(trainer.groups.rank)
@@ -382,7 +391,9 @@ def baseline_process(
     from liver.worker_runtime.megatron.streams import reseed
 
     corpus = chain.corpus() if chain.corpus is not None else None
-    factory = MegatronJob(chain.model, chain.config, corpus=corpus, hooks=chain.hooks)
+    factory = MegatronJob(
+        chain.model, chain.config, corpus=corpus, hooks=chain.hooks, check_layouts=chain.check_layouts
+    )
     geometry = chain.geometry
     traces: dict[str, dict[int, list]] = {"reload": {}, "checkpoint": {}}
     for reload in reloads:

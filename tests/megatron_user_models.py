@@ -8,8 +8,8 @@ They differ from LiveR's presets where a real model would:
 * ``qkv-bias``: biases on the QKV projection only (Qwen-style), GeLU, tied embeddings;
 * ``value-head``: a GPT with an extra tensor-parallel head on the last stage (a reward or value model).
 
-Two more for the derivation's edges: ``tp1-only`` (its provider refuses any TP above 1) and
-``broken`` (a provider that raises).
+Three more for the edges: ``tp1-only`` (its provider refuses any TP above 1), ``broken`` (a provider
+that raises) and ``dp-differs`` (it drops a bias at DP 2, which no probe builds).
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ class UserModel:
             return TransformerConfig(**common, ffn_hidden_size=256)
         if self.kind == "broken":
             raise RuntimeError("the provider's own bug")
+        if self.kind == "dp-differs":  # a provider with a bug no probe sees (they all have DP 1)
+            return TransformerConfig(
+                **common, ffn_hidden_size=256, add_bias_linear=False, add_qkv_bias=layout.dp == 1
+            )
         raise ValueError(f"unknown kind {self.kind!r}")
 
     def __call__(self, layout: ParallelLayout, pg_collection: Any) -> Any:

@@ -107,6 +107,24 @@ def child_main(results: Any) -> None:
         # A plan made for another model: the tied GPT's geometry against the QK-norm model.
         layout = ParallelLayout(tp=2, pp=1, dp=1)
         out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
+        # What a handoff's preparation runs before the cut: the library's check of one new layout.
+        from liver.worker_runtime.megatron.geometry import GeometryMismatch, check_layout_geometry
+
+        check_layout_geometry(
+            UserModel("qk-layernorm"), out["users"]["qk-layernorm"], ParallelLayout(2, 2, 2)
+        )
+        differs = derive_geometry(
+            UserModel("dp-differs"),
+            name="dp-differs",
+            num_layers=NUM_LAYERS,
+            vocab_size=VOCAB_SIZE,
+            make_vocab_size_divisible_by=DIVISIBLE_BY,
+        )
+        try:
+            check_layout_geometry(UserModel("dp-differs"), differs, ParallelLayout(tp=1, pp=2, dp=2))
+            out["layout_check"] = None
+        except GeometryMismatch as exc:
+            out["layout_check"] = str(exc)
         results.put((out, None))
     except BaseException:
         results.put((None, traceback.format_exc()))
@@ -212,3 +230,12 @@ def test_a_derivation_that_cannot_be_right_is_refused_naming_why(
 ) -> None:
     reason = found["refusals"][case]
     assert reason is not None and named in reason
+
+
+def test_a_new_layouts_model_that_differs_from_the_geometry_fails_the_check_naming_rank_and_tensor(
+    found: dict[str, Any],
+) -> None:
+    # The probes (all DP 1) derived a geometry with the QKV bias; at DP 2 the provider drops it.
+    problem = found["layout_check"]
+    assert problem is not None
+    assert "rank 0 at TP1,PP2,DP2" in problem and "linear_qkv.bias" in problem

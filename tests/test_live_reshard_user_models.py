@@ -109,6 +109,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         transitions=TRANSITIONS,
         corpus=IndexedCorpus(prefix, CONFIG.seq_length, num_samples=400),
         hooks=own_step,
+        check_layouts=request.param == MODELS[0],  # one job checks each new layout before its cut
     )
     return run_chain(chain, str(tmp_path_factory.mktemp("checkpoints")))
 

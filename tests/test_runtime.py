@@ -559,3 +559,53 @@ def test_without_a_checkpoint_a_handoff_that_lost_an_old_rank_fails_saying_none_
     assert "the old world cannot be restored" in found["message"]
     assert "no checkpoint was configured" in found["message"]
     assert found["world"] is None
+
+
+def _prep_for(new: WorldConfig) -> Any:
+    from liver.worker_runtime.preparation import Preparation, ResizeRequest
+
+    request = ResizeRequest(
+        generation=1,
+        from_generation=0,
+        layout=new.layout,
+        placement=new.placement,
+        plan=plan_between(OLD, new),
+        store=STORE,
+        deadline=None,
+        switch_when_ready=True,
+    )
+    old = WorldSpec(job=JOB, generation=0, layout=DP2, placement=OLD.placement)
+    shadow = WorldSpec(job=JOB, generation=1, layout=new.layout, placement=new.placement)
+    return Preparation(request, Role.STAY, old, shadow)
+
+
+def test_a_failed_check_of_the_new_layouts_model_fails_the_preparation_naming_why() -> None:
+    from liver.worker_runtime.preparation import LayoutCheck
+
+    def mismatch() -> None:
+        raise ValueError("rank 0 at TP2,PP1,DP1: decoder.layers.0.self_attention.linear_qkv.bias is missing")
+
+    prep = _prep_for(NEW)
+    prep.layout_check = LayoutCheck(mismatch)
+    assert prep.layout_check.wait(30)
+    assert not prep.ready()
+    reason = prep.failure()
+    assert reason is not None and "checking the new layout's model" in reason and "linear_qkv.bias" in reason
+
+
+def test_the_layout_check_runs_once_per_handoff_in_the_process_of_new_rank_0() -> None:
+    checked: list[ParallelLayout] = []
+
+    class CheckingFactory(ToyFactory):
+        def check_layout(self, layout: ParallelLayout) -> None:
+            checked.append(layout)
+
+    initial = WorldSpec(job=JOB, generation=0, layout=DP2, placement=OLD.placement)
+    for device in (1, 2):  # new rank 0 and new rank 1 (NEW is on processes 1 and 2)
+        runtime = LiveRuntime(
+            CheckingFactory(), job=JOB, device=DEVICES[device], store=STORE, initial=initial
+        )
+        check = runtime._layout_check(_prep_for(NEW))
+        if check is not None:
+            check()
+    assert checked == [TP2]

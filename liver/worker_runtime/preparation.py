@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -230,6 +230,19 @@ class ScheduleBuild(_Background[PreparedSchedule]):
         return self._made()
 
 
+class LayoutCheck(_Background[bool]):
+    """The new layout's model checked against the plan's geometry on a thread of its own (the factory
+    may run the check in another interpreter), so a model that disagrees fails the vote before the cut
+    instead of the rebuild after it."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        def run() -> bool:
+            check()
+            return True
+
+        super().__init__(run, name="liver-layout-check")
+
+
 class Preparation:
     """One request in this process: its role, its background builds, and whether it may switch yet.
 
@@ -251,6 +264,7 @@ class Preparation:
         self.world_build: WorldBuild | None = None
         self.stream_build: StreamBuild | None = None
         self.schedule_build: ScheduleBuild | None = None
+        self.layout_check: LayoutCheck | None = None
 
     @property
     def generation(self) -> int:
@@ -273,11 +287,15 @@ class Preparation:
         backend: Backend,
         build_timeout_s: float,
         stream_options: StreamOptions | None = None,
+        check: Callable[[], None] | None = None,
     ) -> None:
         """Start building the shadow world (unless this process leaves), the stream group and, given the
-        options the handoff will stream with, the transfer schedule."""
+        options the handoff will stream with, the transfer schedule; and ``check`` the new layout's
+        model when given one."""
         timeout = timedelta(seconds=self.seconds_left(build_timeout_s))
         store = self.request.store
+        if check is not None:
+            self.layout_check = LayoutCheck(check)
         if stream_options is not None:
             self.schedule_build = ScheduleBuild(self.request.plan, device, stream_options)
         if self.role is not Role.LEAVE:
@@ -293,6 +311,7 @@ class Preparation:
         built = self.stream_build is not None and self.stream_build.ready
         built = built and (self.world_build is None or self.world_build.ready)
         built = built and (self.schedule_build is None or self.schedule_build.ready)
+        built = built and (self.layout_check is None or self.layout_check.ready)
         if built and self.ready_at is None:
             self.ready_at = time.perf_counter()
         return built and self.allowed and self.failure() is None
@@ -301,16 +320,17 @@ class Preparation:
         """Why this preparation cannot succeed any more, or None."""
         if self.abort_reason is not None:
             return self.abort_reason
-        builds: tuple[tuple[str, WorldBuild | StreamBuild | ScheduleBuild | None], ...] = (
-            ("shadow world", self.world_build),
-            ("stream group", self.stream_build),
-            ("transfer schedule", self.schedule_build),
+        builds: tuple[tuple[str, WorldBuild | _Background[Any] | None], ...] = (
+            ("building the shadow world", self.world_build),
+            ("building the stream group", self.stream_build),
+            ("building the transfer schedule", self.schedule_build),
+            ("checking the new layout's model against the plan's geometry", self.layout_check),
         )
         for what, build in builds:
             error = build.error if build is not None else None
             if error is not None:
                 text = str(error).splitlines()[0] if str(error) else repr(error)
-                return f"building the {what} failed: {text}"
+                return f"{what} failed: {text}"
         deadline = self.request.deadline
         if deadline is not None and datetime.now(UTC) >= deadline:
             return f"the deadline {deadline.isoformat()} passed before the switch"
@@ -319,7 +339,7 @@ class Preparation:
     def wait_built(self, timeout_s: float) -> None:
         """Block until both builds end (a joiner has nothing else to do); raise when either failed."""
         end = time.monotonic() + timeout_s
-        for build in (self.world_build, self.stream_build, self.schedule_build):
+        for build in (self.world_build, self.stream_build, self.schedule_build, self.layout_check):
             if build is not None and not build.wait(max(end - time.monotonic(), 0.0)):
                 raise TimeoutError(f"generation {self.generation}: groups not built within {timeout_s:.0f} s")
         problem = self.failure()

@@ -326,7 +326,11 @@ class LiveRuntime(Generic[T]):
             self._newest_generation = generation
             if role is not Role.JOIN and self._world is not None:
                 prep.start(
-                    self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
+                    self.device,
+                    self.options.backend,
+                    self.options.build_timeout_s,
+                    self.options.stream,
+                    self._layout_check(prep),
                 )
             self._cond.notify_all()
         self._log.info(
@@ -334,6 +338,15 @@ class LiveRuntime(Generic[T]):
         )
         self._emit(RuntimeEvent(generation=generation, phase=ReshardPhase.PREPARING))
         return role
+
+    def _layout_check(self, prep: Preparation) -> Callable[[], None] | None:
+        """The factory's check of the new layout's model (``check_layout``, optional), run once per
+        handoff, by the process that will hold new rank 0, beside training."""
+        check = getattr(self.factory, "check_layout", None)
+        if check is None or prep.request.placement.devices[0] != self.device:
+            return None
+        layout = prep.request.layout
+        return lambda: check(layout)
 
     def allow_switch(self, generation: int) -> None:
         """The coordinator's SWITCH: ``generation`` may be switched to once every rank is ready."""
@@ -383,7 +396,11 @@ class LiveRuntime(Generic[T]):
             prep = self._pending
             if prep is not None and not prep.started:
                 prep.start(
-                    self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
+                    self.device,
+                    self.options.backend,
+                    self.options.build_timeout_s,
+                    self.options.stream,
+                    self._layout_check(prep),
                 )
         target = prep.generation if prep is not None else NO_TARGET
         ready = prep.ready() if prep is not None else False
@@ -516,7 +533,11 @@ class LiveRuntime(Generic[T]):
                 self.factory.warm_up(prep.request.layout, new_rank)
                 prep.warmup_s = time.perf_counter() - started
                 prep.start(
-                    self.device, self.options.backend, self.options.build_timeout_s, self.options.stream
+                    self.device,
+                    self.options.backend,
+                    self.options.build_timeout_s,
+                    self.options.stream,
+                    self._layout_check(prep),
                 )
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
                 self._emit(RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY))

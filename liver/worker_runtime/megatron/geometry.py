@@ -469,12 +469,54 @@ def derive_geometry(
 # --------------------------------------------------------------------------- in a fresh interpreter
 
 
-def _child(provider: Provider, kwargs: dict[str, Any], results: Any) -> None:
+def _child(work: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     try:
         torch.set_num_threads(1)
-        results.put((derive_geometry(provider, **kwargs), None))
+        results.put((work(*args), None))
     except BaseException as exc:  # reported to the parent, which raises
         results.put((None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _in_subprocess(work: Callable[..., Any], args: tuple[Any, ...], what: str, timeout_s: float) -> Any:
+    """``work(*args)`` in a spawned interpreter: its result, or :class:`GeometryDerivationError`."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_child, args=(work, args, results), daemon=True)
+    # multiprocessing refuses children to a daemonic process (a training process some launchers start
+    # as one). This child is joined or killed before we return and dies with us (it is a daemon too),
+    # which is what the rule protects, so the flag is lifted for its start only.
+    here = multiprocessing.current_process()
+    daemonic = here._config.get("daemon")  # type: ignore[attr-defined]
+    here._config["daemon"] = False  # type: ignore[attr-defined]
+    try:
+        child.start()
+    finally:
+        here._config["daemon"] = daemonic  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                result, error = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not child.is_alive():
+                    raise GeometryDerivationError(
+                        f"the interpreter {what} exited with code {child.exitcode} before answering (is "
+                        "the provider importable by name there?)"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise GeometryDerivationError(f"{what} took more than {timeout_s} s") from None
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    if error is not None:
+        raise GeometryDerivationError(f"{what} failed: {error}")
+    return result
+
+
+def _derive(provider: Provider, kwargs: dict[str, Any]) -> ModelGeometry:
+    return derive_geometry(provider, **kwargs)
 
 
 def derive_geometry_in_subprocess(
@@ -482,33 +524,7 @@ def derive_geometry_in_subprocess(
 ) -> ModelGeometry:
     """:func:`derive_geometry` in a spawned interpreter (``provider`` must be importable by name there):
     for a process that already has a default world, such as a training process under ``torchrun``."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_child, args=(provider, kwargs, results), daemon=True)
-    child.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                geometry, error = results.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not child.is_alive():
-                    raise GeometryDerivationError(
-                        f"the interpreter deriving the geometry exited with code {child.exitcode} before "
-                        "answering (is the provider importable by name there?)"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise GeometryDerivationError(
-                        f"deriving the geometry took more than {timeout_s} s"
-                    ) from None
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    if error is not None:
-        raise GeometryDerivationError(f"deriving the geometry failed: {error}")
-    return geometry
+    return _in_subprocess(_derive, (provider, kwargs), "deriving the geometry", timeout_s)
 
 
 # --------------------------------------------------------------------------- checking a built model
@@ -626,3 +642,47 @@ def check_model_geometry(
             f"rank {rank} at {layout.describe()}: the model does not match the geometry of "
             f"{geometry.name} ({geometry.digest()}): " + "; ".join(problems[:5])
         )
+
+
+def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: ParallelLayout) -> None:
+    """Build ``provider``'s model on the meta device as one rank of every (stage, TP rank) of ``layout``
+    (DP ranks build alike) under the fake process group, and check each against ``geometry``: raises
+    :class:`GeometryMismatch` naming the rank and the parameters. Needs a process without a default
+    world (:func:`check_layout_geometry_in_subprocess` for one that has one)."""
+    from liver.worker_runtime.megatron.build import groups_from_parallel_state
+
+    geometry.check_layout(layout)
+    for pp in range(layout.pp):
+        for tp in range(layout.tp):
+            rank = layout.rank_of(tp, 0, pp)
+            with _fake_world(layout, rank):
+                groups = groups_from_parallel_state(layout)
+                try:
+                    with torch.device("meta"):
+                        model = provider(layout, groups.collection())
+                except Exception as exc:  # the user's code: reported with the rank it failed at
+                    raise GeometryMismatch(
+                        f"the provider failed to build rank {rank} of {layout.describe()}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp})
+
+
+def _check_layout(provider: Provider, geometry: ModelGeometry, layout: ParallelLayout) -> str | None:
+    try:
+        check_layout_geometry(provider, geometry, layout)
+    except GeometryMismatch as exc:
+        return str(exc)
+    return None
+
+
+def check_layout_geometry_in_subprocess(
+    provider: Provider, geometry: ModelGeometry, layout: ParallelLayout, *, timeout_s: float = 600.0
+) -> None:
+    """:func:`check_layout_geometry` in a spawned interpreter, for a training process (it has a default
+    world): what a handoff's preparation runs before the cut, beside training."""
+    problem = _in_subprocess(
+        _check_layout, (provider, geometry, layout), "checking the new layout's model", timeout_s
+    )
+    if problem is not None:
+        raise GeometryMismatch(problem)

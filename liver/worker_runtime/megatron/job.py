@@ -55,6 +55,7 @@ class MegatronJob:
         corpus: Corpus | None = None,
         warmup_steps: int = 1,
         hooks: TrainerHooks | None = None,
+        check_layouts: bool = True,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
@@ -63,6 +64,7 @@ class MegatronJob:
         self.corpus = corpus
         self.warmup_steps = warmup_steps
         self.hooks = hooks
+        self.check_layouts = check_layouts
 
     @property
     def model(self) -> ModelGeometry:
@@ -101,6 +103,18 @@ class MegatronJob:
             steps=self.warmup_steps,
             teardown=lambda _: parallel_state.destroy_model_parallel(),
         )
+
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Before the cut, beside training: the user's model as Megatron builds it at ``layout`` (one rank
+        of every stage and TP rank, meta device, fake process group, in a spawned interpreter) must be
+        the geometry the plan moves; raises :class:`GeometryMismatch` naming the rank and parameter. A
+        preset's build is checked against its views by parameter count at every build instead, and
+        ``check_layouts=False`` skips it (the check costs an interpreter start and Megatron's import)."""
+        if not self.check_layouts or self.source.provider is None:
+            return
+        from liver.worker_runtime.megatron.geometry import check_layout_geometry_in_subprocess
+
+        check_layout_geometry_in_subprocess(self.source.provider, self.source.geometry, layout)
 
     def iteration(self, trainer: MegatronTrainer) -> int:
         return trainer.iteration
