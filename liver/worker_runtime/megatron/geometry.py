@@ -668,7 +668,11 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
                 check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp})
 
 
-def _check_layout(provider: Provider, geometry: ModelGeometry, layout: ParallelLayout) -> str | None:
+def _check_layout(provider: Provider | str, geometry: ModelGeometry, layout: ParallelLayout) -> str | None:
+    if isinstance(provider, str):
+        from liver.worker_runtime.megatron.source import load_provider
+
+        provider = load_provider(provider)
     try:
         check_layout_geometry(provider, geometry, layout)
     except GeometryMismatch as exc:
@@ -677,10 +681,12 @@ def _check_layout(provider: Provider, geometry: ModelGeometry, layout: ParallelL
 
 
 def check_layout_geometry_in_subprocess(
-    provider: Provider, geometry: ModelGeometry, layout: ParallelLayout, *, timeout_s: float = 600.0
+    provider: Provider | str, geometry: ModelGeometry, layout: ParallelLayout, *, timeout_s: float = 600.0
 ) -> None:
     """:func:`check_layout_geometry` in a spawned interpreter, for a training process (it has a default
-    world): what a handoff's preparation runs before the cut, beside training."""
+    world): what a handoff's preparation runs before the cut, beside training. ``provider`` may be its
+    ``MODULE:FUNCTION`` / ``FILE.py:FUNCTION`` reference. Raises :class:`GeometryMismatch` when the model
+    disagrees, :class:`GeometryDerivationError` when the check could not run."""
     problem = _in_subprocess(
         _check_layout, (provider, geometry, layout), "checking the new layout's model", timeout_s
     )

@@ -109,12 +109,25 @@ class MegatronJob:
         of every stage and TP rank, meta device, fake process group, in a spawned interpreter) must be
         the geometry the plan moves; raises :class:`GeometryMismatch` naming the rank and parameter. A
         preset's build is checked against its views by parameter count at every build instead, and
-        ``check_layouts=False`` skips it (the check costs an interpreter start and Megatron's import)."""
+        ``check_layouts=False`` skips it (the check costs an interpreter start and Megatron's import).
+        When the check cannot run at all (the provider cannot be imported in a fresh interpreter) it is
+        skipped with a warning: every build of the model is still checked, after the cut."""
         if not self.check_layouts or self.source.provider is None:
             return
-        from liver.worker_runtime.megatron.geometry import check_layout_geometry_in_subprocess
+        from liver.worker_runtime.megatron.geometry import (
+            GeometryDerivationError,
+            check_layout_geometry_in_subprocess,
+        )
 
-        check_layout_geometry_in_subprocess(self.source.provider, self.source.geometry, layout)
+        provider = self.source.provider_ref or self.source.provider
+        try:
+            check_layout_geometry_in_subprocess(provider, self.source.geometry, layout)
+        except GeometryDerivationError as exc:  # the check itself could not run: the build checks later
+            log.warning(
+                "megatron_job.layout_check_skipped",
+                layout=layout.describe(),
+                reason=str(exc).splitlines()[0],
+            )
 
     def iteration(self, trainer: MegatronTrainer) -> int:
         return trainer.iteration

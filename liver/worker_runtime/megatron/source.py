@@ -63,6 +63,9 @@ class ModelSource:
     max_sequence_length: int
     spec: ModelSpec | None = None
     provider: UserProvider | None = None
+    provider_ref: str | None = None
+    """``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` when the provider was loaded by name: how another
+    interpreter finds it (a provider loaded from a file is not importable by its module name)."""
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> ModelSource:
@@ -76,7 +79,12 @@ class ModelSource:
 
     @classmethod
     def from_provider(
-        cls, provider: UserProvider, geometry: ModelGeometry, *, max_sequence_length: int
+        cls,
+        provider: UserProvider,
+        geometry: ModelGeometry,
+        *,
+        max_sequence_length: int,
+        reference: str | None = None,
     ) -> ModelSource:
         """The user's model, whose ``geometry`` was derived from it (:mod:`.geometry`)."""
         if geometry.vocab_size is None:
@@ -89,6 +97,7 @@ class ModelSource:
             vocab_size=geometry.vocab_size,
             max_sequence_length=max_sequence_length,
             provider=provider,
+            provider_ref=reference,
         )
 
     def build(
@@ -169,5 +178,8 @@ def source_of(ref: ModelRef) -> ModelSource:
         return ModelSource.from_spec(ref.spec)
     assert ref.provider is not None and ref.geometry is not None and ref.max_sequence_length is not None
     return ModelSource.from_provider(
-        load_provider(ref.provider), ref.geometry, max_sequence_length=ref.max_sequence_length
+        load_provider(ref.provider),
+        ref.geometry,
+        max_sequence_length=ref.max_sequence_length,
+        reference=ref.provider,
     )

@@ -38,7 +38,7 @@ import structlog
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from liver.shared.dist_opt import OwnedPiece, owned_pieces
+from liver.shared.dist_opt import OwnedPiece, owned_pieces, owned_ranges
 from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
@@ -342,7 +342,30 @@ def load_local_state(trainer: MegatronTrainer, state: Mapping[int, LocalTensor])
     step = float(int(pieces_of(state[step_index])[0]))
     for main, inner in _optimizer_slots(trainer).values():
         inner.state[main]["step"].fill_(step)
+    if spec.distributed:
+        _check_params_follow_master(trainer)
     log.debug("megatron_state.loaded", layout=layout.describe(), rank=rank, tensors=len(live), step=int(step))
+
+
+def _check_params_follow_master(trainer: MegatronTrainer) -> None:
+    """Under the distributed optimizer Megatron keeps every 16-bit parameter equal to its fp32 master
+    rounded (each owner writes its range after the step, then DP gathers): a loaded state must agree,
+    or the next all-gather would silently replace parameters by other values."""
+    spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
+    owned = owned_ranges(spec, layout, rank)
+    slots = _optimizer_slots(trainer)
+    with torch.no_grad():
+        for local_name, param in trainer.gpt.named_parameters():
+            slot = slots.get(id(param))
+            if slot is None or param.dtype == torch.float32:
+                continue
+            name = logical_parameter_name(trainer, local_name)
+            lo, hi = owned[name]
+            if not torch.equal(param.detach().reshape(-1)[lo:hi], slot[0].detach().to(param.dtype)):
+                raise StateMismatch(
+                    f"{name}: the loaded parameter is not its loaded fp32 master rounded to {param.dtype} "
+                    f"on the range rank {rank} owns"
+                )
 
 
 # --------------------------------------------------------------------------- non-tensor state
