@@ -13,11 +13,12 @@ training script builds its model, except that it is handed the layout and the wo
 model computes Megatron's vocab-parallel cross entropy, which finds its TP group in ``parallel_state``;
 LiveR keeps ``parallel_state`` answering for whichever world the step runs in. LiveR learns the model's
 shard geometry from Megatron's own ``sharded_state_dict()``. With ``--reshard-at N --reshard-to
-TP,PP,DP`` the job moves live after step N to that layout on the first ``TP*PP*DP`` processes (the
-others stream their state out and exit); here every process plans the move itself, in a deployment the
-coordinator does and each process's bus companion hands in its slice of the plan. ``--json`` prints
-JSON lines; ``--distributed-optimizer`` trains with Megatron's distributed optimizer, whose sharded
-state moves live as well. Runs on CPU (gloo) as on GPUs (NCCL).
+TP,PP,DP`` the job moves live after step N, as soon as the new world is prepared beside training
+(past ``--steps`` the script waits for that and trains two steps on the new world), to that layout on
+the first ``TP*PP*DP`` processes (the others stream their state out and exit); here every process plans
+the move itself, in a deployment the coordinator does and each process's bus companion hands in its
+slice of the plan. ``--json`` prints JSON lines; ``--distributed-optimizer`` trains with Megatron's
+distributed optimizer, whose sharded state moves live as well. Runs on CPU (gloo) as on GPUs (NCCL).
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def main() -> int:
     train = TrainConfig(
         global_batch_size=8, micro_batch_size=2, seq_length=32, use_distributed_optimizer=distributed
     )
-    corpus = MegatronCorpus([args.data], seq_length=train.seq_length, num_samples=args.steps * 8)
+    # A few batches beyond --steps: a move still being prepared then is waited for and finished.
+    corpus = MegatronCorpus([args.data], seq_length=train.seq_length, num_samples=(args.steps + 6) * 8)
     job = MegatronJob(  # LiveR: your model, data, optimizer, schedule and step, for every world
         ModelSource.from_provider(model_provider, geometry, max_sequence_length=MAX_SEQUENCE),
         train,
@@ -184,14 +186,18 @@ def main() -> int:
     start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
     runtime = LiveRuntime(job, job="your-job", device=devices[rank], store=address, initial=start)  # LiveR
 
+    after = 0 if args.reshard_at is not None else 2  # steps on the new world, two at least
     trainer = runtime.step()  # LiveR: the trainer of the world this process is in (None: it left)
-    while trainer is not None and trainer.iteration < args.steps:
+    while trainer is not None and (trainer.iteration < args.steps or after < 2):
         if trainer.iteration == args.reshard_at and runtime.generation == 0:  # LiveR: move live
             target = ParallelLayout.parse(args.reshard_to)
             new_devices = devices[: target.world_size]
             plan = plan_resize(job.model, WorldConfig(layout, start.placement), target, new_devices).plan
             runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
+        if trainer.iteration >= args.steps and runtime.generation == 0:
+            runtime.wait_prepared(600)  # past --steps: let the move finish rather than train on
         result = trainer.train_step()
+        after += runtime.generation > 0
         if runtime.world is not None and runtime.world.rank == 0:
             described = runtime.world.layout.describe()
             if args.json:
