@@ -136,7 +136,7 @@ def test_every_ranks_buffers_and_owned_ranges_are_megatrons(
     buckets = set()
     for rank, (buffers, ranges) in real.items():
         coords = layout.coords(rank)
-        assert buffer_layouts(geometry, layout, coords.pp, coords.tp) == buffers, f"rank {rank}"
+        assert buffer_layouts(geometry, layout, coords.pp, coords.tp, ddp) == buffers, f"rank {rank}"
         if ddp.distributed_optimizer:
             assert owned_ranges(geometry, layout, rank) == ranges, f"rank {rank}"
         buckets.add(sum(len(b.buckets) for b in buffers))

@@ -273,7 +273,6 @@ def test_with_dropout_the_rng_streams_are_what_makes_the_resumed_run_identical(r
     ("settings", "field"),
     [
         ({"optimizer": "sgd"}, "hooks.optimizer_config.optimizer"),
-        ({"use_distributed_optimizer": True}, "hooks.optimizer_config.use_distributed_optimizer"),
     ],
 )
 def test_a_users_optimizer_liver_cannot_move_is_refused_naming_the_field(settings: dict, field: str) -> None:

@@ -104,11 +104,22 @@ def _pad(n: int, divisor: int) -> int:
 
 
 def buffer_layouts(
-    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, tp_rank: int
+    geometry: ModelGeometry,
+    layout: ParallelLayout,
+    pp_rank: int,
+    tp_rank: int,
+    ddp: DdpSettings | None = None,
 ) -> tuple[BufferLayout, ...]:
     """The DDP buffers of the ranks at (``pp_rank``, ``tp_rank``) of ``layout`` (the same on every DP
-    rank), as Megatron lays them out with the geometry's ``ddp`` settings (module docstring)."""
-    ddp = geometry.ddp
+    rank), as Megatron lays them out with ``ddp`` (default: the geometry's own, whose canonical form
+    drops the buckets of the plain optimizer's gradient buffers; module docstring)."""
+    return _buffer_layouts(geometry, layout, pp_rank, tp_rank, ddp or geometry.ddp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _buffer_layouts(
+    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, tp_rank: int, ddp: DdpSettings
+) -> tuple[BufferLayout, ...]:
     dp = layout.dp
     bucket_size = ddp.effective_bucket_size(dp, pp_rank)
     shared = layout.pp > 1
@@ -202,7 +213,7 @@ def owned_pieces(
     return dict(_owned_pieces(geometry, layout, rank))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=8192)
 def _owned_pieces(
     geometry: ModelGeometry, layout: ParallelLayout, rank: int
 ) -> tuple[tuple[str, tuple[OwnedPiece, ...]], ...]:

@@ -126,6 +126,16 @@ class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     bucket_size: Annotated[int, Meta(ge=1)] | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
 
+    def canonical(self) -> DdpSettings:
+        """The settings as far as they decide the state's layout: all defaults without the distributed
+        optimizer (the plain optimizer's state does not depend on buckets), no bucket size without
+        ``overlap_grad_reduce``; geometries compare (and plans match jobs) on this form."""
+        if not self.distributed_optimizer:
+            return DdpSettings()
+        if not self.overlap_grad_reduce and self.bucket_size is not None:
+            return msgspec.structs.replace(self, bucket_size=None)
+        return self
+
     def effective_bucket_size(self, dp: int, pp_rank: int) -> int | None:
         """Elements after which a bucket closes on stage ``pp_rank`` (``None``: one bucket)."""
         if not self.overlap_grad_reduce or pp_rank > 0:
@@ -151,6 +161,7 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def __post_init__(self) -> None:
         if self.schema_version == 1:
             msgspec.structs.force_setattr(self, "schema_version", GEOMETRY_SCHEMA_VERSION)
+        msgspec.structs.force_setattr(self, "ddp", self.ddp.canonical())
         if self.schema_version != GEOMETRY_SCHEMA_VERSION:
             raise GeometryError(
                 f"schema_version: {self.schema_version} is not supported (expected {GEOMETRY_SCHEMA_VERSION})"
@@ -177,7 +188,9 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         return self.ddp.distributed_optimizer
 
     def with_ddp(self, ddp: DdpSettings) -> ModelGeometry:
-        """This geometry for a job whose DDP and optimizer are set so."""
+        """This geometry for a job whose DDP and optimizer are set so (in :meth:`DdpSettings.canonical`
+        form)."""
+        ddp = ddp.canonical()
         return self if ddp == self.ddp else msgspec.structs.replace(self, ddp=ddp)
 
     def padded_vocab(self, tp: int) -> int:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import msgspec
 
 from liver.shared.boxes import Box, intersect, split, volume
+from liver.shared.dist_opt import owned_boxes
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
@@ -106,8 +107,6 @@ def build_plan(
     if budget_bytes < max(t.itemsize for t in tensors):
         raise ValueError(f"budget_bytes ({budget_bytes}) is smaller than one element")
     lost = _check_lost(lost, old, new)
-    if lost and model.distributed:
-        _check_owners_survive(model, tensors, old, lost)
     orphans = orphaned_shards(model, old, lost)
     if orphans:
         stages, key, tensor = orphans[0]
@@ -116,20 +115,6 @@ def build_plan(
     coalesced = _choose_sources(model, tensors, old, new, lost)
     tasks = _stream(coalesced, tensors, old, new, budget_bytes)
     return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
-
-
-def _check_owners_survive(
-    model: ModelGeometry, tensors: tuple[TensorSpec, ...], old: WorldConfig, lost: frozenset[Device]
-) -> None:
-    """Under the distributed optimizer each piece of the optimizer state has one owner: a lost owner
-    takes it along (:class:`NoSurvivingSource` naming the first such tensor)."""
-    devices = old.placement.devices
-    for rank, device in enumerate(devices):
-        if device not in lost:
-            continue
-        for t in tensors:
-            if is_dp_sharded(t, model) and holding(t, model, old.layout, rank):
-                raise NoSurvivingSource(t.name, [device], sorted(lost))
 
 
 def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) -> frozenset[Device]:
@@ -182,11 +167,38 @@ def orphaned_shards(
     if not gone:
         return []
     devices = old.placement.devices
-    return [
+    orphans = [
         shard
         for shard in shard_classes(model, old.layout)
         if all(devices[r] in gone for r in _holder_ranks(old.layout, shard[0], shard[1]))
     ]
+    if model.distributed:
+        orphans += _lost_owners(model, old, gone)
+    return orphans
+
+
+def _lost_owners(
+    model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]
+) -> list[tuple[tuple[int, ...], int, str]]:
+    """Under the distributed optimizer each piece of the optimizer state has one owner (its DP rank):
+    the state of a lost owner is lost, unless it is TP-replicated or a tied embedding, whose replicas
+    own alike and one of which survives."""
+    layout, devices = old.layout, old.placement.devices
+    out = []
+    for rank, device in enumerate(devices):
+        if device not in lost:
+            continue
+        c = layout.coords(rank)
+        for t in model.tensors(optimizer=True):
+            if not is_dp_sharded(t, model) or not holding(t, model, layout, rank):
+                continue
+            stages = holding_stages(t, model, layout)
+            tps = range(layout.tp) if t.rule == "replicated" else (c.tp,)
+            replicas = [layout.rank_of(tp, c.dp, pp) for pp in stages for tp in tps]
+            if all(devices[r] in lost for r in replicas):
+                out.append((stages, c.tp, t.name))
+                break
+    return out
 
 
 class _Sources:
@@ -321,10 +333,50 @@ def _choose_sources(
                         if old_dev[src] != dev:
                             sources.sent[src] += chunk.nbytes
                         out[(layer, src, dst)].append(chunk)
+    old_owned, new_owned = _OwnedByRank(model, ol), _OwnedByRank(model, nl)
     for layer, idxs in owned.items():
-        for (src, dst), chunk in _owned_chunks(model, tensors, idxs, old, new).items():
+        chunks = _owned_chunks(model, tensors, idxs, old, new, old_owned, new_owned, lost)
+        for (src, dst), chunk in chunks.items():
             out[(layer, src, dst)].append(chunk)
     return out
+
+
+def _owner_ranks(
+    layout: ParallelLayout,
+    stages: tuple[int, ...],
+    replicated: bool,
+    first: tuple[int, int],
+    alive: Sequence[bool],
+) -> list[int]:
+    """One owner per DP index (and per TP rank, unless the tensor is TP-replicated): from the replica
+    ``first`` (stage, TP rank) names when it survives, else from the first surviving one."""
+    stage_order = [first[0], *(pp for pp in stages if pp != first[0])]
+    out = []
+    for dp in range(layout.dp):
+        if replicated:
+            tp_order = [first[1], *(tp for tp in range(layout.tp) if tp != first[1])]
+            replicas = [layout.rank_of(tp, dp, pp) for pp in stage_order for tp in tp_order]
+            out += [r for r in replicas if alive[r]][:1]
+            continue
+        for tp in range(layout.tp):
+            replicas = [layout.rank_of(tp, dp, pp) for pp in stage_order]
+            out += [r for r in replicas if alive[r]][:1]
+    return out
+
+
+class _OwnedByRank:
+    """Each rank's owned boxes by parameter, computed once per rank for one plan (a plan asks for every
+    tensor of every rank: the shared cache would be evicted over and over at scale)."""
+
+    def __init__(self, model: ModelGeometry, layout: ParallelLayout) -> None:
+        self.model, self.layout = model, layout
+        self.by_rank: dict[int, dict[str, tuple[Box, ...]]] = {}
+
+    def __call__(self, rank: int, param: str) -> tuple[Box, ...]:
+        owned = self.by_rank.get(rank)
+        if owned is None:
+            owned = self.by_rank[rank] = owned_boxes(self.model, self.layout, rank)
+        return owned.get(param, ())
 
 
 def _owned_chunks(
@@ -333,40 +385,41 @@ def _owned_chunks(
     idxs: list[int],
     old: WorldConfig,
     new: WorldConfig,
+    old_owned: _OwnedByRank,
+    new_owned: _OwnedByRank,
+    lost: frozenset[Device],
 ) -> dict[tuple[int, int], _Chunk]:
     """``(src, dst) -> chunk`` for optimizer state the distributed optimizer shards over DP: each piece
-    a new rank owns comes from the one old rank that owns it (no choice, so no balancing), piece by
-    piece; :func:`build_plan` refused lost owners before."""
+    a new rank owns comes from an old rank that owns it, piece by piece.
+
+    Replicas own alike: every old TP rank of a TP-replicated tensor, and the first and last stage of a
+    tied embedding (Megatron gives it a bucket of its own on both). For each DP index one surviving
+    replica's owner sends: the destination's device's own if it has one, else the first in order;
+    :func:`build_plan` refused state whose every replica is lost before."""
     ol, nl = old.layout, new.layout
     old_rank_on = old.placement.rank_on()
+    alive = [d not in lost for d in old.placement.devices]
     slices: dict[tuple[int, int], list[Slice]] = defaultdict(list)
     sizes: dict[tuple[int, int], list[int]] = defaultdict(list)
     for ti in idxs:
         t = tensors[ti]
         s_old = holding_stages(t, model, ol)
         replicated = t.rule == "replicated"
-        # Replicas own alike: every old TP rank of a TP-replicated tensor, and the first and last stage
-        # of a tied embedding (Megatron gives it a bucket of its own on both). One replica's owners
-        # send it: the one on the destination's device if it holds one, else the first.
-        old_pieces: dict[tuple[int, int], list[tuple[int, Box]]] = defaultdict(list)
-        for src in _holder_ranks(ol, s_old, ANY):
-            c = ol.coords(src)
-            for piece in holding(t, model, ol, src) or ():
-                old_pieces[(c.pp, c.tp if replicated else ANY)].append((src, piece.box))
         for pp in holding_stages(t, model, nl):
             for dst in _holder_ranks(nl, (pp,), ANY):
                 here = old_rank_on.get(new.placement.devices[dst])
                 if here is not None and ol.coords(here).pp in s_old:
-                    stage, tp = ol.coords(here).pp, ol.coords(here).tp
+                    first = (ol.coords(here).pp, ol.coords(here).tp)
                 else:
-                    stage, tp = s_old[0], nl.coords(dst).tp % ol.tp
-                candidates = old_pieces[(stage, tp if replicated else ANY)]
-                for piece in holding(t, model, nl, dst) or ():
-                    for src, box in candidates:
-                        common = intersect(box, piece.box)
-                        if common is not None:
-                            slices[(src, dst)].append((ti, common))
-                            sizes[(src, dst)].append(volume(common) * t.itemsize)
+                    first = (s_old[0], nl.coords(dst).tp % ol.tp)
+                sources = _owner_ranks(ol, s_old, replicated, first, alive)
+                for piece in new_owned(dst, t.param):
+                    for src in sources:
+                        for box in old_owned(src, t.param):
+                            common = intersect(box, piece)
+                            if common is not None:
+                                slices[(src, dst)].append((ti, common))
+                                sizes[(src, dst)].append(volume(common) * t.itemsize)
     return {key: _Chunk(tuple(sl), tuple(sizes[key]), sum(sizes[key])) for key, sl in slices.items()}
 
 

@@ -591,6 +591,7 @@ def rng_streams_for(
 def _set_adam_step(trainer: MegatronTrainer, step: int) -> None:
     """Megatron keeps the Adam step in the common state only when it is non-zero; write it into every
     parameter's state so that a checkpoint of step 0 loads into a usable optimizer too."""
+    trainer.adam_steps = step
     for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         inner = opt.optimizer
         if inner is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import re
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -477,7 +478,10 @@ def _child(work: Callable[..., Any], args: tuple[Any, ...], results: Any) -> Non
         results.put((None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _in_subprocess(work: Callable[..., Any], args: tuple[Any, ...], what: str, timeout_s: float) -> Any:
+_DAEMON_FLAG = threading.Lock()
+
+
+def in_subprocess(work: Callable[..., Any], args: tuple[Any, ...], what: str, timeout_s: float) -> Any:
     """``work(*args)`` in a spawned interpreter: its result, or :class:`GeometryDerivationError`."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -485,13 +489,16 @@ def _in_subprocess(work: Callable[..., Any], args: tuple[Any, ...], what: str, t
     # multiprocessing refuses children to a daemonic process (a training process some launchers start
     # as one). This child is joined or killed before we return and dies with us (it is a daemon too),
     # which is what the rule protects, so the flag is lifted for its start only.
+    # Spawning re-imports the training script as ``__mp_main__``: it must guard its entry point with
+    # ``if __name__ == "__main__"``, as any script that uses multiprocessing must.
     here = multiprocessing.current_process()
-    daemonic = here._config.get("daemon")  # type: ignore[attr-defined]
-    here._config["daemon"] = False  # type: ignore[attr-defined]
-    try:
-        child.start()
-    finally:
-        here._config["daemon"] = daemonic  # type: ignore[attr-defined]
+    with _DAEMON_FLAG:
+        daemonic = here._config.get("daemon")  # type: ignore[attr-defined]
+        here._config["daemon"] = False  # type: ignore[attr-defined]
+        try:
+            child.start()
+        finally:
+            here._config["daemon"] = daemonic  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -524,7 +531,7 @@ def derive_geometry_in_subprocess(
 ) -> ModelGeometry:
     """:func:`derive_geometry` in a spawned interpreter (``provider`` must be importable by name there):
     for a process that already has a default world, such as a training process under ``torchrun``."""
-    return _in_subprocess(_derive, (provider, kwargs), "deriving the geometry", timeout_s)
+    return in_subprocess(_derive, (provider, kwargs), "deriving the geometry", timeout_s)
 
 
 # --------------------------------------------------------------------------- checking a built model
@@ -648,7 +655,7 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
     """Build ``provider``'s model on the meta device as one rank of every (stage, TP rank) of ``layout``
     (DP ranks build alike) under the fake process group, and check each against ``geometry``: raises
     :class:`GeometryMismatch` naming the rank and the parameters. Needs a process without a default
-    world (:func:`check_layout_geometry_in_subprocess` for one that has one)."""
+    world (``MegatronJob.check_layout`` runs it in a spawned interpreter for one that has one)."""
     from liver.worker_runtime.megatron.build import groups_from_parallel_state
 
     geometry.check_layout(layout)
@@ -666,29 +673,3 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
                 check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp})
-
-
-def _check_layout(provider: Provider | str, geometry: ModelGeometry, layout: ParallelLayout) -> str | None:
-    if isinstance(provider, str):
-        from liver.worker_runtime.megatron.source import load_provider
-
-        provider = load_provider(provider)
-    try:
-        check_layout_geometry(provider, geometry, layout)
-    except GeometryMismatch as exc:
-        return str(exc)
-    return None
-
-
-def check_layout_geometry_in_subprocess(
-    provider: Provider | str, geometry: ModelGeometry, layout: ParallelLayout, *, timeout_s: float = 600.0
-) -> None:
-    """:func:`check_layout_geometry` in a spawned interpreter, for a training process (it has a default
-    world): what a handoff's preparation runs before the cut, beside training. ``provider`` may be its
-    ``MODULE:FUNCTION`` / ``FILE.py:FUNCTION`` reference. Raises :class:`GeometryMismatch` when the model
-    disagrees, :class:`GeometryDerivationError` when the check could not run."""
-    problem = _in_subprocess(
-        _check_layout, (provider, geometry, layout), "checking the new layout's model", timeout_s
-    )
-    if problem is not None:
-        raise GeometryMismatch(problem)

@@ -21,7 +21,7 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
 from liver.worker_runtime.megatron.data import Corpus
-from liver.worker_runtime.megatron.source import ModelSource, as_source
+from liver.worker_runtime.megatron.source import ModelSource, UserProvider, as_source
 from liver.worker_runtime.megatron.state import (
     LocalTensor,
     RngState,
@@ -116,18 +116,23 @@ class MegatronJob:
             return
         from liver.worker_runtime.megatron.geometry import (
             GeometryDerivationError,
-            check_layout_geometry_in_subprocess,
+            GeometryMismatch,
+            in_subprocess,
         )
 
         provider = self.source.provider_ref or self.source.provider
+        what = "checking the new layout's model"
         try:
-            check_layout_geometry_in_subprocess(provider, self.source.geometry, layout)
+            problem = in_subprocess(_layout_problem, (provider, self.source.geometry, layout), what, 600.0)
         except GeometryDerivationError as exc:  # the check itself could not run: the build checks later
             log.warning(
                 "megatron_job.layout_check_skipped",
                 layout=layout.describe(),
                 reason=str(exc).splitlines()[0],
             )
+            return
+        if problem is not None:
+            raise GeometryMismatch(problem)
 
     def iteration(self, trainer: MegatronTrainer) -> int:
         return trainer.iteration
@@ -213,3 +218,19 @@ class MegatronJob:
         if not isinstance(captured, RngState):
             raise TypeError(f"`captured`: expected the RngState capture_rng returned, got {type(captured)}")
         restore_rng_state(captured)
+
+
+def _layout_problem(
+    provider: UserProvider | str, geometry: ModelGeometry, layout: ParallelLayout
+) -> str | None:
+    """In the spawned interpreter of :meth:`MegatronJob.check_layout`: what disagrees, or None. A
+    provider loaded from a file comes by its reference (it is not importable by its module's name)."""
+    from liver.worker_runtime.megatron.geometry import GeometryMismatch, check_layout_geometry
+    from liver.worker_runtime.megatron.source import load_provider
+
+    model = load_provider(provider) if isinstance(provider, str) else provider
+    try:
+        check_layout_geometry(model, geometry, layout)
+    except GeometryMismatch as exc:
+        return str(exc)
+    return None

@@ -172,8 +172,15 @@ def _optimizer_slots(trainer: MegatronTrainer) -> dict[int, tuple[torch.Tensor, 
     slots: dict[int, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
     for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         if isinstance(opt, DistributedOptimizer):
-            for param, (group, order) in opt.model_param_group_index_map.items():
-                slots[id(param)] = (opt.optimizer.param_groups[group]["params"][order], opt.optimizer)
+            # Its parameter groups list the fp32 parameters' shards before the 16-bit ones' masters,
+            # so a group of both is not in model_param_group_index_map's order: pair them by kind.
+            for models, mains in (
+                (opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                (opt.model_fp32_groups, opt.shard_fp32_groups),
+            ):
+                for model_group, main_group in zip(models, mains):
+                    for model_param, main_param in zip(model_group, main_group):
+                        slots[id(model_param)] = (main_param, opt.optimizer)
         elif isinstance(opt, Float16OptimizerWithFloat16Params):
             for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for model_param, main_param in zip(model_group, main_group):
@@ -241,6 +248,7 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
     expected = expected_shards(spec, layout, rank)
     slots = _optimizer_slots(trainer)
     owned = owned_pieces(spec, layout, rank) if spec.distributed else {}
+    ranges = owned_ranges(spec, layout, rank) if spec.distributed else {}
     state: dict[int, LocalTensor] = {}
     steps: list[torch.Tensor] = []
     for local_name, param in trainer.gpt.named_parameters():
@@ -262,7 +270,10 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
                 main, inner = slot
                 adam = _adam_state(main, inner)
                 steps.append(adam["step"])
-                _add_owned(state, index_of, tensors, name, main, adam, owned.get(name, ()), param)
+                if name not in ranges:
+                    raise StateMismatch(f"{name}: the optimizer owns a range of it the planner does not")
+                lo, hi = ranges[name]
+                _add_owned(state, index_of, tensors, name, main, adam, owned.get(name, ()), param, hi - lo)
             continue
         if slot is None:
             raise StateMismatch(f"{name}: the optimizer does not update this parameter")
@@ -279,7 +290,10 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
             moment_index = index_of[f"optimizer.state.{role}.{name}"]
             state[moment_index] = _as_local(adam[role], tensors[moment_index], shape)
     step_index = index_of["optimizer.state.step"]
-    state[step_index] = torch.tensor(_step_value(steps), dtype=torch.int64)
+    # A rank that owns no optimizer state (distributed optimizer) has no Adam step of its own: the
+    # trainer counts the steps its optimizer took, the same number on every rank.
+    step = _step_value(steps) if steps else trainer.adam_steps
+    state[step_index] = torch.tensor(step, dtype=torch.int64)
     check_local_state(state, spec, layout, rank)
     return state
 
@@ -293,6 +307,7 @@ def _add_owned(
     adam: Mapping[str, torch.Tensor],
     pieces: tuple[OwnedPiece, ...],
     param: torch.Tensor,
+    owned_size: int,
 ) -> None:
     """The owned pieces of ``name``'s master weights and moments, as views of the optimizer's shards."""
     flats: dict[str, torch.Tensor] = {role: adam[role] for role in _MOMENTS}
@@ -301,15 +316,15 @@ def _add_owned(
         flats["fp32_param"] = main
     elif main.dtype != param.dtype:
         raise StateMismatch(f"{name}: the optimizer keeps a master copy the model description lacks")
-    if not pieces:
-        return  # it owns padding only: nothing of it is state
-    need = pieces[-1].offset + math.prod(pieces[-1].local_shape)
     for role, flat in flats.items():
-        if flat.dim() != 1 or flat.numel() < need:
+        if flat.dim() != 1 or flat.numel() != owned_size:
             raise StateMismatch(
                 f"optimizer.state.{role}.{name}: the optimizer's shard has {flat.numel()} elements, the "
-                f"owned range needs {need}"
+                f"range this rank owns {owned_size}"
             )
+    if not pieces:
+        return  # it owns padding only: nothing of it is state
+    for role, flat in flats.items():
         index = index_of[f"optimizer.state.{role}.{name}"]
         state[index] = tuple(
             flat.detach()[p.offset : p.offset + math.prod(p.local_shape)].view(p.local_shape) for p in pieces
@@ -342,6 +357,7 @@ def load_local_state(trainer: MegatronTrainer, state: Mapping[int, LocalTensor])
     step = float(int(pieces_of(state[step_index])[0]))
     for main, inner in _optimizer_slots(trainer).values():
         inner.state[main]["step"].fill_(step)
+    trainer.adam_steps = int(step)
     if spec.distributed:
         _check_params_follow_master(trainer)
     log.debug("megatron_state.loaded", layout=layout.describe(), rank=rank, tensors=len(live), step=int(step))

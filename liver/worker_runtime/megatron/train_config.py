@@ -75,7 +75,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             distributed_optimizer=self.use_distributed_optimizer,
             overlap_grad_reduce=self.overlap_grad_reduce,
             bucket_size=self.bucket_size,
-        )
+        ).canonical()
 
     def micro_batches_per_rank(self, dp: int) -> int:
         """Micro-batches each DP rank runs per step; raises when the global batch does not split."""

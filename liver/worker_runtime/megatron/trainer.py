@@ -119,6 +119,7 @@ class MegatronTrainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.params_stale = False  # a step with overlap_param_gather left the gather to the next forward
+        self.adam_steps = 0  # optimizer steps taken (Adam's step; a skipped fp16 step does not count)
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
         self._collection = groups.collection()
         self._forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
@@ -167,6 +168,7 @@ class MegatronTrainer:
             )
             succeeded, grad_norm, _ = self.optimizer.step()
             if succeeded:
+                self.adam_steps += 1
                 self.scheduler.step(increment=config.global_batch_size)
             self.iteration += 1
             self.consumed_samples += config.global_batch_size
