@@ -209,3 +209,27 @@ def test_the_digest_tells_two_geometries_apart_and_two_copies_alike() -> None:
     assert g.digest() == msgspec.json.decode(msgspec.json.encode(g), type=ModelGeometry).digest()
     assert g.digest() != PRESETS["tiny-llama"].geometry().digest()
     assert g.digest() != msgspec.structs.replace(g, make_vocab_size_divisible_by=32).digest()
+
+
+def test_ddp_settings_compare_in_the_form_that_decides_the_state() -> None:
+    from liver.shared.geometry import DdpSettings
+
+    # The plain optimizer's state does not depend on buckets; without overlap there are no buckets.
+    assert DdpSettings(overlap_grad_reduce=True, bucket_size=5).canonical() == DdpSettings()
+    dist = DdpSettings(distributed_optimizer=True, bucket_size=5)
+    assert dist.canonical() == DdpSettings(distributed_optimizer=True)
+    geometry = PRESETS["tiny-gpt"].geometry()
+    assert geometry.with_ddp(DdpSettings(overlap_grad_reduce=True, bucket_size=5)) == geometry
+    sharded = geometry.with_ddp(dist)
+    assert sharded.distributed and sharded.ddp.bucket_size is None
+    decoded = msgspec.json.decode(msgspec.json.encode(sharded), type=type(geometry))
+    assert decoded == sharded
+
+
+def test_a_version_1_geometry_is_read_as_version_2_with_the_plain_optimizer() -> None:
+    geometry = PRESETS["tiny-gpt"].geometry()
+    fields = msgspec.to_builtins(geometry)
+    fields["schema_version"] = 1
+    del fields["ddp"]
+    old = msgspec.convert(fields, type=type(geometry))
+    assert old == geometry and old.schema_version == 2 and not old.distributed

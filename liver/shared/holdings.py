@@ -26,7 +26,7 @@ parameters themselves stay whole on every DP rank (DDP's parameter buffer) and s
 
 def is_dp_sharded(tensor: TensorSpec, model: ModelGeometry) -> bool:
     """Whether DP ranks hold disjoint pieces of ``tensor`` rather than replicas of one shard."""
-    return model.distributed and tensor.role in SHARDED_ROLES
+    return isinstance(model, ModelGeometry) and model.distributed and tensor.role in SHARDED_ROLES
 
 
 def holding(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> Holding | None:

@@ -172,7 +172,7 @@ def orphaned_shards(
         for shard in shard_classes(model, old.layout)
         if all(devices[r] in gone for r in _holder_ranks(old.layout, shard[0], shard[1]))
     ]
-    if model.distributed:
+    if isinstance(model, ModelGeometry) and model.distributed:  # a ModelSpec is the plain optimizer's
         orphans += _lost_owners(model, old, gone)
     return orphans
 
