@@ -23,7 +23,7 @@ from mp_helpers import World as Proc
 from mp_helpers import run_world
 
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import holding, is_dp_sharded
+from liver.shared.holdings import holding, packed
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan, WorldConfig
@@ -181,7 +181,7 @@ def local_slice(
                     tuple(slice(lo, hi) for lo, hi in shard.box)
                 ]
             made.append(local)
-        out[index] = tuple(made) if is_dp_sharded(spec, geometry) else made[0]
+        out[index] = packed(spec, geometry, made)
     return out
 
 

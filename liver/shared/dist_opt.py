@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from liver.shared.boxes import Box, intersect
@@ -203,23 +205,18 @@ class OwnedPiece(NamedTuple):
     offset: int  # where the piece starts in the rank's owned flat range
 
 
+@functools.lru_cache(maxsize=8192)
 def owned_pieces(
     geometry: ModelGeometry, layout: ParallelLayout, rank: int
-) -> dict[str, tuple[OwnedPiece, ...]]:
+) -> Mapping[str, tuple[OwnedPiece, ...]]:
     """What ``rank`` owns of each parameter's optimizer state (master weights, Adam moments), by
     parameter name: its owned flat range of the local tensor cut into boxes (:func:`flat_range_boxes`)
     and moved to the TP shard's place. Pieces wholly in vocabulary padding hold no state and are left
-    out, so a parameter the rank owns only padding of is absent."""
-    return dict(_owned_pieces(geometry, layout, rank))
-
-
-@functools.lru_cache(maxsize=8192)
-def _owned_pieces(
-    geometry: ModelGeometry, layout: ParallelLayout, rank: int
-) -> tuple[tuple[str, tuple[OwnedPiece, ...]], ...]:
+    out, so a parameter the rank owns only padding of is absent. Computed once per rank and layout
+    (every holding of a rank asks for it) and read-only."""
     coords = layout.coords(rank)
     specs = {t.param: t for t in stage_parameters(geometry, layout, coords.pp)}
-    out = []
+    out: dict[str, tuple[OwnedPiece, ...]] = {}
     for name, (lo, hi) in owned_ranges(geometry, layout, rank).items():
         shard = tp_shard(specs[name], geometry, layout.tp, coords.tp)
         if shard.box is None:
@@ -233,13 +230,16 @@ def _owned_pieces(
                 pieces.append(OwnedPiece(placed, extent, offset))
             offset += math.prod(extent)
         if pieces:
-            out.append((name, tuple(pieces)))
-    return tuple(out)
+            out[name] = tuple(pieces)
+    return MappingProxyType(out)
 
 
-def owned_boxes(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> dict[str, tuple[Box, ...]]:
-    """The global boxes of :func:`owned_pieces`, by parameter name."""
-    return {name: tuple(p.box for p in pieces) for name, pieces in _owned_pieces(geometry, layout, rank)}
+@functools.lru_cache(maxsize=8192)
+def owned_boxes(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> Mapping[str, tuple[Box, ...]]:
+    """The global boxes of :func:`owned_pieces`, by parameter name (read-only, computed once)."""
+    return MappingProxyType(
+        {name: tuple(p.box for p in pieces) for name, pieces in owned_pieces(geometry, layout, rank).items()}
+    )
 
 
 def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> tuple[Box, ...]:

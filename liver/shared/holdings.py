@@ -10,12 +10,17 @@ local index 0). Plain tensors have one piece; a distributed optimizer state has 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 from liver.shared.dist_opt import owned_pieces
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import ParallelLayout
 from liver.shared.views import Shard, view
 
-__all__ = ["SHARDED_ROLES", "Holding", "holding", "is_dp_sharded"]
+__all__ = ["SHARDED_ROLES", "Holding", "holding", "is_dp_sharded", "packed", "pieces_of"]
+
+T = TypeVar("T")
 
 Holding = tuple[Shard, ...]
 
@@ -38,3 +43,14 @@ def holding(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, ra
     if not pieces:
         return None
     return tuple(Shard(p.box, p.local_shape) for p in pieces)
+
+
+def packed(tensor: TensorSpec, model: ModelGeometry, made: Sequence[T]) -> T | tuple[T, ...]:
+    """One local state entry from its pieces' local tensors: a tuple for DP-sharded state (however
+    many pieces), the one tensor otherwise."""
+    return tuple(made) if is_dp_sharded(tensor, model) else made[0]
+
+
+def pieces_of(value: T | tuple[T, ...]) -> tuple[T, ...]:
+    """The local tensors of one local state entry (a plain tensor is its only piece)."""
+    return value if isinstance(value, tuple) else (value,)

@@ -57,6 +57,7 @@ from liver.shared.plan import Plan
 from liver.worker_runtime.cut import enter_world
 from liver.worker_runtime.stream.executor import (
     GroupRanks,
+    LocalTensor,
     PreparedSchedule,
     StreamOptions,
     StreamResult,
@@ -76,8 +77,10 @@ class TrainerFactory(Protocol[T]):
     """How the runtime builds, reads and resumes the trainer of one world (``MegatronJob`` for Megatron).
 
     A trainer is whatever the training loop steps (model, optimizer, data iterator). The runtime needs
-    its state as LiveR local state (tensor index into ``model.tensors()`` -> local tensor), and its
-    non-tensor progress as bytes that mean the same in every process.
+    its state as LiveR local state (tensor index into ``model.tensors()`` -> local tensor, or a tuple of
+    them for a holding of several pieces), and its non-tensor progress as bytes that mean the same in
+    every process. Optionally ``check_layout(layout)``: raise when the model built at ``layout`` would
+    not be what the plans move; the runtime runs it during a handoff's preparation, before the cut.
     """
 
     @property
@@ -95,7 +98,7 @@ class TrainerFactory(Protocol[T]):
         """Completed training steps (the same number on every rank)."""
         ...
 
-    def local_state(self, trainer: T) -> dict[int, torch.Tensor]:
+    def local_state(self, trainer: T) -> dict[int, LocalTensor]:
         """The trainer's whole tensor state; views of its live storage where the tensor has one."""
         ...
 
@@ -103,7 +106,7 @@ class TrainerFactory(Protocol[T]):
         """Iteration, data position and schedule: what a new rank must know besides tensors."""
         ...
 
-    def resume(self, trainer: T, state: Mapping[int, torch.Tensor], progress: bytes) -> None:
+    def resume(self, trainer: T, state: Mapping[int, LocalTensor], progress: bytes) -> None:
         """Make a freshly built ``trainer`` continue from ``state`` and ``progress``."""
         ...
 
@@ -262,7 +265,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
     stage = HandoffStage.ENTER
     failure: str | None = None
     new_trainer: T | None = None
-    into: dict[int, torch.Tensor] | None = None
+    into: dict[int, LocalTensor] | None = None
     t_enter = t_commit = t_built = t_stream = t_loaded = 0.0
     try:
         iteration = h.iteration
@@ -349,7 +352,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
 
 
 def _stream(
-    h: Handoff[T], old_rank: int | None, new_rank: int | None, into: dict[int, torch.Tensor] | None
+    h: Handoff[T], old_rank: int | None, new_rank: int | None, into: dict[int, LocalTensor] | None
 ) -> StreamResult:
     old_state = h.factory.local_state(h.old_trainer) if h.old_trainer is not None else {}
     on_step = None

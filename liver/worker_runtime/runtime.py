@@ -325,19 +325,18 @@ class LiveRuntime(Generic[T]):
             self._pending = prep
             self._newest_generation = generation
             if role is not Role.JOIN and self._world is not None:
-                prep.start(
-                    self.device,
-                    self.options.backend,
-                    self.options.build_timeout_s,
-                    self.options.stream,
-                    self._layout_check(prep),
-                )
+                self._start_preparation(prep)
             self._cond.notify_all()
         self._log.info(
             "runtime.resize_requested", generation=generation, role=str(role), layout=layout.describe()
         )
         self._emit(RuntimeEvent(generation=generation, phase=ReshardPhase.PREPARING))
         return role
+
+    def _start_preparation(self, prep: Preparation) -> None:
+        """Start building the shadow world, the stream group and the schedule, and the layout check."""
+        opts = self.options
+        prep.start(self.device, opts.backend, opts.build_timeout_s, opts.stream, self._layout_check(prep))
 
     def _layout_check(self, prep: Preparation) -> Callable[[], None] | None:
         """The factory's check of the new layout's model (``check_layout``, optional), run once per
@@ -395,13 +394,7 @@ class LiveRuntime(Generic[T]):
         with self._cond:
             prep = self._pending
             if prep is not None and not prep.started:
-                prep.start(
-                    self.device,
-                    self.options.backend,
-                    self.options.build_timeout_s,
-                    self.options.stream,
-                    self._layout_check(prep),
-                )
+                self._start_preparation(prep)
         target = prep.generation if prep is not None else NO_TARGET
         ready = prep.ready() if prep is not None else False
         failure = prep.failure() if prep is not None else None
@@ -532,13 +525,7 @@ class LiveRuntime(Generic[T]):
                 started = time.perf_counter()
                 self.factory.warm_up(prep.request.layout, new_rank)
                 prep.warmup_s = time.perf_counter() - started
-                prep.start(
-                    self.device,
-                    self.options.backend,
-                    self.options.build_timeout_s,
-                    self.options.stream,
-                    self._layout_check(prep),
-                )
+                self._start_preparation(prep)
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
                 self._emit(RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY))
                 assert prep.world_build is not None

@@ -28,6 +28,7 @@ from liver.bench.stream.workload import (
     holding_content,
     state_digest,
 )
+from liver.shared.holdings import pieces_of
 from liver.shared.plan import Plan
 from liver.worker_runtime.stream.executor import (
     GroupRanks,
@@ -35,7 +36,6 @@ from liver.worker_runtime.stream.executor import (
     StreamOptions,
     StreamStats,
     devices_in_stream_order,
-    pieces_of,
     prepare_schedule,
     ranks_on_device,
     stream_plan,

@@ -14,12 +14,12 @@ from collections import defaultdict
 import torch
 
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import Holding, is_dp_sharded
+from liver.shared.holdings import Holding, packed, pieces_of
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import Plan
 from liver.shared.views import Shard
-from liver.worker_runtime.stream.executor import TORCH_DTYPES, GroupRanks, LocalTensor, pieces_of
+from liver.worker_runtime.stream.executor import TORCH_DTYPES, GroupRanks, LocalTensor
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -137,15 +137,13 @@ def shard_content(plan: Plan, ti: int, shard: Shard) -> torch.Tensor:
 
 def holding_content(plan: Plan, ti: int, pieces: Holding) -> LocalTensor:
     """A rank's local tensor(s) of one holding: one per piece for DP-sharded optimizer state."""
-    made = tuple(shard_content(plan, ti, piece) for piece in pieces)
-    return made if is_dp_sharded(plan.tensors[ti], plan.model) else made[0]
+    return packed(plan.tensors[ti], plan.model, [shard_content(plan, ti, piece) for piece in pieces])
 
 
 def empty_holding(plan: Plan, ti: int, pieces: Holding) -> LocalTensor:
     """Uninitialised storage for one holding, shaped as the executor wants it (``into``)."""
     dtype = TORCH_DTYPES[plan.tensors[ti].dtype]
-    made = tuple(torch.empty(piece.local_shape, dtype=dtype) for piece in pieces)
-    return made if is_dp_sharded(plan.tensors[ti], plan.model) else made[0]
+    return packed(plan.tensors[ti], plan.model, [torch.empty(p.local_shape, dtype=dtype) for p in pieces])
 
 
 def checksum(value: LocalTensor) -> str:

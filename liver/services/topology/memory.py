@@ -210,11 +210,10 @@ def _state_by_home(model: ModelSpec | ModelGeometry, tp: int, grad_reduce_in_fp3
     home_state = dict.fromkeys(("first", "last", "first+last", "all"), 0)
     home_grad = dict(home_state)
     home_sharded = dict(home_state)
-    distributed = isinstance(model, ModelGeometry) and model.distributed
     for t in model.tensors(optimizer=True):
         elems = math.prod(tp_shard(t, model, tp, 0).local_shape)
         grad = elems * (4 if grad_reduce_in_fp32 else t.itemsize) if t.role == "param" else 0
-        sharded = elems * t.itemsize if distributed and is_dp_sharded(t, model) else 0
+        sharded = elems * t.itemsize if is_dp_sharded(t, model) else 0
         if t.home == "layer":
             layer_state[t.layer - 1] += elems * t.itemsize
             layer_grad[t.layer - 1] += grad

@@ -333,9 +333,8 @@ def _choose_sources(
                         if old_dev[src] != dev:
                             sources.sent[src] += chunk.nbytes
                         out[(layer, src, dst)].append(chunk)
-    old_owned, new_owned = _OwnedByRank(model, ol), _OwnedByRank(model, nl)
     for layer, idxs in owned.items():
-        chunks = _owned_chunks(model, tensors, idxs, old, new, old_owned, new_owned, lost)
+        chunks = _owned_chunks(model, tensors, idxs, old, new, lost)
         for (src, dst), chunk in chunks.items():
             out[(layer, src, dst)].append(chunk)
     return out
@@ -364,29 +363,12 @@ def _owner_ranks(
     return out
 
 
-class _OwnedByRank:
-    """Each rank's owned boxes by parameter, computed once per rank for one plan (a plan asks for every
-    tensor of every rank: the shared cache would be evicted over and over at scale)."""
-
-    def __init__(self, model: ModelGeometry, layout: ParallelLayout) -> None:
-        self.model, self.layout = model, layout
-        self.by_rank: dict[int, dict[str, tuple[Box, ...]]] = {}
-
-    def __call__(self, rank: int, param: str) -> tuple[Box, ...]:
-        owned = self.by_rank.get(rank)
-        if owned is None:
-            owned = self.by_rank[rank] = owned_boxes(self.model, self.layout, rank)
-        return owned.get(param, ())
-
-
 def _owned_chunks(
     model: ModelGeometry,
     tensors: tuple[TensorSpec, ...],
     idxs: list[int],
     old: WorldConfig,
     new: WorldConfig,
-    old_owned: _OwnedByRank,
-    new_owned: _OwnedByRank,
     lost: frozenset[Device],
 ) -> dict[tuple[int, int], _Chunk]:
     """``(src, dst) -> chunk`` for optimizer state the distributed optimizer shards over DP: each piece
@@ -413,9 +395,9 @@ def _owned_chunks(
                 else:
                     first = (s_old[0], nl.coords(dst).tp % ol.tp)
                 sources = _owner_ranks(ol, s_old, replicated, first, alive)
-                for piece in new_owned(dst, t.param):
+                for piece in owned_boxes(model, nl, dst).get(t.param, ()):
                     for src in sources:
-                        for box in old_owned(src, t.param):
+                        for box in owned_boxes(model, ol, src).get(t.param, ()):
                             common = intersect(box, piece)
                             if common is not None:
                                 slices[(src, dst)].append((ti, common))

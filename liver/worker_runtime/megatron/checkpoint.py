@@ -76,14 +76,13 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import holding, is_dp_sharded
+from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
     local_state,
-    pieces_of,
     restore_progress,
     rng_state,
     training_progress,
@@ -354,24 +353,19 @@ def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
     return out
 
 
-def _load_owned(trainer: MegatronTrainer, loaded: Mapping[str, list[torch.Tensor]]) -> None:
-    """Write what a load read for :func:`_owned_sharded_state` into the live optimizer state."""
-    geometry, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
-    tensors = geometry.tensors()
+def _load_owned(targets: Mapping[str, list[torch.Tensor]], loaded: Mapping[str, list[torch.Tensor]]) -> None:
+    """Write what a load read for :func:`_owned_sharded_state` into the live optimizer state: the
+    ``targets`` are the views the request was made of (a load that read into them in place is done)."""
     with torch.no_grad():
-        for index, value in local_state(trainer).items():
-            t = tensors[index]
-            if not is_dp_sharded(t, geometry):
-                continue
-            pieces = [(p, v) for p, v in zip(holding(t, geometry, layout, rank) or (), pieces_of(value))]
-            boxes = [(p, v) for p, v in pieces if p.box is not None]
-            read = loaded.get(t.name, [])
-            if len(read) != len(boxes):
+        for name, views in targets.items():
+            read = loaded.get(name, [])
+            if len(read) != len(views):
                 raise CheckpointError(
-                    f"{t.name}: the load read {len(read)} pieces, rank {rank} owns {len(boxes)}"
+                    f"{name}: the load read {len(read)} pieces, this rank owns {len(views)}"
                 )
-            for (piece, local), data in zip(boxes, read):
-                local[tuple(slice(0, hi - lo) for lo, hi in piece.box)].copy_(data)
+            for view, data in zip(views, read):
+                if view.data_ptr() != data.data_ptr():
+                    view.copy_(data)
 
 
 @functools.cache
@@ -621,10 +615,11 @@ def load_checkpoint(
     _check_compatible(manifest, trainer, path)
     _check_trainer(trainer)
     state = _sharded_state_dict(trainer, loading=True)
+    targets = {name: [shard.data for shard in shards] for name, shards in state.get(_OWNED, {}).items()}
     loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL)
     trainer.gpt.load_state_dict(loaded["model"], strict=True)
     if _OWNED in loaded:
-        _load_owned(trainer, loaded[_OWNED])
+        _load_owned(targets, loaded[_OWNED])
     else:
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     _set_adam_step(trainer, manifest.adam_step)

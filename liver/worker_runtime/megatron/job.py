@@ -17,18 +17,17 @@ import msgspec
 import structlog
 
 from liver.shared.geometry import ModelGeometry
+from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
 from liver.worker_runtime.megatron.data import Corpus
 from liver.worker_runtime.megatron.source import ModelSource, UserProvider, as_source
 from liver.worker_runtime.megatron.state import (
-    LocalTensor,
     RngState,
     TrainingProgress,
     load_local_state,
     local_state,
-    pieces_of,
     restore_progress,
     restore_rng_state,
     rng_state,
@@ -39,6 +38,7 @@ from liver.worker_runtime.megatron.train import TrainerHooks, build_trainer
 from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.megatron.trainer import MegatronTrainer
 from liver.worker_runtime.mock_warmup import WarmupReport, mock_warmup
+from liver.worker_runtime.stream.executor import LocalTensor
 from liver.worker_runtime.world import World
 
 log = structlog.get_logger(__name__)
@@ -61,6 +61,7 @@ class MegatronJob:
             raise ValueError(f"`warmup_steps`: must be at least 1, got {warmup_steps}")
         self.source = as_source(model)
         self.config = config
+        self._model = self.source.geometry.with_ddp(config.ddp)
         self.corpus = corpus
         self.warmup_steps = warmup_steps
         self.hooks = hooks
@@ -70,7 +71,7 @@ class MegatronJob:
     def model(self) -> ModelGeometry:
         """What the plans for this job must move (the runtime checks each plan against it): the model's
         geometry with this job's DDP settings (the distributed optimizer shards its state over DP)."""
-        return self.source.geometry.with_ddp(self.config.ddp)
+        return self._model
 
     def build(self, world: World) -> MegatronTrainer:
         return build_trainer(

@@ -41,9 +41,10 @@ from torch.optim.optimizer import _get_scalar_dtype
 from liver.shared.dist_opt import OwnedPiece, owned_pieces, owned_ranges
 from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.holdings import holding, is_dp_sharded
+from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import as_geometry
+from liver.worker_runtime.stream.executor import LocalTensor
 
 if TYPE_CHECKING:  # megatron is imported where it is used: the checks and structs need none of it
     from liver.worker_runtime.megatron.trainer import MegatronTrainer
@@ -57,9 +58,6 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-LocalTensor = torch.Tensor | tuple[torch.Tensor, ...]
-"""One entry of a local state: a tensor, or one tensor per piece of DP-sharded optimizer state."""
 _LAYERS = "decoder.layers."
 
 
@@ -134,11 +132,6 @@ def check_local_state(
                 f"state lacks {len(missing)} tensor(s) rank {rank} holds, first {tensors[missing[0]].name} "
                 f"(index {missing[0]})"
             )
-
-
-def pieces_of(value: LocalTensor) -> tuple[torch.Tensor, ...]:
-    """The tensors of one local state entry (a plain tensor is its only piece)."""
-    return value if isinstance(value, tuple) else (value,)
 
 
 # --------------------------------------------------------------------------- live tensors
@@ -355,21 +348,23 @@ def load_local_state(trainer: MegatronTrainer, state: Mapping[int, LocalTensor])
                 if source.data_ptr() != to.data_ptr():
                     to.copy_(source)
     step = float(int(pieces_of(state[step_index])[0]))
-    for main, inner in _optimizer_slots(trainer).values():
+    slots = _optimizer_slots(trainer)
+    for main, inner in slots.values():
         inner.state[main]["step"].fill_(step)
     trainer.adam_steps = int(step)
     if spec.distributed:
-        _check_params_follow_master(trainer)
+        _check_params_follow_master(trainer, slots)
     log.debug("megatron_state.loaded", layout=layout.describe(), rank=rank, tensors=len(live), step=int(step))
 
 
-def _check_params_follow_master(trainer: MegatronTrainer) -> None:
+def _check_params_follow_master(
+    trainer: MegatronTrainer, slots: Mapping[int, tuple[torch.Tensor, torch.optim.Optimizer]]
+) -> None:
     """Under the distributed optimizer Megatron keeps every 16-bit parameter equal to its fp32 master
     rounded (each owner writes its range after the step, then DP gathers): a loaded state must agree,
     or the next all-gather would silently replace parameters by other values."""
     spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
     owned = owned_ranges(spec, layout, rank)
-    slots = _optimizer_slots(trainer)
     with torch.no_grad():
         for local_name, param in trainer.gpt.named_parameters():
             slot = slots.get(id(param))

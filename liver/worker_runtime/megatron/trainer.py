@@ -107,6 +107,7 @@ class MegatronTrainer:
         loss_key: str = "lm loss",
     ) -> None:
         self.source = source
+        self._geometry = source.geometry.with_ddp(config.ddp)
         self.layout = layout
         self.config = config
         self.groups = groups
@@ -134,7 +135,7 @@ class MegatronTrainer:
     def geometry(self) -> ModelGeometry:
         """What the plans move: every tensor of this trainer's state is one of its tensors, sharded as
         its DDP and optimizer shard them."""
-        return self.source.geometry.with_ddp(self.config.ddp)
+        return self._geometry
 
     def data_iterator(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the next global batch, as the forward step takes them."""

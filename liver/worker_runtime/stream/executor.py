@@ -73,7 +73,7 @@ import structlog
 import torch
 
 from liver.shared.errors import HandoffError
-from liver.shared.holdings import Holding, is_dp_sharded
+from liver.shared.holdings import Holding, packed, pieces_of
 from liver.shared.plan import Plan
 from liver.worker_runtime.stream.memory import MemoryLedger
 from liver.worker_runtime.stream.schedule import (
@@ -460,11 +460,6 @@ def _check_state(
                 raise ValueError(f"{where} ({spec.name}) is not contiguous")
 
 
-def pieces_of(value: LocalTensor) -> tuple[torch.Tensor, ...]:
-    """The local tensors of one holding: a plain tensor is its only piece."""
-    return (value,) if isinstance(value, torch.Tensor) else value
-
-
 def _piece(value: LocalTensor, k: int) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else value[k]
 
@@ -739,8 +734,7 @@ class _Stream:
                 elif shard.box and shard.box[0][1] - shard.box[0][0] < shard.local_shape[0]:
                     t[shard.box[0][1] - shard.box[0][0] :].zero_()
                 made.append(t)
-            dp_sharded = is_dp_sharded(spec, self.plan.model)
-            self.new[ti] = tuple(made) if dp_sharded else made[0]
+            self.new[ti] = packed(spec, self.plan.model, made)
         self.mem.add("assembly", owned)
         return owned
 
