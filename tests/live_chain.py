@@ -485,6 +485,11 @@ def run_chain(chain: Chain, checkpoints: str) -> Runs:
     outcomes = run_world(
         baseline_process, 4, args=(reloads, checkpoints, chain), timeout_s=240, group_timeout_s=90
     )
+    failed = [o for o in outcomes if o.status != "ok"]
+    if failed:  # every failed process's own end: the first rank's is often only a peer's disconnect
+        raise AssertionError(
+            "\n".join(f"baseline rank {o.rank} {o.status}:\n{o.traceback[-2500:]}" for o in failed)
+        )
     baseline = outcomes[0].unwrap()
     return Runs(live, baseline["reload"], baseline["checkpoint"], plans, before, after, cuts)
 

@@ -32,6 +32,32 @@ def test_a_malformed_layout_is_a_usage_error(capsys):
     assert "expected TP,PP,DP" in capsys.readouterr().err
 
 
+def test_a_moe_preset_plans_an_expert_parallel_move_to_a_file(tmp_path, capsys):
+    from liver.shared.plan_file import read_plan
+
+    out = tmp_path / "moe.json"
+    args = [
+        "plan",
+        "--model",
+        "tiny-moe",
+        "--from",
+        "1,1,8,EP2",
+        "--to",
+        "TP1,PP1,DP4,EP4",
+        "--per-node",
+        "4",
+    ]
+    assert main([*args, "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"] is True
+    plan = read_plan(str(out))
+    assert plan.new.layout.ep == 4 and plan.model.num_experts == 4
+
+
+def test_expert_parallelism_that_does_not_divide_the_experts_is_refused(capsys):
+    assert main(["plan", "--model", "tiny-moe", "--from", "1,1,8,EP2", "--to", "1,1,8,EP8"]) == 2
+    assert "num_experts (4) is not divisible by ep=8" in capsys.readouterr().err
+
+
 def test_the_plan_file_is_written_and_reads_back(tmp_path):
     from liver.shared.plan_file import read_plan
 

@@ -18,7 +18,7 @@ from liver.shared.geometry import (
 )
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
+from liver.shared.plan import PLAN_SCHEMA_VERSION, WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import PlanFileError, decode_plan, encode_plan
 from liver.shared.views import view
@@ -171,13 +171,25 @@ def test_a_model_no_modelspec_describes_is_planned_and_verified() -> None:
     assert decode_plan(encode_plan(plan)) == plan
 
 
+def test_a_version_2_plan_file_written_before_experts_is_still_read_as_the_same_plan() -> None:
+    # Written by `liver plan --model tiny-llama --from 2,2,2 --to 1,2,4 --per-node 4
+    # --distributed-optimizer --budget-mib 0.05 --out` at 689f531 (schema 2, before experts and CP).
+    data = (Path(__file__).parent / "data" / "plan-v2-tiny-llama-dist-opt.json").read_bytes()
+    assert msgspec.json.decode(data)["schema_version"] == 2
+    plan = decode_plan(data)
+    assert plan.schema_version == PLAN_SCHEMA_VERSION and plan.model.distributed
+    assert verify_plan(plan).ok
+    again = build_plan(plan.model, plan.old, plan.new, plan.budget_bytes)
+    assert again.tasks == plan.tasks
+
+
 def test_a_version_1_plan_file_written_before_the_geometry_is_still_read_and_moves_the_same_bytes() -> None:
     # Written by `liver plan --model tiny-gpt --from 2,1,1 --to 1,2,1 --per-node 2 --budget-mib 0.05 --out`
     # at c928365: a ModelSpec as the model, tensors in the order of that time (linear_qkv first).
     data = (Path(__file__).parent / "data" / "plan-v1-tiny-gpt.json").read_bytes()
     old = msgspec.json.decode(data)
     plan = decode_plan(data)
-    assert plan.schema_version == 2 and plan.model == TINY.geometry()
+    assert plan.schema_version == PLAN_SCHEMA_VERSION and plan.model == TINY.geometry()
     assert verify_plan(plan).ok
     assert [t.name for t in plan.tensors] != [t["name"] for t in old["tensors"]], "the order did change"
     moved_before = {
@@ -226,10 +238,13 @@ def test_ddp_settings_compare_in_the_form_that_decides_the_state() -> None:
     assert decoded == sharded
 
 
-def test_a_version_1_geometry_is_read_as_version_2_with_the_plain_optimizer() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_geometry_is_read_as_version_3_with_the_plain_optimizer_and_no_experts(version: int) -> None:
     geometry = PRESETS["tiny-gpt"].geometry()
     fields = msgspec.to_builtins(geometry)
-    fields["schema_version"] = 1
-    del fields["ddp"]
+    fields["schema_version"] = version
+    del fields["num_experts"]
+    if version == 1:
+        del fields["ddp"]
     old = msgspec.convert(fields, type=type(geometry))
-    assert old == geometry and old.schema_version == 2 and not old.distributed
+    assert old == geometry and old.schema_version == 3 and not old.distributed and old.num_experts == 0

@@ -146,7 +146,7 @@ BAD_INPUT = [
     pytest.param(s.SPOT_WARNING, spot(node=None), "$.node", id="missing-field"),
     pytest.param(s.SPOT_WARNING, spot(colour="red"), "$.colour", id="unknown-field"),
     pytest.param(s.SPOT_WARNING, spot(job_id="job.1"), "$.job_id", id="unsafe-job-id"),
-    pytest.param(s.SPOT_WARNING, spot(schema_version=2), "$.schema_version", id="newer-schema"),
+    pytest.param(s.SPOT_WARNING, spot(schema_version=99), "$.schema_version", id="newer-schema"),
     pytest.param(s.SPOT_WARNING, spot(notice_s=None), "$.notice_s", id="no-notice-nor-deadline"),
     pytest.param(s.SPOT_WARNING, spot(job_id="job-9"), "$.job_id", id="unknown-job"),
     pytest.param(s.SPOT_WARNING, spot(node="node-z"), "$.node", id="unknown-node"),

@@ -302,10 +302,20 @@ def test_an_unknown_field_inside_a_nested_value_names_its_full_path() -> None:
 
 
 def test_another_schema_version_is_refused_before_any_other_field() -> None:
-    data = payload(SPOT, schema_version=2, brand_new_field=True)
+    data = payload(SPOT, schema_version=m.SCHEMA_VERSION + 1, brand_new_field=True)
     error = rejected(data, m.SpotWarning)
     assert error.path == "$.schema_version"
-    assert "unsupported schema version 2" in error.reason
+    assert f"unsupported schema version {m.SCHEMA_VERSION + 1}" in error.reason
+
+
+def test_a_version_1_message_is_read_as_the_current_version() -> None:
+    decoded = decode(payload(SPOT, schema_version=1), m.SpotWarning)
+    assert decoded.schema_version == m.SCHEMA_VERSION
+
+
+def test_a_layout_with_experts_and_context_parallelism_travels_on_the_bus() -> None:
+    layout = ParallelLayout.parse("TP2,PP1,DP4,CP2,EP4,ETP1")
+    assert msgspec.json.decode(msgspec.json.encode(layout), type=ParallelLayout) == layout
 
 
 def test_a_missing_schema_version_is_refused() -> None:

@@ -62,7 +62,7 @@ def test_orphaned_shards_names_the_stages_and_tensor_ranks_gone() -> None:
     devices = grid_devices(2, PER_NODE)
     orphans = orphaned_shards(PRESETS["tiny-gpt"], layout, devices, devices[:PER_NODE])
     # Stage 0's sharded tensors on both TP ranks and its norms; the tied embedding lives on in stage 1.
-    assert orphans == [((0,), REPLICATED), ((0,), 0), ((0,), 1)]
+    assert orphans == [((0,), -1, REPLICATED), ((0,), -1, 0), ((0,), -1, 1)]
 
 
 def test_no_loss_orphans_nothing() -> None:

@@ -147,7 +147,7 @@ def test_under_the_distributed_optimizer_a_rank_keeps_its_dp_share_of_the_optimi
             for t in plain.tensors(optimizer=False)
             if stage in holding_stages(t, plain, layout)
         )
-        (buffer,) = buffer_layouts(sharded, layout, stage, 0)
+        (buffer,) = buffer_layouts(sharded, layout, layout.rank_of(0, 0, stage))
         owned = buffer.buckets[-1][1] // layout.dp * 4 * 2  # fp32: two moments, the master is the param
         assert mine == params + owned + 8  # and the step
         assert grad == grad_plain and mine < theirs

@@ -62,7 +62,7 @@ def test_lower_bound_matches_the_transfer_planners_and_never_exceeds_a_placement
     devices = grid_devices(3, 4)
     new = ParallelLayout(2, 2, 3)
     overlap = class_overlap(MODEL, old.layout, new)
-    bound = lower_bound_bytes(old, devices, new, overlap)
+    bound = lower_bound_bytes(MODEL, old, devices, new, overlap)
     assert bound == local_lower_bound(MODEL, old, devices, new)
     world = WorldConfig(new, node_local_placement(MODEL, old, devices, new))
     assert bound <= bytes_moved(MODEL, old, world)

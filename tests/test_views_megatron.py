@@ -637,4 +637,4 @@ def test_cpu_shim_rng_tracker_forks_one_stream_per_tp_rank_and_restores_the_cpu_
 
 def test_build_refuses_a_layout_that_parallel_state_was_not_initialised_for(reports: dict[str, Any]) -> None:
     for out in reports["by_child"].values():
-        assert "parallel_state is TP1,PP1,DP2 but the layout is TP2,PP1,DP1" in out["refusal"]
+        assert "parallel_state is TP1,PP1,DP2,CP1,EP1,ETP1 but the layout is TP2,PP1,DP1" in out["refusal"]

@@ -16,6 +16,7 @@ from liver.worker_runtime.world import (
     StoreAddress,
     WorldError,
     WorldSpec,
+    alias_of,
     build_stream_group,
     build_world,
     build_world_async,
@@ -86,9 +87,27 @@ def test_a_middle_stage_rank_has_no_embedding_group() -> None:
 
 
 def test_memberships_follow_the_global_build_order() -> None:
-    slots = memberships(ParallelLayout(2, 2, 2), 1)  # first stage: in every kind
-    assert [s.kind for s in slots] == list(GroupKind)
+    slots = memberships(ParallelLayout(2, 2, 2), 1)  # first stage: in every kind a dense layout builds
+    built = [k for k in GroupKind if alias_of(ParallelLayout(2, 2, 2), k) is None]
+    assert [s.kind for s in slots] == built
     assert all(1 in s.ranks for s in slots)
+
+
+def test_a_dense_layout_builds_no_expert_or_context_group_of_its_own() -> None:
+    layout = ParallelLayout(2, 2, 2)
+    for kind in (GroupKind.CP, GroupKind.DP_CP, GroupKind.EP, GroupKind.ETP, GroupKind.EDP, GroupKind.TP_EP):
+        assert group_members(layout, kind) == () and alias_of(layout, kind) is not None
+
+
+def test_expert_groups_are_megatrons_second_numbering() -> None:
+    layout = ParallelLayout.parse("TP2,PP2,DP4,EP2,ETP1")  # 16 ranks: a stage's 8 are EP2 x expert-DP 4
+    assert group_members(layout, GroupKind.EP)[:2] == ((0, 1), (2, 3))
+    assert group_members(layout, GroupKind.EDP)[:2] == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert group_members(layout, GroupKind.ETP)[0] == (0,)
+    assert group_members(layout, GroupKind.TP_EP_PP)[0] == (0, 1, 8, 9)
+    cp = ParallelLayout.parse("TP2,PP1,DP2,CP2")
+    assert group_members(cp, GroupKind.CP) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert group_members(cp, GroupKind.DP_CP)[0] == (0, 2, 4, 6)
 
 
 # -- world specs ------------------------------------------------------------------------------------------

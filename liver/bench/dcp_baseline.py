@@ -43,9 +43,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from liver.shared.boxes import Box
+from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import WorldConfig
-from liver.shared.views import holding_stages, view
+from liver.shared.views import view
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -103,17 +104,31 @@ def _chunk(box: Box) -> ChunkStorageMetadata:
     )
 
 
+def _class_of(layout: ParallelLayout, rank: int) -> tuple[int, int, int, int]:
+    """Ranks that hold the same shards: (stage, TP rank, EP rank, expert-TP rank)."""
+    c = layout.coords(rank)
+    return (c.pp, c.tp, c.ep, c.etp)
+
+
+def _representatives(layout: ParallelLayout) -> dict[tuple[int, int, int, int], int]:
+    """One rank of each class (:func:`_class_of`), the first in rank order."""
+    out: dict[tuple[int, int, int, int], int] = {}
+    for r in range(layout.world_size):
+        out.setdefault(_class_of(layout, r), r)
+    return out
+
+
 def saved_metadata(model: ModelSpec, tensors: tuple[TensorSpec, ...], old: WorldConfig) -> Metadata:
     """The metadata a deduplicated DCP save of the old world writes (see the module docstring)."""
     lay = old.layout
+    ranks = list(_representatives(lay).values())
     md: dict[str, TensorStorageMetadata] = {}
     for t in tensors:
         boxes: dict[Box, None] = {}
-        for pp in holding_stages(t, model, lay):
-            for tp in range(lay.tp):
-                shard = view(t, model, lay, lay.rank_of(tp, 0, pp))
-                if shard is not None and shard.box is not None:
-                    boxes.setdefault(shard.box, None)
+        for rank in ranks:
+            shard = view(t, model, lay, rank)
+            if shard is not None and shard.box is not None:
+                boxes.setdefault(shard.box, None)
         md[t.name] = TensorStorageMetadata(
             properties=TensorProperties(dtype=_TORCH_DTYPES[t.dtype]),
             size=torch.Size(t.shape),
@@ -128,30 +143,26 @@ def build_workload(
     """Metadata of the old world's save and the state dict each new rank loads into."""
     metadata = saved_metadata(model, tensors, old)
     lay = new.layout
-    per_class: dict[tuple[int, int], dict[str, LocalShards]] = {}
-    for pp in range(lay.pp):
-        for tp in range(lay.tp):
-            rank = lay.rank_of(tp, 0, pp)
-            sd: dict[str, LocalShards] = {}
-            for t in tensors:
-                shard = view(t, model, lay, rank)
-                if shard is not None and shard.box is not None:
-                    sd[t.name] = LocalShards(torch.Size(t.shape), [_chunk(shard.box)])
-            per_class[(pp, tp)] = sd
-    state_dicts = []
-    for r in range(lay.world_size):
-        c = lay.coords(r)
-        state_dicts.append(per_class[(c.pp, c.tp)])
+    per_class: dict[tuple[int, int, int, int], dict[str, LocalShards]] = {}
+    for key, rank in _representatives(lay).items():
+        sd: dict[str, LocalShards] = {}
+        for t in tensors:
+            shard = view(t, model, lay, rank)
+            if shard is not None and shard.box is not None:
+                sd[t.name] = LocalShards(torch.Size(t.shape), [_chunk(shard.box)])
+        per_class[key] = sd
+    state_dicts = tuple(per_class[_class_of(lay, r)] for r in range(lay.world_size))
     saved = sum(len(m.chunks) for m in metadata.state_dict_metadata.values())
     local = sum(len(sd) for sd in state_dicts)
     itemsize = {t.name: t.itemsize for t in tensors}
-    return DcpWorkload(metadata, tuple(state_dicts), itemsize, saved, local)
+    return DcpWorkload(metadata, state_dicts, itemsize, saved, local)
 
 
 def time_load_planning(
     workload: DcpWorkload, new: WorldConfig, budget_seconds: float = math.inf
 ) -> DcpResult:
-    """Run DCP's local load planning for every new rank (replica by replica, see the module docstring).
+    """Run DCP's local load planning for every new rank (replica by replica, see the module docstring:
+    a replica is the ranks of one DP x CP index).
 
     The workload holds every rank's state dict while a real rank holds one: callers timing a large world
     should ``gc.freeze()`` after building it, so that collections walk only what DCP allocates.
@@ -160,28 +171,31 @@ def time_load_planning(
         raise ValueError(f"budget_seconds must be positive, got {budget_seconds}")
     lay = new.layout
     md = workload.metadata
+    dense = lay.grid(expert=False)
+    by_replica: list[list[int]] = [[] for _ in range(dense.replicas)]
+    for r in range(lay.world_size):
+        by_replica[dense.place(r)[2]].append(r)
     elapsed = 0.0
-    per_class: dict[tuple[int, int], list[float]] = {}
+    per_class: dict[tuple[int, int, int, int], list[float]] = {}
     items = 0
     nbytes = 0
     timed = 0
     replicas = 0
-    for dp in range(lay.dp):
-        for pp in range(lay.pp):
-            for tp in range(lay.tp):
-                sd = workload.state_dicts[lay.rank_of(tp, dp, pp)]
-                t0 = time.perf_counter()
-                plan = create_default_local_load_plan(sd, md, True)
-                dt = time.perf_counter() - t0
-                elapsed += dt
-                per_class.setdefault((pp, tp), []).append(dt)
-                timed += 1
-                items += len(plan.items)
-                nbytes += _read_bytes(plan.items, workload.itemsize)
+    for ranks in by_replica:
+        for rank in ranks:
+            sd = workload.state_dicts[rank]
+            t0 = time.perf_counter()
+            plan = create_default_local_load_plan(sd, md, True)
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            per_class.setdefault(_class_of(lay, rank), []).append(dt)
+            timed += 1
+            items += len(plan.items)
+            nbytes += _read_bytes(plan.items, workload.itemsize)
         replicas += 1
         if elapsed > budget_seconds:
             break
-    scale = lay.dp / replicas
+    scale = dense.replicas / replicas
     return DcpResult(
         seconds=elapsed * scale,
         busiest_rank_seconds=max(statistics.median(ts) for ts in per_class.values()),
@@ -191,7 +205,7 @@ def time_load_planning(
         local_chunks=workload.local_chunks,
         ranks_total=lay.world_size,
         ranks_timed=timed,
-        extrapolated=replicas < lay.dp,
+        extrapolated=replicas < dense.replicas,
     )
 
 

@@ -54,7 +54,7 @@ class PlanScenario:
     name: str
     description: str
     model: str
-    old: str  # TP,PP,DP
+    old: str  # TP,PP,DP[,CPn,EPn,ETPn] (ParallelLayout.parse)
     new: str
     per_node: int
     devices: str  # the new device set relative to the old one (``parse_devices``); "" keeps it
@@ -110,6 +110,15 @@ FULL: tuple[PlanScenario, ...] = (
         8,
         _every_16th_node(8),
     ),
+    PlanScenario(
+        "moe-ep",
+        "moe-200b (64 experts, top-8) + optimizer: EP8 -> EP16 and expert-TP 2 -> 1, 128 nodes -> 120",
+        "moe-200b",
+        "2,4,128,EP8",
+        "2,4,120,EP16,ETP1",
+        8,
+        _every_16th_node(8),
+    ),
 )
 
 QUICK: tuple[PlanScenario, ...] = (
@@ -149,6 +158,15 @@ QUICK: tuple[PlanScenario, ...] = (
         "tiny-llama",
         "2,2,4",
         "4,1,3",
+        4,
+        "drop:node001",
+    ),
+    PlanScenario(
+        "moe-ep",
+        "tiny-moe (4 experts) + optimizer: EP2 -> EP4, 2 nodes of 4 -> 1",
+        "tiny-moe",
+        "1,1,8,EP2",
+        "1,1,4,EP4",
         4,
         "drop:node001",
     ),

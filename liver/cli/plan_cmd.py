@@ -88,8 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="a preset (gpt3-175b, llama3-8b, ...), a ModelSpec .json or a geometry .json (liver geometry)",
     )
-    p.add_argument("--from", dest="old", required=True, type=layout_arg, metavar="TP,PP,DP")
-    p.add_argument("--to", dest="new", required=True, type=layout_arg, metavar="TP,PP,DP")
+    p.add_argument("--from", dest="old", required=True, type=layout_arg, metavar="TP,PP,DP[,CPn,EPn,ETPn]")
+    p.add_argument("--to", dest="new", required=True, type=layout_arg, metavar="TP,PP,DP[,CPn,EPn,ETPn]")
     p.add_argument(
         "--devices",
         help="new device set: NxM, drop:NODE,..., or add:NxM (default: the old devices, trimmed or "

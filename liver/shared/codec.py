@@ -20,7 +20,7 @@ from typing import Any, Final, TypeVar, overload
 import msgspec
 
 from liver.shared.errors import InputError
-from liver.shared.messages import SCHEMA_VERSION, ErrorEvent, Message
+from liver.shared.messages import READ_SCHEMA_VERSIONS, SCHEMA_VERSION, ErrorEvent, Message
 from liver.shared.subjects import TOKEN_PATTERN
 
 M = TypeVar("M", bound=Message)
@@ -87,7 +87,7 @@ def decode(data: Payload, into: Any) -> Any:
         version = _ENVELOPE.decode(data).schema_version
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _translate(expected, exc) from None
-    if version != SCHEMA_VERSION:
+    if version not in READ_SCHEMA_VERSIONS:
         raise MessageError(
             expected,
             "$.schema_version",

@@ -18,7 +18,10 @@ The layout rules are Megatron-core 0.16.1's (``_ParamAndGradBuffer.__init__`` an
   on pipeline stages after the first), and the tied embedding of a pipelined model (``shared_embedding``)
   gets a bucket of its own;
 * every bucket ends padded to a multiple of ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
-  ``pad_buckets_for_high_nccl_busbw``).
+  ``pad_buckets_for_high_nccl_busbw``), where ``dp`` is the size of the group that shards the buffer:
+  DP x CP for dense parameters, expert-DP for the expert buffers (experts with EP > 1 have buffers of
+  their own, and a distributed optimizer of their own over expert-DP; at EP 1 they share the dense
+  ones).
 
 A rule restated can drift, so tests compare :func:`owned_ranges` with the ranges Megatron's own
 optimizer computes for presets and user models at many layouts, and every rank checks its real
@@ -36,7 +39,7 @@ from typing import NamedTuple
 from liver.shared.boxes import Box, intersect
 from liver.shared.geometry import DdpSettings, GeometryError, ModelGeometry, TensorSpec
 from liver.shared.layout import ParallelLayout
-from liver.shared.views import holding_stages, tp_shard
+from liver.shared.views import grid_of, holding_stages, tp_shard
 
 __all__ = [
     "BufferLayout",
@@ -71,6 +74,7 @@ class BufferLayout(NamedTuple):
     dtype: str
     params: tuple[ParamSlot, ...]
     buckets: tuple[tuple[int, int], ...]
+    expert: bool = False  # an expert buffer: sharded over expert-DP rather than DP x CP
 
 
 def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int) -> tuple[TensorSpec, ...]:
@@ -108,33 +112,56 @@ def _pad(n: int, divisor: int) -> int:
 def buffer_layouts(
     geometry: ModelGeometry,
     layout: ParallelLayout,
-    pp_rank: int,
-    tp_rank: int,
+    rank: int,
     ddp: DdpSettings | None = None,
 ) -> tuple[BufferLayout, ...]:
-    """The DDP buffers of the ranks at (``pp_rank``, ``tp_rank``) of ``layout`` (the same on every DP
-    rank), as Megatron lays them out with ``ddp`` (default: the geometry's own, whose canonical form
-    drops the buckets of the plain optimizer's gradient buffers; module docstring)."""
-    return _buffer_layouts(geometry, layout, pp_rank, tp_rank, ddp or geometry.ddp)
+    """The DDP buffers of ``rank`` under ``layout`` (the same on every rank of its DP group), as
+    Megatron lays them out with ``ddp`` (default: the geometry's own, whose canonical form drops the
+    buckets of the plain optimizer's gradient buffers; module docstring): the dense buffers, then, with
+    EP > 1, the expert buffers (Megatron's ``expert_parallel_buffers``, sharded over expert-DP)."""
+    c = layout.coords(rank)
+    return _buffer_layouts(geometry, layout, c.pp, c.tp, c.ep, c.etp, ddp or geometry.ddp)
+
+
+def in_expert_buffer(t: TensorSpec, layout: ParallelLayout) -> bool:
+    """Whether ``t``'s gradient lives in an expert buffer: an expert's tensor with EP > 1 (Megatron's
+    ``allreduce = not (is_expert and ep > 1)``; at EP 1 experts share the dense buffers)."""
+    return t.expert >= 0 and layout.ep > 1
 
 
 @functools.lru_cache(maxsize=4096)
 def _buffer_layouts(
-    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, tp_rank: int, ddp: DdpSettings
+    geometry: ModelGeometry,
+    layout: ParallelLayout,
+    pp_rank: int,
+    tp_rank: int,
+    ep_rank: int,
+    etp_rank: int,
+    ddp: DdpSettings,
 ) -> tuple[BufferLayout, ...]:
-    dp = layout.dp
-    bucket_size = ddp.effective_bucket_size(dp, pp_rank)
+    bucket_size = ddp.effective_bucket_size(layout.dp, pp_rank)
     shared = layout.pp > 1
-    by_dtype: dict[str, list[tuple[TensorSpec, int]]] = {}
+    by_dtype: dict[tuple[bool, str], list[tuple[TensorSpec, int]]] = {}
+    experts_per_rank = geometry.num_experts // layout.ep if geometry.num_experts else 0
     for t in stage_parameters(geometry, layout, pp_rank):
-        numel = math.prod(tp_shard(t, geometry, layout.tp, tp_rank).local_shape)
-        by_dtype.setdefault(t.dtype, []).append((t, numel))
-    divisor = math.lcm(dp, BUCKET_ALIGNMENT)
-    if ddp.pad_buckets_for_high_nccl_busbw:
-        divisor = math.lcm(divisor, HIGH_BUSBW_ALIGNMENT)
+        expert = in_expert_buffer(t, layout)
+        if expert:
+            if t.expert // experts_per_rank != ep_rank:
+                continue
+            shard = tp_shard(t, geometry, layout.expert_tp, etp_rank)
+        else:
+            shard = tp_shard(t, geometry, layout.tp, tp_rank)
+        by_dtype.setdefault((expert, t.dtype), []).append((t, math.prod(shard.local_shape)))
     out = []
-    for dtype, params in by_dtype.items():
-        out.append(_one_buffer(dtype, params, bucket_size, shared, ddp.distributed_optimizer, divisor))
+    for expert in (False, True):
+        group = layout.grid(expert).replicas
+        divisor = math.lcm(group, BUCKET_ALIGNMENT)
+        if ddp.pad_buckets_for_high_nccl_busbw:
+            divisor = math.lcm(divisor, HIGH_BUSBW_ALIGNMENT)
+        for (kind, dtype), params in by_dtype.items():
+            if kind == expert:
+                buffer = _one_buffer(dtype, params, bucket_size, shared, ddp.distributed_optimizer, divisor)
+                out.append(buffer._replace(expert=expert))
     return tuple(out)
 
 
@@ -184,13 +211,14 @@ def owned_ranges(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> 
     parameter name; parameters of its stage that it owns nothing of are absent."""
     if not geometry.distributed:
         raise GeometryError("ddp.distributed_optimizer: ownership ranges exist only for it")
-    coords = layout.coords(rank)
     out: dict[str, tuple[int, int]] = {}
-    for buffer in buffer_layouts(geometry, layout, coords.pp, coords.tp):
+    for buffer in buffer_layouts(geometry, layout, rank):
+        grid = layout.grid(buffer.expert)
+        share = grid.place(rank)[2]
         for slot in buffer.params:
             lo, hi = buffer.buckets[slot.bucket]
-            size = (hi - lo) // layout.dp
-            own_lo = lo + coords.dp * size
+            size = (hi - lo) // grid.replicas
+            own_lo = lo + share * size
             a, b = max(slot.start, own_lo), min(slot.end, own_lo + size)
             if a < b:
                 out[slot.name] = (a - slot.start, b - slot.start)
@@ -218,7 +246,9 @@ def owned_pieces(
     specs = {t.param: t for t in stage_parameters(geometry, layout, coords.pp)}
     out: dict[str, tuple[OwnedPiece, ...]] = {}
     for name, (lo, hi) in owned_ranges(geometry, layout, rank).items():
-        shard = tp_shard(specs[name], geometry, layout.tp, coords.tp)
+        t = specs[name]
+        grid = grid_of(t, layout)
+        shard = tp_shard(t, geometry, grid.tp, grid.place(rank)[0])
         if shard.box is None:
             continue
         pieces = []

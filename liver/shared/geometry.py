@@ -34,11 +34,13 @@ from msgspec import Meta
 from liver.shared.errors import InputError
 from liver.shared.layout import LayoutError, ParallelLayout
 
-GEOMETRY_SCHEMA_VERSION = 2
+GEOMETRY_SCHEMA_VERSION = 3
 """The version of :class:`ModelGeometry` (``docs/geometry.md``). Version 2 added ``ddp`` (how the
-optimizer state is sharded); a version 1 geometry is read as version 2 with the plain optimizer."""
+optimizer state is sharded), version 3 experts (``num_experts``, ``ParamGeometry.expert``); older
+geometries are read as version 3 (the plain optimizer, no experts)."""
 
 LAYER_PLACEHOLDER = "{layer}"
+EXPERT_PLACEHOLDER = "{expert}"
 
 Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
 Home = Literal["layer", "first", "last", "first+last", "all"]
@@ -56,7 +58,7 @@ class GeometryError(InputError):
     """A geometry that no Megatron-core model could have (the message names the field)."""
 
 
-class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One logical tensor of the training state.
 
     ``layer`` is the streaming unit: 0 holds the embeddings and the step counter, ``1..L`` the decoder
@@ -73,6 +75,10 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rule: Rule
     home: Home
     param: str
+    expert: int = -1
+    """The global index of the expert this tensor belongs to (``-1``: a dense tensor). An expert's
+    tensors live whole on one EP rank and are cut by expert-TP (``rule``) and replicated over
+    expert-DP (:meth:`ParallelLayout.grid <liver.shared.layout.ParallelLayout.grid>`)."""
 
     @property
     def itemsize(self) -> int:
@@ -98,12 +104,27 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     home: Home
     layers: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
     """``(first, stop)``: the decoder layers (0-based, ``stop`` excluded) this entry stands for."""
+    expert: bool = False
+    """Whether this entry stands for one parameter of every expert (``{expert}`` in ``name``, the
+    global expert index; the geometry's ``num_experts`` of them). Megatron's local experts are
+    numbered from 0 on each EP rank; their global index is ``ep_rank * experts_per_rank + local``."""
 
-    def names(self) -> list[tuple[int | None, str]]:
-        """``(decoder layer or None, name)`` for every parameter this entry stands for."""
+    def names(self, num_experts: int = 0) -> list[tuple[int | None, str]]:
+        """``(decoder layer or None, name)`` for every parameter this entry stands for (every expert's
+        too, layer by layer, when ``expert``)."""
         if self.layers is None:
             return [(None, self.name)]
-        return [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
+        out = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
+        if self.expert:
+            out = [(i, n.replace(EXPERT_PLACEHOLDER, str(e))) for i, n in out for e in range(num_experts)]
+        return out
+
+    def expert_names(self, num_experts: int) -> list[tuple[int | None, int, str]]:
+        """``(decoder layer, expert or -1, name)`` for every parameter this entry stands for."""
+        if not self.expert:
+            return [(i, -1, n) for i, n in self.names()]
+        base = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*(self.layers or (0, 0)))]
+        return [(i, e, n.replace(EXPERT_PLACEHOLDER, str(e))) for i, n in base for e in range(num_experts)]
 
 
 class TpDivisor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -157,9 +178,11 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ddp: DdpSettings = DdpSettings()
     """How the job's optimizer state is sharded (the plain optimizer unless ``distributed_optimizer``):
     the job's setting, not the model's, so a geometry derived once is given it with :meth:`with_ddp`."""
+    num_experts: Annotated[int, Meta(ge=0)] = 0
+    """Experts per MoE layer (0: a dense model); every ``expert`` entry stands for this many."""
 
     def __post_init__(self) -> None:
-        if self.schema_version == 1:
+        if self.schema_version in (1, 2):
             msgspec.structs.force_setattr(self, "schema_version", GEOMETRY_SCHEMA_VERSION)
         msgspec.structs.force_setattr(self, "ddp", self.ddp.canonical())
         if self.schema_version != GEOMETRY_SCHEMA_VERSION:
@@ -170,7 +193,7 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         layers: set[int] = set()
         for i, p in enumerate(self.parameters):
             _check_param(p, f"parameters[{i}]", self)
-            for layer, name in p.names():
+            for layer, name in p.names(self.num_experts):
                 if name in seen:
                     raise GeometryError(f"parameters[{i}].name: {name!r} is listed twice")
                 seen.add(name)
@@ -210,7 +233,11 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         return _tensors(self, optimizer)
 
     def parameter_count(self) -> int:
-        return sum(math.prod(p.shape) * len(p.names()) for p in self.parameters)
+        return sum(math.prod(p.shape) * len(p.names(self.num_experts)) for p in self.parameters)
+
+    def expert_parameter_count(self) -> int:
+        """Parameters of the experts alone (each EP rank holds ``1/EP`` of them)."""
+        return sum(math.prod(p.shape) * len(p.names(self.num_experts)) for p in self.parameters if p.expert)
 
     def digest(self) -> str:
         """A short fingerprint: two processes that derived the same geometry agree on it."""
@@ -228,6 +255,15 @@ def _check_param(p: ParamGeometry, where: str, g: ModelGeometry) -> None:
         raise GeometryError(f"{where}.name: {LAYER_PLACEHOLDER} must appear exactly when `layers` is set")
     if (p.home == "layer") != (p.layers is not None):
         raise GeometryError(f"{where}.home: `layer` exactly for per-layer parameters, got {p.home!r}")
+    if p.expert:
+        if g.num_experts < 1:
+            raise GeometryError(f"{where}.expert: an expert parameter needs the geometry's num_experts")
+        if p.layers is None or EXPERT_PLACEHOLDER not in p.name:
+            raise GeometryError(f"{where}.name: an expert parameter is per layer, with {EXPERT_PLACEHOLDER}")
+        if p.rule == "vocab":
+            raise GeometryError(f"{where}.rule: an expert parameter cannot be vocabulary-parallel")
+    elif EXPERT_PLACEHOLDER in p.name:
+        raise GeometryError(f"{where}.name: {EXPERT_PLACEHOLDER} appears but `expert` is not set")
     if p.layers is not None:
         first, stop = p.layers
         if not first < stop <= g.num_layers:
@@ -252,12 +288,20 @@ def _check_layout(g: ModelGeometry, layout: ParallelLayout) -> None:
     for d in g.tp_divisible:
         if d.value % tp:
             raise LayoutError(f"{layout.describe()}: {d.what} ({d.value}) is not divisible by tp={tp}")
+    if g.num_experts:
+        if g.num_experts % layout.ep:
+            raise LayoutError(
+                f"{layout.describe()}: num_experts ({g.num_experts}) is not divisible by ep={layout.ep}"
+            )
+    elif layout.ep > 1 or layout.etp is not None:
+        raise LayoutError(f"{layout.describe()}: expert parallelism needs a model with experts")
     for p in g.parameters:
         dim = _SPLIT_DIM.get(p.rule)
-        if dim is not None and p.shape[dim] % tp:
+        size, what = (layout.expert_tp, "etp") if p.expert else (tp, "tp")
+        if dim is not None and p.shape[dim] % size:
             raise LayoutError(
                 f"{layout.describe()}: dimension {dim} of {p.name} ({p.shape[dim]}) "
-                f"is not divisible by tp={tp}"
+                f"is not divisible by {what}={size}"
             )
     if layout.pp > g.num_layers:
         raise LayoutError(f"{layout.describe()}: pp={layout.pp} exceeds the {g.num_layers} layers")
@@ -266,22 +310,28 @@ def _check_layout(g: ModelGeometry, layout: ParallelLayout) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _tensors(g: ModelGeometry, optimizer: bool) -> tuple[TensorSpec, ...]:
-    by_layer: dict[int, list[TensorSpec]] = {}
-    # Parameter order within a streaming layer is the order of the entries; a run contributes to each
-    # of its layers in turn.
-    for p in g.parameters:
-        for index, name in p.names():
+    by_layer: dict[int, list[tuple[int, int, int, list[TensorSpec]]]] = {}
+    # Parameter order within a streaming layer is the order of the entries (a run contributes to each
+    # of its layers in turn), except that consecutive expert entries go expert by expert, as Megatron
+    # names them (``local_experts.0.linear_fc1``, ``local_experts.0.linear_fc2``, ``local_experts.1...``).
+    block = 0
+    for seq, p in enumerate(g.parameters):
+        if not p.expert:
+            block += 1
+        for index, expert, name in p.expert_names(g.num_experts):
             layer = index + 1 if index is not None else stream_layer(p.home, g.num_layers)
-            by_layer.setdefault(layer, []).extend(_roles(p, name, layer, optimizer))
+            roles = _roles(p, name, layer, optimizer, expert)
+            by_layer.setdefault(layer, []).append((block, max(expert, 0), seq, roles))
     out: list[TensorSpec] = []
     if optimizer:
         out.append(TensorSpec("optimizer.state.step", 0, (), "int64", "step", "replicated", "all", ""))
     for layer in sorted(by_layer):
-        out.extend(by_layer[layer])
+        for *_key, roles in sorted(by_layer[layer], key=lambda e: e[:3]):
+            out.extend(roles)
     return tuple(out)
 
 
-def _roles(p: ParamGeometry, name: str, layer: int, optimizer: bool) -> list[TensorSpec]:
+def _roles(p: ParamGeometry, name: str, layer: int, optimizer: bool, expert: int) -> list[TensorSpec]:
     roles: list[tuple[Role, str]] = [("param", p.dtype)]
     if optimizer:
         if p.dtype != "float32":
@@ -297,6 +347,7 @@ def _roles(p: ParamGeometry, name: str, layer: int, optimizer: bool) -> list[Ten
             p.rule,
             p.home,
             name,
+            expert,
         )
         for role, dtype in roles
     ]

@@ -1,13 +1,18 @@
 """Parallel layouts, devices and placements.
 
-Megatron-core's default rank order is ``tp-cp-ep-dp-pp`` (context and expert parallelism are 1 here),
-so within a world of ``tp * dp * pp`` ranks::
+Megatron-core's default rank order is ``tp-cp-ep-dp-pp``. A world has ``tp * cp * dp * pp`` ranks and
+two ways of numbering them, one for dense parameters and one for experts (``parallel_state``'s two
+generators, which share the pipeline groups)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank  + tp  * (cp_rank + cp * (dp_rank  + dp  * pp_rank))
+         = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))     edp = tp * cp * dp / (etp * ep)
 
-TP ranks are adjacent (they share a node when they can), then DP replicas, then pipeline stages.
-Every part of LiveR uses this one formula through :func:`ParallelLayout.rank_of` and
-:func:`ParallelLayout.coords`.
+TP ranks are adjacent (they share a node when they can), then context-parallel ranks, DP replicas,
+pipeline stages. Dense parameters are cut by TP and replicated over CP and DP; expert parameters are
+dealt out whole over EP, cut by expert-TP and replicated over expert-DP. Both numberings are one
+:class:`Grid` shape, ``rank = tp + tp_size * (ep + ep_size * (replica + replicas * pp))`` (dense: no EP,
+CP and DP as replicas), and every part of LiveR uses them through :meth:`ParallelLayout.grid`,
+:meth:`ParallelLayout.rank_of` and :meth:`ParallelLayout.coords`.
 """
 
 from __future__ import annotations
@@ -24,27 +29,82 @@ class LayoutError(InputError):
 
 
 class RankCoords(NamedTuple):
+    """A rank's place in both numberings (module docstring)."""
+
     tp: int
     dp: int
     pp: int
+    cp: int = 0
+    ep: int = 0
+    etp: int = 0
+    edp: int = 0
 
 
-class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """(TP, PP, DP) with the number of decoder layers on each pipeline stage.
+class Grid(NamedTuple):
+    """How one kind of parameter (dense or expert) sees a world's ranks:
+    ``rank = tp + tp_size * (ep + ep_size * (replica + replicas * pp))``. Ranks that differ only in
+    ``replica`` hold the same shard."""
+
+    tp: int
+    ep: int
+    replicas: int
+    pp: int
+
+    @property
+    def width(self) -> int:
+        """Ranks of one replica of one stage: ``tp * ep``."""
+        return self.tp * self.ep
+
+    def rank(self, tp: int, ep: int, replica: int, pp: int) -> int:
+        return tp + self.tp * (ep + self.ep * (replica + self.replicas * pp))
+
+    def place(self, rank: int) -> tuple[int, int, int, int]:
+        """``(tp, ep, replica, pp)`` of ``rank``."""
+        tp, rest = rank % self.tp, rank // self.tp
+        ep, rest = rest % self.ep, rest // self.ep
+        return tp, ep, rest % self.replicas, rest // self.replicas
+
+
+class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """(TP, PP, DP), context parallelism, expert parallelism and expert-TP, with the number of decoder
+    layers on each pipeline stage.
 
     ``stage_layers`` is empty for an even split; otherwise it has one entry per stage (uneven splits, as
-    Megatron allows with ``num_layers_in_first/last_pipeline_stage`` or a pipeline layout).
+    Megatron allows with ``num_layers_in_first/last_pipeline_stage`` or a pipeline layout). ``etp`` is
+    ``None`` for Megatron's default, expert-TP equal to TP. ``dp`` is the data parallelism of dense
+    parameters without CP (Megatron's ``data_parallel_size``); the expert-data parallelism follows from
+    the rest (:attr:`edp`).
     """
 
     tp: int
     pp: int
     dp: int
     stage_layers: tuple[int, ...] = ()
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "dp"):
+        for field in ("tp", "pp", "dp", "cp", "ep"):
             if getattr(self, field) < 1:
                 raise LayoutError(f"{field} must be at least 1, got {getattr(self, field)}")
+        if self.etp is not None and self.etp < 1:
+            raise LayoutError(f"etp must be at least 1, got {self.etp}")
+        if self.etp == self.tp:
+            msgspec.structs.force_setattr(self, "etp", None)  # one spelling of the default
+        per_stage = self.tp * self.cp * self.dp
+        if per_stage % (self.expert_tp * self.ep):
+            raise LayoutError(
+                f"ep={self.ep} x etp={self.expert_tp} must divide the {per_stage} ranks of a pipeline stage "
+                f"(tp x cp x dp), as Megatron carves expert groups out of them"
+            )
+        if self.ep == 1 and self.expert_tp != self.tp:
+            # Megatron builds and steps it, but at EP 1 expert gradients are reduced over the dense DP
+            # group, which is wrong when expert-TP differs from TP (the replicas diverge).
+            raise LayoutError(
+                f"etp={self.expert_tp} differs from tp={self.tp} with ep=1: Megatron reduces such expert "
+                "gradients over the wrong group"
+            )
         if self.stage_layers:
             if len(self.stage_layers) != self.pp:
                 raise LayoutError(f"stage_layers has {len(self.stage_layers)} entries but pp is {self.pp}")
@@ -53,17 +113,40 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
-    def rank_of(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor parallelism (TP unless set)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: the replicas of each expert shard within a stage."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def has_experts_split(self) -> bool:
+        """Whether expert parameters are laid out differently from dense ones (EP > 1)."""
+        return self.ep > 1
+
+    def grid(self, expert: bool = False) -> Grid:
+        """The numbering of dense (``expert=False``) or expert parameters (module docstring)."""
+        if expert:
+            return Grid(self.expert_tp, self.ep, self.edp, self.pp)
+        return Grid(self.tp, 1, self.cp * self.dp, self.pp)
+
+    def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} outside a world of {self.world_size}")
-        tp = rank % self.tp
-        rest = rank // self.tp
-        return RankCoords(tp, rest % self.dp, rest // self.dp)
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        etp, ep, edp, _ = self.grid(expert=True).place(rank)
+        return RankCoords(tp, dp, pp, cp, ep, etp, edp)
 
     def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
         """Decoder layers on each stage; raises when the split does not fit ``num_layers``."""
@@ -87,26 +170,42 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def describe(self) -> str:
         text = f"TP{self.tp},PP{self.pp},DP{self.dp}"
+        if self.cp > 1:
+            text += f",CP{self.cp}"
+        if self.ep > 1:
+            text += f",EP{self.ep}"
+        if self.etp is not None:
+            text += f",ETP{self.etp}"
         if self.stage_layers:
             text += "[" + "/".join(map(str, self.stage_layers)) + "]"
         return text
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
-        """Parse ``"TP,PP,DP"`` (optionally ``"TP,PP,DP:l0/l1/..."`` for an uneven pipeline split)."""
-        head, _, stages = text.strip().partition(":")
-        parts = [
-            p.strip().upper().removeprefix("TP").removeprefix("PP").removeprefix("DP")
-            for p in head.split(",")
-        ]
-        if len(parts) != 3:
-            raise LayoutError(f"layout {text!r}: expected TP,PP,DP such as 2,2,1")
+        """Parse ``"TP,PP,DP"``, optionally followed by ``,CPn``, ``,EPn``, ``,ETPn`` (any order) and
+        ``":l0/l1/..."`` for an uneven pipeline split: ``"2,2,4,EP4,ETP1:3/5"``; what :meth:`describe`
+        writes reads back."""
+        text = text.strip()
+        if text.endswith("]") and "[" in text:  # the form describe() writes: "TP2,PP2,DP1[1/3]"
+            head, _, stages = text[:-1].partition("[")
+        else:
+            head, _, stages = text.partition(":")
+        parts = [p.strip().upper() for p in head.split(",")]
+        if len(parts) < 3:
+            raise LayoutError(f"layout {text!r}: expected TP,PP,DP such as 2,2,1 (then CPn, EPn, ETPn)")
+        named: dict[str, str] = {}
+        for p in parts[3:]:
+            key = next((k for k in ("ETP", "EP", "CP") if p.startswith(k)), None)
+            if key is None or key.lower() in named:
+                raise LayoutError(f"layout {text!r}: {p!r} is not one of CPn, EPn, ETPn (each once)")
+            named[key.lower()] = p.removeprefix(key)
         try:
-            tp, pp, dp = (int(p) for p in parts)
+            tp, pp, dp = (int(p.removeprefix(k)) for p, k in zip(parts[:3], ("TP", "PP", "DP")))
+            sizes = {k: int(v) for k, v in named.items()}
             stage_layers = tuple(int(s) for s in stages.split("/")) if stages else ()
         except ValueError:
-            raise LayoutError(f"layout {text!r}: TP, PP, DP and stage sizes must be integers") from None
-        return cls(tp=tp, pp=pp, dp=dp, stage_layers=stage_layers)
+            raise LayoutError(f"layout {text!r}: sizes and stage layer counts must be integers") from None
+        return cls(tp=tp, pp=pp, dp=dp, stage_layers=stage_layers, **sizes)
 
 
 class Device(msgspec.Struct, frozen=True, order=True, forbid_unknown_fields=True):

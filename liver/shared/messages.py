@@ -30,8 +30,14 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
 from liver.shared.subjects import TOKEN_PATTERN, kv_key_prefix
 
-SCHEMA_VERSION: Final = 1
-"""The bus contract's version. Bump it on any incompatible change to any message."""
+SCHEMA_VERSION: Final = 2
+"""The bus contract's version. Bump it on any incompatible change to any message. Version 2 added
+context parallelism, expert parallelism and expert-TP to layouts and experts to model geometries;
+a version 1 message means the same under version 2 (it is read and treated as version 2), while a
+version 1 reader refuses version 2."""
+
+READ_SCHEMA_VERSIONS: Final = frozenset({1, SCHEMA_VERSION})
+"""The versions this build decodes."""
 
 NODE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,252}$"
 """Node ids only travel in bodies, never in subjects, so they may be DNS names or provider ids
@@ -132,8 +138,9 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if self.schema_version != SCHEMA_VERSION:
+        if self.schema_version not in READ_SCHEMA_VERSIONS:
             raise _invalid("schema_version", f"expected {SCHEMA_VERSION}, got {self.schema_version}")
+        msgspec.structs.force_setattr(self, "schema_version", SCHEMA_VERSION)
         self._validate()
 
     def _validate(self) -> None:

@@ -37,6 +37,7 @@ import msgspec
 from liver.shared.errors import InputError
 from liver.shared.geometry import (
     DTYPE_BYTES,
+    EXPERT_PLACEHOLDER,
     LAYER_PLACEHOLDER,
     Home,
     ModelGeometry,
@@ -84,6 +85,12 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
     max_sequence_length: int = 2048
     params_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    num_experts: int = 0
+    """Experts in every decoder layer's MLP (0: a dense model). Megatron's ``num_moe_experts`` with
+    the local spec's ``SequentialMLP``: a router, then each expert's own ``linear_fc1``/``linear_fc2``."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's FFN size (``ffn_hidden_size`` when not given)."""
+    moe_router_topk: int = 2
 
     def __post_init__(self) -> None:
         for field in (
@@ -102,6 +109,16 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_query_groups ({self.query_groups})"
             )
+        if self.num_experts < 0:
+            raise ModelError(f"num_experts must not be negative, got {self.num_experts}")
+        if self.num_experts:
+            if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
+                raise ModelError(f"moe_ffn_hidden_size must be at least 1, got {self.moe_ffn_hidden_size}")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ModelError(
+                    f"moe_router_topk must be between 1 and num_experts ({self.num_experts}), "
+                    f"got {self.moe_router_topk}"
+                )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ModelError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -111,6 +128,11 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each expert's FFN size."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -140,7 +162,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Home]]:
     """(name, layer, logical shape, rule, home) for every parameter, in Megatron's module order
-    (``named_parameters()``)."""
+    (``named_parameters()``); an expert's parameters once, with ``{expert}`` in the name."""
     h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
     qkv_rows = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim
     attn_out = m.num_attention_heads * m.head_dim
@@ -172,6 +194,21 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
         add("pre_mlp_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("pre_mlp_layernorm.bias", (h,), "replicated")
+        if m.num_experts:
+            add("mlp.router.weight", (m.num_experts, h), "replicated")
+            e, fe = f"mlp.experts.local_experts.{EXPERT_PLACEHOLDER}.", m.expert_ffn
+            if m.swiglu:
+                add(e + "linear_fc1.weight", (2, fe, h), "swiglu")
+                if m.bias:
+                    add(e + "linear_fc1.bias", (2, fe), "swiglu")
+            else:
+                add(e + "linear_fc1.weight", (fe, h), "column")
+                if m.bias:
+                    add(e + "linear_fc1.bias", (fe,), "column")
+            add(e + "linear_fc2.weight", (h, fe), "row")
+            if m.bias:
+                add(e + "linear_fc2.bias", (h,), "replicated")
+            continue
         if m.swiglu:
             add("mlp.linear_fc1.weight", (2, f, h), "swiglu")
             if m.bias:
@@ -210,6 +247,7 @@ def _geometry(m: ModelSpec) -> ModelGeometry:
                     rule=rule,
                     home=home,
                     layers=(0, m.num_layers),
+                    expert=EXPERT_PLACEHOLDER in template,
                 )
             )
         else:
@@ -223,8 +261,9 @@ def _geometry(m: ModelSpec) -> ModelGeometry:
         tp_divisible=(
             TpDivisor("num_attention_heads", m.num_attention_heads),
             TpDivisor("num_query_groups", m.query_groups),
-            TpDivisor("ffn_hidden_size", m.ffn_hidden_size),
+            *(() if m.num_experts else (TpDivisor("ffn_hidden_size", m.ffn_hidden_size),)),
         ),
+        num_experts=m.num_experts,
     )
 
 
@@ -278,6 +317,56 @@ PRESETS: dict[str, ModelSpec] = {
         make_vocab_size_divisible_by=16,
         max_sequence_length=64,
         params_dtype="float32",
+    ),
+    "mixtral-8x7b": ModelSpec(
+        name="mixtral-8x7b",
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        vocab_size=32000,
+        tied_embeddings=False,
+        swiglu=True,
+        bias=False,
+        normalization="RMSNorm",
+        position_embedding="rope",
+        max_sequence_length=32768,
+        num_experts=8,
+        moe_router_topk=2,
+    ),
+    "moe-200b": ModelSpec(
+        # A 64-expert model of about 200B parameters (top-8 routing), sized like the MoE models of 2026.
+        name="moe-200b",
+        num_layers=40,
+        hidden_size=5120,
+        ffn_hidden_size=5120,
+        num_attention_heads=40,
+        num_query_groups=8,
+        vocab_size=128256,
+        tied_embeddings=False,
+        swiglu=True,
+        bias=False,
+        normalization="RMSNorm",
+        position_embedding="rope",
+        max_sequence_length=4096,
+        num_experts=64,
+        moe_ffn_hidden_size=5120,
+        moe_router_topk=8,
+    ),
+    "tiny-moe": ModelSpec(
+        name="tiny-moe",
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        vocab_size=1000,
+        make_vocab_size_divisible_by=16,
+        bias=False,
+        max_sequence_length=64,
+        params_dtype="float32",
+        num_experts=4,
+        moe_router_topk=2,
     ),
     "tiny-llama": ModelSpec(
         name="tiny-llama",

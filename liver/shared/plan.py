@@ -16,16 +16,17 @@ from liver.shared.boxes import Box, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3
 """The plan file's and the in-memory :class:`Plan`'s version (``docs/plan-format.md``). Version 1 carried
 a :class:`~liver.shared.model.ModelSpec` as ``model``; version 2 carries the model's geometry
-(:class:`~liver.shared.geometry.ModelGeometry`), so a plan can be made for any model. Version 1 files
-are still read."""
+(:class:`~liver.shared.geometry.ModelGeometry`), so a plan can be made for any model; version 3 adds
+context parallelism, expert parallelism and expert-TP to the layouts and experts to the geometry (a
+tensor's ``expert``). Versions 1 and 2 are still read."""
 
-SLICE_SCHEMA_VERSION = 3
+SLICE_SCHEMA_VERSION = 4
 """The stored per-device slice's version (:class:`SliceFile`). Version 1 repeated both worlds in every
 slice; version 2 leaves them to the ``Prepare``, which every participant receives once; version 3 carries
-the model's geometry instead of its ``ModelSpec``."""
+the model's geometry instead of its ``ModelSpec``; version 4 geometries with experts."""
 
 Slice = tuple[int, Box]
 """``(tensor index into Plan.tensors, global box)``: one hyper-rectangle of one tensor."""

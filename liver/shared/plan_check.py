@@ -25,7 +25,7 @@ from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.plan import Plan, Slice, TransferTask
-from liver.shared.views import holding_stages, tp_shard
+from liver.shared.views import expert_rank, grid_of, holding_stages, tp_shard
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -37,31 +37,41 @@ class VerifyReport(msgspec.Struct, frozen=True):
 
 class _Views:
     """Every tensor's holding on every rank, computed as needed: tensors that share a geometry share
-    one computation (a replica per TP rank and stage), and only the distributed optimizer's DP-sharded
-    state is per rank (:mod:`liver.shared.holdings`)."""
+    one computation (a replica per TP rank and stage, expert-TP rank for an expert's tensor), and only
+    the distributed optimizer's DP-sharded state is per rank (:mod:`liver.shared.holdings`)."""
 
     def __init__(self, model: ModelGeometry, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
         self.model = model
         self.layout = layout
         self.tensors = tensors
-        self.coords = [layout.coords(r) for r in range(layout.world_size)]
+        self.place = {
+            expert: [layout.grid(expert).place(r) for r in range(layout.world_size)]
+            for expert in (False, True)
+        }
         geometry: dict[tuple, list[Holding | None]] = {}
         self.stages: list[frozenset[int]] = []
+        self.ep: list[int] = []
         self.shards: list[list[Holding | None] | None] = []
-        for t in tensors:
+        # Tensor indices by (stage, EP rank or -1 for dense): a rank need only look at its own.
+        self.by_home: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for ti, t in enumerate(tensors):
             self.stages.append(frozenset(holding_stages(t, model, layout)))
+            self.ep.append(expert_rank(t, model, layout))
+            for pp in self.stages[-1]:
+                self.by_home[(pp, self.ep[-1] if t.expert >= 0 else -1)].append(ti)
             if is_dp_sharded(t, model):
                 self.shards.append(None)
                 continue
-            key = (t.rule, t.shape)
+            tp = grid_of(t, layout).tp
+            key = (t.rule, t.shape, tp)
             if key not in geometry:
-                geometry[key] = [(tp_shard(t, model, layout.tp, r),) for r in range(layout.tp)]
+                geometry[key] = [(tp_shard(t, model, tp, r),) for r in range(tp)]
             self.shards.append(geometry[key])
         self.owned: dict[tuple[int, int], Holding | None] = {}
 
     def of(self, ti: int, rank: int) -> Holding | None:
-        tp, _dp, pp = self.coords[rank]
-        if pp not in self.stages[ti]:
+        tp, ep, _replica, pp = self.place[self.tensors[ti].expert >= 0][rank]
+        if pp not in self.stages[ti] or ep != self.ep[ti]:
             return None
         per_tp = self.shards[ti]
         if per_tp is not None:
@@ -71,11 +81,19 @@ class _Views:
             self.owned[key] = holding(self.tensors[ti], self.model, self.layout, rank)
         return self.owned[key]
 
+    def candidates(self, rank: int) -> list[int]:
+        """The indices of the tensors ``rank`` may hold (its stage's, its EP rank's experts), in order."""
+        _etp, ep, _r, pp = self.place[True][rank]
+        return sorted(self.by_home.get((pp, -1), []) + self.by_home.get((pp, ep), []))
+
     def class_of(self, rank: int) -> tuple[int, ...]:
-        """Ranks with one class hold the same of every tensor: (TP rank, stage), and the DP rank too
-        when DP ranks hold different pieces."""
-        c = self.coords[rank]
-        return (c.tp, c.pp, c.dp) if self.model.distributed else (c.tp, c.pp)
+        """Ranks with one class hold the same of every tensor: (TP rank, expert-TP and EP rank, stage),
+        and the rank itself when DP ranks hold different pieces."""
+        if self.model.distributed:
+            return (rank,)
+        tp, _ep, _r, pp = self.place[False][rank]
+        etp, ep, _r, _pp = self.place[True][rank]
+        return (tp, etp, ep, pp)
 
 
 def _within(pieces: Holding | None, box: Box) -> bool:
@@ -118,7 +136,7 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
     # Plans share slice tuples between DP replicas and layers of the same shape; a check of the same
     # tuple between ranks of the same (TP rank, stage) classes gives the same answer, so it runs once.
-    memo: dict[tuple[int, int, int, int, int], int | None] = {}
+    memo: dict[tuple[int, ...], int | None] = {}
     for rank, device in enumerate(new_dev):
         if device in lost:
             fail(f"new rank {rank} is placed on lost device {device}")
@@ -201,7 +219,8 @@ def _check_cover(
         for ti, box in slices:
             received[ti].append(box)
     out = []
-    for ti, t in enumerate(plan.tensors):
+    for ti in new_v.candidates(rank):
+        t = plan.tensors[ti]
         pieces = [p.box for p in new_v.of(ti, rank) or () if p.box is not None]
         if not pieces:
             continue

@@ -106,14 +106,14 @@ def _upgrade(old: _PlanFileV1, source: str) -> PlanFile:
 
 
 def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
-    # A shard depends on the rank's TP and PP coordinates only (DP replicas hold the same state), so
-    # each distinct (tp, pp) is computed once: a 1,024-rank world at DP 512 has two, not 1,024.
+    # A shard depends on the rank's TP, expert-TP, EP and PP coordinates only (DP replicas hold the same
+    # state), so each distinct class is computed once: a 1,024-rank world at DP 512 has two, not 1,024.
     layout = world.layout
-    by_coords: dict[tuple[int, int], tuple[ShardEntry, ...]] = {}
+    by_coords: dict[tuple[int, int, int, int], tuple[ShardEntry, ...]] = {}
     ranks = []
     for r, dev in enumerate(world.placement.devices):
         c = layout.coords(r)
-        key = (c.tp, c.pp)
+        key = (c.tp, c.pp, c.ep, c.etp)
         shards = by_coords.get(key)
         if shards is None:
             shards = by_coords[key] = _rank_shards(plan, world, r)
@@ -146,9 +146,9 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
     """Decode and cross-check a plan file; errors name the field or the inconsistent shard."""
     try:
         version = msgspec.json.decode(data, type=_Version, strict=True).schema_version
-        if version not in (1, PLAN_SCHEMA_VERSION):
+        if version not in (1, 2, PLAN_SCHEMA_VERSION):
             raise PlanFileError(
-                f"{source}: schema_version {version} is not supported (expected 1 or {PLAN_SCHEMA_VERSION})"
+                f"{source}: schema_version {version} is not supported (expected 1 to {PLAN_SCHEMA_VERSION})"
             )
         if version == 1:
             f = _upgrade(msgspec.json.decode(data, type=_PlanFileV1, strict=True), source)
@@ -178,7 +178,7 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
     if f.tensors != tensors:
         raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
     plan = Plan(
-        schema_version=f.schema_version,
+        schema_version=PLAN_SCHEMA_VERSION,  # an older file means the same under this version
         model=f.model,
         old=worlds[0],
         new=worlds[1],

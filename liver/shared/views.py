@@ -7,7 +7,10 @@
   fc2) dimension 1, SwiGLU's fc1 dimension 1 of its ``[2, ffn, ...]`` view, vocabulary tensors split the
   padded vocabulary into equal row ranges (rows past the real vocabulary are padding and hold no state);
   norms and the biases of row-parallel layers are replicated.
-* data parallelism replicates.
+* data parallelism replicates (context parallelism too: it splits activations, not parameters).
+* experts: each expert's tensors live whole on one EP rank (experts are dealt out in order, ``E / EP``
+  to a rank), are cut by expert-TP with the same rules as above and replicated over expert-DP; the
+  router is an ordinary replicated tensor.
 
 A rank's local tensor stores its box starting at local index 0 in every dimension; ``local_shape`` can
 be larger than the box (vocabulary padding) and the box can be empty (a rank holding only padding).
@@ -20,7 +23,7 @@ from typing import NamedTuple
 
 from liver.shared.boxes import Box
 from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.layout import ParallelLayout
+from liver.shared.layout import Grid, ParallelLayout
 
 
 class Shard(NamedTuple):
@@ -70,9 +73,40 @@ def holding_stages(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLay
     return tuple(range(layout.pp))
 
 
+def grid_of(tensor: TensorSpec, layout: ParallelLayout) -> Grid:
+    """How ``layout``'s ranks are numbered for ``tensor``: the expert grid for an expert's tensor."""
+    return layout.grid(expert=tensor.expert >= 0)
+
+
+def expert_rank(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout) -> int:
+    """The EP rank that holds ``tensor`` (0 for a dense tensor)."""
+    if tensor.expert < 0:
+        return 0
+    return tensor.expert // (model.num_experts // layout.ep)
+
+
+def holder_ranks(
+    tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, tp_ranks: range | tuple[int, ...]
+) -> list[int]:
+    """Every rank that holds ``tensor`` with one of ``tp_ranks`` (TP ranks of its grid: expert-TP for
+    an expert's tensor), stage by stage, each TP rank's replicas in order."""
+    grid = grid_of(tensor, layout)
+    ep = expert_rank(tensor, model, layout)
+    return [
+        grid.rank(tp, ep, replica, pp)
+        for pp in holding_stages(tensor, model, layout)
+        for tp in tp_ranks
+        for replica in range(grid.replicas)
+    ]
+
+
 def view(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> Shard | None:
-    """The shard ``rank`` holds of ``tensor`` under ``layout``, or ``None`` when its stage holds none."""
-    tp, _dp, pp = layout.coords(rank)
+    """The shard ``rank`` holds of ``tensor`` under ``layout``, or ``None`` when its stage holds none
+    (or, for an expert's tensor, when the expert lives on another EP rank)."""
+    grid = grid_of(tensor, layout)
+    tp, ep, _replica, pp = grid.place(rank)
     if pp not in holding_stages(tensor, model, layout):
         return None
-    return tp_shard(tensor, model, layout.tp, tp)
+    if ep != expert_rank(tensor, model, layout):
+        return None
+    return tp_shard(tensor, model, grid.tp, tp)

@@ -6,7 +6,8 @@ The transfer planner (:func:`liver.services.transfer.planner.build_plan`) never 
 device, so a live handoff around a loss exists exactly when every shard keeps a holder outside the lost
 devices; otherwise it raises ``NoSurvivingSource`` and the job must fall back to its checkpoint. In
 practice (every stage holds decoder layers, split over all TP ranks) the rule is: each ``(pp, tp)`` pair
-keeps one DP replica. The simulator asks the planner's own check
+keeps one DP replica (and each expert's ``(pp, ep, etp)`` one expert-DP replica). The simulator asks
+the planner's own check
 (:func:`~liver.services.transfer.planner.orphaned_shards`) before it models a handoff around a lost
 node, at the cost of a scan of the tensors instead of a 1,024-device plan.
 """
@@ -27,11 +28,12 @@ REPLICATED = ANY
 
 def orphaned_shards(
     model: ModelSpec, layout: ParallelLayout, devices: Sequence[Device], lost: Collection[Device]
-) -> list[tuple[tuple[int, ...], int]]:
-    """The shards ``(stages, tp rank)`` of ``layout`` placed on ``devices`` (one per rank) whose every
-    holder is ``lost``; empty when the whole state survives."""
+) -> list[tuple[tuple[int, ...], int, int]]:
+    """The shards ``(stages, EP rank, TP rank)`` of ``layout`` placed on ``devices`` (one per rank)
+    whose every holder is ``lost`` (EP rank -1 for dense tensors; an expert's TP rank is its
+    expert-TP rank); empty when the whole state survives."""
     world = WorldConfig(layout, Placement(tuple(devices)))
-    return [(stages, tp) for stages, tp, _tensor in _orphaned(model, world, lost)]
+    return [(c.stages, c.ep, c.tp) for c in _orphaned(model.geometry(), world, lost)]
 
 
 def state_survives(

@@ -107,12 +107,16 @@ class WorldSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class GroupKind(StrEnum):
-    """The groups a Megatron-core layout needs (context and expert parallelism are 1 in LiveR).
+    """The groups a Megatron-core layout needs.
 
-    ``MP`` is Megatron's model-parallel group (TP x PP of one replica), ``TP_DP`` its TP x DP group of
-    one stage, ``EMBD`` the first and last stage of one pipeline (tied embeddings), ``POS_EMBD`` the
-    first stage, and ``SELF`` a group of one, for the context/expert groups Megatron asks for.
-    The declaration order is the global build order.
+    ``MP`` is Megatron's model-parallel group (TP x PP of one replica), ``TP_DP`` its TP x CP x DP group
+    of one stage, ``EMBD`` the first and last stage of one pipeline (tied embeddings), ``POS_EMBD`` the
+    first stage, ``SELF`` a group of one. ``CP``, ``DP_CP`` and ``TP_CP`` are the context-parallel
+    groups; ``EP``, ``ETP``, ``EDP``, ``TP_EP`` (expert-TP x EP) and ``TP_EP_PP`` the expert groups of
+    Megatron's second numbering (:mod:`liver.shared.layout`). A layout whose groups of some kind are
+    those of another (every expert group of a dense layout, every context group without CP) builds no
+    groups of that kind: :func:`alias_of` names the kind that stands in. The declaration order is the
+    global build order.
     """
 
     WORLD = "world"
@@ -124,37 +128,95 @@ class GroupKind(StrEnum):
     EMBD = "embd"
     POS_EMBD = "pos_embd"
     SELF = "self"
+    CP = "cp"
+    DP_CP = "dp_cp"
+    TP_CP = "tp_cp"
+    EP = "ep"
+    ETP = "etp"
+    EDP = "edp"
+    TP_EP = "tp_ep"
+    TP_EP_PP = "tp_ep_pp"
+
+
+_DENSE_AXES: dict[GroupKind, tuple[str, ...]] = {
+    GroupKind.TP: ("tp",),
+    GroupKind.PP: ("pp",),
+    GroupKind.DP: ("dp",),
+    GroupKind.MP: ("tp", "pp"),
+    GroupKind.TP_DP: ("tp", "cp", "dp"),
+    GroupKind.CP: ("cp",),
+    GroupKind.DP_CP: ("cp", "dp"),
+    GroupKind.TP_CP: ("tp", "cp"),
+}
+_EXPERT_AXES: dict[GroupKind, tuple[str, ...]] = {
+    GroupKind.EP: ("ep",),
+    GroupKind.ETP: ("etp",),
+    GroupKind.EDP: ("edp",),
+    GroupKind.TP_EP: ("etp", "ep"),
+    GroupKind.TP_EP_PP: ("etp", "ep", "pp"),
+}
+
+
+def alias_of(layout: ParallelLayout, kind: GroupKind) -> GroupKind | None:
+    """The kind whose groups are exactly ``kind``'s in ``layout``, when ``kind`` need not be built."""
+    same_tp = layout.expert_tp == layout.tp
+    dense_experts = layout.ep == 1 and same_tp  # the expert numbering is the dense one
+    no_cp = layout.cp == 1
+    aliases = {
+        GroupKind.CP: GroupKind.SELF if no_cp else None,
+        GroupKind.DP_CP: GroupKind.DP if no_cp else None,
+        GroupKind.TP_CP: GroupKind.TP if no_cp else None,
+        GroupKind.EP: GroupKind.SELF if layout.ep == 1 else None,
+        GroupKind.ETP: GroupKind.TP if same_tp else None,
+        GroupKind.EDP: GroupKind.DP_CP if dense_experts else None,
+        GroupKind.TP_EP: GroupKind.TP if dense_experts else None,
+        GroupKind.TP_EP_PP: GroupKind.MP if dense_experts and no_cp else None,
+    }
+    target = aliases.get(kind)
+    if target is None:
+        return None
+    return alias_of(layout, target) or target
+
+
+def _axis_groups(layout: ParallelLayout, varying: tuple[str, ...], expert: bool) -> list[list[int]]:
+    """Ranks grouped by every coordinate not in ``varying`` (of the dense or expert numbering)."""
+    names = ("etp", "ep", "edp", "pp") if expert else ("tp", "cp", "dp", "pp")
+    fixed = [n for n in names if n not in varying]
+    out: dict[tuple[int, ...], list[int]] = {}
+    for r in range(layout.world_size):
+        c = layout.coords(r)._asdict()
+        out.setdefault(tuple(c[n] for n in fixed), []).append(r)
+    return sorted(out.values(), key=min)
 
 
 def group_members(layout: ParallelLayout, kind: GroupKind) -> tuple[tuple[int, ...], ...]:
-    """Every group of ``kind`` in ``layout``, each as its ranks in ascending order (Megatron's order).
+    """Every group of ``kind`` in ``layout``, each as its ranks in ascending order (Megatron's order);
+    none for a kind another stands in for (:func:`alias_of`).
 
     Groups are listed in a fixed order; a group's position in the list is its index in store keys.
     """
-    tp_range, dp_range, pp_range = range(layout.tp), range(layout.dp), range(layout.pp)
-    rank = layout.rank_of
+    if alias_of(layout, kind) is not None:
+        return ()
     last = layout.pp - 1
     if kind is GroupKind.WORLD:
-        groups = [range(layout.world_size)]
-    elif kind is GroupKind.TP:
-        groups = [[rank(t, d, p) for t in tp_range] for p in pp_range for d in dp_range]
-    elif kind is GroupKind.PP:
-        groups = [[rank(t, d, p) for p in pp_range] for d in dp_range for t in tp_range]
-    elif kind is GroupKind.DP:
-        groups = [[rank(t, d, p) for d in dp_range] for p in pp_range for t in tp_range]
-    elif kind is GroupKind.MP:
-        groups = [[rank(t, d, p) for p in pp_range for t in tp_range] for d in dp_range]
-    elif kind is GroupKind.TP_DP:
-        groups = [[rank(t, d, p) for d in dp_range for t in tp_range] for p in pp_range]
+        groups: list[list[int]] = [list(range(layout.world_size))]
+    elif kind in _DENSE_AXES:
+        groups = _axis_groups(layout, _DENSE_AXES[kind], expert=False)
+    elif kind in _EXPERT_AXES:
+        groups = _axis_groups(layout, _EXPERT_AXES[kind], expert=True)
     elif kind is GroupKind.EMBD:
-        groups = [sorted({rank(t, d, 0), rank(t, d, last)}) for d in dp_range for t in tp_range]
+        groups = [sorted({r, r + last * (layout.world_size // layout.pp)}) for r in _first_stage(layout)]
     elif kind is GroupKind.POS_EMBD:
-        groups = [[rank(t, d, 0)] for d in dp_range for t in tp_range]
+        groups = [[r] for r in _first_stage(layout)]
     elif kind is GroupKind.SELF:
         groups = [[r] for r in range(layout.world_size)]
     else:  # pragma: no cover - exhaustive over GroupKind
         raise AssertionError(kind)
     return tuple(tuple(sorted(g)) for g in groups)
+
+
+def _first_stage(layout: ParallelLayout) -> range:
+    return range(layout.world_size // layout.pp)
 
 
 class GroupSlot(NamedTuple):
@@ -322,20 +384,21 @@ class World:
         return dict(self._groups)
 
     def member_of(self, kind: GroupKind) -> bool:
-        return kind in self._groups
+        return (alias_of(self.layout, kind) or kind) in self._groups
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup:
-        """This process's group of ``kind``; raises when released or when this rank has none."""
+        """This process's group of ``kind`` (or of the kind that stands in for it, :func:`alias_of`);
+        raises when released or when this rank has none."""
         if self._released:
             raise WorldError(f"generation {self.generation} was released; its groups are gone")
-        found = self._groups.get(kind)
+        found = self._groups.get(alias_of(self.layout, kind) or kind)
         if found is None:
             raise WorldError(f"rank {self.rank} of generation {self.generation} is in no {kind} group")
         return found.pg
 
     def ranks(self, kind: GroupKind) -> tuple[int, ...]:
         """The world ranks of this process's group of ``kind`` (group rank i is ``ranks[i]``)."""
-        found = self._groups.get(kind)
+        found = self._groups.get(alias_of(self.layout, kind) or kind)
         if found is None:
             raise WorldError(f"rank {self.rank} of generation {self.generation} is in no {kind} group")
         return found.slot.ranks

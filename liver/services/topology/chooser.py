@@ -236,11 +236,17 @@ class _Chooser:
     def layouts(self, count: int) -> list[ParallelLayout]:
         """Every (TP, PP, DP) with ``count`` ranks, balanced splits, and the current layout if it fits."""
         out = []
-        for tp in _divisors(count):
-            for pp in _divisors(count // tp):
-                split = balanced_split(self.model.num_layers, pp) if pp <= self.model.num_layers else ()
-                out.append(ParallelLayout(tp, pp, count // (tp * pp), split))
         cur = self.current.layout
+        # Context parallelism follows the sequence length, which a resize does not change: keep it.
+        cp = cur.cp if count % cur.cp == 0 else 1
+        experts = self.model.num_experts
+        for tp in _divisors(count // cp):
+            for pp in _divisors(count // (cp * tp)):
+                dp = count // (cp * tp * pp)
+                split = balanced_split(self.model.num_layers, pp) if pp <= self.model.num_layers else ()
+                # Expert parallelism with expert-TP = TP: EP must divide the experts and CP x DP.
+                eps = [ep for ep in _divisors(experts) if (cp * dp) % ep == 0] if experts else [1]
+                out.extend(ParallelLayout(tp, pp, dp, split, cp=cp, ep=ep) for ep in eps)
         if cur.world_size == count and cur not in out:
             out.append(cur)
         return out
@@ -256,7 +262,7 @@ class _Chooser:
         for what, value in (
             ("num_attention_heads", model.num_attention_heads),
             ("num_query_groups", model.query_groups),
-            ("ffn_hidden_size", model.ffn_hidden_size),
+            ("moe_ffn_hidden_size" if model.num_experts else "ffn_hidden_size", model.expert_ffn),
         ):
             if value % tp:
                 return reject("tp_divisibility", f"{what} ({value}) is not divisible by tp={tp}")
@@ -288,9 +294,21 @@ class _Chooser:
             devices = self.select(n, 1)
             assert devices is not None  # n <= len(self.devices)
         single_node = len({d.node for d in devices}) == 1
+        per_node = min(len(v) for v in self.nodes.values())
+
+        def fits_node(group: int) -> bool:
+            return within and per_node % group == 0
+
         mem = memory_estimate(model, setup, self.hardware, layout, self.staging_bytes, self.geometry)
         cost = step_cost(
-            model, setup, self.hardware, layout, tp_within_node=within or single_node, single_node=single_node
+            model,
+            setup,
+            self.hardware,
+            layout,
+            tp_within_node=within or single_node,
+            single_node=single_node,
+            ep_within_node=fits_node(layout.expert_tp * layout.ep),
+            cp_within_node=fits_node(tp * layout.cp),
         )
         peak = mem.peak
         fields = {
@@ -335,7 +353,7 @@ class _Chooser:
 
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout
-        return lower_bound_bytes(self.current, scored.devices, layout, self.overlap(layout))
+        return lower_bound_bytes(self.model, self.current, scored.devices, layout, self.overlap(layout))
 
 
 def choose_topology(

@@ -12,7 +12,16 @@ to rank layouts of one job against each other, not predict wall-clock time.
   the 1F1B bubble stretches the pipelined work by ``(m + pp - 1) / m`` with ``m`` micro-batches per DP
   rank, i.e. the bubble is ``(pp - 1) / (m + pp - 1)`` of the step.
 * **data parallelism**: a ring all-reduce of the largest rank's gradients, ``2 (dp-1)/dp`` of the bytes
-  over the slowest link of the group (the network as soon as the job spans nodes). Not overlapped.
+  over the slowest link of the group (the network as soon as the job spans nodes), over DP x CP ranks
+  (context-parallel ranks reduce their gradients too). Not overlapped.
+* **expert parallelism** (a mixture of experts): ``6 N_active`` FLOPs per token, where only the top-k
+  of the experts count; per MoE layer and micro-batch four all-to-alls (dispatch and combine, forward
+  and backward) of the rank's tokens' top-k copies, ``(ep-1)/ep`` of them leaving the rank, over
+  NVLink when the EP group sits on one node; with expert-TP > 1 the dispatched copies are gathered
+  and the experts' outputs reduce-scattered over it too (four more collectives on the TP links).
+* **context parallelism**: ring attention passes each layer's K and V around the CP ranks, ``cp - 1``
+  steps of the rank's share forward and twice that backward, over NVLink when the CP group sits on one
+  node; every activation term above carries ``1/cp`` of the sequence.
 """
 
 from __future__ import annotations
@@ -37,10 +46,20 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     dp_comm_s: float
     micro_batches: int
     tokens_per_step: int
+    ep_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.pp_comm_s + self.bubble_s + self.dp_comm_s
+        return (
+            self.compute_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.bubble_s
+            + self.dp_comm_s
+            + self.ep_comm_s
+            + self.cp_comm_s
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,7 +73,12 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
 @functools.lru_cache(maxsize=64)
 def _parameter_count(model: ModelSpec) -> int:
-    return model.parameter_count()
+    """Parameters a token passes through: all of a dense model, the top-k experts' share of an MoE's."""
+    g = model.geometry()
+    total, experts = g.parameter_count(), g.expert_parameter_count()
+    if not experts:
+        return total
+    return total - experts + experts * model.moe_router_topk // model.num_experts
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:
@@ -77,11 +101,14 @@ def step_cost(
     *,
     tp_within_node: bool,
     single_node: bool,
+    ep_within_node: bool = False,
+    cp_within_node: bool = False,
 ) -> StepCost:
     """The estimated step time of ``layout`` (see the module docstring).
 
     ``tp_within_node``: every TP group runs on one node; ``single_node``: the whole world does (then
-    data- and pipeline-parallel traffic stays on the node's links too).
+    data- and pipeline-parallel traffic stays on the node's links too); ``ep_within_node`` and
+    ``cp_within_node``: every EP (CP) group does.
     """
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     micro_batches = setup.global_batch_size // (dp * setup.micro_batch_size)
@@ -93,7 +120,8 @@ def step_cost(
     compute = flops_per_token * tokens / layout.world_size / rate * imbalance
 
     e = DTYPE_BYTES[model.params_dtype]
-    act_bytes = setup.tokens_per_micro_batch * model.hidden_size * e
+    cp = layout.cp
+    act_bytes = setup.tokens_per_micro_batch // cp * model.hidden_size * e
     tp_bw = hardware.intra_node_bandwidth if tp_within_node else hardware.inter_node_bandwidth
     net_bw = hardware.intra_node_bandwidth if single_node else hardware.inter_node_bandwidth
     reductions = 6 if setup.recompute == "full" else 4
@@ -104,9 +132,31 @@ def step_cost(
         boundary = act_bytes / (tp if setup.sequence_parallel else 1)
         pp_comm = 2 * micro_batches * boundary / net_bw
 
-    pipelined = compute + tp_comm + pp_comm
+    ep_comm = 0.0
+    if model.num_experts and layout.ep > 1:
+        ep_bw = (
+            hardware.intra_node_bandwidth if ep_within_node or single_node else hardware.inter_node_bandwidth
+        )
+        leaving = act_bytes * model.moe_router_topk * (layout.ep - 1) / layout.ep
+        ep_comm = max(stage_layers) * micro_batches * 4 * leaving / ep_bw
+    etp = layout.expert_tp
+    if model.num_experts and etp > 1:
+        # Expert-TP gathers the dispatched tokens over its group and reduce-scatters the experts'
+        # outputs, forward and backward.
+        routed = act_bytes * model.moe_router_topk * (etp - 1) / etp
+        ep_comm += max(stage_layers) * micro_batches * 4 * routed / tp_bw
+
+    cp_comm = 0.0
+    if cp > 1:
+        cp_bw = (
+            hardware.intra_node_bandwidth if cp_within_node or single_node else hardware.inter_node_bandwidth
+        )
+        kv = setup.tokens_per_micro_batch // cp * 2 * model.query_groups * model.head_dim * e / tp
+        cp_comm = max(stage_layers) * micro_batches * 3 * (cp - 1) * kv / cp_bw
+
+    pipelined = compute + tp_comm + pp_comm + ep_comm + cp_comm
     bubble = pipelined * (pp - 1) / micro_batches
-    dp_comm = ring_all_reduce_s(grad_bytes_per_rank(model, setup, layout), dp, net_bw)
+    dp_comm = ring_all_reduce_s(grad_bytes_per_rank(model, setup, layout), dp * cp, net_bw)
     return StepCost(
         compute_s=compute,
         tp_comm_s=tp_comm,
@@ -115,4 +165,6 @@ def step_cost(
         dp_comm_s=dp_comm,
         micro_batches=micro_batches,
         tokens_per_step=tokens,
+        ep_comm_s=ep_comm,
+        cp_comm_s=cp_comm,
     )

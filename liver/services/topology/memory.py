@@ -13,7 +13,10 @@ the transfer planner about which rank holds what (``docs/topology-model.md`` der
 * a **safety margin**: a fraction of device memory plus a fixed reserve (CUDA context, NCCL buffers,
   allocator fragmentation) and LiveR's transfer staging buffer are not available to training.
 
-Data parallelism replicates everything (no distributed optimizer), as the view function does.
+Data parallelism replicates everything (no distributed optimizer), as the view function does; under
+the distributed optimizer a rank keeps its share of its buffers' optimizer state. For a mixture of
+experts a rank holds ``1/EP`` of each layer's experts, cut by expert-TP, and keeps each token's top-k
+dispatched copies and expert activations; context parallelism splits every activation's sequence.
 """
 
 from __future__ import annotations
@@ -200,42 +203,47 @@ class _StateByHome(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _state_by_home(model: ModelSpec | ModelGeometry, tp: int, grad_reduce_in_fp32: bool) -> _StateByHome:
+def _state_by_home(
+    model: ModelSpec | ModelGeometry, tp: int, grad_reduce_in_fp32: bool, etp: int | None = None, ep: int = 1
+) -> _StateByHome:
     """Bytes of every tensor at its allocated TP shard size (every TP rank allocates the same shape:
     vocabulary shards are padded, the others split evenly). A geometry gives the exact tensors of a
-    user's own model; a parameter's gradient has its own dtype unless gradients reduce in fp32."""
-    layer_state = [0] * model.num_layers
-    layer_grad = [0] * model.num_layers
-    layer_sharded = [0] * model.num_layers
-    home_state = dict.fromkeys(("first", "last", "first+last", "all"), 0)
-    home_grad = dict(home_state)
-    home_sharded = dict(home_state)
+    user's own model; a parameter's gradient has its own dtype unless gradients reduce in fp32. An
+    expert's tensors are cut by expert-TP (``etp``, TP unless given) and a rank holds ``1/ep`` of the
+    experts."""
+    L = model.num_layers
+    layer = [[0] * L for _ in range(3)]  # state, grad, sharded
+    experts = [[0] * L for _ in range(3)]  # the same for experts, before the 1/ep share
+    home = [dict.fromkeys(("first", "last", "first+last", "all"), 0) for _ in range(3)]
     for t in model.tensors(optimizer=True):
-        elems = math.prod(tp_shard(t, model, tp, 0).local_shape)
+        expert = t.expert >= 0
+        elems = math.prod(tp_shard(t, model, (etp or tp) if expert else tp, 0).local_shape)
         grad = elems * (4 if grad_reduce_in_fp32 else t.itemsize) if t.role == "param" else 0
         sharded = elems * t.itemsize if is_dp_sharded(t, model) else 0
+        values = (elems * t.itemsize, grad, sharded)
         if t.home == "layer":
-            layer_state[t.layer - 1] += elems * t.itemsize
-            layer_grad[t.layer - 1] += grad
-            layer_sharded[t.layer - 1] += sharded
+            into = experts if expert else layer
+            for k, v in enumerate(values):
+                into[k][t.layer - 1] += v
         else:
-            home_state[t.home] += elems * t.itemsize
-            home_grad[t.home] += grad
-            home_sharded[t.home] += sharded
-    return _StateByHome(
-        tuple(layer_state), tuple(layer_grad), home_state, home_grad, tuple(layer_sharded), home_sharded
-    )
+            for k, v in enumerate(values):
+                home[k][t.home] += v
+    for k in range(3):
+        for i in range(L):
+            layer[k][i] += experts[k][i] // ep
+    return _StateByHome(tuple(layer[0]), tuple(layer[1]), home[0], home[1], tuple(layer[2]), home[2])
 
 
 def _owned_optimizer_bytes(model: ModelGeometry, layout: ParallelLayout, stage: int) -> int:
     """A rank's share of its stage's master weights and moments under the distributed optimizer: every
-    bucket is cut into DP equal ranges, so each rank owns ``numel / dp`` of each buffer (padding
-    included), in fp32, with a master copy when the buffer's parameters are 16-bit."""
+    bucket is cut into equal ranges over the group that shards it (DP x CP, or expert-DP for the
+    expert buffers), so each rank owns ``numel / group`` of each buffer (padding included), in fp32,
+    with a master copy when the buffer's parameters are 16-bit."""
     total = 0
-    for buffer in buffer_layouts(model, layout, stage, 0):
+    for buffer in buffer_layouts(model, layout, layout.rank_of(0, 0, stage)):
         numel = buffer.buckets[-1][1] if buffer.buckets else 0
         per_element = 4 * (2 if buffer.dtype == "float32" else 3)
-        total += numel // layout.dp * per_element
+        total += numel // layout.grid(buffer.expert).replicas * per_element
     return total
 
 
@@ -257,7 +265,7 @@ def stage_state_bytes(
     """``(state bytes, gradient bytes)`` of one rank of each pipeline stage (of the job's own model
     when ``model`` is its geometry). Under the distributed optimizer a rank keeps only its DP share of
     the stage's master weights and moments (:func:`_owned_optimizer_bytes`)."""
-    by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32)
+    by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32, layout.etp, layout.ep)
     out = []
     start = 0
     for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
@@ -273,7 +281,9 @@ def stage_state_bytes(
     return tuple(out)
 
 
-def activation_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) -> int:
+def activation_bytes_per_token(
+    model: ModelSpec, setup: TrainingSetup, tp: int, etp: int | None = None
+) -> int:
     """Saved activations of one decoder layer for one token of one micro-batch, on one TP rank.
 
     Elements kept for the backward pass (Korthikanti et al. 2022, generalised to GQA and SwiGLU, without
@@ -288,16 +298,26 @@ def activation_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) 
     sp_div = tp if setup.sequence_parallel else 1
     if setup.recompute == "full":
         return h * e // sp_div
-    fc1_out = (2 if model.swiglu else 1) * model.ffn_hidden_size
-    elems_split = (nq + 2 * nkv) * d + nq * d + fc1_out + model.ffn_hidden_size
-    per_token = (4 * h // sp_div + elems_split // tp) * e
+    elems_split = (nq + 2 * nkv) * d + nq * d
+    expert_elems = 0
+    if model.num_experts:
+        # Each token visits top-k experts: its dispatched copies (k x h, as many arrive as leave a rank
+        # on average) and each expert's fc1 output and activation output, split by expert-TP; the
+        # router's logits and probabilities (2 x experts, fp32).
+        fe = model.expert_ffn
+        k = model.moe_router_topk
+        expert_elems = k * h + k * ((2 if model.swiglu else 1) * fe + fe) // (etp or tp)
+        expert_elems += 2 * model.num_experts * 4 // e
+    else:
+        elems_split += (2 if model.swiglu else 1) * model.ffn_hidden_size + model.ffn_hidden_size
+    per_token = (4 * h // sp_div + elems_split // tp + expert_elems) * e
     if setup.recompute == "none":
         per_token += (nq // tp) * setup.sequence_length * (2 * e + 1)
     return per_token
 
 
-def _selective_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int) -> int:
-    return activation_bytes_per_token(model, msgspec.structs.replace(setup, recompute="selective"), tp)
+def _selective_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int, etp: int | None) -> int:
+    return activation_bytes_per_token(model, msgspec.structs.replace(setup, recompute="selective"), tp, etp)
 
 
 def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:
@@ -318,10 +338,14 @@ def memory_estimate(
     activations still follow ``model``."""
     tp, pp = layout.tp, layout.pp
     micro_batches = setup.global_batch_size // (layout.dp * setup.micro_batch_size)
-    tokens = setup.tokens_per_micro_batch
-    per_layer_act = activation_bytes_per_token(model, setup, tp) * tokens
+    tokens = setup.tokens_per_micro_batch // layout.cp  # context parallelism splits the sequence
+    per_layer_act = activation_bytes_per_token(model, setup, tp, layout.expert_tp) * tokens
     # Full recomputation rebuilds one layer's activations at a time during the backward pass.
-    recompute_work = _selective_bytes_per_token(model, setup, tp) * tokens if setup.recompute == "full" else 0
+    recompute_work = (
+        _selective_bytes_per_token(model, setup, tp, layout.expert_tp) * tokens
+        if setup.recompute == "full"
+        else 0
+    )
     e = DTYPE_BYTES[model.params_dtype]
     logits = tokens * (model.padded_vocab(tp) // tp) * (e + 4)
     stages: list[StageMemory] = []

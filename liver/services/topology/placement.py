@@ -16,7 +16,12 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from liver.services.transfer.placement import DEFAULT_INTER_NODE_WEIGHT, class_overlap, cost_matrix
+from liver.services.transfer.placement import (
+    DEFAULT_INTER_NODE_WEIGHT,
+    class_overlap,
+    cost_matrix,
+    rank_classes,
+)
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import WorldConfig
@@ -129,8 +134,8 @@ def _by_slot(
 
 
 Overlap = tuple[np.ndarray, np.ndarray]
-"""``class_overlap``'s result: bytes already in place per (old stage, old tp, new stage, new tp), and
-bytes each new (stage, tp) class holds."""
+"""``class_overlap``'s result: bytes already in place per (old class, new class), and bytes each new
+class holds (classes as :func:`~liver.services.transfer.placement.rank_classes` numbers them)."""
 
 
 def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, overlap: Overlap | None = None) -> int:
@@ -138,29 +143,28 @@ def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, overlap: O
     in the old rank on its own device (the planner's only saving; exact, padding excluded)."""
     ol, nl = old.layout, new.layout
     common, need = overlap if overlap is not None else class_overlap(model, ol, nl)
+    old_cls, new_cls = rank_classes(model, ol), rank_classes(model, nl)
     old_rank = old.placement.rank_on()
-    total = float(need.sum()) * nl.dp
+    total = float(need[new_cls].sum())
     for j, device in enumerate(new.placement.devices):
         r = old_rank.get(device)
         if r is not None:
-            o, c = ol.coords(r), nl.coords(j)
-            total -= common[o.pp, o.tp, c.pp, c.tp]
+            total -= common[old_cls[r], new_cls[j]]
     return round(total)
 
 
 def lower_bound_bytes(
-    old: WorldConfig, devices: Sequence[Device], new: ParallelLayout, overlap: Overlap
+    model: ModelSpec, old: WorldConfig, devices: Sequence[Device], new: ParallelLayout, overlap: Overlap
 ) -> int:
     """What any placement of ``new`` on ``devices`` must move (the bound of
     :func:`liver.services.transfer.placement.local_lower_bound`, from an overlap already computed):
     each surviving device keeps at most the largest overlap of its old shard with any new shard."""
-    ol = old.layout
     common, need = overlap
-    best = common.reshape(ol.pp * ol.tp, -1).max(axis=1)
+    best = common.max(axis=1)
+    old_cls = rank_classes(model, old.layout)
     keep = set(devices)
     kept = 0.0
     for r, d in enumerate(old.placement.devices):
         if d in keep:
-            c = ol.coords(r)
-            kept += best[c.pp * ol.tp + c.tp]
-    return max(0, round(float(need.sum()) * new.dp - kept))
+            kept += best[old_cls[r]]
+    return max(0, round(float(need[rank_classes(model, new)].sum()) - kept))

@@ -6,8 +6,9 @@ times more than bytes a neighbour on the same node can provide (a lost neighbour
 The exact bytes a placement moves are computed by the planner afterwards; the matrix is only the
 objective.
 
-Data-parallel replicas hold the same data, so overlap depends only on (stage, TP rank) of the old rank
-on ``d`` and of ``j``: it is computed once per pair of those classes (a few hundred numbers for a
+Data-parallel replicas hold the same data, so overlap depends only on the *class* of the old rank on
+``d`` and of ``j``: (stage, TP rank) and, for a model with experts, the expert shard (expert-TP rank
+and EP rank, ``etp + ETP * ep``). It is computed once per pair of classes (a few hundred numbers for a
 1,024-rank job) and expanded with numpy.
 """
 
@@ -23,36 +24,69 @@ from scipy.optimize import linear_sum_assignment
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.plan import WorldConfig
-from liver.shared.views import holding_stages
+from liver.shared.views import expert_rank, holding_stages
 
 from .geometry import overlap_bytes, shard_bytes
 
 DEFAULT_INTER_NODE_WEIGHT = 4.0
 
 
+def _expert_width(model: ModelGeometry, layout: ParallelLayout) -> int:
+    """Expert shards of one stage's ranks (``ETP * EP``), or 1 for a dense model."""
+    return layout.expert_tp * layout.ep if model.num_experts else 1
+
+
+@functools.lru_cache(maxsize=256)
+def rank_classes(model: ModelGeometry, layout: ParallelLayout) -> np.ndarray:
+    """Each rank's class index ``(stage * TP + TP rank) * width + expert shard`` (module docstring;
+    the expert shard ``etp + ETP * ep`` is the rank modulo ``ETP * EP`` in Megatron's order).
+    Cached and read-only."""
+    width = _expert_width(model, layout)
+    ranks = np.arange(layout.world_size, dtype=np.intp)
+    stage = ranks // (layout.world_size // layout.pp)
+    out = (stage * layout.tp + ranks % layout.tp) * width + ranks % width
+    out.setflags(write=False)
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def class_overlap(
     model: ModelGeometry, old: ParallelLayout, new: ParallelLayout, optimizer: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``overlap[old stage, old tp, new stage, new tp]``: bytes already in place;
-    ``need_cls[new stage, new tp]``: bytes each new rank holds."""
+    """``overlap[old class, new class]``: bytes already in place; ``need_cls[new class]``: bytes each
+    new rank of a class holds (classes as :func:`rank_classes` numbers them)."""
     groups: dict[tuple, int] = defaultdict(int)
     rep = {}
     for t in model.tensors(optimizer):
-        key = (holding_stages(t, model, old), holding_stages(t, model, new), t.rule, t.shape, t.itemsize)
+        eps = (expert_rank(t, model, old), expert_rank(t, model, new)) if t.expert >= 0 else None
+        key = (holding_stages(t, model, old), holding_stages(t, model, new), t.rule, t.shape, t.itemsize, eps)
         groups[key] += 1
         rep.setdefault(key, t)
-    overlap = np.zeros((old.pp, old.tp, new.pp, new.tp))
-    need_cls = np.zeros((new.pp, new.tp))
+    wo, wn = _expert_width(model, old), _expert_width(model, new)
+    overlap = np.zeros((old.pp, old.tp, wo, new.pp, new.tp, wn))
+    need_cls = np.zeros((new.pp, new.tp, wn))
     for key, count in groups.items():
-        so, sn = key[0], key[1]
+        so, sn, eps = key[0], key[1], key[5]
         t = rep[key]
-        m = np.asarray(overlap_bytes(t, model, old.tp, new.tp), dtype=np.float64) * count
-        need = np.array([shard_bytes(t, model, new.tp, q) for q in range(new.tp)], dtype=np.float64) * count
+        if eps is None:  # dense: by TP rank, the same for every expert shard
+            m = np.asarray(overlap_bytes(t, model, old.tp, new.tp), dtype=np.float64) * count
+            need = np.array([shard_bytes(t, model, new.tp, q) for q in range(new.tp)], dtype=np.float64)
+            for s2 in sn:
+                need_cls[s2] += need[:, None] * count
+                for s1 in so:
+                    overlap[s1, :, :, s2, :, :] += m[:, None, :, None]
+            continue
+        # an expert's tensor: by expert-TP rank, only in its EP rank's shards, the same for every TP rank
+        eo, en = old.expert_tp, new.expert_tp
+        m = np.asarray(overlap_bytes(t, model, eo, en), dtype=np.float64) * count
+        need = np.array([shard_bytes(t, model, en, q) for q in range(en)], dtype=np.float64) * count
+        o_lo, n_lo = eps[0] * eo, eps[1] * en
         for s2 in sn:
-            need_cls[s2] += need
+            need_cls[s2, :, n_lo : n_lo + en] += need[None, :]
             for s1 in so:
-                overlap[s1, :, s2, :] += m
+                overlap[s1, :, o_lo : o_lo + eo, s2, :, n_lo : n_lo + en] += m[None, :, None, :]
+    overlap = overlap.reshape(old.pp * old.tp * wo, new.pp * new.tp * wn)
+    need_cls = need_cls.reshape(new.pp * new.tp * wn)
     overlap.setflags(write=False)  # cached and shared: callers only read
     need_cls.setflags(write=False)
     return overlap, need_cls
@@ -102,19 +136,15 @@ def cost_matrix(
     """``cost[new rank, device index in new_devices]`` (see the module docstring); old ranks on
     ``lost`` devices count as no neighbour's state, since the planner takes nothing from them."""
     ol = old.layout
-    overlap, need_cls = class_overlap(model, ol, new, optimizer)
-    n_cls = new.pp * new.tp
-    overlap = overlap.reshape(ol.pp * ol.tp, n_cls)
-    need = need_cls.reshape(n_cls)
+    overlap, need = class_overlap(model, ol, new, optimizer)
+    n_cls = need.shape[0]
     gone = frozenset(lost)
     old_rank = {d: r for d, r in old.placement.rank_on().items() if d not in gone}
+    old_cls = rank_classes(model, ol)
 
     def old_class(d: Device) -> int | None:
         r = old_rank.get(d)
-        if r is None:
-            return None
-        c = ol.coords(r)
-        return c.pp * ol.tp + c.tp
+        return None if r is None else int(old_cls[r])
 
     node_classes: dict[str, set[int]] = defaultdict(set)
     for d in old_rank:
@@ -129,10 +159,7 @@ def cost_matrix(
         local = overlap[c] if c is not None else zero
         node = np.maximum(node_cover.get(d.node, zero), local)
         per_device[i] = inter_node_weight * (need - node) + (node - local)
-    cls_of_rank = np.array(
-        [c.pp * new.tp + c.tp for c in (new.coords(r) for r in range(new.world_size))], dtype=np.intp
-    )
-    return per_device[:, cls_of_rank].T
+    return per_device[:, rank_classes(model, new)].T
 
 
 def bytes_moved(model: ModelGeometry, old: WorldConfig, new: WorldConfig, optimizer: bool = True) -> int:
@@ -143,15 +170,14 @@ def bytes_moved(model: ModelGeometry, old: WorldConfig, new: WorldConfig, optimi
     """
     ol, nl = old.layout, new.layout
     overlap, need_cls = class_overlap(model, ol, nl, optimizer)
+    old_cls, new_cls = rank_classes(model, ol), rank_classes(model, nl)
     old_rank = old.placement.rank_on()
     total = 0.0
     for j, dev in enumerate(new.placement.devices):
-        c = nl.coords(j)
-        total += need_cls[c.pp, c.tp]
+        total += need_cls[new_cls[j]]
         r = old_rank.get(dev)
         if r is not None:
-            o = ol.coords(r)
-            total -= overlap[o.pp, o.tp, c.pp, c.tp]
+            total -= overlap[old_cls[r], new_cls[j]]
     return round(total)
 
 
@@ -166,14 +192,14 @@ def local_lower_bound(
     device, the most any one new rank could find already there (each device hosts one new rank)."""
     ol = old.layout
     overlap, need_cls = class_overlap(model, ol, new, optimizer)
-    per_class_best = overlap.reshape(ol.pp * ol.tp, -1).max(axis=1)
-    total_new = float(need_cls.sum()) * new.dp
+    per_class_best = overlap.max(axis=1)
+    total_new = float(need_cls[rank_classes(model, new)].sum())
+    old_cls = rank_classes(model, ol)
     keep = set(new_devices)
     reusable = 0.0
     for r, d in enumerate(old.placement.devices):
         if d in keep:
-            c = ol.coords(r)
-            reusable += per_class_best[c.pp * ol.tp + c.tp]
+            reusable += per_class_best[old_cls[r]]
     return max(0, int(total_new - reusable))
 
 

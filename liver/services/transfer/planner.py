@@ -33,10 +33,10 @@ from liver.shared.dist_opt import owned_boxes
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
-from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import Plan, Slice, TransferTask, WorldConfig
-from liver.shared.views import holding_stages, tp_shard
+from liver.shared.views import expert_rank, grid_of, holder_ranks, holding_stages, tp_shard
 
 from .geometry import ANY, new_shard_pieces
 from .placement import (
@@ -109,9 +109,8 @@ def build_plan(
     lost = _check_lost(lost, old, new)
     orphans = orphaned_shards(model, old, lost)
     if orphans:
-        stages, key, tensor = orphans[0]
-        holders = [old.placement.devices[r] for r in _holder_ranks(old.layout, stages, key)]
-        raise NoSurvivingSource(tensor, holders, lost)
+        holders = [old.placement.devices[r] for r in class_holders(old.layout, orphans[0])]
+        raise NoSurvivingSource(orphans[0].tensor, holders, lost)
     coalesced = _choose_sources(model, tensors, old, new, lost)
     tasks = _stream(coalesced, tensors, old, new, budget_bytes)
     return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
@@ -132,35 +131,46 @@ def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) ->
     return out
 
 
+class ShardClass(NamedTuple):
+    """One distinct shard of the state: held by every rank of ``stages`` with TP rank ``tp`` of the
+    tensor's grid (:data:`ANY`: any TP rank) and, for an expert's tensor, EP rank ``ep`` (``-1``: a
+    dense tensor), whatever its replica index; ``tensor`` names the first tensor that has it."""
+
+    stages: tuple[int, ...]
+    ep: int
+    tp: int
+    tensor: str
+
+
 @functools.lru_cache(maxsize=64)
-def shard_classes(
-    model: ModelGeometry, layout: ParallelLayout
-) -> tuple[tuple[tuple[int, ...], int, str], ...]:
-    """Every distinct shard of the state as ``(stages, old TP rank, first tensor)``: held by each rank of
-    those stages with that TP rank (:data:`ANY`: with any TP rank), whatever its DP index. Optimizer
-    states sit beside their parameters, so parameters alone decide."""
-    out: dict[tuple[tuple[int, ...], int], str] = {}
+def shard_classes(model: ModelGeometry, layout: ParallelLayout) -> tuple[ShardClass, ...]:
+    """Every distinct shard of the state (:class:`ShardClass`). Optimizer states sit beside their
+    parameters, so parameters alone decide."""
+    out: dict[tuple[tuple[int, ...], int, int], str] = {}
     for t in model.tensors(optimizer=False):
         stages = holding_stages(t, model, layout)
         if not stages:
             continue
+        ep = expert_rank(t, model, layout) if t.expert >= 0 else -1
         if t.rule == "replicated":
-            out.setdefault((stages, ANY), t.name)
+            out.setdefault((stages, ep, ANY), t.name)
             continue
-        for tp in range(layout.tp):
-            if tp_shard(t, model, layout.tp, tp).box is not None:
-                out.setdefault((stages, tp), t.name)
-    return tuple((stages, key, name) for (stages, key), name in sorted(out.items()))
+        tp = grid_of(t, layout).tp
+        for r in range(tp):
+            if tp_shard(t, model, tp, r).box is not None:
+                out.setdefault((stages, ep, r), t.name)
+    return tuple(ShardClass(stages, ep, tp, name) for (stages, ep, tp), name in sorted(out.items()))
 
 
-def _holder_ranks(layout: ParallelLayout, stages: tuple[int, ...], key: int) -> list[int]:
-    tps = range(layout.tp) if key == ANY else (key,)
-    return [layout.rank_of(tp, dp, pp) for pp in stages for tp in tps for dp in range(layout.dp)]
+def class_holders(layout: ParallelLayout, shard: ShardClass) -> list[int]:
+    """The ranks of ``layout`` that hold ``shard``."""
+    grid = layout.grid(expert=shard.ep >= 0)
+    tps = range(grid.tp) if shard.tp == ANY else (shard.tp,)
+    ep = max(shard.ep, 0)
+    return [grid.rank(tp, ep, r, pp) for pp in shard.stages for tp in tps for r in range(grid.replicas)]
 
 
-def orphaned_shards(
-    model: ModelGeometry, old: WorldConfig, lost: Collection[Device]
-) -> list[tuple[tuple[int, ...], int, str]]:
+def orphaned_shards(model: ModelGeometry, old: WorldConfig, lost: Collection[Device]) -> list[ShardClass]:
     """The shards of :func:`shard_classes` whose every holder in ``old`` is ``lost``: empty exactly when
     a plan from ``old`` without the ``lost`` devices exists (the simulator asks this without planning)."""
     gone = frozenset(lost)
@@ -170,33 +180,32 @@ def orphaned_shards(
     orphans = [
         shard
         for shard in shard_classes(model, old.layout)
-        if all(devices[r] in gone for r in _holder_ranks(old.layout, shard[0], shard[1]))
+        if all(devices[r] in gone for r in class_holders(old.layout, shard))
     ]
     if isinstance(model, ModelGeometry) and model.distributed:  # a ModelSpec is the plain optimizer's
         orphans += _lost_owners(model, old, gone)
     return orphans
 
 
-def _lost_owners(
-    model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]
-) -> list[tuple[tuple[int, ...], int, str]]:
-    """Under the distributed optimizer each piece of the optimizer state has one owner (its DP rank):
-    the state of a lost owner is lost, unless it is TP-replicated or a tied embedding, whose replicas
-    own alike and one of which survives."""
+def _lost_owners(model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]) -> list[ShardClass]:
+    """Under the distributed optimizer each piece of the optimizer state has one owner (its DP rank, or
+    expert-DP rank for an expert's): the state of a lost owner is lost, unless it is TP-replicated or a
+    tied embedding, whose replicas own alike and one of which survives."""
     layout, devices = old.layout, old.placement.devices
     out = []
     for rank, device in enumerate(devices):
         if device not in lost:
             continue
-        c = layout.coords(rank)
         for t in model.tensors(optimizer=True):
             if not is_dp_sharded(t, model) or not holding(t, model, layout, rank):
                 continue
+            grid = grid_of(t, layout)
+            tp, ep, replica, _pp = grid.place(rank)
             stages = holding_stages(t, model, layout)
-            tps = range(layout.tp) if t.rule == "replicated" else (c.tp,)
-            replicas = [layout.rank_of(tp, c.dp, pp) for pp in stages for tp in tps]
+            tps = range(grid.tp) if t.rule == "replicated" else (tp,)
+            replicas = [grid.rank(q, ep, replica, pp) for pp in stages for q in tps]
             if all(devices[r] in lost for r in replicas):
-                out.append((stages, c.tp, t.name))
+                out.append(ShardClass(stages, ep if t.expert >= 0 else -1, tp, t.name))
                 break
     return out
 
@@ -206,47 +215,53 @@ class _Sources:
 
     def __init__(self, old: WorldConfig, lost: frozenset[Device]) -> None:
         self.layout = old.layout
-        self.coords = [old.layout.coords(r) for r in range(old.layout.world_size)]
+        n = old.layout.world_size
+        self.place = {e: [old.layout.grid(e).place(r) for r in range(n)] for e in (False, True)}
         self.alive = [d not in lost for d in old.placement.devices]
         self.rank_on = {d: r for d, r in old.placement.rank_on().items() if d not in lost}
         self.on_node: dict[str, list[int]] = defaultdict(list)
         for r, d in enumerate(old.placement.devices):
             if d not in lost:
                 self.on_node[d.node].append(r)
-        self.sent = [0] * old.layout.world_size
+        self.sent = [0] * n
 
-    def choose(self, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int) -> int:
-        """The source rank for a piece held by old TP rank ``key`` (or any) on ``stages``; one survives
-        (:func:`build_plan` refused orphaned state before)."""
+    def choose(
+        self, expert: bool, ep: int, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int
+    ) -> int:
+        """The source rank for a piece held by old TP rank ``key`` (or any) of the ``expert`` grid, EP
+        rank ``ep``, on ``stages``; one survives (:func:`build_plan` refused orphaned state before)."""
+        place = self.place[expert]
         r = self.rank_on.get(dev)
         if r is not None:
-            c = self.coords[r]
-            if c.pp in stages and (key == ANY or c.tp == key):
+            tp, e, _replica, pp = place[r]
+            if pp in stages and e == ep and (key == ANY or tp == key):
                 return r
         best = -1
         for r in self.on_node.get(dev.node, ()):
-            c = self.coords[r]
+            tp, e, _replica, pp = place[r]
             if (
-                c.pp in stages
-                and (key == ANY or c.tp == key)
+                pp in stages
+                and e == ep
+                and (key == ANY or tp == key)
                 and (best < 0 or self.sent[r] < self.sent[best])
             ):
                 best = r
         if best >= 0:
             return best
-        best = self._least_loaded((fallback_tp if key == ANY else key,), stages)
+        grid = self.layout.grid(expert)
+        best = self._least_loaded(grid, ep, (fallback_tp if key == ANY else key,), stages)
         if best < 0 and key == ANY:
             # A replicated piece whose usual TP rank is lost: every TP rank of the stages holds it.
-            best = self._least_loaded(range(self.layout.tp), stages)
+            best = self._least_loaded(grid, ep, range(grid.tp), stages)
         return best
 
-    def _least_loaded(self, tps: Sequence[int], stages: tuple[int, ...]) -> int:
-        lay, alive, sent = self.layout, self.alive, self.sent
+    def _least_loaded(self, grid: Grid, ep: int, tps: Sequence[int], stages: tuple[int, ...]) -> int:
+        alive, sent = self.alive, self.sent
         best = -1
         for tp in tps:
             for pp in stages:
-                for dp in range(lay.dp):
-                    r = lay.rank_of(tp, dp, pp)
+                for replica in range(grid.replicas):
+                    r = grid.rank(tp, ep, replica, pp)
                     if alive[r] and (best < 0 or sent[r] < sent[best]):
                         best = r
         return best
@@ -288,28 +303,31 @@ def _choose_sources(
 ) -> dict[tuple[int, int, int], list[_Chunk]]:
     """``(layer, src, dst) -> chunks``: steps 1-3 of the module docstring."""
     ol, nl = old.layout, new.layout
-    groups: dict[tuple[int, str], list[int]] = {}
+    groups: dict[tuple[int, str, int], list[int]] = {}
     owned: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         if is_dp_sharded(t, model):
             owned.setdefault(t.layer, []).append(i)
         else:
-            groups.setdefault((t.layer, t.home), []).append(i)
+            groups.setdefault((t.layer, t.home, t.expert), []).append(i)
     sources = _Sources(old, lost)
     old_dev, new_dev = old.placement.devices, new.placement.devices
     templates: dict[tuple, list] = {}
     out: dict[tuple[int, int, int], list[_Chunk]] = defaultdict(list)
-    for (layer, _home), idxs in groups.items():
+    for (layer, _home, expert_index), idxs in groups.items():
         t0 = tensors[idxs[0]]
+        expert = expert_index >= 0
+        og, ng = ol.grid(expert), nl.grid(expert)
+        ep_old, ep_new = expert_rank(t0, model, ol), expert_rank(t0, model, nl)
         s_old = holding_stages(t0, model, ol)
         s_new = holding_stages(t0, model, nl)
-        signature = tuple((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in idxs)
+        signature = (expert, *((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in idxs))
         rel = templates.get(signature)
         if rel is None:
-            rel = templates[signature] = _relative_templates(model, tensors, idxs, ol.tp, nl.tp)
+            rel = templates[signature] = _relative_templates(model, tensors, idxs, og.tp, ng.tp)
         base = idxs[0]
         contiguous = idxs[-1] - base == len(idxs) - 1
-        for q in range(nl.tp):
+        for q in range(ng.tp):
             chunks = [
                 (
                     key,
@@ -323,13 +341,13 @@ def _choose_sources(
                 )
                 for key, sl, sizes in rel[q]
             ]
-            fallback_tp = q % ol.tp
+            fallback_tp = q % og.tp
             for sp in s_new:
-                for dp in range(nl.dp):
-                    dst = nl.rank_of(q, dp, sp)
+                for replica in range(ng.replicas):
+                    dst = ng.rank(q, ep_new, replica, sp)
                     dev = new_dev[dst]
                     for key, chunk in chunks:
-                        src = sources.choose(key, s_old, dev, fallback_tp)
+                        src = sources.choose(expert, ep_old, key, s_old, dev, fallback_tp)
                         if old_dev[src] != dev:
                             sources.sent[src] += chunk.nbytes
                         out[(layer, src, dst)].append(chunk)
@@ -341,25 +359,27 @@ def _choose_sources(
 
 
 def _owner_ranks(
-    layout: ParallelLayout,
+    grid: Grid,
+    ep: int,
     stages: tuple[int, ...],
     replicated: bool,
     first: tuple[int, int],
     alive: Sequence[bool],
 ) -> list[int]:
-    """One owner per DP index (and per TP rank, unless the tensor is TP-replicated): from the replica
-    ``first`` (stage, TP rank) names when it survives, else from the first surviving one."""
+    """One owner per replica index (DP, or expert-DP on the expert ``grid``) and per TP rank, unless
+    the tensor is TP-replicated: from the replica ``first`` (stage, TP rank) names when it survives,
+    else from the first surviving one."""
     stage_order = [first[0], *(pp for pp in stages if pp != first[0])]
     out = []
-    for dp in range(layout.dp):
+    for replica in range(grid.replicas):
         if replicated:
-            tp_order = [first[1], *(tp for tp in range(layout.tp) if tp != first[1])]
-            replicas = [layout.rank_of(tp, dp, pp) for pp in stage_order for tp in tp_order]
-            out += [r for r in replicas if alive[r]][:1]
+            tp_order = [first[1], *(tp for tp in range(grid.tp) if tp != first[1])]
+            ranks = [grid.rank(tp, ep, replica, pp) for pp in stage_order for tp in tp_order]
+            out += [r for r in ranks if alive[r]][:1]
             continue
-        for tp in range(layout.tp):
-            replicas = [layout.rank_of(tp, dp, pp) for pp in stage_order]
-            out += [r for r in replicas if alive[r]][:1]
+        for tp in range(grid.tp):
+            ranks = [grid.rank(tp, ep, replica, pp) for pp in stage_order]
+            out += [r for r in ranks if alive[r]][:1]
     return out
 
 
@@ -385,23 +405,25 @@ def _owned_chunks(
     sizes: dict[tuple[int, int], list[int]] = defaultdict(list)
     for ti in idxs:
         t = tensors[ti]
+        og, ng = grid_of(t, ol), grid_of(t, nl)
+        ep_old = expert_rank(t, model, ol)
         s_old = holding_stages(t, model, ol)
         replicated = t.rule == "replicated"
-        for pp in holding_stages(t, model, nl):
-            for dst in _holder_ranks(nl, (pp,), ANY):
-                here = old_rank_on.get(new.placement.devices[dst])
-                if here is not None and ol.coords(here).pp in s_old:
-                    first = (ol.coords(here).pp, ol.coords(here).tp)
-                else:
-                    first = (s_old[0], nl.coords(dst).tp % ol.tp)
-                sources = _owner_ranks(ol, s_old, replicated, first, alive)
-                for piece in owned_boxes(model, nl, dst).get(t.param, ()):
-                    for src in sources:
-                        for box in owned_boxes(model, ol, src).get(t.param, ()):
-                            common = intersect(box, piece)
-                            if common is not None:
-                                slices[(src, dst)].append((ti, common))
-                                sizes[(src, dst)].append(volume(common) * t.itemsize)
+        for dst in holder_ranks(t, model, nl, range(ng.tp)):
+            here = old_rank_on.get(new.placement.devices[dst])
+            place = og.place(here) if here is not None else None
+            if place is not None and place[3] in s_old and place[1] == ep_old:
+                first = (place[3], place[0])
+            else:
+                first = (s_old[0], ng.place(dst)[0] % og.tp)
+            sources = _owner_ranks(og, ep_old, s_old, replicated, first, alive)
+            for piece in owned_boxes(model, nl, dst).get(t.param, ()):
+                for src in sources:
+                    for box in owned_boxes(model, ol, src).get(t.param, ()):
+                        common = intersect(box, piece)
+                        if common is not None:
+                            slices[(src, dst)].append((ti, common))
+                            sizes[(src, dst)].append(volume(common) * t.itemsize)
     return {key: _Chunk(tuple(sl), tuple(sizes[key]), sum(sizes[key])) for key, sl in slices.items()}
 
 

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -39,6 +38,7 @@ from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.views import view
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
+from liver.worker_runtime.megatron.layer_spec import gpt_layer_spec
 
 if TYPE_CHECKING:
     from liver.worker_runtime.world import World
@@ -77,6 +77,13 @@ _DERIVED_FIELDS = frozenset(
         "pipeline_model_parallel_layout",
         "use_cpu_initialization",
         "sequence_parallel",
+        "context_parallel_size",
+        "num_moe_experts",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "moe_grouped_gemm",
     }
 )
 
@@ -105,18 +112,24 @@ def initialize_parallel_state(layout: ParallelLayout, *, gloo_groups: bool = Tru
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         create_gloo_process_groups=gloo_groups,
     )
 
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """One world's process groups as Megatron-core uses them (context and expert parallelism are 1).
+    """One world's process groups as Megatron-core uses them.
 
     ``embd`` (first and last stage of this rank's pipeline) is ``None`` on middle stages and
-    ``pos_embd`` (first stage) on every later stage, as in ``parallel_state``. ``single`` is a group of
-    this rank alone: Megatron's context-parallel group. ``world`` is every rank of the world: the one
-    distributed-optimizer instance, over which its grad norm is reduced.
+    ``pos_embd`` (first stage) on every later stage, as in ``parallel_state``. ``world`` is every rank
+    of the world: the one distributed-optimizer instance, over
+    which its grad norm is reduced. ``cp``, ``dp_cp`` and ``tp_cp`` are the context-parallel groups,
+    ``ep``, ``etp``, ``edp``, ``tp_ep`` and ``tp_ep_pp`` the expert groups (Megatron's second numbering,
+    :mod:`liver.shared.layout`); in a layout without CP or EP they are the dense groups that stand in
+    for them (:func:`liver.worker_runtime.world.alias_of`).
     """
 
     layout: ParallelLayout
@@ -129,32 +142,47 @@ class ParallelGroups:
     tp_dp: dist.ProcessGroup
     embd: dist.ProcessGroup | None
     pos_embd: dist.ProcessGroup | None
-    single: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    tp_cp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    etp: dist.ProcessGroup
+    edp: dist.ProcessGroup
+    tp_ep: dist.ProcessGroup
+    tp_ep_pp: dist.ProcessGroup
 
     def __post_init__(self) -> None:
         layout = self.layout
-        coords = layout.coords(self.rank)
+        c = layout.coords(self.rank)
+        tp, cp, dp, etp, ep = layout.tp, layout.cp, layout.dp, layout.expert_tp, layout.ep
         for name, group, size, index in (
-            ("tp", self.tp, layout.tp, coords.tp),
-            ("pp", self.pp, layout.pp, coords.pp),
-            ("dp", self.dp, layout.dp, coords.dp),
-            ("mp", self.mp, layout.tp * layout.pp, coords.tp + layout.tp * coords.pp),
-            ("tp_dp", self.tp_dp, layout.tp * layout.dp, coords.tp + layout.tp * coords.dp),
-            ("single", self.single, 1, 0),
+            ("tp", self.tp, tp, c.tp),
+            ("pp", self.pp, layout.pp, c.pp),
+            ("dp", self.dp, dp, c.dp),
+            ("mp", self.mp, tp * layout.pp, c.tp + tp * c.pp),
+            ("tp_dp", self.tp_dp, tp * cp * dp, c.tp + tp * (c.cp + cp * c.dp)),
             ("world", self.world, layout.world_size, self.rank),
+            ("cp", self.cp, cp, c.cp),
+            ("dp_cp", self.dp_cp, cp * dp, c.cp + cp * c.dp),
+            ("tp_cp", self.tp_cp, tp * cp, c.tp + tp * c.cp),
+            ("ep", self.ep, ep, c.ep),
+            ("etp", self.etp, etp, c.etp),
+            ("edp", self.edp, layout.edp, c.edp),
+            ("tp_ep", self.tp_ep, etp * ep, c.etp + etp * c.ep),
+            ("tp_ep_pp", self.tp_ep_pp, etp * ep * layout.pp, c.etp + etp * (c.ep + ep * c.pp)),
         ):
             if group.size() != size or group.rank() != index:
                 raise MegatronBuildError(
                     f"rank {self.rank} of {layout.describe()}: its {name} group is rank {group.rank()} of "
                     f"{group.size()}, the layout says rank {index} of {size}"
                 )
-        in_embd = coords.pp in (0, layout.pp - 1)
+        in_embd = c.pp in (0, layout.pp - 1)
         if (self.embd is not None) != in_embd:
             raise MegatronBuildError(
-                f"rank {self.rank} of {layout.describe()}: stage {coords.pp} "
+                f"rank {self.rank} of {layout.describe()}: stage {c.pp} "
                 f"{'needs' if in_embd else 'has no place in'} an embedding group"
             )
-        if (self.pos_embd is not None) != (coords.pp == 0):
+        if (self.pos_embd is not None) != (c.pp == 0):
             raise MegatronBuildError(
                 f"rank {self.rank} of {layout.describe()}: only the first stage has a position-embedding "
                 "group"
@@ -180,19 +208,19 @@ class ParallelGroups:
             mp=self.mp,
             embd=self.embd,
             pos_embd=self.pos_embd,
-            cp=self.single,
-            tp_cp=self.tp,
-            hcp=[self.single],
-            ep=self.single,
-            expt_tp=self.tp,
-            tp_ep=self.tp,
-            tp_ep_pp=self.mp,
+            cp=self.cp,
+            tp_cp=self.tp_cp,
+            hcp=[self.cp],
+            ep=self.ep,
+            expt_tp=self.etp,
+            tp_ep=self.tp_ep,
+            tp_ep_pp=self.tp_ep_pp,
             tp_dp_cp=self.tp_dp,
             dp=self.dp,
-            dp_cp=self.dp,
-            expt_dp=self.dp,
-            intra_dp_cp=self.dp,
-            intra_expt_dp=self.dp,
+            dp_cp=self.dp_cp,
+            expt_dp=self.edp,
+            intra_dp_cp=self.dp_cp,
+            intra_expt_dp=self.edp,
             intra_dist_opt=self.world,
         )
 
@@ -211,7 +239,14 @@ def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
         tp_dp=parallel_state.get_tensor_and_data_parallel_group(),
         embd=parallel_state.get_embedding_group(check_initialized=False),
         pos_embd=parallel_state.get_position_embedding_group(check_initialized=False),
-        single=parallel_state.get_context_parallel_group(),
+        cp=parallel_state.get_context_parallel_group(),
+        dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        tp_cp=parallel_state.get_tensor_and_context_parallel_group(),
+        ep=parallel_state.get_expert_model_parallel_group(),
+        etp=parallel_state.get_expert_tensor_parallel_group(),
+        edp=parallel_state.get_expert_data_parallel_group(),
+        tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),
+        tp_ep_pp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
     )
 
 
@@ -233,7 +268,14 @@ def groups_from_world(world: World) -> ParallelGroups:
         tp_dp=world.group(GroupKind.TP_DP),
         embd=optional(GroupKind.EMBD),
         pos_embd=optional(GroupKind.POS_EMBD),
-        single=world.group(GroupKind.SELF),
+        cp=world.group(GroupKind.CP),
+        dp_cp=world.group(GroupKind.DP_CP),
+        tp_cp=world.group(GroupKind.TP_CP),
+        ep=world.group(GroupKind.EP),
+        etp=world.group(GroupKind.ETP),
+        edp=world.group(GroupKind.EDP),
+        tp_ep=world.group(GroupKind.TP_EP),
+        tp_ep_pp=world.group(GroupKind.TP_EP_PP),
     )
 
 
@@ -286,6 +328,18 @@ def transformer_config(
     if clash:
         raise ValueError(f"config_overrides: {clash[0]} is derived from the ModelSpec or the layout")
     dtype = _DTYPES[spec.params_dtype]
+    moe: dict[str, Any] = {}
+    if spec.num_experts:
+        # Megatron's defaults for the rest (aux-loss coefficient, token dropping, the all-gather token
+        # dispatcher) unless the job overrides them; with TP > 1 an MoE layer needs sequence parallelism.
+        moe = {
+            "num_moe_experts": spec.num_experts,
+            "moe_ffn_hidden_size": spec.expert_ffn,
+            "moe_router_topk": spec.moe_router_topk,
+            "expert_model_parallel_size": layout.ep,
+            "expert_tensor_parallel_size": layout.expert_tp,
+            "moe_grouped_gemm": False,
+        }
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -304,9 +358,11 @@ def transformer_config(
         fp16=dtype == torch.float16,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
-        sequence_parallel=False,
+        context_parallel_size=layout.cp,
+        sequence_parallel=bool(spec.num_experts) and layout.tp > 1,
         use_cpu_initialization=True,
         **pipeline_split(spec.num_layers, layout),
+        **moe,
         **overrides,
     )
 
@@ -329,10 +385,15 @@ def _check_parallel_state(layout: ParallelLayout) -> None:
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(),
     )
-    if actual != (layout.tp, layout.pp, layout.dp):
+    actual += (
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+    if actual != (layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, layout.expert_tp):
         raise MegatronBuildError(
-            f"parallel_state is TP{actual[0]},PP{actual[1]},DP{actual[2]} but the layout is "
-            f"{layout.describe()}"
+            f"parallel_state is TP{actual[0]},PP{actual[1]},DP{actual[2]},CP{actual[3]},EP{actual[4]},"
+            f"ETP{actual[5]} but the layout is {layout.describe()}"
         )
 
 
@@ -342,7 +403,9 @@ def seed_build(seed: int, layout: ParallelLayout, rank: int) -> None:
     coords = layout.coords(rank)
     stage_seed = seed + 100 * coords.pp
     torch.manual_seed(stage_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        stage_seed, tp_rank=coords.tp, ep_rank=coords.ep, etp_rank=coords.etp
+    )
 
 
 def build_gpt_model(
@@ -363,6 +426,12 @@ def build_gpt_model(
     master weights and keep their slice), and the model-parallel RNG tracker is ready for dropout.
     """
     spec.check_layout(layout)
+    if layout.cp > 1:
+        raise MegatronBuildError(
+            f"{layout.describe()}: context parallelism needs Transformer Engine's attention "
+            "(megatron-core 0.16.1 has no other that takes a context-parallel group); LiveR builds the "
+            "local layer spec, so CP layouts are planned but not built here"
+        )
     apply_cpu_shim()
     if groups is None:
         groups = groups_from_parallel_state(layout)
@@ -377,7 +446,7 @@ def build_gpt_model(
     seed_build(seed, layout, rank)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
+        transformer_layer_spec=gpt_layer_spec(spec, config, groups.pp_rank),
         vocab_size=spec.padded_vocab(layout.tp),
         max_sequence_length=spec.max_sequence_length,
         pre_process=groups.is_first_stage,

@@ -76,9 +76,10 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import holding, is_dp_sharded, pieces_of
+from liver.shared.holdings import SHARDED_ROLES, holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
+from liver.shared.views import grid_of
 from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
@@ -266,20 +267,27 @@ def prune_checkpoints(root: str | os.PathLike[str], keep_last: int) -> list[str]
 # --------------------------------------------------------------------------- sharded state dicts
 
 
+_EXPERT_KEY = ".experts.experts."
+
+
 def check_replica_ids(state: ShardedStateDict, groups: ParallelGroups) -> None:
-    """Every shard's replica id must name this rank's DP rank (last entry) and, where it has one, its
-    TP rank: a replica id computed from another world's groups would make the save keep the wrong
-    copy (or none) of a replicated tensor, and the load check the wrong coverage."""
+    """Every shard's replica id must name this rank's DP rank (last entry; DP x CP, or expert-DP for an
+    expert's shard) and, where it has one, its TP rank (expert-TP): a replica id computed from another
+    world's groups would make the save keep the wrong copy (or none) of a replicated tensor, and the
+    load check the wrong coverage."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    dp_rank, tp_rank = groups.dp.rank(), groups.tp.rank()
+    dense = (groups.dp_cp.rank(), groups.tp.rank())
+    expert = (groups.edp.rank(), groups.etp.rank())
     for shard in nested_values(state):
         if not isinstance(shard, ShardedBase):
             continue
         replica = shard.replica_id
         if not isinstance(replica, tuple) or len(replica) != 3:
             raise CheckpointError(f"{shard.key}: replica id {replica!r} is not Megatron's (pp, tp, dp) form")
+        # Megatron files experts under ``...mlp.experts.experts...``, replicated over expert-DP.
+        dp_rank, tp_rank = expert if _EXPERT_KEY in shard.key else dense
         if replica[2] != dp_rank or replica[1] not in (0, tp_rank):
             raise CheckpointError(
                 f"{shard.key}: replica id {replica} does not match this rank (TP rank {tp_rank}, DP rank "
@@ -292,13 +300,18 @@ def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str,
 
     groups = trainer.groups
     with parallel_state_of(groups):
-        model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp})
-        if trainer.geometry.distributed:
+        model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp_cp})
+        if trainer.geometry.distributed or trainer.geometry.num_experts:
             state = {"model": model}
             check_replica_ids(state, groups)
             state[_OWNED] = _owned_sharded_state(trainer)
             return state
-        optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading)
+        # An MoE job at EP > 1 chains a dense and an expert optimizer; one at EP 1 has one. Without
+        # Megatron's ``chained_<i>.`` prefixes every state tensor has the same key either way, so a
+        # checkpoint saved at one EP loads at another (the fallback's reshape).
+        optimizer = trainer.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata={"chained_optim_avoid_prefix": True}
+        )
     state = {"model": model, "optimizer": optimizer}
     check_replica_ids(state, groups)
     return state
@@ -309,7 +322,12 @@ _OWNED = "liver_optimizer"
 
 
 def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
-    """The distributed optimizer's state as ``ShardedTensor`` s of LiveR's logical tensors.
+    """The distributed optimizer's state (and a mixture of experts' optimizer state) as
+    ``ShardedTensor`` s of LiveR's logical tensors.
+
+    An MoE job's plain optimizer is one Megatron optimizer at EP 1 and a chain of a dense and an
+    expert one at EP > 1, whose saved hyperparameters (``param_groups``) do not load across that
+    change; as logical tensors its state loads at any layout (DP replicas save once, by replica id).
 
     Megatron's own formats for this optimizer either reshard DP only (``dp_reshardable``) or gather a
     stage's whole optimizer state on one rank and, in 0.16.1, corrupt a buffer of several buckets
@@ -322,16 +340,18 @@ def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     geometry, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
-    coords = layout.coords(rank)
+    stage = layout.coords(rank).pp
     tensors = geometry.tensors()
     out: dict[str, list[Any]] = {}
     for index, value in local_state(trainer).items():
         t = tensors[index]
-        if not is_dp_sharded(t, geometry):
+        if t.role not in SHARDED_ROLES:
             continue
         pieces = holding(t, geometry, layout, rank) or ()
-        tp_replica = coords.tp if t.rule == "replicated" else 0
-        pp_replica = int(t.home == "first+last" and coords.pp == layout.pp - 1 and layout.pp > 1)
+        tp, _ep, replica, _pp = grid_of(t, layout).place(rank)
+        tp_replica = tp if t.rule == "replicated" else 0
+        pp_replica = int(t.home == "first+last" and stage == layout.pp - 1 and layout.pp > 1)
+        dp_replica = 0 if is_dp_sharded(t, geometry) else replica
         shards = []
         for piece, local in zip(pieces, pieces_of(value)):
             if piece.box is None:
@@ -346,7 +366,7 @@ def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
                     global_shape=t.shape,
                     global_offset=tuple(lo for lo, _ in piece.box),
                     axis_fragmentations=None,
-                    replica_id=(pp_replica, tp_replica, 0),
+                    replica_id=(pp_replica, tp_replica, dp_replica),
                 )
             )
         out[t.name] = shards

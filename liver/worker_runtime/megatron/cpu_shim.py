@@ -21,12 +21,13 @@ the one place that bridges that gap; with it, GPTModel, 1F1B pipelining, Megatro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -272,6 +273,125 @@ def _patch_tied_embedding_sync() -> None:
     _run_method_with_cuda_calls_on_cpu(LanguageModule, "setup_embeddings_and_output_layer")
 
 
+class _NoStream:
+    """A CUDA stream on a CPU: work is ordered by the one thread that issues it, so waiting, recording
+    and synchronising have nothing to do."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_NO_STREAM = _NoStream()
+
+
+def _current_stream(device: Any = None) -> _NoStream:
+    return _NO_STREAM
+
+
+def _new_stream(*args: Any, **kwargs: Any) -> _NoStream:
+    return _NoStream()
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    yield
+
+
+def _split_list(sizes: Any) -> Any:
+    """Split sizes as ``all_to_all_single`` takes them: a list of ints (gloo refuses a tensor)."""
+    if isinstance(sizes, torch.Tensor):
+        return [int(n) for n in sizes.tolist()]
+    if sizes is not None and not isinstance(sizes, list):
+        return [int(n) for n in sizes]
+    return sizes
+
+
+def _all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Any = None,
+    input_split_sizes: Any = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    return torch.distributed.all_to_all_single(
+        output,
+        input,
+        output_split_sizes=_split_list(output_split_sizes),
+        input_split_sizes=_split_list(input_split_sizes),
+        group=group,
+        async_op=async_op,
+    )
+
+
+def _all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """``all_gather`` into outputs of different first dimensions, which gloo refuses: every rank pads
+    its input to the largest, gathers, and each output keeps its own rows (the same values)."""
+    sizes = {t.shape[0] for t in tensor_list}
+    if len(sizes) <= 1:
+        return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    rows = max(sizes)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+    torch.distributed.all_gather(gathered, padded, group=group)
+    for out, got in zip(tensor_list, gathered):
+        out.copy_(got[: out.shape[0]])
+    return None
+
+
+class _DistributedOnGloo(types.ModuleType):
+    """``torch.distributed`` as megatron's tensor-parallel mappings see it: uneven ``all_gather`` and
+    tensor split sizes work on gloo (the only two calls that change)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+        self.all_to_all_single = _all_to_all_single
+        self.all_gather = _all_gather
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
+def _patch_moe() -> None:
+    streams = {"Stream": _new_stream, "current_stream": _current_stream, "stream": _on_stream}
+    for module_name in (
+        "megatron.core.transformer.moe.router",
+        "megatron.core.transformer.moe.experts",
+        "megatron.core.tensor_parallel.layers",
+    ):
+        _give_module_cpu_device(module_name)
+    _give_module_cpu_cuda(
+        "megatron.core.transformer.moe.token_dispatcher",
+        _CPU_FACTORIES,
+        current_device=_current_device,
+        synchronize=_no_op,
+        **streams,
+    )
+    _give_module_cpu_cuda(
+        "megatron.core.transformer.moe.moe_utils", _CPU_FACTORIES, current_device=_current_device, **streams
+    )
+    _give_module_cpu_cuda(
+        "megatron.core.tensor_parallel.mappings",
+        {**_CPU_FACTORIES, "distributed": _DistributedOnGloo()},
+        current_device=_current_device,
+    )
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if "te_general_gemm" not in moe_utils.__dict__:
+        moe_utils.te_general_gemm = None
+
+
 _REGISTRY: tuple[tuple[ShimPatch, Callable[[], None]], ...] = (
     (
         ShimPatch(
@@ -337,6 +457,27 @@ _REGISTRY: tuple[tuple[ShimPatch, Callable[[], None]], ...] = (
             "Megatron expects.",
         ),
         _patch_device_type_checks,
+    ),
+)
+
+_REGISTRY += (
+    (
+        ShimPatch(
+            target="megatron.core.transformer.moe.{router,experts,token_dispatcher,moe_utils}, "
+            "megatron.core.tensor_parallel.{layers,mappings} (module views of torch: current_device is "
+            "the CPU, device='cuda' factories allocate on the CPU, CUDA streams are no-ops; the "
+            "mappings' torch.distributed takes tensor split sizes and uneven all_gather on gloo); "
+            "moe_utils.te_general_gemm = None when Transformer Engine is absent",
+            why="Mixtures of experts: the router moves its weight to current_device and allocates its "
+            "aux-loss bookkeeping there, SequentialMLP's and the sequence-parallel gathers' buffers are "
+            "allocated on current_device, the all-to-all dispatcher makes a CUDA stream at build and "
+            "moves its split sizes through it (on a CPU they stay tensors, which gloo's "
+            "all_to_all_single refuses), the all-to-all dispatcher with TP > 1 gathers uneven token "
+            "counts (gloo's all_gather refuses outputs of different sizes: pad, gather, trim), and the "
+            "router's gemm refers to te_general_gemm, which is only bound when Transformer Engine "
+            "imports (a NameError otherwise).",
+        ),
+        _patch_moe,
     ),
 )
 

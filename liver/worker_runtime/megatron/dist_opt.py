@@ -53,7 +53,9 @@ def megatron_buffer_layouts(trainer: MegatronTrainer) -> tuple[BufferLayout, ...
     """The DDP buffers of ``trainer`` as Megatron laid them out."""
     names = _names(trainer)
     out = []
-    for buffer in trainer.model.buffers:
+    kinds = [(b, False) for b in trainer.model.buffers]
+    kinds += [(b, True) for b in getattr(trainer.model, "expert_parallel_buffers", ())]
+    for buffer, expert in kinds:
         slots = sorted(
             (
                 ParamSlot(names[id(p)], start, end, bucket)
@@ -63,7 +65,10 @@ def megatron_buffer_layouts(trainer: MegatronTrainer) -> tuple[BufferLayout, ...
         )
         out.append(
             BufferLayout(
-                _DTYPE_NAMES[str(buffer.param_dtype)], tuple(slots), tuple(map(tuple, buffer.bucket_indices))
+                _DTYPE_NAMES[str(buffer.param_dtype)],
+                tuple(slots),
+                tuple(map(tuple, buffer.bucket_indices)),
+                expert,
             )
         )
     return tuple(out)
@@ -104,7 +109,7 @@ def check_owned_ranges(trainer: MegatronTrainer) -> None:
                 f"rank {rank} of {trainer.layout.describe()}: Megatron's distributed optimizer owns "
                 f"{real.get(name)} of {name}, the planner predicts {predicted.get(name)}"
             )
-    expected = buffer_layouts(geometry, trainer.layout, trainer.groups.pp_rank, trainer.groups.tp.rank())
+    expected = buffer_layouts(geometry, trainer.layout, trainer.groups.rank)
     if megatron_buffer_layouts(trainer) != expected:
         raise DistributedOptimizerMismatch(
             f"rank {rank} of {trainer.layout.describe()}: Megatron's gradient buffers are laid out "

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from liver.shared.errors import HandoffError, InputError
 from liver.shared.geometry import (
+    EXPERT_PLACEHOLDER,
     LAYER_PLACEHOLDER,
     Home,
     ModelGeometry,
@@ -95,10 +96,11 @@ class _Param:
     dtype: str
     factory: bool
     pieces: list[_Piece] = field(default_factory=list)
+    expert: int | None = None  # the global expert when Megatron stacks experts too (a second axis)
 
     @property
-    def ident(self) -> tuple[str, int | None]:
-        return (self.key, self.layer)
+    def ident(self) -> tuple[str, int | None, int | None]:
+        return (self.key, self.layer, self.expert)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class _Probe:
     config: Any
     vocab_rows: int | None  # the model's (padded) vocabulary at this layout, when it has one
 
-    def by_ident(self) -> dict[tuple[str, int | None], _Param]:
+    def by_ident(self) -> dict[tuple[str, int | None, int | None], _Param]:
         return {p.ident: p for p in self.params}
 
 
@@ -168,9 +170,10 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                 )
             built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
             first = built[0]
-            stacked = first.prepend_axis_num == 1
-            if first.prepend_axis_num > 1:
-                raise GeometryDerivationError(f"{value.key}: {first.prepend_axis_num} prepended axes")
+            # One prepended axis: the decoder layer; two: the layer and the expert (Megatron's experts).
+            skip = first.prepend_axis_num
+            if skip > 2:
+                raise GeometryDerivationError(f"{value.key}: {skip} prepended axes")
             dtype = _DTYPES.get(param.dtype)
             if dtype is None:
                 raise GeometryDerivationError(f"{names[id(param)]}: dtype {param.dtype} is not supported")
@@ -179,14 +182,14 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                 _Param(
                     name=names[id(param)],
                     key=value.key,
-                    layer=first.global_offset[0] if stacked else None,
+                    layer=first.global_offset[0] if skip else None,
                     shape=tuple(param.shape),
                     dtype=dtype,
                     factory=isinstance(value, ShardedTensorFactory),
+                    expert=first.global_offset[1] if skip == 2 else None,
                 ),
             )
             for sh in built:
-                skip = 1 if stacked else 0
                 seen.pieces.append(
                     _Piece(
                         key=sh.key,
@@ -276,7 +279,9 @@ def _swiglu_shape(base: _Param, tp2: tuple[_Param, _Param]) -> tuple[int, ...]:
     return (2, ffn, *rest)
 
 
-def _homes(stages: list[set[tuple[str, int | None]]], ident: tuple[str, int | None]) -> Home:
+def _homes(
+    stages: list[set[tuple[str, int | None, int | None]]], ident: tuple[str, int | None, int | None]
+) -> Home:
     held = [i for i, s in enumerate(stages) if ident in s]
     last = len(stages) - 1
     if held == list(range(len(stages))) and len(stages) > 2:
@@ -319,7 +324,8 @@ def _tp_divisors(config: Any) -> tuple[TpDivisor, ...]:
         return ()
     heads = getattr(config, "num_attention_heads", None)
     groups = getattr(config, "num_query_groups", None) or heads
-    ffn = getattr(config, "ffn_hidden_size", None)
+    # An MoE model's FFN is its experts', split by expert-TP (its shape checks say so); no dense one.
+    ffn = None if getattr(config, "num_moe_experts", None) else getattr(config, "ffn_hidden_size", None)
     out = []
     for what, value in (
         ("num_attention_heads", heads),
@@ -329,6 +335,40 @@ def _tp_divisors(config: Any) -> tuple[TpDivisor, ...]:
         if isinstance(value, int) and value > 0:
             out.append(TpDivisor(what, value))
     return tuple(out)
+
+
+def _expert_suffix(p: _Param, suffix: str) -> str:
+    """``suffix`` with the expert's index as ``{expert}``: the one path component equal to it (at EP 1
+    an expert's local index is its global one, as Megatron's ``local_experts.<i>``)."""
+    parts = suffix.split(".")
+    hits = [i for i, part in enumerate(parts) if part == str(p.expert)]
+    if len(hits) != 1:
+        raise GeometryDerivationError(
+            f"{p.name}: Megatron checkpoints it as expert {p.expert}, but its name does not name that "
+            "expert once"
+        )
+    parts[hits[0]] = EXPERT_PLACEHOLDER
+    return ".".join(parts)
+
+
+def _check_expert_split(provider: Provider, base: _Probe, experts: int, device: str) -> None:
+    """At EP 2 (two ranks), rank 1 must hold experts ``E/2 .. E-1`` as its local ``0 .. E/2-1``, whole:
+    the view function deals experts out so."""
+    probe = _probe(provider, ParallelLayout(tp=1, pp=1, dp=2, ep=2), 1, device)
+    half = experts // 2
+    want = {(p.key, p.layer, p.expert): p for p in base.params if p.expert is not None and p.expert >= half}
+    got = {p.ident: p for p in probe.params if p.expert is not None}
+    if set(got) != set(want):
+        raise GeometryDerivationError(
+            f"at EP2, rank 1 holds experts {sorted({i[2] for i in got})}; LiveR expects {half}..{experts - 1}"
+        )
+    for ident, p in got.items():
+        local = p.expert - half  # type: ignore[operator]
+        if p.shape != want[ident].shape or f".{local}." not in p.name:
+            raise GeometryDerivationError(
+                f"{p.name}: at EP2 Megatron checkpoints it as expert {p.expert}, not as local expert {local} "
+                f"of EP rank 1 (shape {p.shape})"
+            )
 
 
 def derive_geometry(
@@ -391,14 +431,19 @@ def derive_geometry(
             f"the model's vocabulary is {base.vocab_rows} rows at TP1, but vocab_size={vocab_size} padded "
             f"to a multiple of {make_vocab_size_divisible_by} is {padded(1)}"
         )
+    experts = sorted({p.expert for p in base.params if p.expert is not None})
+    if experts and experts != list(range(len(experts))):
+        raise GeometryDerivationError(f"Megatron numbers the experts {experts[0]}..{experts[-1]}, not from 0")
+    if len(experts) > 1 and len(experts) % 2 == 0:
+        _check_expert_split(provider, base, len(experts), device)
     try:
-        tp2: list[dict[tuple[str, int | None], _Param]] | None = [
+        tp2: list[dict[tuple[str, int | None, int | None], _Param]] | None = [
             _probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)
         ]
     except ProbeBuildError as exc:  # e.g. one query group: Megatron allows no tensor parallelism at all
         log.info("geometry.tp1_only", model=name, reason=str(exc))
         tp2 = None
-    stages: list[set[tuple[str, int | None]]] = []
+    stages: list[set[tuple[str, int | None, int | None]]] = []
     homes_layout = _homes_probe(num_layers)
     if homes_layout is not None:
         for stage in range(homes_layout.pp):
@@ -423,8 +468,10 @@ def derive_geometry(
                     f"{p.name}: Megatron stacks it as decoder layer {p.layer}; LiveR expects the name "
                     f"decoder.layers.{p.layer}.<...>"
                 )
-            suffix = match.group(2)
-            signature = (suffix, shape, p.dtype, rule)
+            suffix = match.group(2) if p.expert is None else _expert_suffix(p, match.group(2))
+            signature = (suffix, shape, p.dtype, rule, p.expert is not None)
+            if any(r["sig"] == signature and r["stop"] == p.layer + 1 for r in runs):
+                continue  # another expert of a layer already counted
             run = next(
                 (i for i, r in enumerate(runs) if r["sig"] == signature and r["stop"] == p.layer), None
             )
@@ -443,7 +490,7 @@ def derive_geometry(
             out.append(entry)
             continue
         r = runs[entry]
-        suffix, shape, dtype, rule = r["sig"]
+        suffix, shape, dtype, rule, expert = r["sig"]
         out.append(
             ParamGeometry(
                 name=f"decoder.layers.{LAYER_PLACEHOLDER}.{suffix}",
@@ -452,6 +499,7 @@ def derive_geometry(
                 rule=rule,
                 home="layer",
                 layers=(r["first"], r["stop"]),
+                expert=expert,
             )
         )
     geometry = ModelGeometry(
@@ -461,6 +509,7 @@ def derive_geometry(
         vocab_size=vocab_size if any(p.rule == "vocab" for p in out) else None,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         tp_divisible=_tp_divisors(base.config) if tp2 is not None else (TpDivisor("tensor parallelism", 1),),
+        num_experts=len(experts),
     )
     geometry = msgspec.convert(msgspec.to_builtins(geometry), ModelGeometry)  # the wire's field limits too
     log.info("geometry.derived", model=name, parameters=len(out), digest=geometry.digest())
@@ -572,10 +621,13 @@ def model_geometry_mismatches(
             continue
         local = names[id(value.data)]
         built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
-        stacked = built[0].prepend_axis_num == 1
+        skip = built[0].prepend_axis_num  # stacked by layer (1), and by expert too (2)
         match = _LAYER_NAME.match(local)
-        if stacked and match is not None:
-            name = f"decoder.layers.{built[0].global_offset[0]}.{match.group(2)}"
+        if skip and match is not None:
+            rest = match.group(2)
+            if skip == 2:  # the local expert's name, with its global index (.state.logical_name)
+                rest = _global_expert_name(rest, local, built[0].global_offset[1], geometry)
+            name = f"decoder.layers.{built[0].global_offset[0]}.{rest}"
         elif local in tensors:
             name = local
         else:
@@ -584,7 +636,6 @@ def model_geometry_mismatches(
         if tensor is None:
             problems.append(f"{local}: no parameter of {geometry.name} is called {name}")
             continue
-        skip = 1 if stacked else 0
         for sh in built:
             offset, size = tuple(sh.global_offset[skip:]), tuple(sh.local_shape)
             covered.setdefault(name, []).append(_liver_box(tensor, geometry, offset, size))
@@ -604,6 +655,21 @@ def model_geometry_mismatches(
         if len(problems) >= limit:
             break
     return problems
+
+
+def _global_expert_name(rest: str, local: str, expert: int, geometry: ModelGeometry) -> str:
+    """``rest`` (a layer's parameter name) with its local expert index replaced by ``expert``: the
+    component that the geometry's template has as ``{expert}``."""
+    for p in geometry.parameters:
+        if not p.expert:
+            continue
+        template = p.name.split(f"{LAYER_PLACEHOLDER}.", 1)[1].split(".")
+        parts = rest.split(".")
+        if len(parts) == len(template) and all(
+            a == b for a, b in zip(parts, template, strict=True) if b != EXPERT_PLACEHOLDER
+        ):
+            return ".".join(str(expert) if b == EXPERT_PLACEHOLDER else a for a, b in zip(parts, template))
+    return rest  # reported as no such parameter
 
 
 def _liver_box(
@@ -672,4 +738,4 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
                         f"the provider failed to build rank {rank} of {layout.describe()}: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
-                check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp})
+                check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp_cp})

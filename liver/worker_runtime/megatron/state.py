@@ -59,6 +59,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYERS = "decoder.layers."
+_LOCAL_EXPERTS = "mlp.experts.local_experts."
 
 
 class StateMismatch(InputError):
@@ -142,6 +143,11 @@ def logical_name(model: torch.nn.Module, local_name: str) -> str:
     if local_name.startswith(_LAYERS):
         index, _, rest = local_name.removeprefix(_LAYERS).partition(".")
         layer = model.decoder.layers[int(index)]
+        if rest.startswith(_LOCAL_EXPERTS):
+            # An EP rank numbers its experts from 0; the logical name carries the global expert index.
+            local, _, tail = rest.removeprefix(_LOCAL_EXPERTS).partition(".")
+            expert = layer.mlp.local_expert_indices[int(local)]
+            rest = f"{_LOCAL_EXPERTS}{expert}.{tail}"
         return f"{_LAYERS}{layer.layer_number - 1}.{rest}"
     if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
         return "embedding.word_embeddings.weight"

@@ -193,14 +193,14 @@ class _Placed(NamedTuple):
     dst_piece: int
 
 
-ViewKey = tuple[tuple[int, ...], str, str, int]
+ViewKey = tuple[tuple[int, ...], str, str, int, int]
 
 
 def view_key(t: TensorSpec) -> ViewKey:
     """Every field of a tensor that :func:`liver.shared.views.view` reads: tensors with one key have one
     view in every layout. A parameter and its optimizer states share a key, so a schedule derives
     shards and regions once per parameter instead of once per tensor (a quarter of the work)."""
-    return (t.shape, t.rule, t.home, t.layer)
+    return (t.shape, t.rule, t.home, t.layer, t.expert)
 
 
 class _Views:

@@ -1,0 +1,101 @@
+"""A Megatron GPT with mixture-of-experts layers reshards live through expert-parallel layouts, and
+continues exactly as a reload of its state (or a ``dist_checkpointing`` save and load) at the new layout.
+
+The model is ``tiny-moe`` (four layers, each a router and four ``SequentialMLP`` experts; top-2 routing,
+Megatron's default all-gather token dispatcher and aux-loss settings). One job of six processes runs:
+
+    gen 0  TP1,PP1,DP2,EP2 on p0,p1              two experts per rank
+    gen 1  TP1,PP1,DP4,EP4 on p0-p3              scale-out and an EP change: experts move whole
+    gen 2  TP2,PP1,DP2,EP2,ETP1 on p0-p3         EP with TP (sequence parallel): experts regrouped
+    gen 3  TP1,PP1,DP4,EP2,ETP2 on p0,p1,p4,p5   expert-TP 2: every expert cut in two (p2, p3 leave)
+    gen 4  TP1,PP2,DP1 [1/3] on p0,p1            scale-in to an uneven pipeline of MoE layers, EP 1
+
+with the plain optimizer and with Megatron's distributed optimizer (dense state sharded over DP, the
+experts' over expert-DP). Dropout is on. The tests read what the live job and the baseline reported.
+"""
+
+from __future__ import annotations
+
+import pytest
+from live_chain import (
+    Chain,
+    Runs,
+    Transition,
+    bit_identical,
+    live_trace,
+    max_deviation,
+    reports_of,
+    run_chain,
+)
+
+from liver.shared.layout import ParallelLayout
+from liver.shared.model import PRESETS
+from liver.worker_runtime.megatron.train_config import TrainConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+L = ParallelLayout.parse
+TRANSITIONS = {
+    1: Transition("EP change, scale-out", L("TP1,PP1,DP4,EP4"), (0, 1, 2, 3)),
+    2: Transition("EP with TP", L("TP2,PP1,DP2,EP2,ETP1"), (0, 1, 2, 3)),
+    3: Transition("expert-TP 2", L("TP1,PP1,DP4,EP2,ETP2"), (0, 1, 4, 5)),
+    4: Transition("scale-in, uneven pipeline", L("TP1,PP2,DP1:1/3"), (0, 1)),
+}
+SWITCHED = tuple(TRANSITIONS)
+IDS = [TRANSITIONS[g].name for g in SWITCHED]
+OPTIMIZERS = {
+    "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
+    "dist-opt": TrainConfig(
+        global_batch_size=4,
+        micro_batch_size=1,
+        seq_length=16,
+        hidden_dropout=0.1,
+        use_distributed_optimizer=True,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(OPTIMIZERS))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    chain = Chain(
+        job=f"moe-{request.param}",
+        model=PRESETS["tiny-moe"],
+        config=OPTIMIZERS[request.param],
+        start=L("TP1,PP1,DP2,EP2"),
+        start_processes=(0, 1),
+        transitions=TRANSITIONS,
+    )
+    return run_chain(chain, str(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_every_process_switches_at_the_same_cut(runs: Runs, generation: int) -> None:
+    reports = reports_of(runs, generation)
+    assert {r["iteration"] for r in reports.values()} == {runs.cuts[generation]}
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_the_global_state_with_every_expert_is_the_same_right_after_the_switch(
+    runs: Runs, generation: int
+) -> None:
+    before, after = runs.before[generation], runs.after[generation]
+    names = [t.name for t in PRESETS["tiny-moe"].geometry().tensors()]
+    assert {e for e in range(4) if any(f"local_experts.{e}." in names[i] for i in before)} == {0, 1, 2, 3}
+    assert max_deviation(before, after) == 0.0
+    assert bit_identical(before, after)
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_the_trace_after_the_switch_equals_a_reload_of_the_cut_state_at_the_new_layout(
+    runs: Runs, generation: int
+) -> None:
+    live = live_trace(runs, generation)
+    assert len(live) >= 2
+    assert live == runs.baseline[generation]
+
+
+@pytest.mark.parametrize("generation", SWITCHED, ids=IDS)
+def test_the_trace_after_the_switch_equals_a_dist_checkpointing_save_and_load(
+    runs: Runs, generation: int
+) -> None:
+    assert live_trace(runs, generation) == runs.checkpoint[generation]

@@ -1,0 +1,56 @@
+"""The topology planner with experts and context parallelism: a rank holds 1/EP of the experts, the
+cost model counts EP's all-to-alls and CP's ring attention, and the chooser tries expert-parallel
+layouts for a mixture of experts (and keeps a job's context parallelism)."""
+
+from __future__ import annotations
+
+from liver.services.topology.chooser import choose_topology
+from liver.services.topology.cost import step_cost
+from liver.services.topology.memory import H100_80GB, TrainingSetup, stage_state_bytes
+from liver.services.transfer.planner import default_world
+from liver.shared.geometry import DdpSettings
+from liver.shared.layout import ParallelLayout, grid_devices
+from liver.shared.model import PRESETS
+
+MOE = PRESETS["moe-200b"]
+SETUP = TrainingSetup(global_batch_size=1024, sequence_length=4096)
+L = ParallelLayout.parse
+
+
+def test_a_rank_holds_its_ep_share_of_the_experts_state() -> None:
+    geometry = MOE.geometry()
+    experts = sum(t.nbytes for t in geometry.tensors() if t.expert >= 0) / MOE.num_layers  # per layer
+    ep8 = stage_state_bytes(MOE, SETUP, L("TP2,PP4,DP128,EP8"))[1][0]
+    ep16 = stage_state_bytes(MOE, SETUP, L("TP2,PP4,DP128,EP16"))[1][0]
+    layers = MOE.num_layers // 4
+    # Expert-TP is TP (2): the experts a rank holds are 1/(2 EP) of each layer's.
+    assert ep8 - ep16 == round(layers * experts / 2 * (1 / 8 - 1 / 16))
+
+
+def test_the_expert_buffers_optimizer_state_is_sharded_over_expert_dp() -> None:
+    dist = MOE.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
+    plain = stage_state_bytes(MOE.geometry(), SETUP, L("TP2,PP4,DP128,EP8"))[1][0]
+    sharded = stage_state_bytes(dist, SETUP, L("TP2,PP4,DP128,EP8"))[1][0]
+    assert sharded < plain / 4
+
+
+def test_expert_parallelism_costs_all_to_alls_and_context_parallelism_ring_attention() -> None:
+    kw = {"tp_within_node": True, "single_node": False}
+    dense = step_cost(MOE, SETUP, H100_80GB, L("TP1,PP4,DP256"), **kw)
+    ep = step_cost(MOE, SETUP, H100_80GB, L("TP1,PP4,DP256,EP8"), **kw)
+    near = step_cost(MOE, SETUP, H100_80GB, L("TP1,PP4,DP256,EP8"), **kw, ep_within_node=True)
+    assert dense.ep_comm_s == 0 < near.ep_comm_s < ep.ep_comm_s
+    cut = step_cost(MOE, SETUP, H100_80GB, L("TP2,PP4,DP128,EP8"), **kw)
+    whole = step_cost(MOE, SETUP, H100_80GB, L("TP2,PP4,DP128,EP8,ETP1"), **kw)
+    assert cut.ep_comm_s > whole.ep_comm_s, "expert-TP gathers and reduce-scatters the routed tokens"
+    cp = step_cost(MOE, SETUP, H100_80GB, L("TP1,PP4,DP128,CP2,EP8"), **kw)
+    assert cp.cp_comm_s > 0 and dense.cp_comm_s == 0
+
+
+def test_the_chooser_picks_an_expert_parallel_layout_for_a_mixture_of_experts() -> None:
+    current = default_world(L("TP2,PP4,DP128,EP8"), 8)
+    devices = grid_devices(120, 8)
+    decision = choose_topology(MOE, SETUP, H100_80GB, current, devices)
+    chosen = decision.layout
+    assert chosen.world_size <= 960 and chosen.ep > 1
+    assert MOE.num_experts % chosen.ep == 0
