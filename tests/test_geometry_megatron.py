@@ -12,6 +12,7 @@ import queue as queue_mod
 import traceback
 from typing import Any
 
+import msgspec
 import pytest
 import torch.multiprocessing as mp
 from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
@@ -52,6 +53,13 @@ def _emulated_mismatches(
     return out
 
 
+EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a persistent router buffer)
+    "tiny-moe-bias": msgspec.structs.replace(
+        PRESETS["tiny-moe"], name="tiny-moe-bias", moe_router_enable_expert_bias=True
+    )
+}
+
+
 def child_main(results: Any) -> None:
     try:
         import torch
@@ -61,7 +69,7 @@ def child_main(results: Any) -> None:
 
         torch.set_num_threads(1)
         out: dict[str, Any] = {"presets": {}, "users": {}, "checked": {}, "wrong": None}
-        for name, spec in PRESETS.items():
+        for name, spec in {**PRESETS, **EXTRA}.items():
             out["presets"][name] = derive_geometry(
                 SpecProvider(spec),
                 name=spec.name,
@@ -154,6 +162,14 @@ def test_a_presets_geometry_is_exactly_what_megatron_says_of_the_model_it_descri
     found: dict[str, Any], name: str
 ) -> None:
     assert found["presets"][name] == PRESETS[name].geometry()
+
+
+def test_a_routers_expert_bias_is_derived_as_a_buffer_of_the_training_state(found: dict[str, Any]) -> None:
+    spec = EXTRA["tiny-moe-bias"]
+    geometry = found["presets"]["tiny-moe-bias"]
+    assert geometry == spec.geometry()
+    (bias,) = [p for p in geometry.parameters if p.buffer]
+    assert bias.name == "decoder.layers.{layer}.mlp.router.expert_bias" and bias.dtype == "float32"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -11,11 +11,14 @@ Megatron's default all-gather token dispatcher and aux-loss settings). One job o
     gen 4  TP1,PP2,DP1 [1/3] on p0,p1            scale-in to an uneven pipeline of MoE layers, EP 1
 
 with the plain optimizer and with Megatron's distributed optimizer (dense state sharded over DP, the
-experts' over expert-DP). Dropout is on. The tests read what the live job and the baseline reported.
+experts' over expert-DP); the second job also balances its experts without an aux loss (each router's
+``expert_bias`` buffer, updated every step from the tokens each expert got, is state that moves too).
+Dropout is on. The tests read what the live job and the baseline reported.
 """
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from live_chain import (
     Chain,
@@ -43,6 +46,12 @@ TRANSITIONS = {
 }
 SWITCHED = tuple(TRANSITIONS)
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
+MODELS = {
+    "plain": PRESETS["tiny-moe"],
+    "dist-opt": msgspec.structs.replace(
+        PRESETS["tiny-moe"], name="tiny-moe-bias", moe_router_enable_expert_bias=True
+    ),
+}
 OPTIMIZERS = {
     "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
     "dist-opt": TrainConfig(
@@ -59,7 +68,7 @@ OPTIMIZERS = {
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     chain = Chain(
         job=f"moe-{request.param}",
-        model=PRESETS["tiny-moe"],
+        model=MODELS[request.param],
         config=OPTIMIZERS[request.param],
         start=L("TP1,PP1,DP2,EP2"),
         start_processes=(0, 1),
@@ -80,6 +89,11 @@ def test_the_global_state_with_every_expert_is_the_same_right_after_the_switch(
 ) -> None:
     before, after = runs.before[generation], runs.after[generation]
     names = [t.name for t in PRESETS["tiny-moe"].geometry().tensors()]
+    if len(before) > len(names):  # the aux-loss-free job: its routers' expert_bias moved too
+        tensors = MODELS["dist-opt"].geometry().tensors()
+        names = [t.name for t in tensors]
+        biases = [i for i, t in enumerate(tensors) if t.role == "buffer"]
+        assert len(biases) == 4 and all(i in before and before[i].any() for i in biases)
     assert {e for e in range(4) if any(f"local_experts.{e}." in names[i] for i in before)} == {0, 1, 2, 3}
     assert max_deviation(before, after) == 0.0
     assert bit_identical(before, after)

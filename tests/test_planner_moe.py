@@ -287,3 +287,38 @@ def test_a_moe_plan_at_scale_verifies_ep8_to_ep16_with_a_scale_in() -> None:
     report = verify_plan(rp.plan)
     assert report.ok, report.errors
     assert rp.stats.bytes_moved > 0
+
+
+def test_a_routers_expert_bias_moves_as_state_without_optimizer_state_or_a_ddp_slot() -> None:
+    import msgspec
+
+    from liver.shared.dist_opt import stage_parameters
+
+    spec = msgspec.structs.replace(MOE, name="tiny-moe-bias", moe_router_enable_expert_bias=True)
+    g = spec.geometry().with_ddp(DIST)
+    biases = [t for t in g.tensors() if t.role == "buffer"]
+    assert len(biases) == MOE.num_layers and all(t.dtype == "float32" and t.shape == (4,) for t in biases)
+    assert not any(t.param == biases[0].name and t.role != "buffer" for t in g.tensors())
+    assert all(t.role != "buffer" for t in stage_parameters(g, L("TP1,PP1,DP2,EP2"), 0))
+    plan = build_plan(g, world(L("TP1,PP1,DP2,EP2")), world(L("TP1,PP2,DP2,EP2")))
+    assert verify_plan(plan).ok
+    assert {ti for t in plan.tasks for ti, _ in t.slices} >= {plan.tensors.index(b) for b in biases}
+
+
+def test_a_buffer_is_moved_whole() -> None:
+    with pytest.raises(GeometryError, match="buffer"):
+        ModelGeometry(
+            name="x",
+            num_layers=1,
+            parameters=(
+                ParamGeometry(
+                    name="decoder.layers.{layer}.b",
+                    shape=(4,),
+                    dtype="float32",
+                    rule="column",
+                    home="layer",
+                    layers=(0, 1),
+                    buffer=True,
+                ),
+            ),
+        )

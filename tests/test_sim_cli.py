@@ -32,6 +32,16 @@ def test_run_prints_every_policy_as_json(capsys: pytest.CaptureFixture[str]) -> 
         assert parts == pytest.approx(p["allocated_gpu_hours"])
 
 
+def test_a_mixture_of_experts_is_simulated_with_expert_parallel_layouts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _run(["sim", "run", *SMALL, "--model", "mixtral-8x7b", "--nodes", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    liver = next(p for p in out["policies"] if p["policy"] == "liver")
+    assert sum(liver["event_outcomes"].values()) == out["events"] > 0
+    assert liver["efficiency"] > max(p["efficiency"] for p in out["policies"] if p["policy"] != "liver")
+
+
 def test_a_written_trace_replays_to_the_same_results(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "trace.csv"
     assert _run(["sim", "trace", *SMALL, "--out", str(path)]) == 0

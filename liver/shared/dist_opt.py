@@ -87,6 +87,8 @@ def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: i
     final: list[TensorSpec] = []
     replica: list[TensorSpec] = []
     for t in geometry.tensors(optimizer=False):
+        if t.role == "buffer":  # no gradient: in no DDP buffer
+            continue
         stages = holding_stages(t, geometry, layout)
         if pp_rank not in stages:
             continue

@@ -44,7 +44,7 @@ EXPERT_PLACEHOLDER = "{expert}"
 
 Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
 Home = Literal["layer", "first", "last", "first+last", "all"]
-Role = Literal["param", "fp32_param", "exp_avg", "exp_avg_sq", "step"]
+Role = Literal["param", "fp32_param", "exp_avg", "exp_avg_sq", "step", "buffer"]
 ParamDType = Literal["float32", "bfloat16", "float16"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
@@ -104,6 +104,10 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     home: Home
     layers: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
     """``(first, stop)``: the decoder layers (0-based, ``stop`` excluded) this entry stands for."""
+    buffer: bool = False
+    """A persistent buffer that training updates outside the optimizer (Megatron's router
+    ``expert_bias``, the aux-loss-free load balancing state): moved like a parameter, without optimizer
+    state or gradient, and in no DDP buffer."""
     expert: bool = False
     """Whether this entry stands for one parameter of every expert (``{expert}`` in ``name``, the
     global expert index; the geometry's ``num_experts`` of them). Megatron's local experts are
@@ -229,8 +233,14 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     def tensors(self, optimizer: bool = True) -> tuple[TensorSpec, ...]:
         """All logical tensors of the training state (Adam's when ``optimizer``), grouped by streaming
-        layer and, within one, in parameter order: the order the executor walks."""
+        layer and, within one, in parameter order: the order the executor walks. Persistent buffers
+        (role ``buffer``) are state either way."""
         return _tensors(self, optimizer)
+
+    @property
+    def has_buffers(self) -> bool:
+        """Whether the state holds persistent buffers besides parameters (:attr:`ParamGeometry.buffer`)."""
+        return any(p.buffer for p in self.parameters)
 
     def parameter_count(self) -> int:
         return sum(math.prod(p.shape) * len(p.names(self.num_experts)) for p in self.parameters)
@@ -255,6 +265,8 @@ def _check_param(p: ParamGeometry, where: str, g: ModelGeometry) -> None:
         raise GeometryError(f"{where}.name: {LAYER_PLACEHOLDER} must appear exactly when `layers` is set")
     if (p.home == "layer") != (p.layers is not None):
         raise GeometryError(f"{where}.home: `layer` exactly for per-layer parameters, got {p.home!r}")
+    if p.buffer and p.rule != "replicated":
+        raise GeometryError(f"{where}.rule: a buffer is moved whole (replicated), got {p.rule!r}")
     if p.expert:
         if g.num_experts < 1:
             raise GeometryError(f"{where}.expert: an expert parameter needs the geometry's num_experts")
@@ -332,6 +344,8 @@ def _tensors(g: ModelGeometry, optimizer: bool) -> tuple[TensorSpec, ...]:
 
 
 def _roles(p: ParamGeometry, name: str, layer: int, optimizer: bool, expert: int) -> list[TensorSpec]:
+    if p.buffer:
+        return [TensorSpec(name, layer, p.shape, p.dtype, "buffer", p.rule, p.home, name, expert)]
     roles: list[tuple[Role, str]] = [("param", p.dtype)]
     if optimizer:
         if p.dtype != "float32":

@@ -91,6 +91,9 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     moe_ffn_hidden_size: int | None = None
     """Each expert's FFN size (``ffn_hidden_size`` when not given)."""
     moe_router_topk: int = 2
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing: each router keeps an fp32 ``expert_bias`` buffer that every step
+    updates from the tokens each expert received (state the optimizer does not hold)."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -196,6 +199,8 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
             add("pre_mlp_layernorm.bias", (h,), "replicated")
         if m.num_experts:
             add("mlp.router.weight", (m.num_experts, h), "replicated")
+            if m.moe_router_enable_expert_bias:
+                add("mlp.router.expert_bias", (m.num_experts,), "replicated")
             e, fe = f"mlp.experts.local_experts.{EXPERT_PLACEHOLDER}.", m.expert_ffn
             if m.swiglu:
                 add(e + "linear_fc1.weight", (2, fe, h), "swiglu")
@@ -239,15 +244,17 @@ def _geometry(m: ModelSpec) -> ModelGeometry:
             if template in seen:
                 continue
             seen.add(template)
+            buffer = template.endswith(".router.expert_bias")  # kept in fp32 by Megatron
             params.append(
                 ParamGeometry(
                     name=template,
                     shape=shape,
-                    dtype=m.params_dtype,
+                    dtype="float32" if buffer else m.params_dtype,
                     rule=rule,
                     home=home,
                     layers=(0, m.num_layers),
                     expert=EXPERT_PLACEHOLDER in template,
+                    buffer=buffer,
                 )
             )
         else:

@@ -128,7 +128,7 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
     model = plan.model
     model.check_layout(plan.old.layout)
     model.check_layout(plan.new.layout)
-    if plan.tensors != model.tensors(optimizer=any(t.role != "param" for t in plan.tensors)):
+    if plan.tensors != model.tensors(optimizer=any(t.role == "step" for t in plan.tensors)):
         fail("the plan's tensor list does not match its model")
         return
     old_v = _Views(model, plan.old.layout, plan.tensors)

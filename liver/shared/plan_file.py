@@ -67,7 +67,7 @@ def _upgrade(old: _PlanFileV1, source: str) -> PlanFile:
     tensor index in the shards and tasks is renumbered by name. Slice order within a task, which is
     the order of the bytes in its message, is kept."""
     geometry = old.model.geometry()
-    tensors = geometry.tensors(optimizer=any(t.role != "param" for t in old.tensors))
+    tensors = geometry.tensors(optimizer=any(t.role == "step" for t in old.tensors))
     index = {t.name: i for i, t in enumerate(tensors)}
     if sorted(index) != sorted(t.name for t in old.tensors):
         raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
@@ -174,7 +174,7 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
         if isinstance(exc, PlanFileError):
             raise
         raise PlanFileError(f"{source}: {exc}") from None
-    tensors = f.model.tensors(optimizer=any(t.role != "param" for t in f.tensors))
+    tensors = f.model.tensors(optimizer=any(t.role == "step" for t in f.tensors))
     if f.tensors != tensors:
         raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
     plan = Plan(

@@ -81,6 +81,7 @@ _DERIVED_FIELDS = frozenset(
         "num_moe_experts",
         "moe_ffn_hidden_size",
         "moe_router_topk",
+        "moe_router_enable_expert_bias",
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
         "moe_grouped_gemm",
@@ -336,6 +337,9 @@ def transformer_config(
             "num_moe_experts": spec.num_experts,
             "moe_ffn_hidden_size": spec.expert_ffn,
             "moe_router_topk": spec.moe_router_topk,
+            "moe_router_enable_expert_bias": spec.moe_router_enable_expert_bias,
+            # Megatron's aux-loss-free balancing (the expert bias) routes with sigmoid scores only.
+            **({"moe_router_score_function": "sigmoid"} if spec.moe_router_enable_expert_bias else {}),
             "expert_model_parallel_size": layout.ep,
             "expert_tensor_parallel_size": layout.expert_tp,
             "moe_grouped_gemm": False,
@@ -371,6 +375,8 @@ def expected_local_parameter_count(spec: ModelSpec, layout: ParallelLayout, rank
     """Elements of the parameters ``rank`` holds according to the views (vocabulary padding included)."""
     total = 0
     for tensor in spec.tensors(optimizer=False):
+        if tensor.role == "buffer":
+            continue
         shard = view(tensor, spec, layout, rank)
         if shard is not None:
             total += math.prod(shard.local_shape)

@@ -97,6 +97,7 @@ class _Param:
     factory: bool
     pieces: list[_Piece] = field(default_factory=list)
     expert: int | None = None  # the global expert when Megatron stacks experts too (a second axis)
+    buffer: bool = False  # a persistent buffer (the router's expert_bias), not a parameter
 
     @property
     def ident(self) -> tuple[str, int | None, int | None]:
@@ -153,6 +154,9 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         names = {id(p): n for n, p in model.named_parameters()}
+        param_ids = set(names)
+        # Persistent buffers Megatron checkpoints are training state too (the router's expert_bias).
+        names.update({id(b): n for n, b in model.named_buffers() if id(b) not in names})
         out: dict[int, _Param] = {}
         for value in nested_values(state):
             if isinstance(value, ShardedObject):
@@ -165,8 +169,8 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
             param = value.data
             if id(param) not in names:
                 raise GeometryDerivationError(
-                    f"sharded_state_dict() key {value.key!r} is not a parameter of the model (a buffer "
-                    "that training changes would be lost in a reshard)"
+                    f"sharded_state_dict() key {value.key!r} is neither a parameter nor a buffer of the "
+                    "model (state that training changes would be lost in a reshard)"
                 )
             built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
             first = built[0]
@@ -187,6 +191,7 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                     dtype=dtype,
                     factory=isinstance(value, ShardedTensorFactory),
                     expert=first.global_offset[1] if skip == 2 else None,
+                    buffer=id(param) not in param_ids,
                 ),
             )
             for sh in built:
@@ -199,7 +204,7 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                         fragments=tuple(sh.axis_fragmentations[skip:]),
                     )
                 )
-        missing = sorted(set(names.values()) - {p.name for p in out.values()})
+        missing = sorted({names[i] for i in param_ids} - {p.name for p in out.values()})
         if missing:
             raise GeometryDerivationError(
                 f"parameter {missing[0]} is not in sharded_state_dict(): Megatron could not checkpoint "
@@ -207,9 +212,22 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
             )
         vocab = getattr(model, "vocab_size", None)
         config = getattr(model, "config", None)
-        order = {n: i for i, n in enumerate(names.values())}  # named_parameters(): the module order
+        order = _module_order(model)
         params = sorted(out.values(), key=lambda p: order[p.name])
         return _Probe(layout, rank, params, config, vocab if isinstance(vocab, int) else None)
+
+
+def _module_order(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters and buffers by position in module order, each module's parameters before its buffers
+    (``named_parameters()``'s order, with the buffers where ``state_dict()`` puts them)."""
+    order: dict[str, int] = {}
+    for prefix, module in model.named_modules():
+        head = f"{prefix}." if prefix else ""
+        for name, _ in module.named_parameters(recurse=False):
+            order.setdefault(head + name, len(order))
+        for name, _ in module.named_buffers(recurse=False):
+            order.setdefault(head + name, len(order))
+    return order
 
 
 # --------------------------------------------------------------------------- generalising
@@ -469,7 +487,7 @@ def derive_geometry(
                     f"decoder.layers.{p.layer}.<...>"
                 )
             suffix = match.group(2) if p.expert is None else _expert_suffix(p, match.group(2))
-            signature = (suffix, shape, p.dtype, rule, p.expert is not None)
+            signature = (suffix, shape, p.dtype, rule, p.expert is not None, p.buffer)
             if any(r["sig"] == signature and r["stop"] == p.layer + 1 for r in runs):
                 continue  # another expert of a layer already counted
             run = next(
@@ -482,7 +500,9 @@ def derive_geometry(
                 runs[run]["stop"] = p.layer + 1
             continue
         home: Home = _homes(stages, p.ident) if stages else "first+last" if rule == "vocab" else "first"
-        params.append(ParamGeometry(name=p.name, shape=shape, dtype=p.dtype, rule=rule, home=home))  # type: ignore[arg-type]
+        params.append(
+            ParamGeometry(name=p.name, shape=shape, dtype=p.dtype, rule=rule, home=home, buffer=p.buffer)  # type: ignore[arg-type]
+        )
 
     out: list[ParamGeometry] = []
     for entry in params:
@@ -490,7 +510,7 @@ def derive_geometry(
             out.append(entry)
             continue
         r = runs[entry]
-        suffix, shape, dtype, rule, expert = r["sig"]
+        suffix, shape, dtype, rule, expert, buffer = r["sig"]
         out.append(
             ParamGeometry(
                 name=f"decoder.layers.{LAYER_PLACEHOLDER}.{suffix}",
@@ -500,6 +520,7 @@ def derive_geometry(
                 home="layer",
                 layers=(r["first"], r["stop"]),
                 expert=expert,
+                buffer=buffer,
             )
         )
     geometry = ModelGeometry(
@@ -615,6 +636,7 @@ def model_geometry_mismatches(
     problems: list[str] = []
     tensors = {t.name: t for t in geometry.tensors(optimizer=False)}
     names = {id(p): n for n, p in model.named_parameters()}
+    names.update({id(b): n for n, b in model.named_buffers() if id(b) not in names})
     covered: dict[str, list[tuple[tuple[int, int], ...] | None]] = {}
     for value in nested_values(model.sharded_state_dict(metadata=metadata)):
         if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or id(value.data) not in names:

@@ -288,6 +288,8 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
         for role in _MOMENTS:
             moment_index = index_of[f"optimizer.state.{role}.{name}"]
             state[moment_index] = _as_local(adam[role], tensors[moment_index], shape)
+    if spec.has_buffers:
+        _add_buffers(trainer, state, index_of, tensors, expected)
     step_index = index_of["optimizer.state.step"]
     # A rank that owns no optimizer state (distributed optimizer) has no Adam step of its own: the
     # trainer counts the steps its optimizer took, the same number on every rank.
@@ -295,6 +297,25 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
     state[step_index] = torch.tensor(step, dtype=torch.int64)
     check_local_state(state, spec, layout, rank)
     return state
+
+
+def _add_buffers(
+    trainer: MegatronTrainer,
+    state: dict[int, LocalTensor],
+    index_of: Mapping[str, int],
+    tensors: tuple[TensorSpec, ...],
+    expected: Mapping[int, tuple[tuple[int, ...], ...]],
+) -> None:
+    """The persistent buffers the geometry lists (the router's ``expert_bias``): views of the live
+    buffers, as parameters are."""
+    for local_name, buffer in trainer.gpt.named_buffers():
+        index = index_of.get(logical_parameter_name(trainer, local_name))
+        if index is None or tensors[index].role != "buffer":
+            continue  # not training state (a non-persistent scratch buffer)
+        if index not in expected:
+            raise StateMismatch(f"{tensors[index].name}: this rank holds it, the view says it must not")
+        (shape,) = expected[index]
+        state[index] = _as_local(buffer.detach(), tensors[index], shape)
 
 
 def _add_owned(
