@@ -60,6 +60,9 @@ EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a p
 }
 
 
+MOE_LAYOUTS = ("TP2,PP2,DP2,EP2,ETP1", "TP1,PP1,DP4,EP2,ETP2", "TP2,PP1,DP2,EP4,ETP1")
+
+
 def child_main(results: Any) -> None:
     try:
         import torch
@@ -112,6 +115,12 @@ def child_main(results: Any) -> None:
                 out["refusals"][case] = None
             except GeometryDerivationError as exc:
                 out["refusals"][case] = str(exc)
+        # Experts: Megatron's own shards of every rank of expert-parallel layouts against the views.
+        moe = EXTRA["tiny-moe-bias"]
+        out["moe_checked"] = {
+            text: _emulated_mismatches(SpecProvider(moe), moe.geometry(), ParallelLayout.parse(text))
+            for text in MOE_LAYOUTS
+        }
         # A plan made for another model: the tied GPT's geometry against the QK-norm model.
         layout = ParallelLayout(tp=2, pp=1, dp=1)
         out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
@@ -162,6 +171,15 @@ def test_a_presets_geometry_is_exactly_what_megatron_says_of_the_model_it_descri
     found: dict[str, Any], name: str
 ) -> None:
     assert found["presets"][name] == PRESETS[name].geometry()
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_every_ranks_experts_are_where_the_view_function_puts_them(
+    found: dict[str, Any], layout: str
+) -> None:
+    mismatches = found["moe_checked"][layout]
+    assert len(mismatches) == ParallelLayout.parse(layout).world_size
+    assert all(problems == [] for problems in mismatches.values()), mismatches
 
 
 def test_a_routers_expert_bias_is_derived_as_a_buffer_of_the_training_state(found: dict[str, Any]) -> None:

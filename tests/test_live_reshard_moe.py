@@ -8,7 +8,8 @@ Megatron's default all-gather token dispatcher and aux-loss settings). One job o
     gen 1  TP1,PP1,DP4,EP4 on p0-p3              scale-out and an EP change: experts move whole
     gen 2  TP2,PP1,DP2,EP2,ETP1 on p0-p3         EP with TP (sequence parallel): experts regrouped
     gen 3  TP1,PP1,DP4,EP2,ETP2 on p0,p1,p4,p5   expert-TP 2: every expert cut in two (p2, p3 leave)
-    gen 4  TP1,PP2,DP1 [1/3] on p0,p1            scale-in to an uneven pipeline of MoE layers, EP 1
+    gen 4  TP1,PP2,DP2,EP2 [1/3] on p0,p1,p4,p5  EP with an uneven pipeline of MoE layers
+    gen 5  TP1,PP2,DP1 [1/3] on p0,p1            scale-in, EP 2 -> 1
 
 with the plain optimizer and with Megatron's distributed optimizer (dense state sharded over DP, the
 experts' over expert-DP); the second job also balances its experts without an aux loss (each router's
@@ -42,7 +43,8 @@ TRANSITIONS = {
     1: Transition("EP change, scale-out", L("TP1,PP1,DP4,EP4"), (0, 1, 2, 3)),
     2: Transition("EP with TP", L("TP2,PP1,DP2,EP2,ETP1"), (0, 1, 2, 3)),
     3: Transition("expert-TP 2", L("TP1,PP1,DP4,EP2,ETP2"), (0, 1, 4, 5)),
-    4: Transition("scale-in, uneven pipeline", L("TP1,PP2,DP1:1/3"), (0, 1)),
+    4: Transition("EP with an uneven pipeline", L("TP1,PP2,DP2,EP2:1/3"), (0, 1, 4, 5)),
+    5: Transition("scale-in to EP 1", L("TP1,PP2,DP1:1/3"), (0, 1)),
 }
 SWITCHED = tuple(TRANSITIONS)
 IDS = [TRANSITIONS[g].name for g in SWITCHED]

@@ -29,6 +29,11 @@ FIRST_STEPS = 3
 CONTINUED_STEPS = 2
 
 
+ALLTOALL = msgspec.structs.replace(
+    PRESETS["tiny-moe"], name="tiny-moe-alltoall", moe_token_dispatcher="alltoall"
+)
+
+
 class Case(NamedTuple):
     spec: ModelSpec
     layout: ParallelLayout
@@ -42,6 +47,10 @@ CASES: dict[str, Case] = {
     # Megatron DDP: gradients all-reduced over DP, each replica reads half of every global batch; with
     # dropout, so the resumed run matches only if the RNG streams moved with the progress.
     "DP2-gpt-dropout": Case(PRESETS["tiny-gpt"], ParallelLayout(tp=1, pp=1, dp=2)),
+    # Experts over EP with the all-to-all token dispatcher (its CUDA streams and its split sizes, a CPU
+    # tensor, on gloo), and at TP2 with sequence parallelism, where it gathers uneven token counts.
+    "EP2-moe-alltoall": Case(ALLTOALL, ParallelLayout(tp=1, pp=1, dp=2, ep=2)),
+    "TP2-moe-alltoall": Case(ALLTOALL, ParallelLayout(tp=2, pp=1, dp=1)),
 }
 DROPOUT = {"DP2-gpt-dropout": 0.1}
 # parallel_state is initialised for this (another) layout of two ranks while the fresh trainer is
@@ -50,6 +59,8 @@ DECOY: dict[str, ParallelLayout] = {
     "TP2-llama": ParallelLayout(tp=1, pp=1, dp=2),
     "PP2-gpt": ParallelLayout(tp=2, pp=1, dp=1),
     "DP2-gpt-dropout": ParallelLayout(tp=1, pp=2, dp=1),
+    "EP2-moe-alltoall": ParallelLayout(tp=2, pp=1, dp=1),
+    "TP2-moe-alltoall": ParallelLayout(tp=1, pp=1, dp=2, ep=2),
 }
 
 

@@ -174,6 +174,14 @@ def test_an_expert_lives_whole_on_one_ep_rank_cut_by_expert_tp_and_replicated_ov
     assert view(fc1[1], g, cut, 2) is None
 
 
+def test_a_rank_outside_the_world_is_refused_by_the_view() -> None:
+    g = MOE.geometry()
+    fc1 = next(t for t in g.tensors(False) if t.expert == 3)
+    for rank in (-1, 4):
+        with pytest.raises(LayoutError, match="outside"):
+            view(fc1, g, L("TP1,PP1,DP4,EP2"), rank)
+
+
 def test_tensors_of_experts_are_listed_expert_by_expert_as_megatron_names_them() -> None:
     names = [t.name for t in MOE.tensors(False) if t.layer == 1]
     experts = [n.split("mlp.")[1] for n in names if "local_experts" in n]

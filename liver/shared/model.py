@@ -91,6 +91,8 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     moe_ffn_hidden_size: int | None = None
     """Each expert's FFN size (``ffn_hidden_size`` when not given)."""
     moe_router_topk: int = 2
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """Megatron's ``moe_token_dispatcher_type`` (``flex`` needs DeepEP, which is GPU-only)."""
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing: each router keeps an fp32 ``expert_bias`` buffer that every step
     updates from the tokens each expert received (state the optimizer does not hold)."""

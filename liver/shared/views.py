@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from liver.shared.boxes import Box
 from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.layout import Grid, ParallelLayout
+from liver.shared.layout import Grid, LayoutError, ParallelLayout
 
 
 class Shard(NamedTuple):
@@ -103,6 +103,8 @@ def holder_ranks(
 def view(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> Shard | None:
     """The shard ``rank`` holds of ``tensor`` under ``layout``, or ``None`` when its stage holds none
     (or, for an expert's tensor, when the expert lives on another EP rank)."""
+    if not 0 <= rank < layout.world_size:
+        raise LayoutError(f"rank {rank} outside a world of {layout.world_size}")
     grid = grid_of(tensor, layout)
     tp, ep, _replica, pp = grid.place(rank)
     if pp not in holding_stages(tensor, model, layout):

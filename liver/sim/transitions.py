@@ -29,7 +29,7 @@ import msgspec
 from liver.services.topology import choose_topology
 from liver.services.topology.cost import step_cost
 from liver.services.topology.memory import stage_state_bytes
-from liver.services.topology.placement import tp_groups_within_nodes
+from liver.services.topology.placement import blocks_within_nodes, tp_groups_within_nodes
 from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelSpec
@@ -200,6 +200,8 @@ class TransitionPlanner:
             layout,
             tp_within_node=tp_groups_within_nodes(layout, placement) or nodes_used == 1,
             single_node=nodes_used == 1,
+            ep_within_node=blocks_within_nodes(placement, layout.expert_tp * layout.ep),
+            cp_within_node=blocks_within_nodes(placement, layout.tp * layout.cp),
         )
         stages = stage_state_bytes(model, cal.setup, layout)
         fields = {
@@ -210,7 +212,7 @@ class TransitionPlanner:
             "tokens_per_s": cost.tokens_per_s,
             "step_s": cost.step_s,
             "load_max_rank_bytes": max(state for state, _grad in stages),
-            "load_total_bytes": sum(state for state, _grad in stages) * layout.tp * layout.dp,
+            "load_total_bytes": sum(state for state, _grad in stages) * (layout.world_size // layout.pp),
             "kept": key.kept,
             "lost": key.lost,
         }

@@ -170,7 +170,7 @@ def alias_of(layout: ParallelLayout, kind: GroupKind) -> GroupKind | None:
         GroupKind.ETP: GroupKind.TP if same_tp else None,
         GroupKind.EDP: GroupKind.DP_CP if dense_experts else None,
         GroupKind.TP_EP: GroupKind.TP if dense_experts else None,
-        GroupKind.TP_EP_PP: GroupKind.MP if dense_experts and no_cp else None,
+        GroupKind.TP_EP_PP: GroupKind.MP if dense_experts else None,
     }
     target = aliases.get(kind)
     if target is None:

@@ -259,13 +259,15 @@ class _Chooser:
         def reject(rule: Rule, reason: str) -> _Scored:
             return _Scored(CandidateScore(layout=layout, devices=n, rule=rule, reason=reason))
 
-        for what, value in (
-            ("num_attention_heads", model.num_attention_heads),
-            ("num_query_groups", model.query_groups),
-            ("moe_ffn_hidden_size" if model.num_experts else "ffn_hidden_size", model.expert_ffn),
+        for what, value, size, name in (
+            ("num_attention_heads", model.num_attention_heads, tp, "tp"),
+            ("num_query_groups", model.query_groups, tp, "tp"),
+            ("ffn_hidden_size", model.ffn_hidden_size, tp, "tp")
+            if not model.num_experts
+            else ("moe_ffn_hidden_size", model.expert_ffn, layout.expert_tp, "etp"),
         ):
-            if value % tp:
-                return reject("tp_divisibility", f"{what} ({value}) is not divisible by tp={tp}")
+            if value % size:
+                return reject("tp_divisibility", f"{what} ({value}) is not divisible by {name}={size}")
         if self.geometry is not None:
             try:
                 self.geometry.check_layout(layout)
@@ -297,6 +299,8 @@ class _Chooser:
         per_node = min(len(v) for v in self.nodes.values())
 
         def fits_node(group: int) -> bool:
+            # Before placing: a block of ranks can stay on a node when every node holds whole blocks
+            # (the simulator scores its transitions on the actual placement).
             return within and per_node % group == 0
 
         mem = memory_estimate(model, setup, self.hardware, layout, self.staging_bytes, self.geometry)

@@ -29,9 +29,14 @@ from liver.shared.plan import WorldConfig
 
 def tp_groups_within_nodes(layout: ParallelLayout, placement: Placement) -> bool:
     """Whether every TP group (``tp`` consecutive ranks) runs on one node."""
-    tp = layout.tp
+    return blocks_within_nodes(placement, layout.tp)
+
+
+def blocks_within_nodes(placement: Placement, size: int) -> bool:
+    """Whether every block of ``size`` consecutive ranks runs on one node: the TP groups (``tp``), the
+    expert groups (``etp * ep``: expert-TP x EP) or the context-parallel groups with TP (``tp * cp``)."""
     devs = placement.devices
-    return all(len({d.node for d in devs[g : g + tp]}) == 1 for g in range(0, len(devs), tp))
+    return all(len({d.node for d in devs[g : g + size]}) == 1 for g in range(0, len(devs), size))
 
 
 def node_local_placement(

@@ -82,6 +82,7 @@ _DERIVED_FIELDS = frozenset(
         "moe_ffn_hidden_size",
         "moe_router_topk",
         "moe_router_enable_expert_bias",
+        "moe_token_dispatcher_type",
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
         "moe_grouped_gemm",
@@ -331,13 +332,14 @@ def transformer_config(
     dtype = _DTYPES[spec.params_dtype]
     moe: dict[str, Any] = {}
     if spec.num_experts:
-        # Megatron's defaults for the rest (aux-loss coefficient, token dropping, the all-gather token
-        # dispatcher) unless the job overrides them; with TP > 1 an MoE layer needs sequence parallelism.
+        # Megatron's defaults for the rest (aux-loss coefficient, token dropping) unless the job
+        # overrides them; with TP > 1 an MoE layer needs sequence parallelism.
         moe = {
             "num_moe_experts": spec.num_experts,
             "moe_ffn_hidden_size": spec.expert_ffn,
             "moe_router_topk": spec.moe_router_topk,
             "moe_router_enable_expert_bias": spec.moe_router_enable_expert_bias,
+            "moe_token_dispatcher_type": spec.moe_token_dispatcher,
             # Megatron's aux-loss-free balancing (the expert bias) routes with sigmoid scores only.
             **({"moe_router_score_function": "sigmoid"} if spec.moe_router_enable_expert_bias else {}),
             "expert_model_parallel_size": layout.ep,

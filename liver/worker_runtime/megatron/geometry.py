@@ -740,24 +740,27 @@ def check_model_geometry(
 
 
 def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: ParallelLayout) -> None:
-    """Build ``provider``'s model on the meta device as one rank of every (stage, TP rank) of ``layout``
-    (DP ranks build alike) under the fake process group, and check each against ``geometry``: raises
-    :class:`GeometryMismatch` naming the rank and the parameters. Needs a process without a default
-    world (``MegatronJob.check_layout`` runs it in a spawned interpreter for one that has one)."""
+    """Build ``provider``'s model on the meta device as one rank of every (stage, TP rank, EP rank,
+    expert-TP rank) of ``layout`` (the other ranks build alike) under the fake process group, and check
+    each against ``geometry``: raises :class:`GeometryMismatch` naming the rank and the parameters.
+    Needs a process without a default world (``MegatronJob.check_layout`` runs it in a spawned
+    interpreter for one that has one)."""
     from liver.worker_runtime.megatron.build import groups_from_parallel_state
 
     geometry.check_layout(layout)
-    for pp in range(layout.pp):
-        for tp in range(layout.tp):
-            rank = layout.rank_of(tp, 0, pp)
-            with _fake_world(layout, rank):
-                groups = groups_from_parallel_state(layout)
-                try:
-                    with torch.device("meta"):
-                        model = provider(layout, groups.collection())
-                except Exception as exc:  # the user's code: reported with the rank it failed at
-                    raise GeometryMismatch(
-                        f"the provider failed to build rank {rank} of {layout.describe()}: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
-                check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp_cp})
+    classes: dict[tuple[int, int, int, int], int] = {}
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        classes.setdefault((c.pp, c.tp, c.ep, c.etp), r)
+    for rank in classes.values():
+        with _fake_world(layout, rank):
+            groups = groups_from_parallel_state(layout)
+            try:
+                with torch.device("meta"):
+                    model = provider(layout, groups.collection())
+            except Exception as exc:  # the user's code: reported with the rank it failed at
+                raise GeometryMismatch(
+                    f"the provider failed to build rank {rank} of {layout.describe()}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            check_model_geometry(model, geometry, layout, rank, metadata={"dp_cp_group": groups.dp_cp})

@@ -128,7 +128,7 @@ class ModelSource:
         with parallel_state_of(groups):  # a provider (and the tied output layer) may ask parallel_state
             model = self.provider(layout, groups.collection())
             check_model_geometry(
-                model, self.geometry, layout, groups.rank, metadata={"dp_cp_group": groups.dp}
+                model, self.geometry, layout, groups.rank, metadata={"dp_cp_group": groups.dp_cp}
             )
         return model
 

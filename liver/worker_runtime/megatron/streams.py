@@ -45,7 +45,9 @@ def reseed(config: TrainConfig, iteration: int, layout: ParallelLayout, rank: in
     coords = layout.coords(rank)
     seed = (config.seed + _ITERATION_STRIDE * iteration) % _SEED_MODULUS + 100 * coords.pp
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=coords.tp, ep_rank=0, etp_rank=0)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, tp_rank=coords.tp, ep_rank=coords.ep, etp_rank=coords.etp
+    )
     random.seed(seed)
     return seed
 

@@ -206,7 +206,7 @@ class MegatronTrainer:
         if self.groups.is_last_stage:
             for report in reports:
                 total += self._report_pair(report)
-            dist.all_reduce(total, group=self.groups.dp)
+            dist.all_reduce(total, group=self.groups.dp_cp)  # CP ranks hold parts of each sequence
         if self.layout.pp > 1:
             dist.all_reduce(total, group=self.groups.pp)
         return float(total[0] / total[1])
