@@ -56,7 +56,16 @@ def _emulated_mismatches(
 EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a persistent router buffer)
     "tiny-moe-bias": msgspec.structs.replace(
         PRESETS["tiny-moe"], name="tiny-moe-bias", moe_router_enable_expert_bias=True
-    )
+    ),
+    # shared experts with their gate, SwiGLU experts, bf16
+    "tiny-moe-shared": msgspec.structs.replace(
+        PRESETS["tiny-moe"],
+        name="tiny-moe-shared",
+        swiglu=True,
+        params_dtype="bfloat16",
+        moe_shared_expert_intermediate_size=64,
+        moe_shared_expert_gate=True,
+    ),
 }
 
 
@@ -180,6 +189,19 @@ def test_every_ranks_experts_are_where_the_view_function_puts_them(
     mismatches = found["moe_checked"][layout]
     assert len(mismatches) == ParallelLayout.parse(layout).world_size
     assert all(problems == [] for problems in mismatches.values()), mismatches
+
+
+def test_shared_experts_and_their_gate_are_derived_as_dense_tensors_after_the_experts(
+    found: dict[str, Any],
+) -> None:
+    spec = EXTRA["tiny-moe-shared"]
+    assert found["presets"]["tiny-moe-shared"] == spec.geometry()
+    names = [t.name for t in spec.geometry().tensors(optimizer=False) if t.layer == 1]
+    assert names[-3:] == [
+        "decoder.layers.0.mlp.shared_experts.gate_weight",
+        "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+        "decoder.layers.0.mlp.shared_experts.linear_fc2.weight",
+    ]
 
 
 def test_a_routers_expert_bias_is_derived_as_a_buffer_of_the_training_state(found: dict[str, Any]) -> None:

@@ -29,8 +29,12 @@ FIRST_STEPS = 3
 CONTINUED_STEPS = 2
 
 
-ALLTOALL = msgspec.structs.replace(
-    PRESETS["tiny-moe"], name="tiny-moe-alltoall", moe_token_dispatcher="alltoall"
+ALLTOALL = msgspec.structs.replace(  # with shared experts and their gate beside the routed ones
+    PRESETS["tiny-moe"],
+    name="tiny-moe-alltoall",
+    moe_token_dispatcher="alltoall",
+    moe_shared_expert_intermediate_size=64,
+    moe_shared_expert_gate=True,
 )
 
 

@@ -91,6 +91,11 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     moe_ffn_hidden_size: int | None = None
     """Each expert's FFN size (``ffn_hidden_size`` when not given)."""
     moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    """An FFN every token passes through beside its routed experts (Megatron's shared experts: a
+    dense, tensor-parallel MLP after the experts; no bias)."""
+    moe_shared_expert_gate: bool = False
+    """A learned sigmoid gate on the shared experts' output (``gate_weight``, ``[1, hidden]``)."""
     moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     """Megatron's ``moe_token_dispatcher_type`` (``flex`` needs DeepEP, which is GPU-only)."""
     moe_router_enable_expert_bias: bool = False
@@ -119,6 +124,15 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         if self.num_experts:
             if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
                 raise ModelError(f"moe_ffn_hidden_size must be at least 1, got {self.moe_ffn_hidden_size}")
+            shared = self.moe_shared_expert_intermediate_size
+            if shared is not None and shared < 1:
+                raise ModelError(f"moe_shared_expert_intermediate_size must be at least 1, got {shared}")
+            if shared is not None and self.bias:
+                raise ModelError(
+                    "moe_shared_expert_intermediate_size: Megatron's shared experts have no bias"
+                )
+            if self.moe_shared_expert_gate and shared is None:
+                raise ModelError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
             if not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ModelError(
                     f"moe_router_topk must be between 1 and num_experts ({self.num_experts}), "
@@ -215,6 +229,16 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
             add(e + "linear_fc2.weight", (h, fe), "row")
             if m.bias:
                 add(e + "linear_fc2.bias", (h,), "replicated")
+            fs = m.moe_shared_expert_intermediate_size
+            if fs is not None:  # Megatron's SharedExpertMLP: no bias, its gate first
+                if m.moe_shared_expert_gate:
+                    add("mlp.shared_experts.gate_weight", (1, h), "replicated")
+                add(
+                    "mlp.shared_experts.linear_fc1.weight",
+                    (2, fs, h) if m.swiglu else (fs, h),
+                    "swiglu" if m.swiglu else "column",
+                )
+                add("mlp.shared_experts.linear_fc2.weight", (h, fs), "row")
             continue
         if m.swiglu:
             add("mlp.linear_fc1.weight", (2, f, h), "swiglu")

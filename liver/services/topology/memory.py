@@ -308,6 +308,9 @@ def activation_bytes_per_token(
         k = model.moe_router_topk
         expert_elems = k * h + k * ((2 if model.swiglu else 1) * fe + fe) // (etp or tp)
         expert_elems += 2 * model.num_experts * 4 // e
+        fs = model.moe_shared_expert_intermediate_size
+        if fs:  # the shared experts: a dense, tensor-parallel MLP every token passes through
+            elems_split += (2 if model.swiglu else 1) * fs + fs
     else:
         elems_split += (2 if model.swiglu else 1) * model.ffn_hidden_size + model.ffn_hidden_size
     per_token = (4 * h // sp_div + elems_split // tp + expert_elems) * e

@@ -83,6 +83,8 @@ _DERIVED_FIELDS = frozenset(
         "moe_router_topk",
         "moe_router_enable_expert_bias",
         "moe_token_dispatcher_type",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
         "moe_grouped_gemm",
@@ -340,6 +342,8 @@ def transformer_config(
             "moe_router_topk": spec.moe_router_topk,
             "moe_router_enable_expert_bias": spec.moe_router_enable_expert_bias,
             "moe_token_dispatcher_type": spec.moe_token_dispatcher,
+            "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
+            "moe_shared_expert_gate": spec.moe_shared_expert_gate,
             # Megatron's aux-loss-free balancing (the expert bias) routes with sigmoid scores only.
             **({"moe_router_score_function": "sigmoid"} if spec.moe_router_enable_expert_bias else {}),
             "expert_model_parallel_size": layout.ep,
