@@ -330,3 +330,15 @@ def test_a_buffer_is_moved_whole() -> None:
                 ),
             ),
         )
+
+
+def test_a_context_parallel_change_at_scale_plans_and_verifies() -> None:
+    # llama3-8b from CP4 on 1,024 devices to CP2 on 960 (8 nodes gone): parameters and Adam state are
+    # replicated over CP x DP, so every new rank finds a source among four times as many replicas.
+    # (The distributed optimizer's CP moves, which shard over DP x CP, are checked at CI size above.)
+    g = PRESETS["llama3-8b"].geometry()
+    old = default_world(L("TP2,PP2,DP64,CP4"), 8)
+    rp = plan_resize(g, old, L("TP2,PP2,DP120,CP2"), old.placement.devices[:960], compare_rank_order=False)
+    report = verify_plan(rp.plan)
+    assert report.ok, report.errors
+    assert rp.plan.new.layout.cp == 2 and rp.stats.bytes_moved > 0

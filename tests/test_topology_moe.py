@@ -54,3 +54,14 @@ def test_the_chooser_picks_an_expert_parallel_layout_for_a_mixture_of_experts() 
     chosen = decision.layout
     assert chosen.world_size <= 960 and chosen.ep > 1
     assert MOE.num_experts % chosen.ep == 0
+
+
+def test_a_sequence_that_does_not_split_into_two_chunks_per_cp_rank_is_refused() -> None:
+    from liver.services.topology.chooser import assess_layout
+
+    setup = TrainingSetup(global_batch_size=1024, sequence_length=4098)  # 4098 = 2 * 2049
+    current = default_world(L("TP2,PP4,DP64,CP2,EP8"), 8)
+    score = assess_layout(
+        MOE, setup, H100_80GB, current, current.placement.devices, L("TP2,PP4,DP64,CP2,EP8")
+    )
+    assert score.rule == "sequence" and "2 * cp = 4" in score.reason

@@ -57,12 +57,13 @@ from .cost import StepCost, step_cost
 from .memory import HardwareProfile, SetupError, TrainingSetup, memory_estimate
 from .placement import Overlap, bytes_moved, lower_bound_bytes, node_local_placement
 
-Rule = Literal["ok", "tp_divisibility", "pp_layers", "batch", "tp_across_nodes", "memory"]
+Rule = Literal["ok", "tp_divisibility", "pp_layers", "batch", "sequence", "tp_across_nodes", "memory"]
 
 _RULE_WORDS: dict[str, str] = {
     "tp_divisibility": "TP does not divide the heads, query groups or FFN",
     "pp_layers": "more stages than layers",
     "batch": "global batch does not divide over DP",
+    "sequence": "the sequence does not split over CP",
     "tp_across_nodes": "TP groups would span nodes",
     "memory": "out of memory",
 }
@@ -285,6 +286,13 @@ class _Chooser:
                 "batch",
                 f"global batch {setup.global_batch_size} is not a multiple of "
                 f"dp * micro_batch = {dp} * {setup.micro_batch_size}",
+            )
+        if setup.sequence_length % (2 * layout.cp):
+            # Context parallelism gives each rank two chunks of the sequence (load balance under the
+            # causal mask), so 2 * CP must divide it.
+            return reject(
+                "sequence",
+                f"sequence length {setup.sequence_length} is not a multiple of 2 * cp = {2 * layout.cp}",
             )
         devices = self.select(n, tp)
         within = devices is not None
@@ -512,7 +520,14 @@ def _validate(
         raise TopologyError(f"current.layout: {exc}") from None
 
 
-_REJECTION_ORDER = {"memory": 0, "tp_across_nodes": 1, "batch": 2, "pp_layers": 3, "tp_divisibility": 4}
+_REJECTION_ORDER = {
+    "memory": 0,
+    "tp_across_nodes": 1,
+    "batch": 2,
+    "sequence": 3,
+    "pp_layers": 4,
+    "tp_divisibility": 5,
+}
 
 
 def _most_instructive(scored: list[_Scored], top: int) -> list[CandidateScore]:
