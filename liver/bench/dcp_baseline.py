@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from liver.shared.boxes import Box
-from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
 from liver.shared.plan import WorldConfig
 from liver.shared.views import view
@@ -104,24 +103,10 @@ def _chunk(box: Box) -> ChunkStorageMetadata:
     )
 
 
-def _class_of(layout: ParallelLayout, rank: int) -> tuple[int, int, int, int]:
-    """Ranks that hold the same shards: (stage, TP rank, EP rank, expert-TP rank)."""
-    c = layout.coords(rank)
-    return (c.pp, c.tp, c.ep, c.etp)
-
-
-def _representatives(layout: ParallelLayout) -> dict[tuple[int, int, int, int], int]:
-    """One rank of each class (:func:`_class_of`), the first in rank order."""
-    out: dict[tuple[int, int, int, int], int] = {}
-    for r in range(layout.world_size):
-        out.setdefault(_class_of(layout, r), r)
-    return out
-
-
 def saved_metadata(model: ModelSpec, tensors: tuple[TensorSpec, ...], old: WorldConfig) -> Metadata:
     """The metadata a deduplicated DCP save of the old world writes (see the module docstring)."""
     lay = old.layout
-    ranks = list(_representatives(lay).values())
+    ranks = list(lay.class_representatives().values())
     md: dict[str, TensorStorageMetadata] = {}
     for t in tensors:
         boxes: dict[Box, None] = {}
@@ -144,14 +129,14 @@ def build_workload(
     metadata = saved_metadata(model, tensors, old)
     lay = new.layout
     per_class: dict[tuple[int, int, int, int], dict[str, LocalShards]] = {}
-    for key, rank in _representatives(lay).items():
+    for key, rank in lay.class_representatives().items():
         sd: dict[str, LocalShards] = {}
         for t in tensors:
             shard = view(t, model, lay, rank)
             if shard is not None and shard.box is not None:
                 sd[t.name] = LocalShards(torch.Size(t.shape), [_chunk(shard.box)])
         per_class[key] = sd
-    state_dicts = tuple(per_class[_class_of(lay, r)] for r in range(lay.world_size))
+    state_dicts = tuple(per_class[lay.shard_class(r)] for r in range(lay.world_size))
     saved = sum(len(m.chunks) for m in metadata.state_dict_metadata.values())
     local = sum(len(sd) for sd in state_dicts)
     itemsize = {t.name: t.itemsize for t in tensors}
@@ -188,7 +173,7 @@ def time_load_planning(
             plan = create_default_local_load_plan(sd, md, True)
             dt = time.perf_counter() - t0
             elapsed += dt
-            per_class.setdefault(_class_of(lay, rank), []).append(dt)
+            per_class.setdefault(lay.shard_class(rank), []).append(dt)
             timed += 1
             items += len(plan.items)
             nbytes += _read_bytes(plan.items, workload.itemsize)

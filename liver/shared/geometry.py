@@ -116,18 +116,15 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def names(self, num_experts: int = 0) -> list[tuple[int | None, str]]:
         """``(decoder layer or None, name)`` for every parameter this entry stands for (every expert's
         too, layer by layer, when ``expert``)."""
-        if self.layers is None:
-            return [(None, self.name)]
-        out = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
-        if self.expert:
-            out = [(i, n.replace(EXPERT_PLACEHOLDER, str(e))) for i, n in out for e in range(num_experts)]
-        return out
+        return [(i, n) for i, _expert, n in self.expert_names(num_experts)]
 
     def expert_names(self, num_experts: int) -> list[tuple[int | None, int, str]]:
         """``(decoder layer, expert or -1, name)`` for every parameter this entry stands for."""
+        if self.layers is None:
+            return [(None, -1, self.name)]
+        base = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
         if not self.expert:
-            return [(i, -1, n) for i, n in self.names()]
-        base = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*(self.layers or (0, 0)))]
+            return [(i, -1, n) for i, n in base]
         return [(i, e, n.replace(EXPERT_PLACEHOLDER, str(e))) for i, n in base for e in range(num_experts)]
 
 

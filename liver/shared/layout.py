@@ -125,16 +125,24 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         """Expert data parallelism: the replicas of each expert shard within a stage."""
         return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
-    @property
-    def has_experts_split(self) -> bool:
-        """Whether expert parameters are laid out differently from dense ones (EP > 1)."""
-        return self.ep > 1
-
     def grid(self, expert: bool = False) -> Grid:
         """The numbering of dense (``expert=False``) or expert parameters (module docstring)."""
         if expert:
             return Grid(self.expert_tp, self.ep, self.edp, self.pp)
         return Grid(self.tp, 1, self.cp * self.dp, self.pp)
+
+    def shard_class(self, rank: int) -> tuple[int, int, int, int]:
+        """``(stage, TP rank, EP rank, expert-TP rank)``: ranks with one class hold the same shard of
+        every tensor (they differ only as DP, CP or expert-DP replicas)."""
+        c = self.coords(rank)
+        return (c.pp, c.tp, c.ep, c.etp)
+
+    def class_representatives(self) -> dict[tuple[int, int, int, int], int]:
+        """The first rank of each :meth:`shard_class`, by class."""
+        out: dict[tuple[int, int, int, int], int] = {}
+        for r in range(self.world_size):
+            out.setdefault(self.shard_class(r), r)
+        return out
 
     def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))

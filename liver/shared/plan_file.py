@@ -112,8 +112,7 @@ def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
     by_coords: dict[tuple[int, int, int, int], tuple[ShardEntry, ...]] = {}
     ranks = []
     for r, dev in enumerate(world.placement.devices):
-        c = layout.coords(r)
-        key = (c.tp, c.pp, c.ep, c.etp)
+        key = layout.shard_class(r)
         shards = by_coords.get(key)
         if shards is None:
             shards = by_coords[key] = _rank_shards(plan, world, r)

@@ -42,7 +42,8 @@ import msgspec
 
 from liver.services.transfer.placement import (
     DEFAULT_INTER_NODE_WEIGHT,
-    class_overlap,
+    bytes_moved,
+    local_lower_bound,
     optimized_placement,
 )
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
@@ -55,7 +56,7 @@ from liver.shared.plan import WorldConfig
 
 from .cost import StepCost, step_cost
 from .memory import HardwareProfile, SetupError, TrainingSetup, memory_estimate
-from .placement import Overlap, bytes_moved, lower_bound_bytes, node_local_placement
+from .placement import node_local_placement
 
 Rule = Literal["ok", "tp_divisibility", "pp_layers", "batch", "sequence", "tp_across_nodes", "memory"]
 
@@ -211,7 +212,6 @@ class _Chooser:
         self.lost = frozenset(lost)
         self.surviving = set(current.placement.devices) - self.lost
         self._selections: dict[tuple[int, int], tuple[Device, ...] | None] = {}
-        self._overlaps: dict[ParallelLayout, Overlap] = {}
 
     def select(self, count: int, group: int) -> tuple[Device, ...] | None:
         """``count`` devices in whole groups of ``group`` per node, or ``None`` when the nodes cannot
@@ -355,17 +355,12 @@ class _Chooser:
                 self.model, self.current, scored.devices, layout, True, self.inter_node_weight, lost=self.lost
             )
         world = WorldConfig(layout, placement)
-        return placement, bytes_moved(self.model, self.current, world, self.overlap(layout))
-
-    def overlap(self, layout: ParallelLayout) -> Overlap:
-        """The transfer planner's class overlap with the current layout, once per layout."""
-        if layout not in self._overlaps:
-            self._overlaps[layout] = class_overlap(self.model, self.current.layout, layout)
-        return self._overlaps[layout]
+        # The class overlap behind both counts is computed once per layout (class_overlap's cache).
+        return placement, bytes_moved(self.model, self.current, world)
 
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout
-        return lower_bound_bytes(self.model, self.current, scored.devices, layout, self.overlap(layout))
+        return local_lower_bound(self.model, self.current, scored.devices, layout)
 
 
 def choose_topology(

@@ -16,12 +16,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from liver.services.transfer.placement import (
-    DEFAULT_INTER_NODE_WEIGHT,
-    class_overlap,
-    cost_matrix,
-    rank_classes,
-)
+from liver.services.transfer.placement import DEFAULT_INTER_NODE_WEIGHT, cost_matrix
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import WorldConfig
@@ -136,40 +131,3 @@ def _by_slot(
     for g, s in zip(groups, chosen):
         assign[group_ranks[g]] = slots[s][pair_cols[(g_of[g], s_of[s])]]
     return assign
-
-
-Overlap = tuple[np.ndarray, np.ndarray]
-"""``class_overlap``'s result: bytes already in place per (old class, new class), and bytes each new
-class holds (classes as :func:`~liver.services.transfer.placement.rank_classes` numbers them)."""
-
-
-def bytes_moved(model: ModelSpec, old: WorldConfig, new: WorldConfig, overlap: Overlap | None = None) -> int:
-    """Bytes the transfer plan will send between devices: all new state less what each new rank finds
-    in the old rank on its own device (the planner's only saving; exact, padding excluded)."""
-    ol, nl = old.layout, new.layout
-    common, need = overlap if overlap is not None else class_overlap(model, ol, nl)
-    old_cls, new_cls = rank_classes(model, ol), rank_classes(model, nl)
-    old_rank = old.placement.rank_on()
-    total = float(need[new_cls].sum())
-    for j, device in enumerate(new.placement.devices):
-        r = old_rank.get(device)
-        if r is not None:
-            total -= common[old_cls[r], new_cls[j]]
-    return round(total)
-
-
-def lower_bound_bytes(
-    model: ModelSpec, old: WorldConfig, devices: Sequence[Device], new: ParallelLayout, overlap: Overlap
-) -> int:
-    """What any placement of ``new`` on ``devices`` must move (the bound of
-    :func:`liver.services.transfer.placement.local_lower_bound`, from an overlap already computed):
-    each surviving device keeps at most the largest overlap of its old shard with any new shard."""
-    common, need = overlap
-    best = common.max(axis=1)
-    old_cls = rank_classes(model, old.layout)
-    keep = set(devices)
-    kept = 0.0
-    for r, d in enumerate(old.placement.devices):
-        if d in keep:
-            kept += best[old_cls[r]]
-    return max(0, round(float(need[rank_classes(model, new)].sum()) - kept))

@@ -748,11 +748,7 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
     from liver.worker_runtime.megatron.build import groups_from_parallel_state
 
     geometry.check_layout(layout)
-    classes: dict[tuple[int, int, int, int], int] = {}
-    for r in range(layout.world_size):
-        c = layout.coords(r)
-        classes.setdefault((c.pp, c.tp, c.ep, c.etp), r)
-    for rank in classes.values():
+    for rank in layout.class_representatives().values():
         with _fake_world(layout, rank):
             groups = groups_from_parallel_state(layout)
             try:
