@@ -63,13 +63,33 @@ def test_both_sides_move_the_same_model_between_the_same_layouts(report: dict[st
 
 
 @pytest.mark.slow
-def test_the_live_downtime_is_positive_and_its_breakdown_adds_up_to_it(report: dict[str, Any]) -> None:
+def test_the_live_downtime_is_the_pause_plus_the_first_steps_excess_over_the_steady_step(
+    report: dict[str, Any],
+) -> None:
     live = report["live"]
-    assert live["downtime_s"] > 0
+    assert live["pause_s"] > 0 and live["steady_step_s"] > 0 and live["first_step_excess_s"] >= 0
+    assert live["downtime_s"] == pytest.approx(live["pause_s"] + live["first_step_excess_s"], abs=1e-9)
+    assert live["pause_s"] < live["cut_to_first_step_s"]
+
+
+@pytest.mark.slow
+def test_the_new_trainer_was_built_before_the_cut_and_that_stall_is_reported(report: dict[str, Any]) -> None:
+    assert report["live"]["prebuild_s"] > 0
+    with_stall = report["restart"]["downtime_s"] / (
+        report["live"]["downtime_s"] + report["live"]["prebuild_s"]
+    )
+    assert report["ratio_with_prebuild"] == pytest.approx(with_stall)
+
+
+@pytest.mark.slow
+def test_the_earlier_definition_cut_to_first_step_is_kept_and_its_breakdown_adds_up_to_it(
+    report: dict[str, Any],
+) -> None:
+    live = report["live"]
     for part in ("switch_s", "transfer_s", "rebuild_s", "first_step_s"):
         assert live[part] > 0, part
     assert live["cut_skew_s"] >= 0
-    assert sum(live[p] for p in LIVE_PARTS) == pytest.approx(live["downtime_s"], rel=1e-6, abs=1e-6)
+    assert sum(live[p] for p in LIVE_PARTS) == pytest.approx(live["cut_to_first_step_s"], rel=1e-6, abs=1e-6)
     assert live["bytes_moved"] > 0 and live["processes"] == 2
 
 
@@ -84,11 +104,23 @@ def test_the_restart_breakdown_is_positive_and_adds_up_to_its_total(report: dict
 
 
 @pytest.mark.slow
+def test_the_restarts_downtime_is_its_pause_plus_the_first_steps_excess(report: dict[str, Any]) -> None:
+    restart = report["restart"]
+    assert restart["pause_s"] + restart["first_step_s"] == pytest.approx(restart["total_s"], abs=1e-9)
+    assert restart["steady_step_s"] > 0 and restart["first_step_excess_s"] >= 0
+    assert restart["downtime_s"] == pytest.approx(
+        restart["pause_s"] + restart["first_step_excess_s"], abs=1e-9
+    )
+
+
+@pytest.mark.slow
 def test_the_ratio_is_restart_over_live_and_the_aim_is_judged_on_it(report: dict[str, Any]) -> None:
-    expected = report["restart"]["total_s"] / report["live"]["downtime_s"]
+    expected = report["restart"]["downtime_s"] / report["live"]["downtime_s"]
     assert report["ratio"] == pytest.approx(expected)
+    earlier = report["restart"]["total_s"] / report["live"]["cut_to_first_step_s"]
+    assert report["ratio_cut_to_first_step"] == pytest.approx(earlier)
     warm = report["restart_warm_s"]
-    assert 0 < warm < report["restart"]["total_s"]
+    assert 0 < warm < report["restart"]["downtime_s"]
     assert report["ratio_warm"] == pytest.approx(warm / report["live"]["downtime_s"])
     (check,) = report["checks"]
     assert check["level"] == "aim"
@@ -105,6 +137,7 @@ def test_the_ratio_is_restart_over_live_and_the_aim_is_judged_on_it(report: dict
         (("--large", "--model", "tiny-gpt"), "--large"),
         (("--steps-before", "0"), "--steps-before"),
         (("--threads", "0"), "--threads"),
+        (("--steady-steps", "0"), "--steady-steps"),
         (("--provider", "examples/your_own_job.py:model_provider", "--max-seq", "64"), "--num-layers"),
         (("--provider", "no_such_module:fn", "--num-layers", "4", "--max-seq", "64"), "provider"),
         (("--provider", "m:f", "--model", "tiny-gpt"), "--large"),
@@ -131,7 +164,7 @@ def test_a_users_own_model_is_measured_the_same_way() -> None:
     report = json.loads(out)
     assert report["model"] == "model_provider" and report["parameters"] > 0
     assert report["live"]["bytes_moved"] > 0 and report["restart"]["total_s"] > 0
-    assert report["ratio"] == pytest.approx(report["restart"]["total_s"] / report["live"]["downtime_s"])
+    assert report["ratio"] == pytest.approx(report["restart"]["downtime_s"] / report["live"]["downtime_s"])
 
 
 @pytest.mark.slow

@@ -465,12 +465,13 @@ def _auto_job(proc: Proc, root: str, plan: Any) -> dict[str, Any]:
     else:
         trainer = runtime.step()
         runtime.request_resize(1, AUTO_LAYOUT, plan.new.placement, plan, address, switch_when_ready=False)
+        # Groups built before the first boundary: the new trainer is built there, the cut waits for SWITCH.
+        assert runtime.wait_prepared(180), "the handoff's groups were not built"
         while trainer.iteration < AUTO_CUT:
             trainer.train_step()
             if trainer.iteration < AUTO_CUT:
                 trainer = runtime.step()
         out["listing_at_cut"] = sorted(os.listdir(root))
-        assert runtime.wait_prepared(180), "the handoff's groups were not built"
         runtime.allow_switch(1)  # both old ranks, at the same boundary: the cut is at AUTO_CUT
         trainer = runtime.step()  # the cut at AUTO_CUT: the handoff fails, the job falls back
     out["rng_after_fallback"] = rng_state()

@@ -14,6 +14,18 @@ def test_plan_prints_one_json_object(capsys):
     assert summary["bytes_moved"] + summary["bytes_local"] == summary["bytes_total"]
 
 
+def test_a_pp_that_does_not_divide_the_layers_gets_the_topology_planners_balanced_split(capsys):
+    assert main(["plan", "--model", "tiny-gpt", "--from", "1,2,1", "--to", "1,3,1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_layout"] == "TP1,PP3,DP1[1/2/1]"
+    assert out["verified"] is True
+
+
+def test_a_split_given_with_the_layout_is_kept(capsys):
+    assert main(["plan", "--model", "tiny-gpt", "--from", "1,2,1", "--to", "1,3,1:2/1/1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["new_layout"] == "TP1,PP3,DP1[2/1/1]"
+
+
 def test_an_unknown_preset_is_a_one_line_error(capsys):
     assert main(["plan", "--model", "gpt-9000", "--from", "1,1,1", "--to", "1,1,1"]) == 2
     err = capsys.readouterr().err.strip()

@@ -12,7 +12,7 @@ from mp_helpers import World as Proc
 from mp_helpers import run_world
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.worker_runtime.cut import NO_TARGET, CutError, CutVerdict, SwitchGate, decide, vote
+from liver.worker_runtime.cut import NO_TARGET, CutError, CutVerdict, Readiness, SwitchGate, decide, vote
 from liver.worker_runtime.world import GroupKind, StoreAddress, WorldSpec, build_world, build_world_async
 
 JOB = "cuttest"
@@ -32,23 +32,32 @@ def _vote_vector(ready: int, failed: int, target: int, iteration: int) -> list[i
 
 
 def test_all_ready_for_one_target_switches() -> None:
-    assert decide(_vote_vector(1, 0, 4, 9)).verdict is CutVerdict.SWITCH
-    assert decide(_vote_vector(1, 0, 4, 9)).target == 4
+    assert decide(_vote_vector(Readiness.READY, 0, 4, 9)).verdict is CutVerdict.SWITCH
+    assert decide(_vote_vector(Readiness.READY, 0, 4, 9)).target == 4
 
 
 def test_one_rank_not_ready_waits() -> None:
-    assert decide(_vote_vector(0, 0, 4, 9)).verdict is CutVerdict.WAIT
+    assert decide(_vote_vector(Readiness.NONE, 0, 4, 9)).verdict is CutVerdict.WAIT
+
+
+def test_all_prepared_for_one_target_build_the_new_trainer_before_any_cut() -> None:
+    assert decide(_vote_vector(Readiness.PREPARED, 0, 4, 9)).verdict is CutVerdict.BUILD
+
+
+def test_built_ranks_wait_for_the_switch_to_be_allowed() -> None:
+    assert decide(_vote_vector(Readiness.BUILT, 0, 4, 9)).verdict is CutVerdict.WAIT
 
 
 def test_ranks_naming_different_targets_wait() -> None:
     # MIN over target is 3 and over -target is -4: some rank prepares 3, another 4.
-    decision = decide([1, 0, 3, -4, 9, -9])
-    assert decision.verdict is CutVerdict.WAIT
-    assert decision.target == NO_TARGET
+    for readiness in (Readiness.PREPARED, Readiness.READY):
+        decision = decide([readiness, 0, 3, -4, 9, -9])
+        assert decision.verdict is CutVerdict.WAIT
+        assert decision.target == NO_TARGET
 
 
 def test_a_rank_without_a_target_cannot_switch() -> None:
-    assert decide(_vote_vector(1, 0, NO_TARGET, 9)).verdict is CutVerdict.WAIT
+    assert decide(_vote_vector(Readiness.READY, 0, NO_TARGET, 9)).verdict is CutVerdict.WAIT
 
 
 def test_a_failed_rank_aborts_even_when_the_others_are_ready() -> None:

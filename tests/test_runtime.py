@@ -369,7 +369,7 @@ def test_a_plan_that_does_not_fit_this_process_fails_the_preparation_before_the_
 
 # -- commands and deadlines, on two processes ------------------------------------------------------------
 
-GATED, COMMANDED, MISSED, RECOVERED = 1, 2, 3, 4
+GATED, COMMANDED, MISSED, BUILD_FAILS, RECOVERED = 1, 2, 3, 4, 5
 PEER_TIMEOUT_S = 120.0
 """How long a process waits for its peer (a vote, a world's rendezvous): no test here is about that
 timeout, and a busy machine may keep one process off the CPU for a while."""
@@ -383,8 +383,18 @@ REQUESTS: dict[int, dict[str, Any]] = {
     GATED: {"switch_when_ready": False},
     COMMANDED: {"switch_when_ready": False},
     MISSED: {"switch_when_ready": False, "deadline_in_s": 1.0},
+    BUILD_FAILS: {},
     RECOVERED: {},
 }
+
+
+class FailingBuildFactory(ToyFactory):
+    """Process 1's factory: building the trainer of generation BUILD_FAILS raises (before the cut)."""
+
+    def build(self, world: World) -> ToyTrainer:
+        if world.generation == BUILD_FAILS:
+            raise RuntimeError("no memory left for the new trainer")
+        return super().build(world)
 
 
 def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
@@ -395,7 +405,7 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
     address = StoreAddress("127.0.0.1", proc.store.port)
     events: list[RuntimeEvent] = []
     runtime = LiveRuntime(
-        ToyFactory(),
+        FailingBuildFactory() if proc.rank == 1 else ToyFactory(),
         job=JOB,
         device=DEVICES[proc.rank],
         store=address,
@@ -404,6 +414,7 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
         on_event=events.append,
     )
     out: dict[str, Any] = {"generation_at": {}, "values_after_switch": {}, "allowed_at": None}
+    out["rng_kept_across_boundaries"] = True
     trainer = runtime.step()
     pending = sorted(plans)
     ready_since: int | None = None
@@ -432,7 +443,10 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
                 runtime.abort(COMMANDED, "the operator changed their mind")
         trainer.train_step()
         time.sleep(0.005)
+        rng = torch.get_rng_state()
         trainer = runtime.step()
+        if runtime.generation == generation and not torch.equal(rng, torch.get_rng_state()):
+            out["rng_kept_across_boundaries"] = False  # a boundary without a switch touched the streams
         if runtime.generation != generation:
             out["generation_at"][runtime.generation] = trainer.iteration
             floats = {float(t.max()) for t in trainer.state.values() if t.is_floating_point() and t.numel()}
@@ -451,6 +465,7 @@ def toy_runs() -> list[dict[str, Any]]:
         GATED: plan_between(start, world_config(TP2, 1, 0)),
         COMMANDED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
         MISSED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
+        BUILD_FAILS: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
         RECOVERED: plan_between(world_config(TP2, 1, 0), world_config(PP2, 0, 1)),
     }
     return [o.unwrap() for o in run_world(toy_process, 2, args=(plans,), timeout_s=120)]
@@ -505,6 +520,37 @@ def test_a_missed_deadline_aborts_the_handoff_before_the_switch(toy_runs: list) 
 
 
 @pytest.mark.slow
+def test_the_new_trainer_is_built_at_one_agreed_boundary_before_the_cut(toy_runs: list) -> None:
+    for generation in (GATED, RECOVERED):
+        reports = [
+            h
+            for found in toy_runs
+            for h in found["history"]
+            if h["type"] == "SwitchReport" and h["generation"] == generation
+        ]
+        assert len(reports) == 2
+        assert len({r["prebuild_iteration"] for r in reports}) == 1
+        assert all(r["prebuild_iteration"] < r["iteration"] for r in reports)
+        assert all(r["prebuild_s"] > 0 for r in reports)
+
+
+@pytest.mark.slow
+def test_building_the_new_trainer_leaves_the_old_worlds_random_streams_as_they_were(toy_runs: list) -> None:
+    assert all(found["rng_kept_across_boundaries"] for found in toy_runs)
+
+
+@pytest.mark.slow
+def test_a_build_that_fails_before_the_cut_aborts_the_handoff_everywhere_naming_why(toy_runs: list) -> None:
+    iterations = {_aborts(found)[BUILD_FAILS]["iteration"] for found in toy_runs}
+    assert len(iterations) == 1
+    reason = _aborts(toy_runs[1])[BUILD_FAILS]["reason"]
+    assert reason == "building the new trainer before the cut failed: no memory left for the new trainer"
+    for found in toy_runs:
+        assert _aborts(found)[BUILD_FAILS]["stage"] == "cut"
+        assert BUILD_FAILS not in found["generation_at"]
+
+
+@pytest.mark.slow
 def test_after_aborted_handoffs_the_job_still_reshards_and_keeps_one_generation(toy_runs: list) -> None:
     for found in toy_runs:
         assert RECOVERED in found["generation_at"]
@@ -541,6 +587,9 @@ def lost_rank_process(proc: Proc, plan: Plan) -> dict[str, Any]:
     runtime.request_resize(1, ONE, plan.new.placement, plan, address)
     assert runtime.wait_prepared(PEER_TIMEOUT_S)
     assert trainer is not None
+    trainer.train_step()
+    trainer = runtime.step()  # the vote agrees to build the new trainer here; the cut comes next
+    assert trainer is not None and runtime.pending_generation == 1
     trainer.train_step()
     try:
         runtime.step()

@@ -57,7 +57,8 @@ class PlanScenario:
     old: str  # TP,PP,DP[,CPn,EPn,ETPn] (ParallelLayout.parse)
     new: str
     per_node: int
-    devices: str  # the new device set relative to the old one (``parse_devices``); "" keeps it
+    devices: str  # the new device set relative to the old one (``parse_devices``); "" keeps it (its first
+    # devices, as many as the new layout has ranks)
 
 
 def _every_16th_node(count: int) -> str:
@@ -111,6 +112,15 @@ FULL: tuple[PlanScenario, ...] = (
         _every_16th_node(8),
     ),
     PlanScenario(
+        "tp-pp-dp",
+        "gpt3-175b + optimizer: TP, PP and DP change together, 1,024 devices -> 924 (an uneven pipeline)",
+        "gpt3-175b",
+        "8,16,8",
+        "4,7,33:14/14/14/14/14/13/13",
+        8,
+        "",
+    ),
+    PlanScenario(
         "moe-ep",
         "moe-200b (64 experts, top-8) + optimizer: EP8 -> EP16 and expert-TP 2 -> 1, 128 nodes -> 120",
         "moe-200b",
@@ -160,6 +170,15 @@ QUICK: tuple[PlanScenario, ...] = (
         "4,1,3",
         4,
         "drop:node001",
+    ),
+    PlanScenario(
+        "tp-pp-dp",
+        "tiny-gpt + optimizer: TP, PP and DP change together, 8 devices -> 6 (an uneven pipeline)",
+        "tiny-gpt",
+        "2,2,2",
+        "1,3,2:1/2/1",
+        4,
+        "",
     ),
     PlanScenario(
         "moe-ep",
@@ -312,7 +331,7 @@ def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioRe
     model = PRESETS[s.model]
     old_layout, new_layout = ParallelLayout.parse(s.old), ParallelLayout.parse(s.new)
     old_devices = grid_devices(-(-old_layout.world_size // s.per_node), s.per_node)[: old_layout.world_size]
-    new_devices = parse_devices(s.devices, old_devices) if s.devices else old_devices
+    new_devices = parse_devices(s.devices, old_devices) if s.devices else old_devices[: new_layout.world_size]
     old = WorldConfig(old_layout, Placement(old_devices))
 
     _progress(s.name, f"planning {repeat}x")

@@ -15,7 +15,11 @@ transition with real processes on this machine:
 5. **init distributed**: ``init_process_group`` (rendezvous over a TCP store) and ``parallel_state``;
 6. **build**: model, DDP wrapper, optimizer and LR schedule at the new layout;
 7. **load**: :func:`~liver.worker_runtime.megatron.checkpoint.load_checkpoint`, with reshape;
-8. **first step**: one training step on the new world.
+8. **first step**: one training step on the new world;
+9. **steady steps** (not part of the total): a few more steps, whose median is the new world's steady
+   step. The pause (``pause_s``: training stood still, cut to the new world ready to step) is phases 2-7;
+   the first step's excess over the steady step is what the restart still costs once it runs, and
+   ``downtime_s`` is the two together: downtime as a user pays it.
 
 Each process records wall-clock timestamps (``time.time()``: every process is on this machine, so they
 share a clock) when it finishes each step. A phase ends when the *slowest* process has finished it, so
@@ -31,9 +35,11 @@ liver.bench.restart --model tiny-gpt --old 2,1,1 --new 1,2,1`` prints one.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +56,7 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelRef, ModelSpec, load_model
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
-__all__ = ["PHASES", "RestartBreakdown", "RestartError", "check_fits", "measure_restart"]
+__all__ = ["PHASES", "RestartBreakdown", "RestartError", "check_fits", "measure_restart", "steady_step"]
 
 PHASES = (
     "save",
@@ -89,6 +95,10 @@ class RestartBreakdown(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     load_s: float
     first_step_s: float
     total_s: float  # cut -> first step done on the new world
+    pause_s: float  # cut -> the new world ready to step (total_s less first_step_s)
+    steady_step_s: float  # the median of the steps after the first on the new world
+    first_step_excess_s: float  # the first step's excess over the steady step (never below 0)
+    downtime_s: float  # pause_s + first_step_excess_s
     iteration: int  # the iteration the checkpoint was taken at
     checkpoint_bytes: int
     first_loss: float  # the new world's first loss (same on every rank)
@@ -113,6 +123,7 @@ class _Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     warmup_steps: int
     threads: int
     timeout_s: float
+    steady_steps: int = 3
 
 
 class _Report(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -131,6 +142,7 @@ class _Report(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     loaded: float | None = None  # new world
     first_step: float | None = None
     loss: float | None = None
+    step_ends: list[float] = []  # new world: the end of every step, the first included
 
 
 def _worker(task_file: str) -> None:
@@ -187,7 +199,11 @@ def _worker(task_file: str) -> None:
         load_checkpoint(trainer, checkpoint)
         loaded = time.time()
         result = trainer.train_step()
-        report = _Report(**times, loaded=loaded, first_step=time.time(), loss=result.loss)
+        ends = [time.time()]
+        for _ in range(task.steady_steps):
+            trainer.train_step()
+            ends.append(time.time())
+        report = _Report(**times, loaded=loaded, first_step=ends[0], loss=result.loss, step_ends=ends)
     partial = Path(task.report + ".partial")
     partial.write_bytes(msgspec.json.encode(report))
     partial.replace(task.report)  # the parent never reads half a report
@@ -300,6 +316,7 @@ def measure_restart(
     config: TrainConfig | None = None,
     *,
     warmup_steps: int = 2,
+    steady_steps: int = 3,
     threads: int = 1,
     timeout_s: float = 600.0,
     workdir: str | os.PathLike[str] | None = None,
@@ -321,6 +338,10 @@ def measure_restart(
         )
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
+    if steady_steps < 1:
+        raise ValueError(
+            f"steady_steps must be at least 1 (the steady step is their median), got {steady_steps}"
+        )
     owned = workdir is None
     if workdir is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -343,6 +364,7 @@ def measure_restart(
                 warmup_steps=warmup_steps,
                 threads=threads,
                 timeout_s=timeout_s,
+                steady_steps=steady_steps,
             )
             for rank in range(layout.world_size)
         ]
@@ -377,6 +399,9 @@ def measure_restart(
         max(r.first_step for r in news if r.first_step is not None),
     ]
     seconds = {name: bounds[i + 1] - bounds[i] for i, name in enumerate(PHASES)}
+    steady = steady_step([r.step_ends for r in news])
+    excess = max(seconds["first_step"] - steady, 0.0)
+    pause = bounds[-2] - bounds[0]
     return RestartBreakdown(
         model=spec.name,
         old_layout=old.describe(),
@@ -386,10 +411,26 @@ def measure_restart(
         threads=threads,
         **{f"{name}_s": value for name, value in seconds.items()},
         total_s=bounds[-1] - bounds[0],
+        pause_s=pause,
+        steady_step_s=steady,
+        first_step_excess_s=excess,
+        downtime_s=pause + excess,
         iteration=max(r.iteration for r in olds if r.iteration is not None),
         checkpoint_bytes=checkpoint_bytes,
         first_loss=news[0].loss if news[0].loss is not None else float("nan"),
     )
+
+
+def steady_step(step_ends: Sequence[Sequence[float]]) -> float:
+    """The job's steady step from every process's step end times (the first step's included): a step of
+    the job ends when its last process ends it; the median of the steps after the first."""
+    counts = {len(ends) for ends in step_ends}
+    if len(counts) != 1 or min(counts) < 2:
+        raise RestartError(
+            f"every process must report the same number (>= 2) of step ends, got {sorted(counts)}"
+        )
+    job = [max(column) for column in zip(*step_ends)]
+    return statistics.median(b - a for a, b in itertools.pairwise(job))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

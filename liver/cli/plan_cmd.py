@@ -141,6 +141,10 @@ def run(args: argparse.Namespace) -> int:
             bucket_size=args.bucket_size,
         )
         model = as_geometry(model).with_ddp(ddp)
+    # A PP that does not divide the layers gets the topology planner's balanced split (give the split
+    # yourself as TP,PP,DP:a/b/... for another one).
+    args.old = args.old.balanced(model.num_layers)
+    args.new = args.new.balanced(model.num_layers)
     model.check_layout(args.old)
     model.check_layout(args.new)
     old_devices = default_devices(args.old.world_size, args.per_node)

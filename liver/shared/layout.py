@@ -169,6 +169,13 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise LayoutError(f"{num_layers} layers do not split evenly over pp={self.pp}; give stage_layers")
         return (num_layers // self.pp,) * self.pp
 
+    def balanced(self, num_layers: int) -> ParallelLayout:
+        """This layout, with :func:`balanced_split`'s stages when ``pp`` does not divide ``num_layers``
+        and no split is given (as the topology planner chooses them)."""
+        if self.stage_layers or num_layers % self.pp == 0:
+            return self
+        return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp))
+
     def stage_of_layers(self, num_layers: int) -> tuple[int, ...]:
         """For each decoder layer (0-based), the pipeline stage that owns it."""
         out: list[int] = []
@@ -310,3 +317,18 @@ def _grid_spec(text: str, whole: str) -> tuple[int, int]:
     if nodes < 1 or per < 1:
         raise LayoutError(f"--devices {whole!r}: node and device counts must be at least 1")
     return nodes, per
+
+
+def balanced_split(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage for ``pp`` stages: ``()`` (even) when they divide; otherwise the spare layers go
+    to the middle stages, then the last, never the first (it already holds the embeddings and the most
+    micro-batches in flight)."""
+    if pp < 1 or pp > num_layers:
+        raise LayoutError(f"cannot split {num_layers} layers over pp={pp}")
+    base, extra = divmod(num_layers, pp)
+    if not extra:
+        return ()
+    split = [base] * pp
+    for stage in [*range(1, pp - 1), pp - 1][:extra]:
+        split[stage] += 1
+    return tuple(split)

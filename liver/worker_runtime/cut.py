@@ -7,6 +7,9 @@ boundary the active world runs one tiny all-reduce (MIN over a few integers) tha
 every rank, whether all of them are ready for the same target generation. Either all switch at this
 boundary or none does.
 
+The same vote agrees on one earlier boundary: the one where every rank has the target's groups and the
+new trainer is built (``BUILD``, see :class:`Readiness`), so that the switch itself only streams.
+
 Joiners (ranks only in the new world) take no part in the cut; they wait in :func:`enter_world`, which
 the switching ranks call right after the cut, and learn from it the iteration training resumes after.
 """
@@ -14,7 +17,7 @@ the switching ranks call right after the cut, and learn from it the iteration tr
 from __future__ import annotations
 
 from datetime import timedelta
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 import msgspec
 import structlog
@@ -36,8 +39,24 @@ class CutError(HandoffError):
 
 class CutVerdict(StrEnum):
     WAIT = "wait"  # keep training on the active world; ask again at the next boundary
+    BUILD = "build"  # every rank has the target's groups: build the new trainer now, switch later
     SWITCH = "switch"  # every rank is ready for the same target: switch after this iteration
     ABORT = "abort"  # some rank failed to prepare the target: give the handoff up (I4)
+
+
+class Readiness(IntEnum):
+    """How far one rank's preparation of the target has come: its vote (the MIN over ranks decides).
+
+    The new trainer is built at an agreed boundary before the cut (``BUILD``): Megatron's build runs
+    collectives over the new world's default group, so every member of the new world must build at the
+    same moment, and it uses process-global state the training step also uses, so it runs on the
+    training thread between two steps, never beside one.
+    """
+
+    NONE = 0  # nothing the switch needs is ready yet
+    PREPARED = 1  # shadow world, stream group, schedule and layout check: the new trainer can be built
+    BUILT = 2  # the new trainer is built and its communicators warm; the coordinator's SWITCH is awaited
+    READY = 3  # built and allowed: the switch can happen at this boundary
 
 
 class CutDecision(msgspec.Struct, frozen=True):
@@ -60,8 +79,10 @@ def decide(reduced: torch.Tensor | list[int]) -> CutDecision:
     target = target_lo if same_target else NO_TARGET
     if not_failed < 0:
         return CutDecision(it_lo, CutVerdict.ABORT, target)
-    if ready == 1 and same_target:
+    if ready == Readiness.READY and same_target:
         return CutDecision(it_lo, CutVerdict.SWITCH, target)
+    if ready == Readiness.PREPARED and same_target:
+        return CutDecision(it_lo, CutVerdict.BUILD, target)
     return CutDecision(it_lo, CutVerdict.WAIT, target)
 
 
@@ -70,21 +91,23 @@ def vote(
     *,
     iteration: int,
     target: int = NO_TARGET,
-    ready: bool = False,
+    ready: bool | Readiness = False,
     failed: bool = False,
     timeout: timedelta | None = None,
 ) -> CutDecision:
     """One rank's part of the cut at the boundary after ``iteration``: a collective over ``active``.
 
-    ``target`` is the generation this rank prepares (NO_TARGET when it knows of none), ``ready`` whether
-    it could switch to it now, ``failed`` whether preparing it failed here.
+    ``target`` is the generation this rank prepares (NO_TARGET when it knows of none), ``ready`` how far
+    that preparation has come (:class:`Readiness`; True stands for READY, for a caller with no trainer
+    to build first), ``failed`` whether preparing it failed here.
     """
     if iteration < 0:
         raise ValueError(f"`iteration`: must not be negative, got {iteration}")
     if target < NO_TARGET:
         raise ValueError(f"`target`: a generation id or NO_TARGET, got {target}")
+    readiness = Readiness.NONE if failed else Readiness.READY if ready is True else Readiness(ready)
     votes = torch.tensor(
-        [int(ready and not failed), -int(failed), target, -target, iteration, -iteration], dtype=torch.int64
+        [int(readiness), -int(failed), target, -target, iteration, -iteration], dtype=torch.int64
     )
     allreduce(active.group(GroupKind.WORLD), votes, dist.ReduceOp.MIN, timeout)
     return decide(votes)

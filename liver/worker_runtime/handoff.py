@@ -5,11 +5,16 @@ Three kinds of process take part (:class:`Role`): those in both worlds (``STAY``
 one (``LEAVE``, a scale-in or a reclaimed node) and those only in the new one (``JOIN``, a scale-out).
 The sequence, in every process that has the step::
 
+    0. prebuild  before the cut, at the boundary the vote agreed on (:func:`prebuild`): new-world
+                 members build the new trainer (the new world adopted as torch.distributed's default for
+                 the build only, since Megatron builds on the default world); everyone warms the new
+                 world's and the stream group's communicators; the new storage is touched beside training
     1. enter     new-world members: ``enter_world`` (joiners wait here for the cut), then adopt the
-                 new world as torch.distributed's default (Megatron builds on the default world)
+                 new world as torch.distributed's default
     2. progress  all: the training progress goes from stream rank 0 (old rank 0's process) to everyone
                  over the stream group, so a joiner learns the iteration, data position and LR schedule
-    3. build     new-world members: build the new trainer; its live tensors are the ``into=`` storage
+    3. build     new-world members: the trainer built in step 0 (built here only when none was, as for
+                 a caller of :func:`switch` without one); its live tensors are the ``into=`` storage
     4. stream    all: the executor streams parameters, master weights, Adam moments and step from the
                  old trainers' live storage straight into the new trainers' storage
     5. load      new-world members: write the step, restore the progress, reseed (the factory's rule)
@@ -29,15 +34,16 @@ is gone: fail-stop), :class:`HandoffFailed` says so, after releasing the old wor
 back to its checkpoint (:mod:`.fallback`).
 
 Where the pause goes (:class:`SwitchReport`): ``switch`` is steps 1, 2 and 6 (agreement), ``transfer``
-step 4, ``rebuild`` steps 3, 5 and 7. Step 4's schedule (what to send and receive, derived from the plan
-alone) is made before the cut when the preparation hands it in (``Handoff.schedule``), so ``transfer``
-is the stream itself. The pause runs from the moment this process learned the cut (the
-vote's answer; a joiner: ``enter_world``'s) to the moment the new trainer is handed back.
-"""
+step 4, ``rebuild`` steps 3, 5 and 7; step 0 is ``prebuild_s``, before the cut. Step 4's schedule (what
+to send and receive, derived from the plan alone) is made before the cut when the preparation hands it
+in (``Handoff.schedule``), so ``transfer`` is the stream itself. The pause runs from the moment this
+process learned the cut (the vote's answer; a joiner: ``enter_world``'s) to the moment the new trainer
+is handed back."""
 
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -51,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from liver.shared.errors import HandoffError
+from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan
@@ -115,6 +122,11 @@ class TrainerFactory(Protocol[T]):
         without waiting for Python's garbage collector."""
         ...
 
+    # Optional: ``build_for_stream(world)``, a trainer whose tensor values the stream will overwrite
+    # (so its build may skip initialising them), and ``storage(trainer)``, every tensor the trainer
+    # allocated (the new trainer's are touched before the cut, so that no page fault falls in the
+    # pause). Without them the runtime uses ``build`` and the tensors of ``local_state``.
+
     def capture_rng(self) -> object:
         """This process's random streams (restored when a handoff is rolled back)."""
         ...
@@ -132,6 +144,7 @@ class HandoffStage(StrEnum):
     """Where a handoff stood when it was given up: before the cut, or the switch step that failed."""
 
     PREPARE = "prepare"  # building the shadow world before any cut
+    PREBUILD = "prebuild"  # building the new trainer at the agreed boundary before the cut
     CUT = "cut"  # the vote at an iteration boundary
     ENTER = "enter"
     PROGRESS = "progress"
@@ -201,6 +214,35 @@ class SwitchReport(msgspec.Struct, kw_only=True):
     peak_extra_bytes: int = 0
     first_step_s: float | None = None
     schedule_s: float = 0.0  # building the transfer schedule in the pause (part of transfer_s); 0: prepared
+    prebuild_s: float | None = None  # the new trainer's build before the cut (training stood still)
+    prebuild_iteration: int | None = None  # the boundary it was built at (None: a joiner, not training)
+
+
+@dataclass
+class Prebuilt(Generic[T]):
+    """The new trainer built before the cut (:func:`prebuild`): what the switch streams into.
+
+    ``trainer`` and ``into`` are None in a process that leaves. ``touching`` zeroes the new trainer's
+    storage beside training (its first touch, so the pause pays no page fault); the switch waits for it
+    before it streams, and the values it leaves are what the stream does not overwrite (vocabulary
+    padding, which must be zero)."""
+
+    trainer: T | None
+    into: dict[int, LocalTensor] | None
+    build_s: float  # adopt the new world, build, read the new trainer's views (on the training thread)
+    warm_s: float  # the first collective on every group of the new world and on the stream group
+    iteration: int | None  # the boundary it was built at; None for a joiner
+    touching: threading.Thread | None = None
+
+    @property
+    def seconds(self) -> float:
+        """How long training stood still for it."""
+        return self.build_s + self.warm_s
+
+    def wait_touched(self) -> None:
+        if self.touching is not None:
+            self.touching.join()
+            self.touching = None
 
 
 @dataclass
@@ -223,6 +265,7 @@ class Handoff(Generic[T]):
     schedule: PreparedSchedule | None = (
         None  # made in preparation (:func:`handoff_schedule`); else built here
     )
+    prebuilt: Prebuilt[T] | None = None  # built before the cut (:func:`prebuild`); else built here
 
     @property
     def generation(self) -> int:
@@ -282,7 +325,10 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         t_enter = time.perf_counter()
 
         stage = HandoffStage.BUILD
-        if h.new_world is not None:
+        if h.prebuilt is not None:
+            h.prebuilt.wait_touched()
+            new_trainer, into = h.prebuilt.trainer, h.prebuilt.into
+        elif h.new_world is not None:
             new_trainer = h.factory.build(h.new_world)
             into = h.factory.local_state(new_trainer)
         t_built = time.perf_counter()
@@ -339,6 +385,8 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         staging_bytes=stats.staging_bytes,
         peak_extra_bytes=stats.peak_extra_bytes,
         schedule_s=stats.schedule_seconds,
+        prebuild_s=None if h.prebuilt is None else h.prebuilt.seconds,
+        prebuild_iteration=None if h.prebuilt is None else h.prebuilt.iteration,
     )
     bound.info(
         "handoff.committed",
@@ -374,6 +422,91 @@ def _stream(
         on_step=on_step,
         schedule=h.schedule,
     )
+
+
+def prebuild(
+    factory: TrainerFactory[T],
+    *,
+    new_world: World | None,
+    old_world: World | None,
+    stream: StreamGroup,
+    iteration: int | None,
+    timeout: timedelta,
+) -> Prebuilt[T]:
+    """Step 3 of the switch moved before the cut: build the new trainer and warm every communicator of
+    the new world and of the stream group, at the boundary the vote agreed (``BUILD``).
+
+    Every process of both worlds calls it at that boundary (a joiner as soon as its groups are built):
+    Megatron's build makes collectives over the new world's default group, and the warm-up is a
+    collective over each group. In a process of the old world it runs on the training thread between two
+    steps: the build needs the new world as torch's default world and Megatron's ``parallel_state``
+    describing it, and it seeds the random streams, all process-global state the training step reads, so
+    it cannot run beside a step. Afterwards the old world is the default again and the random streams
+    are as they were (invariant I4: training on the old world goes on exactly as if nothing was built).
+    The new trainer's storage is then touched beside training (:attr:`Prebuilt.touching`).
+    """
+    started = time.perf_counter()
+    captured = factory.capture_rng() if old_world is not None else None
+    trainer: T | None = None
+    into: dict[int, LocalTensor] | None = None
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if new_world is not None:
+            new_world.adopt_as_default(timeout)
+            build = getattr(factory, "build_for_stream", None) or factory.build
+            trainer = build(new_world)
+            into = factory.local_state(trainer)
+        built = time.perf_counter()
+        if new_world is not None:
+            new_world.warm(timeout)
+        stream.warm(timeout)
+    except BaseException:
+        if trainer is not None:
+            factory.dispose(trainer)
+        trainer = into = None
+        raise
+    finally:
+        if old_world is not None and not old_world.released:
+            old_world.restore_default()
+        if captured is not None:
+            factory.restore_rng(captured)
+        if collecting:
+            gc.enable()
+    done = time.perf_counter()
+    prebuilt = Prebuilt(trainer, into, built - started, done - built, iteration)
+    if trainer is not None:
+        prebuilt.touching = _touch(_storage_of(factory, trainer, into))
+    log.info(
+        "handoff.prebuilt",
+        generation=stream.new.generation,
+        iteration=iteration,
+        build_s=round(prebuilt.build_s, 4),
+        warm_s=round(prebuilt.warm_s, 4),
+    )
+    return prebuilt
+
+
+def _storage_of(
+    factory: TrainerFactory[T], trainer: T, into: dict[int, LocalTensor] | None
+) -> list[torch.Tensor]:
+    storage = getattr(factory, "storage", None)
+    if storage is not None:
+        return list(storage(trainer))
+    return [piece for value in (into or {}).values() for piece in pieces_of(value)]
+
+
+def _touch(tensors: list[torch.Tensor]) -> threading.Thread:
+    """Zero ``tensors`` on a thread of their own: their pages are faulted in now, beside training."""
+
+    def run() -> None:
+        with torch.no_grad():
+            for tensor in tensors:
+                tensor.zero_()
+
+    thread = threading.Thread(target=run, name="liver-first-touch", daemon=True)
+    thread.start()
+    return thread
 
 
 def handoff_schedule(plan: Plan, device: Any, options: StreamOptions) -> PreparedSchedule:

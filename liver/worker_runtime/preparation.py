@@ -25,7 +25,8 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import Plan
-from liver.worker_runtime.handoff import Role, handoff_schedule
+from liver.worker_runtime.cut import Readiness
+from liver.worker_runtime.handoff import Prebuilt, Role, handoff_schedule
 from liver.worker_runtime.stream.executor import PreparedSchedule, StreamOptions
 from liver.worker_runtime.world import (
     Backend,
@@ -265,6 +266,10 @@ class Preparation:
         self.stream_build: StreamBuild | None = None
         self.schedule_build: ScheduleBuild | None = None
         self.layout_check: LayoutCheck | None = None
+        self.build_agreed = False  # the vote said BUILD (every old-world rank at the same boundary)
+        self.prebuilt: Prebuilt[Any] | None = None
+        self.prebuild_error: str | None = None
+        self._dispose: Callable[[Any], None] | None = None
 
     @property
     def generation(self) -> int:
@@ -306,20 +311,41 @@ class Preparation:
         """The prepared transfer schedule, or None when none was (or is yet) made."""
         return self.schedule_build.result() if self.schedule_build is not None else None
 
-    def ready(self) -> bool:
-        """Whether this process can switch now (built, allowed, not failed); notes when it was built."""
+    def prepared(self) -> bool:
+        """Whether the background builds are done: the new trainer can be built (:func:`prebuild`)."""
         built = self.stream_build is not None and self.stream_build.ready
         built = built and (self.world_build is None or self.world_build.ready)
         built = built and (self.schedule_build is None or self.schedule_build.ready)
-        built = built and (self.layout_check is None or self.layout_check.ready)
-        if built and self.ready_at is None:
+        return built and (self.layout_check is None or self.layout_check.ready)
+
+    def readiness(self) -> Readiness:
+        """This process's vote (:class:`~.cut.Readiness`); a failed preparation votes NONE (and failed)."""
+        if self.failure() is not None:
+            return Readiness.NONE
+        if self.prebuilt is not None:
+            return Readiness.READY if self.allowed else Readiness.BUILT
+        return Readiness.PREPARED if self.prepared() else Readiness.NONE
+
+    def ready(self) -> bool:
+        """Whether this process can switch now (new trainer built, allowed, not failed)."""
+        return self.readiness() is Readiness.READY
+
+    def set_prebuilt(self, prebuilt: Prebuilt[Any], dispose: Callable[[Any], None]) -> None:
+        """The new trainer is built (``dispose`` frees it if the handoff is given up); notes the time."""
+        self.prebuilt, self._dispose = prebuilt, dispose
+        if self.ready_at is None:
             self.ready_at = time.perf_counter()
-        return built and self.allowed and self.failure() is None
+
+    def take_prebuilt(self) -> None:
+        """The switch committed: the new trainer is the job's now, never to be disposed with this."""
+        self.prebuilt = self._dispose = None
 
     def failure(self) -> str | None:
         """Why this preparation cannot succeed any more, or None."""
         if self.abort_reason is not None:
             return self.abort_reason
+        if self.prebuild_error is not None:
+            return f"building the new trainer before the cut failed: {self.prebuild_error}"
         builds: tuple[tuple[str, WorldBuild | _Background[Any] | None], ...] = (
             ("building the shadow world", self.world_build),
             ("building the stream group", self.stream_build),
@@ -345,9 +371,15 @@ class Preparation:
         problem = self.failure()
         if problem is not None:
             raise WorldError(problem)
-        self.ready()
 
     def discard(self) -> None:
+        """Give everything up: the new trainer (if built) is freed, the groups released."""
+        prebuilt, dispose = self.prebuilt, self._dispose
+        self.prebuilt = self._dispose = None
+        if prebuilt is not None:
+            prebuilt.wait_touched()
+            if prebuilt.trainer is not None and dispose is not None:
+                dispose(prebuilt.trainer)
         if self.world_build is not None:
             self.world_build.discard()
         if self.stream_build is not None:

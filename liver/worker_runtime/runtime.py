@@ -15,8 +15,12 @@ boundary and returns the trainer of the new world. A process that the new world 
 in the target: generation, layout, placement, the transfer plan (made by the planner outside this
 process; a :class:`~liver.shared.plan.PlanSlice` is enough), the store and a deadline. Preparation runs
 in the background while training continues (I1): the shadow world's groups and the stream group are
-built on their own threads. A process that joins (a scale-out) first warms up alone under a mock world,
-then builds its groups, so that no rank of the active world ever waits for a cold one, and waits in
+built on their own threads. Once every rank has them, one vote agrees on a boundary where every process
+of both worlds builds the new trainer and warms the new communicators (``BUILD``,
+:func:`.handoff.prebuild`): training stands still for that build, which needs Megatron's
+process-global state, but the cut comes at a later boundary and its pause only streams. A process that
+joins (a scale-out) first warms up alone under a mock world, then builds its groups, so that no rank of
+the active world ever waits for a cold one, builds its trainer with the others, and waits in
 ``enter_world`` for the cut. The switch itself is :func:`.handoff.switch`.
 
 Failure (I4): a preparation that fails or misses its deadline, or an :meth:`LiveRuntime.abort`, makes
@@ -46,7 +50,7 @@ import structlog
 from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
-from liver.worker_runtime.cut import NO_TARGET, CutVerdict, vote
+from liver.worker_runtime.cut import NO_TARGET, CutVerdict, Readiness, vote
 from liver.worker_runtime.fallback import (
     CheckpointingFactory,
     CheckpointOptions,
@@ -65,6 +69,7 @@ from liver.worker_runtime.handoff import (
     Role,
     SwitchReport,
     TrainerFactory,
+    prebuild,
     switch,
 )
 from liver.worker_runtime.preparation import Preparation, ResizeRequest, check_request
@@ -396,7 +401,7 @@ class LiveRuntime(Generic[T]):
             if prep is not None and not prep.started:
                 self._start_preparation(prep)
         target = prep.generation if prep is not None else NO_TARGET
-        ready = prep.ready() if prep is not None else False
+        readiness = prep.readiness() if prep is not None else Readiness.NONE
         failure = prep.failure() if prep is not None else None
         if prep is not None and prep.ready_at is not None and not prep.ready_announced:
             prep.ready_announced = True
@@ -407,14 +412,19 @@ class LiveRuntime(Generic[T]):
             self._world,
             iteration=iteration,
             target=target,
-            ready=ready,
+            ready=readiness,
             failed=failure is not None,
             timeout=timedelta(seconds=self.options.control_timeout_s),
         )
         cut_at = time.perf_counter()
         if decision.verdict is CutVerdict.WAIT or prep is None:
             return self._trainer
+        if decision.verdict is CutVerdict.BUILD:
+            self._prebuild(prep, iteration)
+            return self._trainer
         if decision.verdict is CutVerdict.ABORT:
+            if prep.build_agreed:
+                self._agree_on_default()
             self._give_up(prep, HandoffStage.CUT, failure or "another rank could not prepare it", iteration)
             return self._trainer
         return self._switch(prep, iteration, cut_at)
@@ -453,6 +463,47 @@ class LiveRuntime(Generic[T]):
         self._log.info("runtime.started", generation=world.generation, rank=world.rank)
         return trainer
 
+    def _prebuild(self, prep: Preparation, iteration: int | None) -> None:
+        """The vote said BUILD: build the new trainer now, at this boundary (see :func:`.handoff.prebuild`).
+
+        A failure is this process's vote from now on (the next boundary aborts the handoff everywhere);
+        the groups are released at once, so that peers waiting in one of their collectives fail now
+        instead of at the control timeout."""
+        prep.build_agreed = True
+        timeout = self.options.control_timeout_s if iteration is not None else self.options.enter_timeout_s
+        try:
+            assert prep.stream_build is not None
+            prebuilt = prebuild(
+                self.factory,
+                new_world=prep.world_build.result(timeout=0) if prep.world_build is not None else None,
+                old_world=self._world,
+                stream=prep.stream_build.result(),
+                iteration=iteration,
+                timeout=timedelta(seconds=prep.seconds_left(timeout)),
+            )
+        except Exception as error:
+            text = str(error).splitlines()[0][:500] if str(error) else repr(error)
+            self._log.warning("runtime.prebuild_failed", generation=prep.generation, error=text)
+            prep.prebuild_error = text
+            prep.discard()
+            if iteration is None:  # a joiner: the caller gives the handoff up
+                raise
+            return
+        prep.set_prebuilt(prebuilt, self.factory.dispose)
+        prep.ready_announced = True
+        self._emit(RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY, iteration=iteration))
+
+    def _agree_on_default(self) -> None:
+        """After a handoff given up past its build, agree again on the old world as the default (the
+        build moved this process's group-name counter; see :meth:`World.restore_default`). A collective
+        over the old world, reached by every rank at the same vote; a world that cannot agree any more
+        fails its next step as it would have anyway."""
+        assert self._world is not None
+        try:
+            self._world.adopt_as_default(timedelta(seconds=self.options.control_timeout_s))
+        except Exception as error:
+            self._log.warning("runtime.default_not_agreed", error=repr(error)[:300])
+
     def _handoff(
         self, prep: Preparation, new_world: World | None, iteration: int | None, join_timeout: float
     ) -> Handoff[T]:
@@ -472,6 +523,7 @@ class LiveRuntime(Generic[T]):
             stream_options=self.options.stream,
             on_stream_step=self._on_stream_step,
             schedule=prep.schedule(),
+            prebuilt=prep.prebuilt,
         )
 
     def _switch(self, prep: Preparation, iteration: int, cut_at: float) -> T | None:
@@ -527,7 +579,7 @@ class LiveRuntime(Generic[T]):
                 prep.warmup_s = time.perf_counter() - started
                 self._start_preparation(prep)
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
-                self._emit(RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY))
+                self._prebuild(prep, None)  # with the old world's ranks, at the boundary they agree on
                 assert prep.world_build is not None
                 handoff = self._handoff(
                     prep,
@@ -738,6 +790,7 @@ class LiveRuntime(Generic[T]):
     ) -> T | None:
         report.prepare_s = None if prep.ready_at is None else prep.ready_at - prep.requested_at
         report.warmup_s = prep.warmup_s
+        prep.take_prebuilt()
         self.history.append(report)
         with self._cond:
             self._pending = None

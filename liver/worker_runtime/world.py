@@ -436,6 +436,42 @@ class World:
             self._names_before_adoption = set(c10d._world.pg_names.values())
         self._log.info("world.adopted_as_default", group_count=int(count.item()))
 
+    def restore_default(self) -> None:
+        """Make this world c10d's default again after another was adopted for a moment (the new trainer
+        built before the cut): locally, no collective, so the other members need not take part.
+
+        The group-name counter keeps the value the other world agreed on; members that did not take
+        part keep theirs, so before this world's members make groups with ``new_group`` again they must
+        agree once more (:meth:`adopt_as_default`, which a handoff given up after its build does)."""
+        with _LOCK:
+            pg = self.group(GroupKind.WORLD)
+            if c10d._world.default_pg is pg:
+                return
+            for world in _live_worlds():
+                if world is not self and world._names_before_adoption is not None:
+                    world._close_adoption_window()
+            c10d._update_default_pg(pg)
+            self._names_before_adoption = set(c10d._world.pg_names.values())
+        self._log.debug("world.default_restored")
+
+    def warm(self, timeout: timedelta | None = None) -> int:
+        """One all-reduce on each of this process's groups, so that no first collective of the new world
+        pays a communicator's lazy set-up on the paused path; returns how many groups it touched.
+
+        A collective over every group: every member calls it, at the same point. The groups are taken in
+        :class:`GroupKind` order in every process, so no two processes wait on each other in different
+        groups (a process reaches a kind's group only after all its members finished the earlier kinds).
+        """
+        touched = 0
+        for kind in GroupKind:
+            found = self._groups.get(kind)
+            if found is None:
+                continue
+            warm_group(found.pg, self.backend, self.device, timeout)
+            touched += 1
+        self._log.debug("world.warmed", groups=touched)
+        return touched
+
     def _close_adoption_window(self) -> None:
         """Remember the groups ``new_group`` made while this world was the default: they are its own."""
         before = self._names_before_adoption or set()
@@ -489,6 +525,12 @@ def allreduce(
     if timeout is not None:
         options.timeout = timeout
     pg.allreduce([tensor], options).wait()
+
+
+def warm_group(pg: dist.ProcessGroup, backend: Backend, device: Device, timeout: timedelta | None) -> None:
+    """One small all-reduce on ``pg`` on the device its traffic uses (the GPU's for NCCL)."""
+    where = torch.device("cuda", device.index) if backend == "nccl" else torch.device("cpu")
+    allreduce(pg, torch.zeros(1, device=where), dist.ReduceOp.SUM, timeout)
 
 
 def build_world(
@@ -711,10 +753,21 @@ class StreamGroup:
     executor uses its group-local send/recv).
     """
 
-    def __init__(self, old: WorldSpec, new: WorldSpec, devices: tuple[Device, ...], pg: dist.ProcessGroup):
+    def __init__(
+        self,
+        old: WorldSpec,
+        new: WorldSpec,
+        devices: tuple[Device, ...],
+        pg: dist.ProcessGroup,
+        *,
+        device: Device | None = None,
+        backend: Backend = "gloo",
+    ):
         self.old = old
         self.new = new
         self.devices = devices
+        self.device = device  # this process's (None: unknown, the group is then warmed on the CPU)
+        self.backend = backend
         self.pg: dist.ProcessGroup | None = pg
 
     @property
@@ -725,6 +778,13 @@ class StreamGroup:
         if self.pg is None:
             raise WorldError(f"the stream group into generation {self.new.generation} was released")
         return self.pg
+
+    def warm(self, timeout: timedelta | None = None) -> None:
+        """One all-reduce over the group (every process of both worlds calls it): see :meth:`World.warm`."""
+        if self.device is None or self.backend == "gloo":
+            allreduce(self.group(), torch.zeros(1), dist.ReduceOp.SUM, timeout)
+        else:
+            warm_group(self.group(), self.backend, self.device, timeout)
 
     def release(self) -> None:
         pg, self.pg = self.pg, None
@@ -756,4 +816,4 @@ def build_stream_group(
     client = connect_store(store, timeout)
     prefix = dist.PrefixStore(f"{new.namespace}/stream", client)
     pg = _new_pg(prefix, devices.index(device), len(devices), backend, device, timeout)
-    return StreamGroup(old, new, devices, pg)
+    return StreamGroup(old, new, devices, pg, device=device, backend=backend)

@@ -49,7 +49,7 @@ from liver.services.transfer.placement import (
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry
-from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, balanced_split
 from liver.shared.messages import Candidate
 from liver.shared.model import ModelSpec
 from liver.shared.plan import WorldConfig
@@ -135,21 +135,6 @@ class TopologyDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             )
             for c in self.candidates
         )
-
-
-def balanced_split(num_layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per stage for ``pp`` stages: ``()`` (even) when they divide; otherwise the spare layers go
-    to the middle stages, then the last, never the first (it already holds the embeddings and the most
-    micro-batches in flight)."""
-    if pp < 1 or pp > num_layers:
-        raise LayoutError(f"cannot split {num_layers} layers over pp={pp}")
-    base, extra = divmod(num_layers, pp)
-    if not extra:
-        return ()
-    split = [base] * pp
-    for stage in [*range(1, pp - 1), pp - 1][:extra]:
-        split[stage] += 1
-    return tuple(split)
 
 
 def _divisors(n: int) -> list[int]:

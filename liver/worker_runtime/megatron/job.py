@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import msgspec
 import structlog
+import torch
 
 from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import pieces_of
@@ -82,6 +83,29 @@ class MegatronJob:
             corpus=self.corpus,
             hooks=self.hooks,
         )
+
+    def build_for_stream(self, world: World) -> MegatronTrainer:
+        """A trainer the switch streams the whole state into, built before the cut: a preset's weights
+        are not initialised (the stream overwrites every value; the storage is zeroed before the cut, so
+        vocabulary padding is zero as in every build). A user's provider builds as it always does."""
+        return build_trainer(
+            self.source,
+            world.layout,
+            self.config,
+            groups=groups_from_world(world),
+            corpus=self.corpus,
+            hooks=self.hooks,
+            initialize=False,
+        )
+
+    def storage(self, trainer: MegatronTrainer) -> list[torch.Tensor]:
+        """Every tensor the trainer allocated: parameters, master weights, Adam moments and DDP buffers."""
+        tensors = [t for value in local_state(trainer).values() for t in pieces_of(value)]
+        for buffer in (*trainer.model.buffers, *trainer.model.expert_parallel_buffers):
+            tensors.append(buffer.grad_data)
+            if buffer.param_data is not None:
+                tensors.append(buffer.param_data)
+        return tensors
 
     def warm_up(self, layout: ParallelLayout, rank: int) -> WarmupReport:
         """Build and train a throw-away trainer as ``rank`` of ``layout`` under torch's fake backend.
@@ -200,13 +224,8 @@ class MegatronJob:
         dropping the trainer frees nothing until a full garbage collection. The trainer must never be
         used again.
         """
-        tensors = [t for value in local_state(trainer).values() for t in pieces_of(value)]
-        for buffer in (*trainer.model.buffers, *trainer.model.expert_parallel_buffers):
-            tensors.append(buffer.grad_data)
-            if buffer.param_data is not None:
-                tensors.append(buffer.param_data)
         freed = 0
-        for tensor in tensors:
+        for tensor in self.storage(trainer):
             storage = tensor.untyped_storage()
             freed += storage.nbytes()
             storage.resize_(0)

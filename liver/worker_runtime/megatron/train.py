@@ -94,6 +94,11 @@ class TrainerHooks:
             )
 
 
+def _no_init(tensor: torch.Tensor) -> torch.Tensor:
+    """An init method that leaves the tensor as allocated (see ``build_trainer(initialize=False)``)."""
+    return tensor
+
+
 def _optimizer_config(model: torch.nn.Module, config: TrainConfig) -> OptimizerConfig:
     """Adam in the model's own precision (its ``TransformerConfig``'s bf16/fp16 decide the master copy)."""
     tconfig = model.config
@@ -165,10 +170,16 @@ def build_trainer(
     groups: ParallelGroups | None = None,
     corpus: Corpus | None = None,
     hooks: TrainerHooks | None = None,
+    initialize: bool = True,
 ) -> MegatronTrainer:
     """Build model, DDP, optimizer and schedule for this rank of ``layout``, and check that its state
     agrees with the view function (for the distributed optimizer: that it owns the ranges the planner
     predicts, :mod:`liver.shared.dist_opt`).
+
+    ``initialize=False`` leaves a preset's weights uninitialised: for a trainer whose every value is about
+    to be overwritten (a live switch streams into it). Megatron's ``perform_initialization=False`` would
+    also skip marking the weights tensor-parallel (on CPU and GPU alike), which the gradient norm and
+    checkpoints read, so the init methods are replaced by ones that draw nothing instead.
 
     ``groups`` default to ``parallel_state``'s (which must then be initialised for ``layout``); the
     world they belong to must be torch.distributed's default world (see :mod:`.build`).
@@ -179,7 +190,7 @@ def build_trainer(
     if groups is None:
         groups = groups_from_parallel_state(layout)
     with parallel_state_of(groups):
-        return _build_trainer(source, layout, config, groups, corpus, hooks or TrainerHooks())
+        return _build_trainer(source, layout, config, groups, corpus, hooks or TrainerHooks(), initialize)
 
 
 def _build_trainer(
@@ -189,6 +200,7 @@ def _build_trainer(
     groups: ParallelGroups,
     corpus: Corpus | None,
     hooks: TrainerHooks,
+    initialize: bool = True,
 ) -> MegatronTrainer:
     config.micro_batches_per_rank(layout.dp)
     if config.seq_length > source.max_sequence_length:
@@ -203,6 +215,7 @@ def _build_trainer(
         config_overrides={
             "hidden_dropout": config.hidden_dropout,
             "attention_dropout": config.attention_dropout,
+            **({} if initialize else {"init_method": _no_init, "output_layer_init_method": _no_init}),
         },
     )
     zero_vocab_padding(gpt, source.geometry, groups)
