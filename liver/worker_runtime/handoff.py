@@ -56,6 +56,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from liver.shared.collector import collector_paused
 from liver.shared.errors import HandoffError
 from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
@@ -290,13 +291,8 @@ def switch(handoff: Handoff[T], cut_at: float | None = None) -> tuple[T | None, 
     here). The old trainer's tensors are freed at the commit (``factory.dispose``), so its memory does
     not wait for a collection either; its remaining Python objects go with the next automatic one.
     """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return _switch(handoff, cut_at)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, SwitchReport]:
@@ -449,30 +445,27 @@ def prebuild(
     captured = factory.capture_rng() if old_world is not None else None
     trainer: T | None = None
     into: dict[int, LocalTensor] | None = None
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        if new_world is not None:
-            new_world.adopt_as_default(timeout)
-            build = getattr(factory, "build_for_stream", None) or factory.build
-            trainer = build(new_world)
-            into = factory.local_state(trainer)
-        built = time.perf_counter()
-        if new_world is not None:
-            new_world.warm(timeout)
-        stream.warm(timeout)
-    except BaseException:
-        if trainer is not None:
-            factory.dispose(trainer)
-        trainer = into = None
-        raise
-    finally:
-        if old_world is not None and not old_world.released:
-            old_world.restore_default()
-        if captured is not None:
-            factory.restore_rng(captured)
-        if collecting:
-            gc.enable()
+    with collector_paused():
+        try:
+            if new_world is not None:
+                new_world.adopt_as_default(timeout)
+                build = getattr(factory, "build_for_stream", None) or factory.build
+                trainer = build(new_world)
+                into = factory.local_state(trainer)
+            built = time.perf_counter()
+            if new_world is not None:
+                new_world.warm(timeout)
+            stream.warm(timeout)
+        except BaseException:
+            if trainer is not None:
+                factory.dispose(trainer)
+            trainer = into = None
+            raise
+        finally:
+            if old_world is not None and not old_world.released:
+                old_world.restore_default()
+            if captured is not None:
+                factory.restore_rng(captured)
     done = time.perf_counter()
     prebuilt = Prebuilt(trainer, into, built - started, done - built, iteration)
     if trainer is not None:

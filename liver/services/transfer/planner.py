@@ -29,6 +29,7 @@ from typing import NamedTuple
 import msgspec
 
 from liver.shared.boxes import Box, intersect, split, volume
+from liver.shared.collector import collector_paused
 from liver.shared.dist_opt import owned_boxes
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry, TensorSpec
@@ -99,7 +100,22 @@ def build_plan(
     lost: Collection[Device] = (),
 ) -> Plan:
     """The plan that moves the training state of ``model`` from ``old`` to ``new``, taking nothing from
-    the ``lost`` devices of ``old``; raises :class:`NoSurvivingSource` when some state survives nowhere."""
+    the ``lost`` devices of ``old``; raises :class:`NoSurvivingSource` when some state survives nowhere.
+
+    Python's garbage collector waits meanwhile (:func:`~liver.shared.collector.collector_paused`): a
+    large plan is hundreds of thousands of small objects, none in a cycle."""
+    with collector_paused():
+        return _build_plan(model, old, new, budget_bytes, optimizer, lost)
+
+
+def _build_plan(
+    model: ModelSpec | ModelGeometry,
+    old: WorldConfig,
+    new: WorldConfig,
+    budget_bytes: int,
+    optimizer: bool,
+    lost: Collection[Device],
+) -> Plan:
     model = as_geometry(model)
     model.check_layout(old.layout)
     model.check_layout(new.layout)
@@ -224,47 +240,52 @@ class _Sources:
             if d not in lost:
                 self.on_node[d.node].append(r)
         self.sent = [0] * n
+        # Candidate lists, by what decides them (the same few recur for every layer of a model).
+        self._on_node: dict[tuple[str, bool, int, int, tuple[int, ...]], list[int]] = {}
+        self._anywhere: dict[tuple[bool, int, tuple[int, ...], tuple[int, ...]], list[int]] = {}
 
     def choose(
         self, expert: bool, ep: int, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int
     ) -> int:
         """The source rank for a piece held by old TP rank ``key`` (or any) of the ``expert`` grid, EP
-        rank ``ep``, on ``stages``; one survives (:func:`build_plan` refused orphaned state before)."""
+        rank ``ep``, on ``stages``; one survives (:func:`build_plan` refused orphaned state before).
+        Among several candidates the one that has sent the fewest bytes, the first of them on a tie."""
         place = self.place[expert]
         r = self.rank_on.get(dev)
         if r is not None:
             tp, e, _replica, pp = place[r]
             if pp in stages and e == ep and (key == ANY or tp == key):
                 return r
-        best = -1
-        for r in self.on_node.get(dev.node, ()):
-            tp, e, _replica, pp = place[r]
-            if (
-                pp in stages
-                and e == ep
-                and (key == ANY or tp == key)
-                and (best < 0 or self.sent[r] < self.sent[best])
-            ):
-                best = r
-        if best >= 0:
-            return best
-        grid = self.layout.grid(expert)
-        best = self._least_loaded(grid, ep, (fallback_tp if key == ANY else key,), stages)
-        if best < 0 and key == ANY:
+        sent = self.sent.__getitem__
+        near_key = (dev.node, expert, ep, key, stages)
+        near = self._on_node.get(near_key)
+        if near is None:
+            near = self._on_node[near_key] = [
+                r
+                for r in self.on_node.get(dev.node, ())
+                if (p := place[r])[3] in stages and p[1] == ep and (key == ANY or p[0] == key)
+            ]
+        if near:
+            return min(near, key=sent)
+        far = self._holders(expert, ep, (fallback_tp if key == ANY else key,), stages)
+        if not far and key == ANY:
             # A replicated piece whose usual TP rank is lost: every TP rank of the stages holds it.
-            best = self._least_loaded(grid, ep, range(grid.tp), stages)
-        return best
+            far = self._holders(expert, ep, tuple(range(self.layout.grid(expert).tp)), stages)
+        return min(far, key=sent) if far else -1
 
-    def _least_loaded(self, grid: Grid, ep: int, tps: Sequence[int], stages: tuple[int, ...]) -> int:
-        alive, sent = self.alive, self.sent
-        best = -1
-        for tp in tps:
-            for pp in stages:
-                for replica in range(grid.replicas):
-                    r = grid.rank(tp, ep, replica, pp)
-                    if alive[r] and (best < 0 or sent[r] < sent[best]):
-                        best = r
-        return best
+    def _holders(self, expert: bool, ep: int, tps: tuple[int, ...], stages: tuple[int, ...]) -> list[int]:
+        """The surviving ranks with TP rank in ``tps`` on ``stages``, in (TP, stage, replica) order."""
+        found = self._anywhere.get((expert, ep, tps, stages))
+        if found is None:
+            grid, alive = self.layout.grid(expert), self.alive
+            found = self._anywhere[(expert, ep, tps, stages)] = [
+                r
+                for tp in tps
+                for pp in stages
+                for replica in range(grid.replicas)
+                if alive[r := grid.rank(tp, ep, replica, pp)]
+            ]
+        return found
 
 
 class _Chunk(NamedTuple):
@@ -427,6 +448,10 @@ def _owned_chunks(
     return {key: _Chunk(tuple(sl), tuple(sizes[key]), sum(sizes[key])) for key, sl in slices.items()}
 
 
+def _nbytes(chunks: list[_Chunk]) -> int:
+    return chunks[0].nbytes if len(chunks) == 1 else sum(c.nbytes for c in chunks)
+
+
 def _flatten(chunks: list[_Chunk]) -> tuple[Slice, ...]:
     return chunks[0].slices if len(chunks) == 1 else tuple(chain.from_iterable(c.slices for c in chunks))
 
@@ -533,19 +558,19 @@ def _stream(
     remote: dict[tuple[int, int], list[tuple[int, list[_Chunk]]]] = defaultdict(list)
     for (layer, src, dst), chunks in coalesced.items():
         if old_dev[src] == new_dev[dst]:
-            tasks.append(
-                TransferTask(layer, 0, src, dst, True, _flatten(chunks), sum(c.nbytes for c in chunks))
-            )
+            tasks.append(TransferTask(layer, 0, src, dst, True, _flatten(chunks), _nbytes(chunks)))
         else:
             remote[(layer, dst)].append((src, chunks))
     patterns: dict[tuple, list[list[list[Segment]]]] = {}
     splits: dict[tuple, list[list[tuple[tuple[Slice, ...], int]]]] = {}
     for (layer, dst), entries in remote.items():
-        entries.sort(key=itemgetter(0))
-        if sum(c.nbytes for _src, chunks in entries for c in chunks) <= budget:
+        if len(entries) > 1:
+            entries.sort(key=itemgetter(0))
+        sizes = [_nbytes(ch) for _src, ch in entries]
+        if sum(sizes) <= budget:
             tasks.extend(
-                TransferTask(layer, 0, src, dst, False, _flatten(ch), sum(c.nbytes for c in ch))
-                for src, ch in entries
+                TransferTask(layer, 0, src, dst, False, _flatten(ch), nbytes)
+                for (src, ch), nbytes in zip(entries, sizes)
             )
             continue
         chunk_lists = [ch for _src, ch in entries]
@@ -634,16 +659,17 @@ def plan_resize(
         raise LayoutError(
             f"layout {new_layout.describe()} needs {new_layout.world_size} devices, {len(new_devices)} given"
         )
-    t0 = time.perf_counter()
-    if optimize:
-        placement = optimized_placement(
-            model, old, new_devices, new_layout, optimizer, inter_node_weight, lost=lost
-        )
-    else:
-        placement = rank_order_placement(old, new_devices, new_layout)
-    t1 = time.perf_counter()
-    plan = build_plan(model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer, lost=lost)
-    t2 = time.perf_counter()
+    with collector_paused():
+        t0 = time.perf_counter()
+        if optimize:
+            placement = optimized_placement(
+                model, old, new_devices, new_layout, optimizer, inter_node_weight, lost=lost
+            )
+        else:
+            placement = rank_order_placement(old, new_devices, new_layout)
+        t1 = time.perf_counter()
+        plan = build_plan(model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer, lost=lost)
+        t2 = time.perf_counter()
     stats = plan_stats(plan)
     rank_order_bytes = stats.bytes_moved
     distributed = as_geometry(model).distributed
