@@ -428,6 +428,7 @@ def prebuild(
     stream: StreamGroup,
     iteration: int | None,
     timeout: timedelta,
+    schedule: PreparedSchedule | None = None,
 ) -> Prebuilt[T]:
     """Step 3 of the switch moved before the cut: build the new trainer and warm every communicator of
     the new world and of the stream group, at the boundary the vote agreed (``BUILD``).
@@ -439,7 +440,9 @@ def prebuild(
     describing it, and it seeds the random streams, all process-global state the training step reads, so
     it cannot run beside a step. Afterwards the old world is the default again and the random streams
     are as they were (invariant I4: training on the old world goes on exactly as if nothing was built).
-    The new trainer's storage is then touched beside training (:attr:`Prebuilt.touching`).
+    The new trainer's storage is then touched beside training (:attr:`Prebuilt.touching`). Given this
+    process's transfer ``schedule``, one tiny message each way with every peer of the stream warms the
+    point-to-point paths too (NCCL connects each pair on its first send).
     """
     started = time.perf_counter()
     captured = factory.capture_rng() if old_world is not None else None
@@ -456,6 +459,8 @@ def prebuild(
             if new_world is not None:
                 new_world.warm(timeout)
             stream.warm(timeout)
+            if schedule is not None:
+                warm_peers(stream, schedule, timeout)
         except BaseException:
             if trainer is not None:
                 factory.dispose(trainer)
@@ -478,6 +483,30 @@ def prebuild(
         warm_s=round(prebuilt.warm_s, 4),
     )
     return prebuilt
+
+
+WARM_TAG = 2_147_483_646
+"""The warm-up messages' tag: they complete before the stream's first message, whatever its tag."""
+
+
+def warm_peers(stream: StreamGroup, schedule: PreparedSchedule, timeout: timedelta) -> int:
+    """One one-element message to every process this one sends to in ``schedule`` and from every one it
+    receives from; returns how many. Every process of the stream group calls it at the same point, with
+    its own schedule of the same plan, so each send here is matched by a receive there."""
+    to: set[int] = set()
+    frm: set[int] = set()
+    for step in schedule.schedule.steps():
+        to.update(m.peer for m in step.sends)
+        frm.update(m.peer for m in step.recvs)
+    pg = stream.group()
+    where = torch.device("cuda", stream.device.index) if stream.backend == "nccl" and stream.device else None
+    inbox = {peer: torch.zeros(1, device=where) for peer in sorted(frm)}
+    works = [pg.recv([t], peer, WARM_TAG) for peer, t in inbox.items()]
+    works += [pg.send([torch.zeros(1, device=where)], peer, WARM_TAG) for peer in sorted(to)]
+    for work in works:
+        if work.wait(timeout) is False:
+            raise TimeoutError(f"a warm-up message of the stream group did not complete within {timeout}")
+    return len(works)
 
 
 def _storage_of(

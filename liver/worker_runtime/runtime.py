@@ -480,6 +480,7 @@ class LiveRuntime(Generic[T]):
                 stream=prep.stream_build.result(),
                 iteration=iteration,
                 timeout=timedelta(seconds=prep.seconds_left(timeout)),
+                schedule=prep.schedule(),
             )
         except Exception as error:
             text = str(error).splitlines()[0][:500] if str(error) else repr(error)

@@ -201,14 +201,17 @@ def _optimizer_slots(trainer: MegatronTrainer) -> dict[int, tuple[torch.Tensor, 
     return slots
 
 
-def _adam_state(main: torch.Tensor, inner: torch.optim.Optimizer) -> dict[str, Any]:
+def _adam_state(main: torch.Tensor, inner: torch.optim.Optimizer, zeroed: bool = True) -> dict[str, Any]:
     """The Adam state of ``main``, created as Adam's first step would create it if it does not exist yet
-    (zero moments, step 0), so that a fresh optimizer has storage to stream into."""
+    (zero moments, step 0), so that a fresh optimizer has storage to stream into; with ``zeroed=False``
+    the moments are only allocated (a trainer the stream fills: the runtime zeroes them off the
+    training thread, and the stream overwrites them)."""
     state = inner.state[main]
     if not state:
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+        make = torch.zeros_like if zeroed else torch.empty_like
         for moment in _MOMENTS:
-            state[moment] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            state[moment] = make(main, memory_format=torch.preserve_format)
     return state
 
 
@@ -267,7 +270,7 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
         if spec.distributed:
             if slot is not None:
                 main, inner = slot
-                adam = _adam_state(main, inner)
+                adam = _adam_state(main, inner, zeroed=not trainer.filled_by_stream)
                 steps.append(adam["step"])
                 if name not in ranges:
                     raise StateMismatch(f"{name}: the optimizer owns a range of it the planner does not")
@@ -277,7 +280,7 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
         if slot is None:
             raise StateMismatch(f"{name}: the optimizer does not update this parameter")
         main, inner = slot
-        adam = _adam_state(main, inner)
+        adam = _adam_state(main, inner, zeroed=not trainer.filled_by_stream)
         steps.append(adam["step"])
         if f"optimizer.state.fp32_param.{name}" in index_of:
             state[index_of[f"optimizer.state.fp32_param.{name}"]] = _as_local(

@@ -290,6 +290,7 @@ def _build_trainer(
         forward_step=hooks.forward_step or gpt_forward_step,
         loss_key=hooks.loss_key,
     )
+    trainer.filled_by_stream = not initialize
     if config.use_distributed_optimizer:
         # Start-up check: the optimizer owns exactly the ranges the planner predicts for this rank.
         check_owned_ranges(trainer)

@@ -121,6 +121,9 @@ class MegatronTrainer:
         self.consumed_samples = 0
         self.params_stale = False  # a step with overlap_param_gather left the gather to the next forward
         self.adam_steps = 0  # optimizer steps taken (Adam's step; a skipped fp16 step does not count)
+        # Built for a stream to fill (build_trainer(initialize=False)): state made before the stream may
+        # be left as allocated (the runtime zeroes it beside training), not zeroed on the training thread.
+        self.filled_by_stream = False
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
         self._collection = groups.collection()
         self._forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
