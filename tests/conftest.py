@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import gc
+import sys
+import threading
+import traceback
+from collections.abc import Generator, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,3 +32,44 @@ def nats_server() -> Iterator[NatsServer]:
     """
     with NatsServer(startup_timeout_s=60.0) as server:
         yield server
+
+
+# -- what a hung test was waiting for ----------------------------------------------------------------------
+# pytest-timeout prints the threads' stacks, which for an asyncio test show only the event loop waiting
+# in select(); the coroutine that never resumed is invisible. Shortly before it fires, print every
+# pending task's stack too (a CI failure then names the await that hung).
+
+DUMP_BEFORE_TIMEOUT_S = 20.0
+
+
+def _dump_pending_tasks(phase: str, nodeid: str) -> None:
+    out = sys.__stderr__
+    if out is None:
+        return
+    print(f"\n===== {nodeid} ({phase}) still running: pending asyncio tasks =====", file=out)
+    for obj in gc.get_objects():
+        if isinstance(obj, asyncio.Task) and not obj.done():
+            print(f"--- {obj.get_name()}: {obj.get_coro()!r}", file=out)
+            for frame in obj.get_stack(limit=40):
+                print(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=out)
+    for ident, frame in sys._current_frames().items():
+        print(f"--- thread {ident}", file=out)
+        traceback.print_stack(frame, file=out)
+    out.flush()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if limit <= DUMP_BEFORE_TIMEOUT_S:
+        return (yield)
+    timer = threading.Timer(limit - DUMP_BEFORE_TIMEOUT_S, _dump_pending_tasks, ("test", item.nodeid))
+    timer.daemon = True
+    timer.start()
+    try:
+        return (yield)
+    finally:
+        timer.cancel()

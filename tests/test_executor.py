@@ -31,7 +31,9 @@ from liver.worker_runtime.stream.executor import (
     StreamOptions,
     StreamStats,
     devices_in_stream_order,
+    prepare_schedule,
     ranks_on_device,
+    staging_bytes,
     stream_plan,
 )
 from liver.worker_runtime.stream.schedule import Schedule, build_schedule
@@ -143,13 +145,28 @@ def schedule_of(plan: Plan, rank: int, message_bytes: int, direct_receive: bool 
     return build_schedule(plan, old_rank, new_rank, ranks, rank, size, message_bytes, direct_receive)
 
 
-def reshard(w: World, plan: Plan, options: StreamOptions, preallocate: bool = False) -> Report:
+def reshard(
+    w: World, plan: Plan, options: StreamOptions, preallocate: bool = False, staging: bool = False
+) -> Report:
     old_rank, new_rank = identity(plan, w.rank)
     old_state = state_of(plan, old_rank, old=True)
     before = checksum(old_state)
     into = None
     if preallocate:  # filled with -1, so a region the stream misses cannot pass
         into = {ti: torch.full_like(t, -1) for ti, t in state_of(plan, new_rank, old=False).items()}
+    prepared = buffer = None
+    if staging:  # made beforehand, as a handoff's preparation does; garbage in it must not matter
+        size = len(devices_in_stream_order(plan))
+        prepared = prepare_schedule(
+            plan,
+            old_rank=old_rank,
+            new_rank=new_rank,
+            group_ranks=GroupRanks.by_device(plan),
+            group_rank=w.rank,
+            group_size=size,
+            options=options,
+        )
+        buffer = torch.full((staging_bytes(prepared, preallocated=preallocate),), 0xAB, dtype=torch.uint8)
     result = stream_plan(
         plan,
         old_rank=old_rank,
@@ -159,7 +176,11 @@ def reshard(w: World, plan: Plan, options: StreamOptions, preallocate: bool = Fa
         old_state=old_state,
         into=into,
         options=options,
+        schedule=prepared,
+        staging=buffer,
     )
+    if buffer is not None and result.stats.staging_bytes:
+        assert not bool((buffer == 0xAB).all()), "the stream staged outside the buffer it was given"
     expected = state_of(plan, new_rank, old=False)
     mismatched = [
         plan.tensors[ti].name
@@ -182,9 +203,12 @@ def reshard(w: World, plan: Plan, options: StreamOptions, preallocate: bool = Fa
     )
 
 
-def run_reshard(plan: Plan, options: StreamOptions = OPTIONS, preallocate: bool = False) -> list[Report]:
+def run_reshard(
+    plan: Plan, options: StreamOptions = OPTIONS, preallocate: bool = False, staging: bool = False
+) -> list[Report]:
     size = len(devices_in_stream_order(plan))
-    return [o.unwrap() for o in run_world(reshard, size, (plan, options, preallocate), timeout_s=RUN_S)]
+    args = (plan, options, preallocate, staging)
+    return [o.unwrap() for o in run_world(reshard, size, args, timeout_s=RUN_S)]
 
 
 def assert_resharded(reports: list[Report]) -> None:
@@ -285,6 +309,37 @@ def test_streaming_into_preallocated_shards_posts_the_next_step_ahead_within_the
     for rank, r in enumerate(reports):
         one_step = largest_step_staging(plan, rank, OPTIONS)
         assert 0 < one_step < r.stats.staging_bytes, "two steps' staged pieces should be in flight at once"
+
+
+def test_a_staging_buffer_made_beforehand_is_the_one_staged_in_and_the_shards_stay_bit_exact() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)), budget=256 * KIB)
+    reports = run_reshard(plan, preallocate=True, staging=True)
+    assert_resharded(reports)
+    assert all(r.stats.staging_bytes > 0 for r in reports)
+
+
+def test_a_staging_buffer_smaller_than_the_stream_needs_is_refused_before_any_message() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)), budget=256 * KIB)
+    old_rank, new_rank = identity(plan, 0)
+
+    class NoMessages:
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(ValueError, match="`staging`"):
+        stream_plan(
+            plan,
+            old_rank=old_rank,
+            new_rank=new_rank,
+            group=NoMessages(),  # type: ignore[arg-type]
+            group_ranks=GroupRanks.by_device(plan),
+            old_state=state_of(plan, old_rank, old=True),
+            options=OPTIONS,
+            staging=torch.zeros(8, dtype=torch.uint8),
+        )
 
 
 def test_preallocated_streams_that_send_from_copies_stay_bit_exact() -> None:

@@ -72,6 +72,8 @@ from liver.worker_runtime.stream.executor import (
     devices_in_stream_order,
     prepare_schedule,
     ranks_on_device,
+    staging_bytes,
+    stream_device,
     stream_plan,
 )
 from liver.worker_runtime.world import StreamGroup, World, allreduce
@@ -234,6 +236,7 @@ class Prebuilt(Generic[T]):
     warm_s: float  # the first collective on every group of the new world and on the stream group
     iteration: int | None  # the boundary it was built at; None for a joiner
     touching: threading.Thread | None = None
+    staging: torch.Tensor | None = None  # the executor's staging buffer, made and touched beside training
 
     @property
     def seconds(self) -> float:
@@ -406,6 +409,9 @@ def _stream(
         def on_step(layer: int, rnd: int) -> None:
             hook(generation, layer, rnd)
 
+    staging = h.prebuilt.staging if h.prebuilt is not None else None
+    if staging is not None and staging.device != stream_device(None, old_state, into):
+        staging = None
     return stream_plan(
         h.plan,
         old_rank=old_rank,
@@ -417,6 +423,7 @@ def _stream(
         options=h.stream_options,
         on_step=on_step,
         schedule=h.schedule,
+        staging=staging,
     )
 
 
@@ -473,8 +480,14 @@ def prebuild(
                 factory.restore_rng(captured)
     done = time.perf_counter()
     prebuilt = Prebuilt(trainer, into, built - started, done - built, iteration)
-    if trainer is not None:
-        prebuilt.touching = _touch(_storage_of(factory, trainer, into))
+    touch = _storage_of(factory, trainer, into) if trainer is not None else []
+    if schedule is not None:
+        size = staging_bytes(schedule, preallocated=trainer is not None)
+        if size:
+            prebuilt.staging = torch.empty(size, dtype=torch.uint8, device=_staging_device(stream, into))
+            touch.append(prebuilt.staging)
+    if touch:
+        prebuilt.touching = _touch(touch)
     log.info(
         "handoff.prebuilt",
         generation=stream.new.generation,
@@ -507,6 +520,16 @@ def warm_peers(stream: StreamGroup, schedule: PreparedSchedule, timeout: timedel
         if work.wait(timeout) is False:
             raise TimeoutError(f"a warm-up message of the stream group did not complete within {timeout}")
     return len(works)
+
+
+def _staging_device(stream: StreamGroup, into: dict[int, LocalTensor] | None) -> torch.device:
+    """Where the executor will stage: the new shards' device, else (a process that leaves) the GPU of
+    an NCCL stream group, else the CPU; :func:`_stream` hands the buffer in only when it matches."""
+    for value in (into or {}).values():
+        return pieces_of(value)[0].device
+    if stream.backend == "nccl" and stream.device is not None:
+        return torch.device("cuda", stream.device.index)
+    return torch.device("cpu")
 
 
 def _storage_of(

@@ -38,6 +38,7 @@ from liver.worker_runtime.stream.executor import (
     devices_in_stream_order,
     prepare_schedule,
     ranks_on_device,
+    staging_bytes,
     stream_plan,
 )
 from liver.worker_runtime.stream.schedule import Schedule
@@ -198,9 +199,11 @@ def _measure_stream(
 ) -> dict[str, Any]:
     devices = devices_in_stream_order(plan)
     old_rank, new_rank = ranks_on_device(plan, devices[rank])
-    # This process's shards and local copies, from the executor's own schedule. The timed streams
-    # still build their own inside stream_plan: the stream's wall time counts it (the report's "rest").
-    schedule = prepare_schedule(
+    # This process's shards and local copies, from the executor's own schedule. The preallocated mode
+    # streams as the runtime does, with the schedule, the new shards and the staging buffer made (and
+    # touched) before the cut; the allocating mode builds its schedule and buffer inside stream_plan,
+    # on the clock (the report's "rest").
+    prepared = prepare_schedule(
         plan,
         old_rank=old_rank,
         new_rank=new_rank,
@@ -208,7 +211,9 @@ def _measure_stream(
         group_rank=rank,
         group_size=len(devices),
         options=setup.options,
-    ).schedule
+    )
+    schedule = prepared.schedule
+    staging = torch.zeros(staging_bytes(prepared, preallocated=True), dtype=torch.uint8)
     say("process 0: making the synthetic old state and the expected checksums")
     old_state = {ti: holding_content(plan, ti, s) for ti, s in schedule.old_shards.items()}
     new_shards = schedule.new_shards
@@ -253,6 +258,8 @@ def _measure_stream(
                 old_state=old_state,
                 into=given,
                 options=setup.options,
+                schedule=prepared if given is not None else None,
+                staging=staging if given is not None else None,
             )
             seconds = time.perf_counter() - t0
             peak = status_kib("VmHWM")

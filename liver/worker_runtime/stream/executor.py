@@ -104,6 +104,8 @@ __all__ = [
     "devices_in_stream_order",
     "prepare_schedule",
     "ranks_on_device",
+    "staging_bytes",
+    "stream_device",
     "stream_plan",
 ]
 
@@ -282,6 +284,7 @@ def stream_plan(
     options: StreamOptions | None = None,
     on_step: Callable[[int, int], None] | None = None,
     schedule: PreparedSchedule | None = None,
+    staging: torch.Tensor | None = None,
 ) -> StreamResult:
     """Run this process's part of ``plan``; see the module docstring.
 
@@ -292,7 +295,10 @@ def stream_plan(
     ``on_step(layer, round)`` is called before each of this process's steps (progress, cancellation).
     ``schedule`` is this process's schedule made beforehand by :func:`prepare_schedule` (while training
     still ran); it must have been made for the same plan, ranks, group and options (else
-    :class:`PlanMismatch`); without it the schedule is built here.
+    :class:`PlanMismatch`); without it the schedule is built here. ``staging`` is the buffer to stage
+    in, allocated (and its pages touched) beforehand: a 1-D ``uint8`` tensor on ``device`` of at least
+    :func:`staging_bytes` (without it the executor allocates its own, and pays its first-touch page
+    faults while it streams). It is extra memory all the same, and counted as such.
     Raises :class:`PlanMismatch` (or ``ValueError``) before any message is sent when the inputs do not
     fit the plan, and :class:`StreamError` when a peer fails.
     """
@@ -312,11 +318,37 @@ def stream_plan(
         _check_prepared(schedule, plan, old_rank, new_rank, group_ranks, group.rank(), group.size(), opts)
         schedule_s = 0.0
     s = schedule.schedule
-    dev = _pick_device(device, old_state)
+    dev = stream_device(device, old_state, into)
     _check_state(plan, s.old_shards, old_state, "old_state", dev, exact=True)
     if into is not None:
         _check_state(plan, s.new_shards, into, "into", dev, exact=False)
-    return _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s).run()
+    size = _buffer_size(plan, s, preallocated=into is not None and all(ti in into for ti in s.new_shards))
+    if staging is not None:
+        if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous():
+            raise ValueError("`staging`: must be a contiguous 1-D uint8 tensor")
+        if staging.device != dev or staging.numel() < size:
+            raise ValueError(
+                f"`staging`: {staging.numel()} bytes on {staging.device}, the stream needs {size} on {dev}"
+            )
+    return _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s, staging).run()
+
+
+def staging_bytes(schedule: PreparedSchedule, *, preallocated: bool = True) -> int:
+    """The staging buffer :func:`stream_plan` uses for ``schedule``: streaming into preallocated new
+    shards (``into=`` every one of them), or allocating them."""
+    return _buffer_size(schedule.plan, schedule.schedule, preallocated)
+
+
+def _buffer_size(plan: Plan, s: Schedule, preallocated: bool) -> int:
+    """With every new shard preallocated, posting the next step before this one is waited for costs
+    only the next step's staged bytes: the buffer holds two steps' worth (never beyond B). A deeper
+    window measured slower on CPU (the bigger buffer's first-touch page faults cost more than the
+    overlap gains; docs/benchmarks.md). Allocating shards, it would cost a whole layer."""
+    size = s.buffer_bytes
+    if preallocated:
+        staged = sum(align(st.staging_bytes) for st in s.steps() if not st.copy_bytes)
+        size = min(plan.budget_bytes, max(size, staged), 2 * size)
+    return size
 
 
 class PreparedSchedule(NamedTuple):
@@ -409,10 +441,16 @@ def _check_prepared(
             raise PlanMismatch(f"schedule: prepared for {field} {had!r}, but this stream has {got!r}")
 
 
-def _pick_device(device: torch.device | str | None, old_state: Mapping[int, LocalTensor]) -> torch.device:
+def stream_device(
+    device: torch.device | str | None,
+    old_state: Mapping[int, LocalTensor],
+    into: Mapping[int, LocalTensor] | None = None,
+) -> torch.device:
+    """Where :func:`stream_plan` puts new shards and buffers: ``device``, else the old state's device,
+    else (a process only in the new world) that of the shards it streams into, else the CPU."""
     if device is not None:
         return torch.device(device)
-    for value in old_state.values():
+    for value in (*old_state.values(), *(into or {}).values()):
         return pieces_of(value)[0].device
     return torch.device("cpu")
 
@@ -552,8 +590,10 @@ class _Stream:
         opts: StreamOptions,
         on_step: Callable[[int, int], None] | None,
         schedule_s: float = 0.0,
+        staging: torch.Tensor | None = None,
     ) -> None:
         self.plan = plan
+        self.staging = staging
         self.schedule_s = schedule_s
         self.s = schedule
         self.group = group
@@ -578,18 +618,14 @@ class _Stream:
         self.t0 = t0
         old_bytes = sum(t.numel() * t.element_size() for v in self.old.values() for t in pieces_of(v))
         self.mem.add("old", old_bytes)
-        # With every new shard preallocated, posting the next step before this one is waited for costs
-        # only the next step's staged bytes: the buffer holds two steps' worth (never beyond B). A
-        # deeper window measured slower on CPU (the bigger buffer's first-touch page faults cost more
-        # than the overlap gains; docs/benchmarks.md). Allocating shards, it would cost a whole layer.
         self.ahead = self.into is not None and all(ti in self.into for ti in self.s.new_shards)
-        size = self.s.buffer_bytes
-        if self.ahead:
-            staged = sum(align(st.staging_bytes) for st in self.s.steps() if not st.copy_bytes)
-            size = min(self.plan.budget_bytes, max(size, staged), 2 * size)
+        size = _buffer_size(self.plan, self.s, self.ahead)
         self.buffer_size = size
         if size:
-            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if self.staging is not None:
+                self.buffer = self.staging[:size]
+            else:
+                self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.mem.add("buffer", size)
         self.log.info(
             "stream.start",
