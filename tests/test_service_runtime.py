@@ -176,6 +176,42 @@ async def test_a_stopped_service_no_longer_answers_ping(server: NatsServer) -> N
             await nc.request(f"$SRV.PING.{micro_name('ingester')}", b"", timeout=WAIT_S)
 
 
+class StuckOnStop:
+    """A service whose message in hand never settles: its ``stop`` waits for ever."""
+
+    name = "stuck"
+    description = "never stops"
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    async def start(self, bus: object) -> None:
+        return None
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+    def stats(self) -> Mapping[str, int]:
+        return {}
+
+
+async def test_a_service_that_cannot_settle_its_message_is_cut_off_after_the_stop_grace(
+    server: NatsServer,
+) -> None:
+    service = StuckOnStop()
+    with structlog.testing.capture_logs() as logged:
+        async with hosted(service, server.url, {}, stop_grace_s=0.2) as h:
+            nc = h.bus.nc
+    assert service.cancelled
+    assert nc.is_closed
+    (timed_out,) = [e for e in logged if e["event"] == "service_stop_timed_out"]
+    assert timed_out["service"] == "stuck"
+
+
 # -- consuming ----------------------------------------------------------------------------------------
 
 

@@ -50,6 +50,14 @@ log = structlog.get_logger(__name__)
 
 SERVICE_VERSION: Final = "0.1.0"
 
+STOP_GRACE_S: Final = 15.0
+"""How long a stopping service may take to settle the message in hand before it is cancelled.
+
+With the drain's own bound (``DRAIN_TIMEOUT_S``) this keeps a shutdown inside a container's 30 s stop
+grace period. A handler cut off here never acknowledged its message, so JetStream redelivers it after
+the consumer's ack wait: nothing is lost, a stuck handler just cannot hold the process for ever.
+"""
+
 
 @dataclass(frozen=True)
 class Bus:
@@ -387,9 +395,14 @@ class Hosted:
 
 @contextlib.asynccontextmanager
 async def hosted(
-    service: Service, url: str, environ: Mapping[str, str] | None = None
+    service: Service,
+    url: str,
+    environ: Mapping[str, str] | None = None,
+    *,
+    stop_grace_s: float = STOP_GRACE_S,
 ) -> AsyncIterator[Hosted]:
-    """Connect, start ``service`` and announce it; on exit stop it and drain the connection."""
+    """Connect, start ``service`` and announce it; on exit stop it (within ``stop_grace_s``, see
+    :data:`STOP_GRACE_S`) and drain the connection."""
     name = micro_name(service.name)
     nc = await connect(url, environ, name=name)
     try:
@@ -401,7 +414,10 @@ async def hosted(
             yield Hosted(service=service, bus=bus, micro=micro)
         finally:
             log.info("service_stopping", service=service.name)
-            await service.stop()
+            try:
+                await asyncio.wait_for(service.stop(), stop_grace_s)
+            except TimeoutError:
+                log.error("service_stop_timed_out", service=service.name, grace_s=stop_grace_s)
     finally:
         if not nc.is_closed:
             try:
