@@ -30,6 +30,7 @@ from liver.worker_runtime.stream.executor import (
     StreamError,
     StreamOptions,
     StreamStats,
+    allocate_new_state,
     devices_in_stream_order,
     prepare_schedule,
     ranks_on_device,
@@ -146,7 +147,12 @@ def schedule_of(plan: Plan, rank: int, message_bytes: int, direct_receive: bool 
 
 
 def reshard(
-    w: World, plan: Plan, options: StreamOptions, preallocate: bool = False, staging: bool = False
+    w: World,
+    plan: Plan,
+    options: StreamOptions,
+    preallocate: bool = False,
+    staging: bool = False,
+    executor_allocates: bool = False,
 ) -> Report:
     old_rank, new_rank = identity(plan, w.rank)
     old_state = state_of(plan, old_rank, old=True)
@@ -155,7 +161,7 @@ def reshard(
     if preallocate:  # filled with -1, so a region the stream misses cannot pass
         into = {ti: torch.full_like(t, -1) for ti, t in state_of(plan, new_rank, old=False).items()}
     prepared = buffer = None
-    if staging:  # made beforehand, as a handoff's preparation does; garbage in it must not matter
+    if staging or executor_allocates:  # made beforehand, as a handoff's preparation does
         size = len(devices_in_stream_order(plan))
         prepared = prepare_schedule(
             plan,
@@ -166,7 +172,11 @@ def reshard(
             group_size=size,
             options=options,
         )
+        # garbage in the staging buffer must not matter
         buffer = torch.full((staging_bytes(prepared, preallocated=preallocate),), 0xAB, dtype=torch.uint8)
+    if executor_allocates:
+        assert prepared is not None
+        into = allocate_new_state(prepared)
     result = stream_plan(
         plan,
         old_rank=old_rank,
@@ -204,10 +214,14 @@ def reshard(
 
 
 def run_reshard(
-    plan: Plan, options: StreamOptions = OPTIONS, preallocate: bool = False, staging: bool = False
+    plan: Plan,
+    options: StreamOptions = OPTIONS,
+    preallocate: bool = False,
+    staging: bool = False,
+    executor_allocates: bool = False,
 ) -> list[Report]:
     size = len(devices_in_stream_order(plan))
-    args = (plan, options, preallocate, staging)
+    args = (plan, options, preallocate, staging, executor_allocates)
     return [o.unwrap() for o in run_world(reshard, size, args, timeout_s=RUN_S)]
 
 
@@ -316,6 +330,34 @@ def test_a_staging_buffer_made_beforehand_is_the_one_staged_in_and_the_shards_st
     reports = run_reshard(plan, preallocate=True, staging=True)
     assert_resharded(reports)
     assert all(r.stats.staging_bytes > 0 for r in reports)
+
+
+def test_new_state_allocated_during_preparation_has_the_new_shards_layout_and_is_zeroed() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)))
+    old_rank, new_rank = identity(plan, 1)
+    prepared = prepare_schedule(
+        plan,
+        old_rank=old_rank,
+        new_rank=new_rank,
+        group_ranks=GroupRanks.by_device(plan),
+        group_rank=1,
+        group_size=2,
+        options=OPTIONS,
+    )
+    made = allocate_new_state(prepared)
+    want = state_of(plan, new_rank, old=False)
+    assert sorted(made) == sorted(want)
+    for ti, got in made.items():
+        assert isinstance(got, torch.Tensor), plan.tensors[ti].name
+        assert (got.shape, got.dtype) == (want[ti].shape, want[ti].dtype), plan.tensors[ti].name
+        assert not got.any(), plan.tensors[ti].name
+
+
+def test_a_stream_into_the_state_allocated_during_preparation_is_bit_exact_and_allocates_nothing() -> None:
+    plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,1,2", range(2)), budget=256 * KIB)
+    reports = run_reshard(plan, preallocate=True, executor_allocates=True)
+    assert_resharded(reports)
+    assert all(r.stats.peak_extra_bytes == r.stats.buffer_bytes for r in reports)
 
 
 def test_a_staging_buffer_smaller_than_the_stream_needs_is_refused_before_any_message() -> None:

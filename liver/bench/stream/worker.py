@@ -31,10 +31,12 @@ from liver.bench.stream.workload import (
 from liver.shared.holdings import pieces_of
 from liver.shared.plan import Plan
 from liver.worker_runtime.stream.executor import (
+    TORCH_DTYPES,
     GroupRanks,
     LocalTensor,
     StreamOptions,
     StreamStats,
+    allocate_new_state,
     devices_in_stream_order,
     prepare_schedule,
     ranks_on_device,
@@ -67,6 +69,7 @@ class StreamRuns(msgspec.Struct, kw_only=True):
     """One process's stream repeats in one mode."""
 
     seconds: list[float] = msgspec.field(default_factory=list)  # from the barrier to stream_plan's return
+    prepare_seconds: list[float] = msgspec.field(default_factory=list)  # allocating: the new state, untimed
     stats: list[StreamStats] = msgspec.field(default_factory=list)
     mismatched: list[list[str]] = msgspec.field(default_factory=list)  # tensors whose checksum differs
     rss_extra_bytes: list[int | None] = msgspec.field(default_factory=list)
@@ -80,8 +83,8 @@ class ProcessResult(msgspec.Struct, frozen=True, kw_only=True):
     loop_with: list[Segment]  # with a shadow preparation started on the first step
     raw_seconds: list[float]  # one per stream repeat
     floor_seconds: list[float]  # the raw exchange with the local copies beside it, one per repeat
-    into: StreamRuns  # streams into preallocated new shards
-    alloc: StreamRuns  # streams that allocate their new shards
+    into: StreamRuns  # streams into preallocated new shards (the new model's storage)
+    alloc: StreamRuns  # streams into new shards the executor allocated during preparation
     tensors_checked: int  # per mode and repeat
     new_state_bytes: int
     new_state_digest: str
@@ -158,24 +161,47 @@ def _raw_once(
 
 
 def _local_copier(
-    schedule: Schedule, old_state: dict[int, LocalTensor], into: dict[int, LocalTensor]
+    schedule: Schedule, plan: Plan, old_state: dict[int, LocalTensor], into: dict[int, LocalTensor]
 ) -> Callable[[], None]:
-    """The slices that stay in this process, copied from its old shards into its new ones exactly as
-    the executor copies them (the same regions, from the executor's own schedule), and nothing else."""
-    pairs = [
-        (
-            pieces_of(into[c.tensor])[c.dst_piece],
-            _index(c.dst),
-            pieces_of(old_state[c.tensor])[c.src_piece],
-            _index(c.src),
-        )
-        for step in schedule.steps()
-        for c in step.copies
-    ]
+    """Every byte this process must move within its memory, from the executor's own schedule: the
+    slices that stay (old shard -> new shard), each staged receive copied out into its strided region
+    of the new shard, and each non-contiguous send packed into a contiguous piece. Point-to-point
+    transports (gloo, NCCL) send and receive only contiguous buffers, so no executor of this plan can
+    skip the last two either; the scratch they go through is made and touched here, off the clock."""
+    pairs: list[tuple[torch.Tensor, tuple[slice, ...] | None, torch.Tensor, tuple[slice, ...] | None]] = []
+    largest = max(
+        (m.nbytes for step in schedule.steps() for m in (*step.recvs, *step.sends)),
+        default=0,
+    )
+    scratch = torch.ones(largest, dtype=torch.uint8)
+
+    def contiguous(msg_tensor: int, region: tuple[tuple[int, int], ...], nbytes: int) -> torch.Tensor:
+        dtype = TORCH_DTYPES[plan.tensors[msg_tensor].dtype]
+        return scratch[:nbytes].view(dtype).view(tuple(hi - lo for lo, hi in region))
+
+    for step in schedule.steps():
+        for c in step.copies:
+            pairs.append(
+                (
+                    pieces_of(into[c.tensor])[c.dst_piece],
+                    _index(c.dst),
+                    pieces_of(old_state[c.tensor])[c.src_piece],
+                    _index(c.src),
+                )
+            )
+        for m in step.recvs:
+            if m.staging_offset >= 0:
+                src = contiguous(m.tensor, m.region, m.nbytes)
+                pairs.append((pieces_of(into[m.tensor])[m.piece], _index(m.region), src, None))
+        for m in step.sends:
+            if m.copy:
+                dst = contiguous(m.tensor, m.region, m.nbytes)
+                pairs.append((dst, None, pieces_of(old_state[m.tensor])[m.piece], _index(m.region)))
 
     def copy() -> None:
         for dst, dst_index, src, src_index in pairs:
-            dst[dst_index].copy_(src[src_index])
+            d = dst if dst_index is None else dst[dst_index]
+            d.copy_(src if src_index is None else src[src_index])
 
     return copy
 
@@ -185,11 +211,13 @@ def _index(region: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
 
 
 STREAM_MODES = ("raw", "floor", "into", "alloc")
-"""Per repeat, in rotating order: the raw exchange; the raw exchange with this process's local copies
-done beside it (the floor: the data movement any executor of this plan must do, with none of its
-logic); the stream into preallocated new shards (the new model's storage, in memory already, as the
-raw exchange's buffers are); the stream allocating its new shards (first-touch page faults on the
-clock)."""
+"""Per repeat, in rotating order: the raw exchange; the raw exchange with this process's local data
+movement done beside it (the floor: slices that stay, staged receives copied into place,
+non-contiguous sends packed; what any executor of this plan must do, with none of its logic); the
+stream into preallocated new shards (the new model's storage, in memory already, as the raw
+exchange's buffers are); the stream into new shards the executor allocated, fresh for the repeat,
+during preparation (``allocate_new_state``: a caller with no storage of its own; the first-touch page
+faults are paid there, off the clock, and reported as its preparation time)."""
 
 _SENTINEL = -1  # no synthetic value is negative: a preallocated shard the stream missed cannot pass
 
@@ -199,10 +227,8 @@ def _measure_stream(
 ) -> dict[str, Any]:
     devices = devices_in_stream_order(plan)
     old_rank, new_rank = ranks_on_device(plan, devices[rank])
-    # This process's shards and local copies, from the executor's own schedule. The preallocated mode
-    # streams as the runtime does, with the schedule, the new shards and the staging buffer made (and
-    # touched) before the cut; the allocating mode builds its schedule and buffer inside stream_plan,
-    # on the clock (the report's "rest").
+    # This process's shards and local copies, from the executor's own schedule. Both stream modes run
+    # as the runtime does, with the schedule and the staging buffer made (and touched) before the cut.
     prepared = prepare_schedule(
         plan,
         old_rank=old_rank,
@@ -219,10 +245,13 @@ def _measure_stream(
     new_shards = schedule.new_shards
     expected = {ti: checksum(holding_content(plan, ti, s)) for ti, s in new_shards.items()}
     into = {ti: empty_holding(plan, ti, s) for ti, s in new_shards.items()}
+    for v in into.values():  # touched, as a built model's storage is, before the first floor repeat
+        for t in pieces_of(v):
+            t.fill_(_SENTINEL)
     new_bytes = sum(t.numel() * t.element_size() for v in into.values() for t in pieces_of(v))
     say("process 0: warm-up exchange (untimed)")
     _raw_once(pg, rank, setup.pair_bytes, tag=999_999)
-    local_copies = _local_copier(schedule, old_state, into)
+    local_copies = _local_copier(schedule, plan, old_state, into)
     out: dict[str, Any] = {
         "raw_seconds": [],
         "floor_seconds": [],
@@ -240,12 +269,16 @@ def _measure_stream(
                 seconds = _raw_once(pg, rank, setup.pair_bytes, tag=2_000_000 + r, beside=local_copies)
                 out["floor_seconds"].append(seconds)
                 continue
-            given = None
+            runs: StreamRuns = out[mode]
             if mode == "into":
-                for v in into.values():
-                    for t in pieces_of(v):
-                        t.fill_(_SENTINEL)
                 given = into
+            else:
+                t0 = time.perf_counter()
+                given = allocate_new_state(prepared)
+                runs.prepare_seconds.append(time.perf_counter() - t0)
+            for v in given.values():
+                for t in pieces_of(v):
+                    t.fill_(_SENTINEL)
             base = reset_peak_rss()
             barrier(pg)
             t0 = time.perf_counter()
@@ -258,16 +291,14 @@ def _measure_stream(
                 old_state=old_state,
                 into=given,
                 options=setup.options,
-                schedule=prepared if given is not None else None,
-                staging=staging if given is not None else None,
+                schedule=prepared,
+                staging=staging,
             )
             seconds = time.perf_counter() - t0
             peak = status_kib("VmHWM")
-            held = new_bytes if mode == "alloc" else 0
-            runs: StreamRuns = out[mode]
             runs.seconds.append(seconds)
             runs.stats.append(result.stats)
-            runs.rss_extra_bytes.append(None if base is None or peak is None else peak * KIB - base - held)
+            runs.rss_extra_bytes.append(None if base is None or peak is None else peak * KIB - base)
             got = {ti: checksum(t) for ti, t in result.new_state.items()}
             runs.mismatched.append(
                 sorted(
@@ -276,7 +307,7 @@ def _measure_stream(
                     if got.get(ti) != expected.get(ti)
                 )
             )
-            del result, got
+            del result, got, given
     return {
         "old_rank": old_rank,
         "new_rank": new_rank,

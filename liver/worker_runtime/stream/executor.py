@@ -101,6 +101,7 @@ __all__ = [
     "StreamOptions",
     "StreamResult",
     "StreamStats",
+    "allocate_new_state",
     "devices_in_stream_order",
     "prepare_schedule",
     "ranks_on_device",
@@ -322,7 +323,8 @@ def stream_plan(
     _check_state(plan, s.old_shards, old_state, "old_state", dev, exact=True)
     if into is not None:
         _check_state(plan, s.new_shards, into, "into", dev, exact=False)
-    size = _buffer_size(plan, s, preallocated=into is not None and all(ti in into for ti in s.new_shards))
+    preallocated = into is not None and all(ti in into for ti in s.new_shards)
+    size = _buffer_size(plan, s, preallocated, touched=staging is not None)
     if staging is not None:
         if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous():
             raise ValueError("`staging`: must be a contiguous 1-D uint8 tensor")
@@ -333,21 +335,46 @@ def stream_plan(
     return _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s, staging).run()
 
 
+def allocate_new_state(
+    prepared: PreparedSchedule, device: torch.device | str = "cpu"
+) -> dict[int, LocalTensor]:
+    """Every new shard ``prepared``'s process will hold, allocated and zeroed now, to pass as ``into=``.
+
+    For a caller with no storage of its own to stream into (no new model built before the cut). Left
+    to the stream, allocation happens layer by layer while the bytes move, and the kernel's first-touch
+    page faults of the whole new state (about 1 GiB/s for one process on the development VM, more than
+    the transfer itself there) land on the paused path; made during preparation, they are paid beside
+    training and the stream writes into memory already mapped. The result is the new state, not extra
+    memory: it is what the stream would have returned.
+    """
+    dev = torch.device(device)
+    plan = prepared.plan
+    out: dict[int, LocalTensor] = {}
+    for ti, pieces in prepared.schedule.new_shards.items():
+        spec = plan.tensors[ti]
+        made = [torch.zeros(p.local_shape, dtype=TORCH_DTYPES[spec.dtype], device=dev) for p in pieces]
+        out[ti] = packed(spec, plan.model, made)
+    return out
+
+
 def staging_bytes(schedule: PreparedSchedule, *, preallocated: bool = True) -> int:
-    """The staging buffer :func:`stream_plan` uses for ``schedule``: streaming into preallocated new
-    shards (``into=`` every one of them), or allocating them."""
-    return _buffer_size(schedule.plan, schedule.schedule, preallocated)
+    """The staging buffer to allocate (and touch) beforehand and pass as ``stream_plan(..., staging=)``:
+    streaming into preallocated new shards (``into=`` every one of them), or allocating them."""
+    return _buffer_size(schedule.plan, schedule.schedule, preallocated, touched=True)
 
 
-def _buffer_size(plan: Plan, s: Schedule, preallocated: bool) -> int:
-    """With every new shard preallocated, posting the next step before this one is waited for costs
-    only the next step's staged bytes: the buffer holds two steps' worth (never beyond B). A deeper
-    window measured slower on CPU (the bigger buffer's first-touch page faults cost more than the
-    overlap gains; docs/benchmarks.md). Allocating shards, it would cost a whole layer."""
+def _buffer_size(plan: Plan, s: Schedule, preallocated: bool, touched: bool) -> int:
+    """With every new shard preallocated, steps are posted before the earlier ones are waited for as
+    far as their staged pieces fit (never beyond B). In a buffer made and touched beforehand
+    (``touched``) the window is as deep as B allows: every step's messages in flight at once measured
+    faster than two steps on CPU (docs/benchmarks.md). In a buffer the stream allocates itself it is
+    two steps: there a deeper window's first-touch page faults cost more than the overlap gains.
+    Allocating shards, posting ahead would cost a whole layer."""
     size = s.buffer_bytes
     if preallocated:
         staged = sum(align(st.staging_bytes) for st in s.steps() if not st.copy_bytes)
-        size = min(plan.budget_bytes, max(size, staged), 2 * size)
+        window = max(size, staged) if touched else min(max(size, staged), 2 * size)
+        size = min(plan.budget_bytes, window)
     return size
 
 
@@ -619,7 +646,7 @@ class _Stream:
         old_bytes = sum(t.numel() * t.element_size() for v in self.old.values() for t in pieces_of(v))
         self.mem.add("old", old_bytes)
         self.ahead = self.into is not None and all(ti in self.into for ti in self.s.new_shards)
-        size = _buffer_size(self.plan, self.s, self.ahead)
+        size = _buffer_size(self.plan, self.s, self.ahead, touched=self.staging is not None)
         self.buffer_size = size
         if size:
             if self.staging is not None:
