@@ -23,7 +23,6 @@ import time
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from itertools import chain
-from operator import itemgetter
 from typing import NamedTuple
 
 import msgspec
@@ -554,24 +553,21 @@ def _stream(
     stage) share one split; layers of the same shape share one split pattern.
     """
     old_dev, new_dev = old.placement.devices, new.placement.devices
-    tasks: list[TransferTask] = []
+    keys = sorted(coalesced)  # (layer, src, dst): walked in this order, tasks come out sorted
     remote: dict[tuple[int, int], list[tuple[int, list[_Chunk]]]] = defaultdict(list)
-    for (layer, src, dst), chunks in coalesced.items():
-        if old_dev[src] == new_dev[dst]:
-            tasks.append(TransferTask(layer, 0, src, dst, True, _flatten(chunks), _nbytes(chunks)))
-        else:
-            remote[(layer, dst)].append((src, chunks))
+    for key in keys:
+        layer, src, dst = key
+        if old_dev[src] != new_dev[dst]:
+            remote[(layer, dst)].append((src, coalesced[key]))  # in src order
     patterns: dict[tuple, list[list[list[Segment]]]] = {}
     splits: dict[tuple, list[list[tuple[tuple[Slice, ...], int]]]] = {}
+    # (layer, src, dst) -> [(slices, bytes)] per round, in the order of ``remote``'s entries
+    rounds_of: dict[tuple[int, int, int], list[tuple[tuple[Slice, ...], int]]] = {}
     for (layer, dst), entries in remote.items():
-        if len(entries) > 1:
-            entries.sort(key=itemgetter(0))
         sizes = [_nbytes(ch) for _src, ch in entries]
         if sum(sizes) <= budget:
-            tasks.extend(
-                TransferTask(layer, 0, src, dst, False, _flatten(ch), nbytes)
-                for (src, ch), nbytes in zip(entries, sizes)
-            )
+            for (src, ch), nbytes in zip(entries, sizes):
+                rounds_of[(layer, src, dst)] = [(_flatten(ch), nbytes)]
             continue
         chunk_lists = [ch for _src, ch in entries]
         key = tuple(tuple(map(id, ch)) for ch in chunk_lists)
@@ -583,11 +579,34 @@ def _stream(
             if pattern is None:
                 pattern = patterns[shape_key] = _split_pattern(chunk_lists, budget, tensors)
             rounds = splits[key] = _materialise(pattern, chunk_lists, tensors, budget)
-        for r, per_entry in enumerate(rounds):
-            for (src, _ch), (sl, nb) in zip(entries, per_entry):
-                if sl:
-                    tasks.append(TransferTask(layer, r, src, dst, False, sl, nb))
-    tasks.sort()  # TransferTask orders by (layer, round, src, dst): unique per plan, so slices never compare
+        for e, (src, _ch) in enumerate(entries):
+            rounds_of[(layer, src, dst)] = [per_entry[e] for per_entry in rounds]
+    # TransferTask orders by (layer, round, src, dst): per layer, one list per round, each filled in
+    # (src, dst) order by walking the sorted keys; no sort of the tasks themselves.
+    tasks: list[TransferTask] = []
+    by_round: list[list[TransferTask]] = []
+    current = None
+    for key in keys:
+        layer, src, dst = key
+        if layer != current:
+            for bucket in by_round:
+                tasks.extend(bucket)
+            by_round, current = [], layer
+        split = rounds_of.get(key)
+        if split is None:
+            chunks = coalesced[key]
+            split = [(_flatten(chunks), _nbytes(chunks))]
+            is_local = True
+        else:
+            is_local = False
+        for r, (sl, nb) in enumerate(split):
+            if not sl:
+                continue
+            while len(by_round) <= r:
+                by_round.append([])
+            by_round[r].append(TransferTask(layer, r, src, dst, is_local, sl, nb))
+    for bucket in by_round:
+        tasks.extend(bucket)
     return tuple(tasks)
 
 
