@@ -142,23 +142,29 @@ def cost_matrix(
     old_rank = {d: r for d, r in old.placement.rank_on().items() if d not in gone}
     old_cls = rank_classes(model, ol)
 
-    def old_class(d: Device) -> int | None:
-        r = old_rank.get(d)
-        return None if r is None else int(old_cls[r])
-
     node_classes: dict[str, set[int]] = defaultdict(set)
-    for d in old_rank:
-        node_classes[d.node].add(old_class(d))  # type: ignore[arg-type]
-    node_cover = {
-        node: np.minimum(need, overlap[sorted(cls)].sum(axis=0)) for node, cls in node_classes.items()
-    }
-    zero = np.zeros(n_cls)
-    per_device = np.empty((len(new_devices), n_cls))
-    for i, d in enumerate(new_devices):
-        c = old_class(d)
-        local = overlap[c] if c is not None else zero
-        node = np.maximum(node_cover.get(d.node, zero), local)
-        per_device[i] = inter_node_weight * (need - node) + (node - local)
+    for d, r in old_rank.items():
+        node_classes[d.node].add(int(old_cls[r]))
+    # One row per node of what its old ranks cover, and a last row of zeros for a node (or, in
+    # ``overlap_or_none``, a device) without any: every device's row is then an index, one numpy
+    # expression for all of them (a Python loop over 1,000 devices cost more than the assignment).
+    nodes = {node: i for i, node in enumerate(node_classes)}
+    node_cover = np.zeros((len(nodes) + 1, n_cls))
+    for node, cls in node_classes.items():
+        node_cover[nodes[node]] = np.minimum(need, overlap[sorted(cls)].sum(axis=0))
+    overlap_or_none = np.vstack([overlap, np.zeros((1, n_cls))])
+    no_class = overlap.shape[0]
+    local_row = np.fromiter(
+        (int(old_cls[r]) if (r := old_rank.get(d)) is not None else no_class for d in new_devices),
+        dtype=np.intp,
+        count=len(new_devices),
+    )
+    node_row = np.fromiter(
+        (nodes.get(d.node, len(nodes)) for d in new_devices), dtype=np.intp, count=len(new_devices)
+    )
+    local = overlap_or_none[local_row]
+    node = np.maximum(node_cover[node_row], local)
+    per_device = inter_node_weight * (need - node) + (node - local)
     return per_device[:, rank_classes(model, new)].T
 
 
