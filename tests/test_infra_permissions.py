@@ -9,8 +9,11 @@ the real services is shown by tests/test_infra_deployment.py.)
 
 from __future__ import annotations
 
+import asyncio
+import io
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import nats
 import nats.errors
@@ -19,10 +22,15 @@ from bus_helpers import REQUEST_TIMEOUT_S, WAIT_S, Collector, drained, eventuall
 from infra_helpers import ROLES, Errors, connected, make_env, password_var, secured_server
 from nats.aio.client import Client
 
+from liver.cli import publish_cmd
+from liver.cli.bus_access import connect_once
+from liver.cli.watch_cmd import watch
 from liver.services import bus as b
 from liver.shared import subjects as s
 from liver.shared.codec import encode
-from liver.shared.messages import SpotWarning
+from liver.shared.connection import PASSWORD_ENV, USER_ENV
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.messages import GenerationCommitted, SpotWarning
 from liver.shared.nats_server import NatsServer
 from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError
 
@@ -270,3 +278,42 @@ async def test_the_server_logs_every_refusal_it_reports(rig: Rig) -> None:
     log = rig.server.log_file.read_text()
     assert 'Publish Violation - Subject "generation.aborted"' in log
     assert '"$G/user:publisher"' in log
+
+
+# -- the commands people use under these roles --------------------------------------------------------
+
+
+async def test_liver_publish_and_liver_watch_need_no_more_than_the_publisher_and_subscriber_roles(
+    rig: Rig,
+) -> None:
+    await ingest_stream(rig)
+    outcome = GenerationCommitted(
+        job_id="job-cli",
+        event_id="cli-1",
+        previous_generation=0,
+        generation=1,
+        layout=ParallelLayout(tp=1, pp=1, dp=1),
+        placement=Placement((Device("n1", 0),)),
+        started_at_iteration=3,
+        downtime_s=0.1,
+        bytes_moved=1,
+        committed_at=datetime.now(UTC),
+    )
+    publisher = {USER_ENV: "publisher", PASSWORD_ENV: rig.passwords[password_var("publisher")]}
+    subscriber = {USER_ENV: "subscriber", PASSWORD_ENV: rig.passwords[password_var("subscriber")]}
+    event = SpotWarning(job_id="job-cli", event_id="cli-1", node="n1", provider="aws", notice_s=30.0)
+    seq, duplicate = await publish_cmd.publish(rig.url, publisher, s.SPOT_WARNING, event)
+    assert seq > 0 and not duplicate
+    watcher = await connect_once(rig.url, subscriber, name="liver-watch")
+    try:
+        out, err, ready = io.StringIO(), io.StringIO(), asyncio.Event()
+        task = asyncio.create_task(watch(watcher, job="job-cli", count=1, out=out, err=err, ready=ready))
+        await asyncio.wait_for(ready.wait(), WAIT_S)
+        async with connected(rig.url, *rig.login("coordinator")) as (coordinator, errors):
+            await coordinator.publish(s.GENERATION_COMMITTED, encode(outcome))
+            await coordinator.flush()
+            assert await asyncio.wait_for(task, WAIT_S)
+            assert errors == []
+    finally:
+        await watcher.close()
+    assert "committed  job job-cli  generation 1" in out.getvalue()

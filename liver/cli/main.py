@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
-from liver.shared.errors import InputError
+from liver.shared.errors import BusError, InputError
 
 # name -> (module with add_parser(sub), one-line help shown by `liver --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("liver.sim.cli", "simulate a training job under volatile capacity (docs/simulator.md)"),
     "data": ("liver.cli.data_cmd", "prepare training data in Megatron's indexed format"),
     "geometry": ("liver.cli.geometry_cmd", "derive a Megatron-core model's shard geometry from its provider"),
+    "publish": ("liver.cli.publish_cmd", "publish a spot warning or a scale request (validated first)"),
+    "watch": ("liver.cli.watch_cmd", "follow handoff outcomes (and rejected input) as they happen"),
 }
 
 # name -> (module with add_arguments(parser) and run(args), help)
@@ -85,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, CliError) as exc:
         print(f"liver {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BusError as exc:  # the server is unreachable or refused: nothing was done
+        print(f"liver {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,166 @@
+"""``liver watch``: follow handoff outcomes as they happen, as a table or as JSON lines.
+
+It subscribes to ``generation.committed`` and ``generation.aborted`` (and, with ``--errors``, to every
+service's rejected input, ``liver.errors.*``), optionally for one job, and prints one line per message.
+A payload that does not decode is reported on stderr and skipped: a watcher never stops on someone
+else's bad message. ``--count N`` returns after N lines and ``--timeout S`` after S seconds, so a
+script can wait for the next commit (exit 1 when the timeout comes first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Final, TextIO
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from liver.cli.bus_access import connect_once, server_url
+from liver.shared import subjects as s
+from liver.shared.codec import MessageError, decode
+from liver.shared.errors import InputError
+from liver.shared.messages import ErrorEvent, GenerationAborted, GenerationCommitted
+
+OUTCOMES: Final = GenerationCommitted | GenerationAborted
+
+
+class WatchError(InputError):
+    """A bad flag: printed as one line naming it, exit code 2."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("watch", help="follow handoff outcomes (and rejected input) as they happen")
+    p.add_argument("--job", help="only this job's messages")
+    p.add_argument("--errors", action="store_true", help="also every service's rejected input")
+    p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    p.add_argument("--count", type=int, help="return after this many messages")
+    p.add_argument(
+        "--timeout", type=float, help="return after this many seconds (exit 1 if --count is unmet)"
+    )
+    p.add_argument("--url", help="the NATS server (default $NATS_URL)")
+    p.set_defaults(func=run)
+
+
+def subjects(errors: bool) -> tuple[str, ...]:
+    return (s.GENERATION_COMMITTED, s.GENERATION_ABORTED, *((s.ERRORS_ANY,) if errors else ()))
+
+
+def render(subject: str, message: GenerationCommitted | GenerationAborted | ErrorEvent, as_json: bool) -> str:
+    """One output line for a decoded message."""
+    if as_json:
+        return msgspec.json.encode({"subject": subject, "message": message}).decode()
+    if isinstance(message, GenerationCommitted):
+        m = message
+        return (
+            f"{_at(m.committed_at.isoformat())}  committed  job {m.job_id}  generation {m.generation} "
+            f"(from {m.previous_generation})  {m.layout.describe()} on {len(m.placement)} devices  "
+            f"downtime {m.downtime_s:.3f} s  moved {m.bytes_moved / 1e6:,.1f} MB  "
+            f"from iteration {m.started_at_iteration}  event {m.event_id}"
+        )
+    if isinstance(message, GenerationAborted):
+        a = message
+        fallback = f"  checkpoint {a.checkpoint}" if a.checkpoint else ""
+        return (
+            f"{_at(a.aborted_at.isoformat())}  aborted    job {a.job_id}  generation {a.generation} "
+            f"(active {a.active_generation})  in {a.phase.value}: {a.outcome.value}{fallback}  "
+            f"event {a.event_id}  reason: {a.reason}"
+        )
+    e = message
+    ids = "".join(f"  {k} {v}" for k, v in (("job", e.job_id), ("event", e.event_id)) if v)
+    return f"{_at(e.at.isoformat())}  rejected   by {e.source} on {e.subject}{ids}  {e.field}: {e.message}"
+
+
+def _at(iso: str) -> str:
+    return iso.replace("+00:00", "Z")
+
+
+def parse(subject: str, data: bytes) -> GenerationCommitted | GenerationAborted | ErrorEvent:
+    """The message on ``subject``; raises :class:`MessageError` naming the field."""
+    if subject in (s.GENERATION_COMMITTED, s.GENERATION_ABORTED):
+        return decode(data, OUTCOMES)  # type: ignore[no-any-return]
+    return decode(data, ErrorEvent)
+
+
+async def watch(
+    nc: Client,
+    *,
+    job: str | None = None,
+    errors: bool = False,
+    as_json: bool = False,
+    count: int | None = None,
+    timeout_s: float | None = None,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    ready: asyncio.Event | None = None,
+) -> bool:
+    """Print matching messages until ``count`` of them or ``timeout_s``; whether ``count`` was reached
+    (True without one). ``ready`` is set once the subscriptions are on the server."""
+    inbox: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_message(msg: Msg) -> None:
+        inbox.put_nowait(msg)
+
+    subs = [await nc.subscribe(subject, cb=on_message) for subject in subjects(errors)]
+    await nc.flush()
+    if ready is not None:
+        ready.set()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    shown = 0
+    try:
+        while count is None or shown < count:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return count is None
+            try:
+                msg = await asyncio.wait_for(inbox.get(), left)
+            except TimeoutError:
+                return count is None
+            try:
+                message = parse(msg.subject, msg.data)
+            except MessageError as exc:
+                note = f"liver watch: skipped an invalid message on {msg.subject}: {exc}"
+                print(note, file=err, flush=True)
+                continue
+            if job is not None and getattr(message, "job_id", None) != job:
+                continue
+            print(render(msg.subject, message, as_json), file=out, flush=True)
+            shown += 1
+        return True
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def _run(args: argparse.Namespace, url: str, environ: Mapping[str, str]) -> bool:
+    nc = await connect_once(url, environ, name="liver-watch", keep_reconnecting=True)
+    try:
+        return await watch(
+            nc,
+            job=args.job,
+            errors=args.errors,
+            as_json=args.json,
+            count=args.count,
+            timeout_s=args.timeout,
+        )
+    finally:
+        await nc.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.count is not None and args.count < 1:
+        raise WatchError(f"--count: must be at least 1, got {args.count}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise WatchError(f"--timeout: must be > 0 seconds, got {args.timeout}")
+    if args.job is not None:
+        try:
+            s.validate_token(args.job, "job")
+        except ValueError as exc:
+            raise WatchError(f"--job: {exc}") from None
+    url = server_url(args.url, os.environ)
+    return 0 if asyncio.run(_run(args, url, os.environ)) else 1

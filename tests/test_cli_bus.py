@@ -1,0 +1,319 @@
+"""``liver publish`` and ``liver watch``: what a person types to feed and follow a job."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from bus_helpers import WAIT_S, Collector, client, put_membership, running, stored
+
+from liver.cli import publish_cmd
+from liver.cli.bus_access import BusUnreachable, connect_once
+from liver.cli.main import build_parser, main
+from liver.cli.watch_cmd import watch
+from liver.services import bus as b
+from liver.services.ingester.service import Ingester
+from liver.shared import subjects as s
+from liver.shared.codec import decode, encode
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.messages import (
+    ErrorEvent,
+    GenerationAborted,
+    GenerationCommitted,
+    ResizeRequested,
+    ScaleRequest,
+    SpotWarning,
+)
+from liver.shared.nats_server import NatsServer
+
+NOW = datetime(2026, 12, 4, 16, 0, tzinfo=UTC)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+UNUSED_URL = f"nats://127.0.0.1:{_closed_port()}"  # nothing listens: a command that connected would fail
+
+
+def event_of(*argv: str) -> tuple[str, Any]:
+    args = build_parser(["publish", *argv]).parse_args(["publish", *argv])
+    return publish_cmd.build_event(args)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- building and checking an event --------------------------------------------------------------------
+
+
+def test_a_spot_warning_is_built_from_its_flags() -> None:
+    subject, event = event_of("spot-warning", "--job", "job-7", "--node", "n1", "--notice", "120")
+    assert subject == s.SPOT_WARNING
+    assert isinstance(event, SpotWarning)
+    assert (event.job_id, event.node, event.notice_s, event.provider) == ("job-7", "n1", 120.0, "manual")
+    assert event.event_id.startswith("cli-")
+
+
+def test_a_deadline_is_read_as_an_aware_time() -> None:
+    _, event = event_of(
+        "spot-warning", "--job", "j", "--node", "n1", "--deadline", "2026-12-04T17:00:00+01:00"
+    )
+    assert event.deadline == datetime(2026, 12, 4, 16, 0, tzinfo=UTC)
+
+
+def test_a_scale_request_names_nodes_to_add_with_their_devices_and_nodes_to_remove() -> None:
+    subject, event = event_of(
+        "scale-request",
+        "--job",
+        "j",
+        "--event-id",
+        "e-1",
+        "--reason",
+        "more capacity",
+        "--add",
+        "n9:0,1",
+        "--remove",
+        "n1",
+    )
+    assert subject == s.SCALE_REQUEST
+    assert isinstance(event, ScaleRequest)
+    assert [d for a in event.add for d in a.as_devices()] == [Device("n9", 0), Device("n9", 1)]
+    assert (event.remove, event.event_id) == (("n1",), "e-1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("spot-warning", "--job", "j", "--node", "n1"), "--notice"),  # neither notice nor deadline
+        (("spot-warning", "--job", "j", "--node", "n1", "--notice", "-5"), "--notice"),
+        (("spot-warning", "--job", "a.b", "--node", "n1", "--notice", "5"), "--job"),
+        (("spot-warning", "--job", "j", "--node", "bad node", "--notice", "5"), "--node"),
+        (("spot-warning", "--job", "j", "--node", "n1", "--deadline", "tomorrow"), "--deadline"),
+        (("spot-warning", "--job", "j", "--node", "n1", "--deadline", "2026-12-04T17:00:00"), "--deadline"),
+        (("scale-request", "--job", "j", "--reason", "r"), "--target-devices"),  # nothing asked
+        (("scale-request", "--job", "j", "--reason", "r", "--add", "n9"), "--add"),
+        (("scale-request", "--job", "j", "--reason", "r", "--add", "n9:0,0"), "--add"),
+        (("scale-request", "--job", "j", "--reason", "r", "--target-devices", "0"), "--target-devices"),
+    ],
+)
+def test_a_bad_flag_is_named_before_anything_is_sent(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], flag: str
+) -> None:
+    code, out, err = cli(capsys, "publish", *argv, "--url", UNUSED_URL)
+    assert code == 2, err
+    assert out == ""
+    assert err.startswith(f"liver publish: error: {flag}"), err
+
+
+def test_without_a_server_url_the_command_says_how_to_give_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NATS_URL", raising=False)
+    code, _, err = cli(capsys, "publish", "spot-warning", "--job", "j", "--node", "n1", "--notice", "5")
+    assert code == 2
+    assert "--url" in err and "NATS_URL" in err
+
+
+def test_an_unreachable_server_is_an_error_not_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(
+        capsys, "publish", "spot-warning", "--job", "j", "--node", "n1", "--notice", "5", "--url", UNUSED_URL
+    )
+    assert code == 1
+    assert f"cannot connect to {UNUSED_URL}" in err
+
+
+async def test_connecting_to_nothing_raises_bus_unreachable() -> None:
+    with pytest.raises(BusUnreachable):
+        await connect_once(UNUSED_URL, {}, name="liver-test")
+
+
+# -- publishing ------------------------------------------------------------------------------------------
+
+
+async def declare_ingest_stream(url: str) -> None:
+    """LIVER_INGEST, declared as the ingester declares it on start."""
+    async with client(url) as (_, js):
+        await b.ensure_stream(js, s.STREAM_INGEST)
+
+
+def test_a_published_warning_is_stored_once_however_often_it_is_sent(
+    nats_server: NatsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(declare_ingest_stream(nats_server.url))
+    argv = ("publish", "spot-warning", "--job", "cli-once", "--event-id", "e-1", "--node", "n1")
+    first = cli(capsys, *argv, "--notice", "90", "--url", nats_server.url, "--json")
+    second = cli(capsys, *argv, "--notice", "90", "--url", nats_server.url, "--json")
+    assert first[0] == second[0] == 0
+    a, b = json.loads(first[1]), json.loads(second[1])
+    assert (a["duplicate"], b["duplicate"]) == (False, True)
+    assert a["stream_sequence"] == b["stream_sequence"]
+
+    async def kept() -> list[SpotWarning]:
+        async with client(nats_server.url) as (_, js):
+            msgs = await stored(js, s.STREAM_INGEST.name, s.SPOT_WARNING)
+        return [w for m in msgs if (w := decode(m.data, SpotWarning)).job_id == "cli-once"]
+
+    (warning,) = asyncio.run(kept())
+    assert (warning.event_id, warning.node, warning.notice_s) == ("e-1", "n1", 90.0)
+
+
+def test_a_server_without_the_ingest_stream_is_an_error_that_says_what_to_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with NatsServer() as bare:
+        capsys.readouterr()  # the server's own start line
+        argv = ("publish", "spot-warning", "--job", "j", "--node", "n1", "--notice", "5")
+        code, out, err = cli(capsys, *argv, "--url", bare.url)
+    assert (code, out) == (1, "")
+    assert f"start the ingester once (it declares {s.STREAM_INGEST.name})" in err
+
+
+async def test_the_ingester_turns_a_published_warning_into_a_resize_request(nats_server: NatsServer) -> None:
+    async with running(Ingester(), nats_server.url), client(nats_server.url) as (nc, js):
+        await put_membership(js, "cli-ingest", (Device("n1", 0), Device("n2", 0)), generation=2)
+        resized = await Collector.on(nc, s.resize_requested("cli-ingest"))
+        args = build_parser(["publish"]).parse_args(
+            ["publish", "spot-warning", "--job", "cli-ingest", "--node", "n2", "--notice", "60"]
+        )
+        subject, event = publish_cmd.build_event(args)
+        await publish_cmd.publish(nats_server.url, {}, subject, event)
+        request = await resized.one(ResizeRequested)
+    assert (request.job_id, request.event_id, request.generation) == ("cli-ingest", event.event_id, 2)
+    assert [d.node for d in request.remove] == ["n2"]
+
+
+# -- watching --------------------------------------------------------------------------------------------
+
+
+def committed(job: str, generation: int = 1) -> GenerationCommitted:
+    layout = ParallelLayout(tp=1, pp=1, dp=2)
+    return GenerationCommitted(
+        job_id=job,
+        event_id="e-1",
+        previous_generation=generation - 1,
+        generation=generation,
+        layout=layout,
+        placement=Placement((Device("n1", 0), Device("n2", 0))),
+        started_at_iteration=40,
+        downtime_s=0.25,
+        bytes_moved=2 * 10**8,
+        committed_at=NOW,
+    )
+
+
+def aborted(job: str) -> GenerationAborted:
+    return GenerationAborted(
+        job_id=job,
+        event_id="e-2",
+        generation=2,
+        active_generation=1,
+        phase="prepare",
+        reason="a worker was not ready by the deadline",
+        outcome="kept_old_world",
+        aborted_at=NOW,
+    )
+
+
+def rejection(job: str) -> ErrorEvent:
+    return ErrorEvent(
+        source="ingester",
+        subject=s.SPOT_WARNING,
+        field="$.node",
+        message="bad node",
+        payload="{}",
+        payload_encoding="utf-8",
+        payload_size=2,
+        payload_truncated=False,
+        at=NOW,
+        job_id=job,
+    )
+
+
+async def watched(url: str, sends: list[tuple[str, bytes]], **options: Any) -> tuple[bool, str, str]:
+    """Run :func:`watch` until its subscriptions are live, publish ``sends``, return what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    ready = asyncio.Event()
+    async with client(url) as (nc, _):
+        task = asyncio.create_task(watch(nc, out=out, err=err, ready=ready, **options))
+        await asyncio.wait_for(ready.wait(), WAIT_S)
+        for subject, data in sends:
+            await nc.publish(subject, data)
+        await nc.flush()
+        reached = await asyncio.wait_for(task, WAIT_S)
+    return reached, out.getvalue(), err.getvalue()
+
+
+async def test_watch_prints_one_line_per_outcome_of_the_job_it_follows(nats_server: NatsServer) -> None:
+    sends = [
+        (s.GENERATION_COMMITTED, encode(committed("other-job"))),
+        (s.GENERATION_COMMITTED, encode(committed("watched"))),
+        (s.GENERATION_ABORTED, encode(aborted("watched"))),
+    ]
+    reached, out, _ = await watched(nats_server.url, sends, job="watched", count=2)
+    assert reached
+    first, second = out.splitlines()
+    assert "committed  job watched  generation 1 (from 0)  TP1,PP1,DP2 on 2 devices" in first
+    assert "downtime 0.250 s  moved 200.0 MB" in first
+    assert "aborted    job watched  generation 2 (active 1)  in prepare: kept_old_world" in second
+
+
+async def test_watch_in_json_prints_decodable_messages(nats_server: NatsServer) -> None:
+    sends = [(s.GENERATION_COMMITTED, encode(committed("json-job", generation=3)))]
+    _, out, _ = await watched(nats_server.url, sends, job="json-job", count=1, as_json=True)
+    (line,) = out.splitlines()
+    obj = json.loads(line)
+    assert obj["subject"] == s.GENERATION_COMMITTED
+    assert decode(json.dumps(obj["message"]).encode(), GenerationCommitted) == committed("json-job", 3)
+
+
+async def test_watch_skips_an_invalid_message_with_a_note_and_carries_on(nats_server: NatsServer) -> None:
+    sends = [
+        (s.GENERATION_COMMITTED, b"not json"),
+        (s.GENERATION_COMMITTED, encode(committed("after-bad"))),
+    ]
+    reached, out, err = await watched(nats_server.url, sends, job="after-bad", count=1)
+    assert reached and "job after-bad" in out
+    assert "skipped an invalid message on generation.committed" in err
+
+
+async def test_watch_shows_rejected_input_only_when_asked(nats_server: NatsServer) -> None:
+    sends = [
+        (s.errors("ingester"), encode(rejection("err-job"))),
+        (s.GENERATION_COMMITTED, encode(committed("err-job"))),
+    ]
+    _, without, _ = await watched(nats_server.url, sends, job="err-job", count=1)
+    assert "rejected" not in without and "committed" in without
+    _, with_errors, _ = await watched(nats_server.url, sends, job="err-job", count=2, errors=True)
+    first, second = with_errors.splitlines()
+    assert "rejected   by ingester on spot.warning  job err-job  $.node: bad node" in first
+    assert "committed" in second
+
+
+async def test_watch_returns_at_its_timeout_and_says_whether_the_count_was_met(
+    nats_server: NatsServer,
+) -> None:
+    reached, out, _ = await watched(nats_server.url, [], job="quiet", count=1, timeout_s=0.2)
+    assert (reached, out) == (False, "")
+    reached, _, _ = await watched(nats_server.url, [], job="quiet", timeout_s=0.2)
+    assert reached
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(("--count", "0"), "--count"), (("--timeout", "-1"), "--timeout"), (("--job", "a.b"), "--job")],
+)
+def test_watch_names_a_bad_flag(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], flag: str) -> None:
+    code, _, err = cli(capsys, "watch", *argv, "--url", UNUSED_URL)
+    assert code == 2
+    assert err.startswith(f"liver watch: error: {flag}"), err
