@@ -15,8 +15,16 @@ from bus_helpers import WAIT_S, Collector, client, put_membership, running, stor
 from liver.cli import publish_cmd
 from liver.cli.bus_access import BusUnreachable, connect_once
 from liver.cli.main import build_parser, main
+from liver.cli.status_cmd import render, status
 from liver.cli.watch_cmd import watch
 from liver.services import bus as b
+from liver.services.coordinator.record import (
+    GenerationRecord,
+    PendingHandoff,
+    PendingPhase,
+    Trigger,
+    TriggerSource,
+)
 from liver.services.ingester.service import Ingester
 from liver.shared import subjects as s
 from liver.shared.codec import decode, encode
@@ -317,3 +325,70 @@ def test_watch_names_a_bad_flag(capsys: pytest.CaptureFixture[str], argv: tuple[
     code, _, err = cli(capsys, "watch", *argv, "--url", UNUSED_URL)
     assert code == 2
     assert err.startswith(f"liver watch: error: {flag}"), err
+
+
+# -- status ----------------------------------------------------------------------------------------------
+
+
+def record(job: str) -> GenerationRecord:
+    layout = ParallelLayout(tp=1, pp=1, dp=2)
+    trigger = Trigger(
+        event_id="e-9", kind=TriggerSource.SPOT_WARNING, received_at=NOW, remove=(Device("n2", 0),)
+    )
+    return GenerationRecord(
+        job_id=job,
+        writer="coord-a",
+        generation=2,
+        layout=layout,
+        placement=Placement((Device("n1", 0), Device("n2", 0))),
+        issued=3,
+        pending=PendingHandoff(
+            generation=3,
+            phase=PendingPhase.PREPARE,
+            event_id="e-9",
+            triggers=(trigger,),
+            began_at=NOW,
+            deadline=NOW,
+        ),
+        last_outcome=committed(job, generation=2),
+    )
+
+
+async def test_status_shows_the_services_that_answer_and_where_each_job_stands(
+    nats_server: NatsServer,
+) -> None:
+    async with running(Ingester(), nats_server.url), client(nats_server.url) as (nc, js):
+        kv = await b.ensure_kv(js, s.KV_GENERATIONS, description="test")
+        await kv.put("st-job", encode(record("st-job")))
+        await kv.put("st-broken", b"{}")
+        await put_membership(js, "st-job", (Device("n1", 0), Device("n2", 0)), generation=2)
+        st = await status(nc, None, wait_s=0.5)
+    text = render(st)
+    assert "liver-ingester x1" in text
+    job = text[text.index("job st-job") :]
+    assert "generation 2 (issued 3): TP1,PP1,DP2 on 2 devices, live; written by coord-a" in job
+    assert "handoff in flight: generation 3 in prepare, event e-9" in job
+    assert "last outcome: generation 2 committed" in job
+    assert "workers: 2 in generation 2, on 2 nodes" in job
+    broken = text[text.index("job st-broken") : text.index("job st-job")]
+    assert "generation record does not decode" in broken
+
+
+async def test_status_of_one_job_reads_only_that_job(nats_server: NatsServer) -> None:
+    async with client(nats_server.url) as (nc, js):
+        kv = await b.ensure_kv(js, s.KV_GENERATIONS, description="test")
+        await kv.put("st-one", encode(record("st-one")))
+        st = await status(nc, "st-one", wait_s=0.1)
+        unknown = await status(nc, "st-nobody", wait_s=0.1)
+    assert [j.job_id for j in st.jobs] == ["st-one"]
+    assert st.jobs[0].record == record("st-one")
+    assert "no generation record (no coordinator has started this job)" in render(unknown)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(("--wait", "0"), "--wait"), (("--job", "a b"), "--job")])
+def test_status_names_a_bad_flag(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], flag: str
+) -> None:
+    code, _, err = cli(capsys, "status", *argv, "--url", UNUSED_URL)
+    assert code == 2
+    assert err.startswith(f"liver status: error: {flag}"), err

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "geometry": ("liver.cli.geometry_cmd", "derive a Megatron-core model's shard geometry from its provider"),
     "publish": ("liver.cli.publish_cmd", "publish a spot warning or a scale request (validated first)"),
     "watch": ("liver.cli.watch_cmd", "follow handoff outcomes (and rejected input) as they happen"),
+    "status": ("liver.cli.status_cmd", "the services that answer and where each job stands"),
 }
 
 # name -> (module with add_arguments(parser) and run(args), help)
