@@ -194,8 +194,8 @@ async def test_the_ingester_turns_a_published_warning_into_a_resize_request(nats
         args = build_parser(["publish"]).parse_args(
             ["publish", "spot-warning", "--job", "cli-ingest", "--node", "n2", "--notice", "60"]
         )
-        subject, event = publish_cmd.build_event(args)
-        await publish_cmd.publish(nats_server.url, {}, subject, event)
+        _, event = publish_cmd.build_event(args)
+        await publish_cmd.publish(nats_server.url, {}, event)
         request = await resized.one(ResizeRequested)
     assert (request.job_id, request.event_id, request.generation) == ("cli-ingest", event.event_id, 2)
     assert [d.node for d in request.remove] == ["n2"]

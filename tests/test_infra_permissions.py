@@ -302,7 +302,7 @@ async def test_liver_publish_and_liver_watch_need_no_more_than_the_publisher_and
     publisher = {USER_ENV: "publisher", PASSWORD_ENV: rig.passwords[password_var("publisher")]}
     subscriber = {USER_ENV: "subscriber", PASSWORD_ENV: rig.passwords[password_var("subscriber")]}
     event = SpotWarning(job_id="job-cli", event_id="cli-1", node="n1", provider="aws", notice_s=30.0)
-    seq, duplicate = await publish_cmd.publish(rig.url, publisher, s.SPOT_WARNING, event)
+    seq, duplicate = await publish_cmd.publish(rig.url, publisher, event)
     assert seq > 0 and not duplicate
     watcher = await connect_once(rig.url, subscriber, name="liver-watch")
     try:

@@ -2,12 +2,9 @@
 
 The event is built from the flags, then parsed by the ingester's own parser
 (:func:`liver.services.ingester.core.parse`): whatever the ingester would reject is refused here, with
-the flag that is wrong, before anything is sent. It is published on JetStream with ``Nats-Msg-Id``
-derived from the job and event id, so a repeated command (a retry after a timeout, a shell loop run
-twice) is stored once; the ingester also recognises an event id it has already handled. It only
-publishes (the ``publisher`` role of ``infra/nats.conf`` may do nothing else): the stream that keeps
-events until the ingester takes them is declared by the ingester, and a server without it is an error
-that says so (an event published there would be lost).
+the flag that is wrong, before anything is sent. It goes out through
+:func:`liver.notice.publish.publish_event`, stored once however often the command is repeated (a retry
+after a timeout, a shell loop run twice); the ingester also recognises an event id it has handled.
 """
 
 from __future__ import annotations
@@ -24,17 +21,14 @@ from enum import StrEnum
 from typing import Any, Final
 
 import msgspec
-import nats.errors
-import nats.js.errors
 
 from liver.cli.bus_access import connect_once, server_url
+from liver.notice.publish import publish_event
 from liver.services.ingester.core import IngestEvent, parse
 from liver.shared import subjects as s
-from liver.shared.codec import MessageError, encode
-from liver.shared.errors import BusError, InputError
+from liver.shared.codec import MessageError
+from liver.shared.errors import InputError
 from liver.shared.messages import SCHEMA_VERSION
-
-PUBLISH_TIMEOUT_S: Final = 10.0
 
 
 class EventKind(StrEnum):
@@ -69,10 +63,6 @@ FLAGS: Final[Mapping[str, str]] = {
 
 class PublishError(InputError):
     """A flag that does not make a valid event: printed as one line naming the flag, exit code 2."""
-
-
-class NotStored(BusError):
-    """The server has no stream for the event's subject: nothing would keep it for the ingester."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -165,24 +155,11 @@ def _flag_error(exc: MessageError) -> str:
     return f"{flag}{detail}: {exc.reason}"
 
 
-async def publish(url: str, environ: Mapping[str, str], subject: str, event: IngestEvent) -> tuple[int, bool]:
+async def publish(url: str, environ: Mapping[str, str], event: IngestEvent) -> tuple[int, bool]:
     """Publish ``event``; returns its stream sequence and whether JetStream had it already."""
     nc = await connect_once(url, environ, name="liver-publish")
     try:
-        js = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
-        try:
-            ack = await js.publish(
-                subject,
-                encode(event),
-                headers={s.HEADER_MSG_ID: f"{subject}-{event.job_id}-{event.event_id}"},
-                timeout=PUBLISH_TIMEOUT_S,
-            )
-        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-            raise NotStored(
-                f"no stream on {url} keeps {subject}: start the ingester once (it declares "
-                f"{s.STREAM_INGEST.name}), then publish again"
-            ) from None
-        return ack.seq, bool(ack.duplicate)
+        return await publish_event(nc, event)
     finally:
         await nc.drain()
 
@@ -190,7 +167,7 @@ async def publish(url: str, environ: Mapping[str, str], subject: str, event: Ing
 def run(args: argparse.Namespace) -> int:
     subject, event = build_event(args)
     url = server_url(args.url, os.environ)
-    seq, duplicate = asyncio.run(publish(url, os.environ, subject, event))
+    seq, duplicate = asyncio.run(publish(url, os.environ, event))
     if args.json:
         out = {"subject": subject, "stream_sequence": seq, "duplicate": duplicate, "event": event}
         print(msgspec.json.encode(out).decode())
