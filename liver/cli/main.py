@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "publish": ("liver.cli.publish_cmd", "publish a spot warning or a scale request (validated first)"),
     "watch": ("liver.cli.watch_cmd", "follow handoff outcomes (and rejected input) as they happen"),
     "status": ("liver.cli.status_cmd", "the services that answer and where each job stands"),
+    "notice": ("liver.cli.notice_cmd", "publish this node's preemption notices from its platform"),
 }
 
 # name -> (module with add_arguments(parser) and run(args), help)

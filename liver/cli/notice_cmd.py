@@ -1,0 +1,122 @@
+"""``liver notice``: the notice agent of one node (a DaemonSet or a sidecar), or one look with ``--once``.
+
+It polls the platform's own signal about the node it runs on and publishes each new notice as a
+``spot.warning`` for the job (:mod:`liver.notice.agent`). The job and node come from the flags or from
+``$LIVER_JOB_ID`` / ``$LIVER_NODE`` (in Kubernetes, the downward API's ``spec.nodeName``); they are
+checked against the bus's rules before the first poll. ``--dry-run`` prints what it would publish.
+SIGTERM or SIGINT stops it between two polls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Final
+
+from liver.cli.bus_access import connect_once, server_url
+from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
+from liver.notice.aws import DEFAULT_ENDPOINT, AwsSpotNotices
+from liver.notice.publish import publish_event
+from liver.services.ingester.core import IngestEvent
+from liver.shared import subjects as s
+from liver.shared.codec import encode
+from liver.shared.errors import InputError
+from liver.shared.logs import configure_logging
+from liver.shared.messages import NODE_PATTERN
+
+JOB_ENV: Final = "LIVER_JOB_ID"
+NODE_ENV: Final = "LIVER_NODE"
+
+
+class Source(StrEnum):
+    AWS = "aws"
+
+
+class NoticeError(InputError):
+    """A bad flag or environment variable: printed as one line naming it, exit code 2."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("notice", help="publish this node's preemption notices from its platform")
+    p.add_argument("--source", required=True, choices=[x.value for x in Source], help="the platform")
+    p.add_argument("--job", help=f"the job's id (default ${JOB_ENV})")
+    p.add_argument("--node", help=f"this node's id, as the job's workers name it (default ${NODE_ENV})")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls (default 5)")
+    p.add_argument("--endpoint", help=f"the metadata service (default {DEFAULT_ENDPOINT})")
+    p.add_argument("--once", action="store_true", help="poll once, publish what is there, and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the events instead of publishing them")
+    p.add_argument("--url", help="the NATS server (default $NATS_URL)")
+    p.set_defaults(func=run)
+
+
+def source_of(args: argparse.Namespace) -> NoticeSource:
+    if Source(args.source) is Source.AWS:
+        return AwsSpotNotices(args.endpoint or DEFAULT_ENDPOINT)
+    raise NoticeError(f"--source: unknown source {args.source!r}")  # pragma: no cover (argparse choices)
+
+
+def identity(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str]:
+    """The job and node this agent speaks for, checked as the bus checks them."""
+    job = args.job or environ.get(JOB_ENV, "")
+    node = args.node or environ.get(NODE_ENV, "")
+    if not job:
+        raise NoticeError(f"--job: not given and ${JOB_ENV} is not set")
+    if not node:
+        raise NoticeError(f"--node: not given and ${NODE_ENV} is not set")
+    try:
+        s.validate_token(job, "job")
+    except ValueError as exc:
+        raise NoticeError(f"--job: {exc}") from None
+    if re.match(NODE_PATTERN, node) is None:
+        raise NoticeError(f"--node: {node!r} is not a node id the bus accepts ({NODE_PATTERN})")
+    return job, node
+
+
+async def _agent(args: argparse.Namespace, job: str, node: str, environ: Mapping[str, str]) -> int:
+    source = source_of(args)
+    if args.dry_run:
+
+        async def show(event: IngestEvent) -> None:
+            print(encode(event).decode(), flush=True)
+
+        return await _drive(NoticeAgent(source, job_id=job, node=node, publish=show), args)
+    nc = await connect_once(
+        server_url(args.url, environ), environ, name="liver-notice", keep_reconnecting=True
+    )
+    try:
+
+        async def send(event: IngestEvent) -> None:
+            await publish_event(nc, event)
+
+        return await _drive(NoticeAgent(source, job_id=job, node=node, publish=send), args)
+    finally:
+        await nc.drain()
+
+
+async def _drive(agent: NoticeAgent, args: argparse.Namespace) -> int:
+    if args.once:
+        outcome = await agent.poll_once()
+        return 1 if outcome in (PollOutcome.SOURCE_FAILED, PollOutcome.PUBLISH_FAILED) else 0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await agent.run(args.interval, stop)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.1 <= args.interval <= 3600:
+        raise NoticeError(f"--interval: must be 0.1-3600 seconds, got {args.interval}")
+    job, node = identity(args, os.environ)
+    if not args.dry_run:
+        server_url(args.url, os.environ)  # a missing URL is an error now, not after the first notice
+    configure_logging()
+    return asyncio.run(_agent(args, job, node, os.environ))

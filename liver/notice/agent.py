@@ -1,0 +1,91 @@
+"""The notice agent: poll a source, publish each new notice once, carry on through every failure.
+
+A notice is published as a ``spot.warning`` whose event id comes from the notice (see
+:meth:`~liver.notice.model.Notice.event_id`), so it is the same event however often it is read. The
+agent remembers the ids it published and does not send them again; when it restarts it forgets them,
+and a re-sent notice is stored once by JetStream (``Nats-Msg-Id``) within its window and recognised by
+the ingester's record of events seen after that. A source that cannot be read, or a bus that cannot
+take the event, is logged and retried at the next poll: the agent never exits on a failure, because
+the notice it would miss is the one thing it exists for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import Protocol
+
+import nats.errors
+import structlog
+
+from liver.notice.model import Notice, NoticeSourceError
+from liver.notice.publish import checked
+from liver.services.ingester.core import IngestEvent
+from liver.shared.errors import BusError
+
+log = structlog.get_logger(__name__)
+
+
+class NoticeSource(Protocol):
+    provider: str
+
+    def poll(self) -> Notice | None: ...
+
+
+class PollOutcome(StrEnum):
+    NONE = "none"  # nothing announced
+    PUBLISHED = "published"
+    ALREADY_PUBLISHED = "already_published"
+    SOURCE_FAILED = "source_failed"
+    PUBLISH_FAILED = "publish_failed"
+
+
+Publish = Callable[[IngestEvent], Awaitable[object]]
+
+
+class NoticeAgent:
+    """Turns ``source``'s notices about ``node`` into events for ``job_id``, handed to ``publish``."""
+
+    def __init__(self, source: NoticeSource, *, job_id: str, node: str, publish: Publish) -> None:
+        self.source = source
+        self.job_id = job_id
+        self.node = node
+        self.publish = publish
+        self.published: set[str] = set()
+        self.log = log.bind(job_id=job_id, node=node, provider=source.provider)
+
+    def event_of(self, notice: Notice) -> IngestEvent:
+        """The checked ``spot.warning`` for ``notice``; a
+        :class:`~liver.shared.codec.MessageError` names a field the ingester would refuse."""
+        return checked(notice.warning(self.job_id, self.node))
+
+    async def poll_once(self) -> PollOutcome:
+        try:
+            notice = await asyncio.to_thread(self.source.poll)
+        except NoticeSourceError as exc:
+            self.log.warning("notice.source_failed", error=str(exc))
+            return PollOutcome.SOURCE_FAILED
+        if notice is None:
+            return PollOutcome.NONE
+        event = self.event_of(notice)
+        if event.event_id in self.published:
+            return PollOutcome.ALREADY_PUBLISHED
+        try:
+            await self.publish(event)
+        except (BusError, TimeoutError, nats.errors.Error) as exc:
+            self.log.warning("notice.publish_failed", event_id=event.event_id, error=str(exc))
+            return PollOutcome.PUBLISH_FAILED
+        self.published.add(event.event_id)
+        self.log.info(
+            "notice.published", event_id=event.event_id, kind=notice.kind.value, deadline=str(notice.deadline)
+        )
+        return PollOutcome.PUBLISHED
+
+    async def run(self, interval_s: float, stop: asyncio.Event) -> None:
+        """Poll every ``interval_s`` until ``stop`` is set."""
+        while not stop.is_set():
+            await self.poll_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
