@@ -11,19 +11,18 @@ The protocol, as AWS documents it:
 
 Anything else (the endpoint unreachable, a timeout, another status, a body that is not that JSON) is a
 :class:`~liver.notice.model.NoticeSourceError` naming what was read: the agent logs it and polls again.
-Plain ``urllib``, one request at a time with a timeout, off the event loop (the agent runs it in a
-thread): the metadata service answers on the instance itself, in milliseconds.
+One request at a time (:mod:`liver.notice.http`), off the event loop (the agent runs it in a thread):
+the metadata service answers on the instance itself, in milliseconds.
 """
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from datetime import datetime
 from typing import Final, Literal
 
 import msgspec
 
+from liver.notice.http import Endpoint
 from liver.notice.model import Notice, NoticeKind, NoticeSourceError
 
 DEFAULT_ENDPOINT: Final = "http://169.254.169.254"
@@ -45,34 +44,33 @@ class AwsSpotNotices:
     """Reads the instance's scheduled Spot interruption, if any (:meth:`poll`)."""
 
     provider = "aws"
+    long_poll = False
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 2.0) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout_s = timeout_s
+        self.endpoint = Endpoint(endpoint, timeout_s)
         self._token: str | None = None
-        # The metadata service is link-local: never through a proxy from the environment.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def poll(self) -> Notice | None:
         """The interruption scheduled for this instance, or None while there is none."""
+        where = f"{self.endpoint.base}{ACTION_PATH}"
         for attempt in range(2):
             if self._token is None:
                 self._token = self._new_token()
-            status, body = self._get(ACTION_PATH, self._token)
-            if status == 401 and attempt == 0:  # the token expired: one new token, one more read
+            answer = self.endpoint.send(ACTION_PATH, headers={"X-aws-ec2-metadata-token": self._token})
+            if answer.status == 401 and attempt == 0:  # the token expired: one new token, one more read
                 self._token = None
                 continue
             break
-        if status == 404:
+        if answer.status == 404:
             return None
-        if status != 200:
-            raise NoticeSourceError(f"{self.endpoint}{ACTION_PATH}: HTTP {status}")
+        if answer.status != 200:
+            raise NoticeSourceError(f"{where}: HTTP {answer.status}")
         try:
-            action = _ACTION.decode(body)
+            action = _ACTION.decode(answer.body)
         except msgspec.DecodeError as exc:  # ValidationError included
-            raise NoticeSourceError(f"{self.endpoint}{ACTION_PATH}: not an instance action: {exc}") from None
+            raise NoticeSourceError(f"{where}: not an instance action: {exc}") from None
         if action.time.tzinfo is None:
-            raise NoticeSourceError(f"{self.endpoint}{ACTION_PATH}: `time` has no time zone: {action.time}")
+            raise NoticeSourceError(f"{where}: `time` has no time zone: {action.time}")
         return Notice(
             provider=self.provider,
             kind=_KINDS[action.action],
@@ -81,26 +79,11 @@ class AwsSpotNotices:
         )
 
     def _new_token(self) -> str:
-        request = urllib.request.Request(
-            self.endpoint + TOKEN_PATH,
-            method="PUT",
-            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)},
+        answer = self.endpoint.send(
+            TOKEN_PATH, method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)}
         )
-        status, body = self._send(request, TOKEN_PATH)
-        if status != 200 or not body.strip():
-            raise NoticeSourceError(f"{self.endpoint}{TOKEN_PATH}: no session token (HTTP {status})")
-        return body.decode("ascii", errors="replace").strip()
-
-    def _get(self, path: str, token: str) -> tuple[int, bytes]:
-        request = urllib.request.Request(self.endpoint + path, headers={"X-aws-ec2-metadata-token": token})
-        return self._send(request, path)
-
-    def _send(self, request: urllib.request.Request, path: str) -> tuple[int, bytes]:
-        try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                return int(response.status), bytes(response.read())
-        except urllib.error.HTTPError as exc:  # a status the protocol gives meaning to (404, 401)
-            return int(exc.code), b""
-        except (urllib.error.URLError, OSError, TimeoutError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise NoticeSourceError(f"{self.endpoint}{path}: unreachable: {reason}") from None
+        if answer.status != 200 or not answer.body.strip():
+            raise NoticeSourceError(
+                f"{self.endpoint.base}{TOKEN_PATH}: no session token (HTTP {answer.status})"
+            )
+        return answer.body.decode("ascii", errors="replace").strip()
