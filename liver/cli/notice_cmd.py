@@ -20,8 +20,10 @@ from enum import StrEnum
 from typing import Final
 
 from liver.cli.bus_access import connect_once, server_url
+from liver.notice import aws, gcp
 from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
-from liver.notice.aws import DEFAULT_ENDPOINT, AwsSpotNotices
+from liver.notice.aws import AwsSpotNotices
+from liver.notice.gcp import GcpNotices
 from liver.notice.publish import publish_event
 from liver.services.ingester.core import IngestEvent
 from liver.shared import subjects as s
@@ -36,6 +38,7 @@ NODE_ENV: Final = "LIVER_NODE"
 
 class Source(StrEnum):
     AWS = "aws"
+    GCP = "gcp"
 
 
 class NoticeError(InputError):
@@ -47,8 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--source", required=True, choices=[x.value for x in Source], help="the platform")
     p.add_argument("--job", help=f"the job's id (default ${JOB_ENV})")
     p.add_argument("--node", help=f"this node's id, as the job's workers name it (default ${NODE_ENV})")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls (default 5)")
-    p.add_argument("--endpoint", help=f"the metadata service (default {DEFAULT_ENDPOINT})")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        help="seconds between polls; gcp: the long poll's wait (default 5)",
+    )
+    p.add_argument("--endpoint", help="the metadata service (default: the platform's own address)")
     p.add_argument("--once", action="store_true", help="poll once, publish what is there, and exit")
     p.add_argument("--dry-run", action="store_true", help="print the events instead of publishing them")
     p.add_argument("--url", help="the NATS server (default $NATS_URL)")
@@ -56,9 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def source_of(args: argparse.Namespace) -> NoticeSource:
-    if Source(args.source) is Source.AWS:
-        return AwsSpotNotices(args.endpoint or DEFAULT_ENDPOINT)
-    raise NoticeError(f"--source: unknown source {args.source!r}")  # pragma: no cover (argparse choices)
+    source = Source(args.source)
+    if source is Source.AWS:
+        return AwsSpotNotices(args.endpoint or aws.DEFAULT_ENDPOINT)
+    if source is Source.GCP:  # a long poll: --interval is how long one waits for a change
+        return GcpNotices(args.endpoint or gcp.DEFAULT_ENDPOINT, wait_s=args.interval)
+    raise NoticeError(f"--source: unknown source {args.source!r}")  # argparse's choices keep this out
 
 
 def identity(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str]:

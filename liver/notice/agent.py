@@ -30,6 +30,8 @@ log = structlog.get_logger(__name__)
 
 class NoticeSource(Protocol):
     provider: str
+    long_poll: bool
+    """``poll`` itself waits for a change (up to its own bound): the agent polls again at once."""
 
     def poll(self) -> Notice | None: ...
 
@@ -84,8 +86,12 @@ class NoticeAgent:
         return PollOutcome.PUBLISHED
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
-        """Poll every ``interval_s`` until ``stop`` is set."""
+        """Poll every ``interval_s`` (a long-polling source: back to back, pausing only after a failure)
+        until ``stop`` is set."""
         while not stop.is_set():
-            await self.poll_once()
+            outcome = await self.poll_once()
+            failed = outcome in (PollOutcome.SOURCE_FAILED, PollOutcome.PUBLISH_FAILED)
+            if self.source.long_poll and not failed:
+                continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)

@@ -1,0 +1,190 @@
+"""The Compute Engine notice source, against a local server that speaks the metadata protocol: the
+``Metadata-Flavor`` header, ETags and ``wait_for_change`` long polls."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from liver.notice.agent import NoticeAgent, PollOutcome
+from liver.notice.gcp import MAINTENANCE_PATH, PREEMPTED_PATH, GcpNotices
+from liver.notice.model import NoticeKind, NoticeSourceError
+from liver.shared.messages import SpotWarning
+
+
+def etag(value: str) -> str:
+    return hashlib.sha1(value.encode()).hexdigest()[:16]
+
+
+class FakeMetadata:
+    """The two keys a preemption watcher reads, with ETags and long polls."""
+
+    def __init__(self) -> None:
+        self.values = {PREEMPTED_PATH: "FALSE", MAINTENANCE_PATH: "NONE"}
+        self.changed = threading.Condition()
+        self.waits: list[float] = []  # how long each long poll was held
+        self.refuse = False
+        self.ended: list[str] = []  # why each long poll returned: "changed" or "timeout"
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                return None
+
+            def do_GET(self) -> None:
+                if fake.refuse or self.headers.get("Metadata-Flavor") != "Google":
+                    self._answer(403, "Missing Metadata-Flavor:Google header.")
+                    return
+                url = urlsplit(self.path)
+                if url.path not in fake.values:
+                    self._answer(404, "not found")
+                    return
+                query = {k: v[0] for k, v in parse_qs(url.query).items()}
+                if query.get("wait_for_change") == "true":
+                    started = time.monotonic()
+                    limit = started + float(query.get("timeout_sec", "30"))
+                    with fake.changed:
+                        same = etag(fake.values[url.path]) == query.get("last_etag")
+                        while same and time.monotonic() < limit:
+                            fake.changed.wait(limit - time.monotonic())
+                            same = etag(fake.values[url.path]) == query.get("last_etag")
+                    fake.waits.append(time.monotonic() - started)
+                    fake.ended.append("timeout" if same else "changed")
+                value = fake.values[url.path]
+                self._answer(200, value, {"ETag": etag(value)})
+
+            def _answer(self, status: int, body: str, headers: dict[str, str] | None = None) -> None:
+                data = body.encode()
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def set(self, path: str, value: str) -> None:
+        with self.changed:
+            self.values[path] = value
+            self.changed.notify_all()
+
+
+@pytest.fixture
+def metadata() -> Iterator[FakeMetadata]:
+    fake = FakeMetadata()
+    fake.thread.start()
+    try:
+        yield fake
+    finally:
+        fake.server.shutdown()
+        fake.server.server_close()
+
+
+def test_a_running_vm_has_no_notice(metadata: FakeMetadata) -> None:
+    assert GcpNotices(metadata.endpoint, wait_s=1).poll() is None
+
+
+def test_a_preemption_is_a_notice_thirty_seconds_ahead(metadata: FakeMetadata) -> None:
+    metadata.set(PREEMPTED_PATH, "TRUE")
+    before = datetime.now(UTC)
+    notice = GcpNotices(metadata.endpoint, wait_s=1).poll()
+    assert notice is not None and notice.kind == NoticeKind.TERMINATION and notice.provider == "gcp"
+    assert before + timedelta(seconds=29) <= notice.deadline <= datetime.now(UTC) + timedelta(seconds=30)
+
+
+def test_a_termination_for_host_maintenance_is_a_notice_but_a_migration_is_not(
+    metadata: FakeMetadata,
+) -> None:
+    source = GcpNotices(metadata.endpoint, wait_s=1)
+    metadata.set(MAINTENANCE_PATH, "MIGRATE_ON_HOST_MAINTENANCE")
+    assert source.poll() is None
+    metadata.set(MAINTENANCE_PATH, "TERMINATE_ON_HOST_MAINTENANCE")
+    notice = source.poll()
+    assert notice is not None and notice.key.startswith("maintenance-")
+
+
+def test_the_long_poll_returns_as_soon_as_the_vm_is_preempted(metadata: FakeMetadata) -> None:
+    source = GcpNotices(metadata.endpoint, wait_s=30)
+    assert source.poll() is None  # the first read returns at once, with the value's ETag
+    timer = threading.Timer(0.3, metadata.set, (PREEMPTED_PATH, "TRUE"))
+    timer.start()
+    try:
+        notice = source.poll()  # held by the server until the value changes
+    finally:
+        timer.cancel()
+    assert notice is not None
+    assert metadata.ended[-1] == "changed"
+
+
+def test_a_long_poll_with_no_change_returns_after_its_wait(metadata: FakeMetadata) -> None:
+    source = GcpNotices(metadata.endpoint, wait_s=1)
+    assert source.poll() is None
+    assert source.poll() is None
+    assert metadata.ended == ["changed", "timeout"]  # the first read's ETag was unknown: answered at once
+
+
+def test_the_same_preemption_read_again_or_by_a_new_agent_is_the_same_event(metadata: FakeMetadata) -> None:
+    metadata.set(PREEMPTED_PATH, "TRUE")
+    first = GcpNotices(metadata.endpoint, wait_s=1).poll()
+    again = GcpNotices(metadata.endpoint, wait_s=1).poll()
+    assert first is not None and again is not None
+    assert first.event_id("vm-1") == again.event_id("vm-1")
+
+
+def test_a_refused_read_is_a_source_error_naming_the_status(metadata: FakeMetadata) -> None:
+    metadata.refuse = True  # as the server answers a request without Metadata-Flavor: Google
+    with pytest.raises(NoticeSourceError, match="HTTP 403"):
+        GcpNotices(metadata.endpoint, wait_s=1).poll()
+
+
+def test_an_unexpected_value_is_a_source_error(metadata: FakeMetadata) -> None:
+    metadata.set(PREEMPTED_PATH, "MAYBE")
+    with pytest.raises(NoticeSourceError, match="not TRUE or FALSE"):
+        GcpNotices(metadata.endpoint, wait_s=1).poll()
+
+
+def test_an_unreachable_metadata_server_is_a_source_error() -> None:
+    fake = FakeMetadata()
+    fake.server.server_close()
+    with pytest.raises(NoticeSourceError, match="unreachable"):
+        GcpNotices(fake.endpoint, wait_s=1, timeout_s=1).poll()
+
+
+async def test_the_agent_publishes_a_preemption_once(metadata: FakeMetadata) -> None:
+    events: list[Any] = []
+
+    async def publish(event: Any) -> None:
+        events.append(event)
+
+    agent = NoticeAgent(GcpNotices(metadata.endpoint, wait_s=1), job_id="j", node="vm-1", publish=publish)
+    assert await agent.poll_once() == PollOutcome.NONE
+    metadata.set(PREEMPTED_PATH, "TRUE")
+    assert await agent.poll_once() == PollOutcome.PUBLISHED
+    assert await agent.poll_once() == PollOutcome.ALREADY_PUBLISHED
+    (event,) = events
+    assert isinstance(event, SpotWarning) and event.provider == "gcp" and event.node == "vm-1"
+
+
+def test_notice_once_with_the_gcp_source_prints_the_preemption(
+    metadata: FakeMetadata, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from liver.cli.main import main
+    from liver.shared.codec import decode
+
+    metadata.set(PREEMPTED_PATH, "TRUE")
+    argv = ["notice", "--source", "gcp", "--endpoint", metadata.endpoint, "--job", "j", "--node", "vm-1"]
+    assert main([*argv, "--interval", "1", "--once", "--dry-run"]) == 0
+    warning = decode(capsys.readouterr().out.strip().splitlines()[-1].encode(), SpotWarning)
+    assert (warning.provider, warning.node) == ("gcp", "vm-1")
