@@ -19,18 +19,22 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Final
 
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
 from liver.cli.bus_access import connect_once, server_url
-from liver.notice import aws, gcp
+from liver.notice import aws, azure, gcp
 from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
 from liver.notice.aws import AwsSpotNotices
+from liver.notice.azure import AzureScheduledEvents
 from liver.notice.gcp import GcpNotices
 from liver.notice.publish import publish_event
 from liver.services.ingester.core import IngestEvent
 from liver.shared import subjects as s
-from liver.shared.codec import encode
+from liver.shared.codec import MessageError, decode, encode
 from liver.shared.errors import InputError
 from liver.shared.logs import configure_logging
-from liver.shared.messages import NODE_PATTERN
+from liver.shared.messages import NODE_PATTERN, GenerationCommitted
 
 JOB_ENV: Final = "LIVER_JOB_ID"
 NODE_ENV: Final = "LIVER_NODE"
@@ -39,6 +43,7 @@ NODE_ENV: Final = "LIVER_NODE"
 class Source(StrEnum):
     AWS = "aws"
     GCP = "gcp"
+    AZURE = "azure"
 
 
 class NoticeError(InputError):
@@ -69,6 +74,8 @@ def source_of(args: argparse.Namespace) -> NoticeSource:
         return AwsSpotNotices(args.endpoint or aws.DEFAULT_ENDPOINT)
     if source is Source.GCP:  # a long poll: --interval is how long one waits for a change
         return GcpNotices(args.endpoint or gcp.DEFAULT_ENDPOINT, wait_s=args.interval)
+    if source is Source.AZURE:
+        return AzureScheduledEvents(args.endpoint or azure.DEFAULT_ENDPOINT)
     raise NoticeError(f"--source: unknown source {args.source!r}")  # argparse's choices keep this out
 
 
@@ -105,9 +112,27 @@ async def _agent(args: argparse.Namespace, job: str, node: str, environ: Mapping
         async def send(event: IngestEvent) -> None:
             await publish_event(nc, event)
 
-        return await _drive(NoticeAgent(source, job_id=job, node=node, publish=send), args)
+        agent = NoticeAgent(source, job_id=job, node=node, publish=send)
+        if hasattr(source, "acknowledge") and not args.once:
+            await _acknowledge_on_commit(nc, agent)
+        return await _drive(agent, args)
     finally:
         await nc.drain()
+
+
+async def _acknowledge_on_commit(nc: Client, agent: NoticeAgent) -> None:
+    """Hand every commit of the job to the agent (a source that takes acknowledgements gets them once
+    the node is out of the job's world)."""
+
+    async def on_commit(msg: Msg) -> None:
+        try:
+            committed = decode(msg.data, GenerationCommitted)
+        except MessageError:
+            return  # someone else's bad message: the watch of generation outcomes reports it
+        await agent.on_committed(committed)
+
+    await nc.subscribe(s.GENERATION_COMMITTED, cb=on_commit)
+    await nc.flush()
 
 
 async def _drive(agent: NoticeAgent, args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from liver.notice.model import Notice, NoticeSourceError
 from liver.notice.publish import checked
 from liver.services.ingester.core import IngestEvent
 from liver.shared.errors import BusError
+from liver.shared.messages import GenerationCommitted
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +56,8 @@ class NoticeAgent:
         self.job_id = job_id
         self.node = node
         self.publish = publish
-        self.published: set[str] = set()
+        self.published: dict[str, Notice] = {}  # event id -> the notice it was made from
+        self.acknowledged: set[str] = set()
         self.log = log.bind(job_id=job_id, node=node, provider=source.provider)
 
     def event_of(self, notice: Notice) -> IngestEvent:
@@ -79,11 +81,37 @@ class NoticeAgent:
         except (BusError, TimeoutError, nats.errors.Error) as exc:
             self.log.warning("notice.publish_failed", event_id=event.event_id, error=str(exc))
             return PollOutcome.PUBLISH_FAILED
-        self.published.add(event.event_id)
+        self.published[event.event_id] = notice
         self.log.info(
             "notice.published", event_id=event.event_id, kind=notice.kind.value, deadline=str(notice.deadline)
         )
         return PollOutcome.PUBLISHED
+
+    async def on_committed(self, committed: GenerationCommitted) -> int:
+        """Acknowledge this node's published notices to a source that takes acknowledgements, once a
+        generation of the job without this node has committed; returns how many were acknowledged.
+
+        Until then the job may still need the node (the handoff can abort and keep the old world), so a
+        platform that would act at once on an acknowledgement must not get one.
+        """
+        acknowledge = getattr(self.source, "acknowledge", None)
+        if acknowledge is None or committed.job_id != self.job_id:
+            return 0
+        if any(d.node == self.node for d in committed.placement.devices):
+            return 0
+        done = 0
+        for event_id, notice in self.published.items():
+            if event_id in self.acknowledged:
+                continue
+            try:
+                await asyncio.to_thread(acknowledge, notice)
+            except NoticeSourceError as exc:
+                self.log.warning("notice.acknowledge_failed", event_id=event_id, error=str(exc))
+                continue
+            self.acknowledged.add(event_id)
+            self.log.info("notice.acknowledged", event_id=event_id, generation=committed.generation)
+            done += 1
+        return done
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """Poll every ``interval_s`` (a long-polling source: back to back, pausing only after a failure)
