@@ -28,6 +28,7 @@ from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
 from liver.notice.aws import AwsSpotNotices
 from liver.notice.azure import AzureScheduledEvents
 from liver.notice.gcp import GcpNotices
+from liver.notice.kubernetes import DEFAULT_GRACE_S, KubernetesNotices
 from liver.notice.publish import publish_event
 from liver.services.ingester.core import IngestEvent
 from liver.shared import subjects as s
@@ -44,6 +45,7 @@ class Source(StrEnum):
     AWS = "aws"
     GCP = "gcp"
     AZURE = "azure"
+    KUBERNETES = "kubernetes"
 
 
 class NoticeError(InputError):
@@ -61,14 +63,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=5.0,
         help="seconds between polls; gcp: the long poll's wait (default 5)",
     )
-    p.add_argument("--endpoint", help="the metadata service (default: the platform's own address)")
+    p.add_argument(
+        "--endpoint",
+        help="the metadata service, or for kubernetes an API server without authentication "
+        "(default: the platform's own address; kubernetes: in-cluster credentials, else the kubeconfig)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help=f"kubernetes: seconds from a disruption taint to the node's end (default {DEFAULT_GRACE_S:g})",
+    )
     p.add_argument("--once", action="store_true", help="poll once, publish what is there, and exit")
     p.add_argument("--dry-run", action="store_true", help="print the events instead of publishing them")
     p.add_argument("--url", help="the NATS server (default $NATS_URL)")
     p.set_defaults(func=run)
 
 
-def source_of(args: argparse.Namespace) -> NoticeSource:
+def source_of(args: argparse.Namespace, node: str) -> NoticeSource:
     source = Source(args.source)
     if source is Source.AWS:
         return AwsSpotNotices(args.endpoint or aws.DEFAULT_ENDPOINT)
@@ -76,6 +88,8 @@ def source_of(args: argparse.Namespace) -> NoticeSource:
         return GcpNotices(args.endpoint or gcp.DEFAULT_ENDPOINT, wait_s=args.interval)
     if source is Source.AZURE:
         return AzureScheduledEvents(args.endpoint or azure.DEFAULT_ENDPOINT)
+    if source is Source.KUBERNETES:  # a watch: --interval is how long one watch lasts
+        return KubernetesNotices.connect(node, args.endpoint, wait_s=args.interval, grace_s=args.grace)
     raise NoticeError(f"--source: unknown source {args.source!r}")  # argparse's choices keep this out
 
 
@@ -97,7 +111,7 @@ def identity(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
 
 
 async def _agent(args: argparse.Namespace, job: str, node: str, environ: Mapping[str, str]) -> int:
-    source = source_of(args)
+    source = source_of(args, node)
     if args.dry_run:
 
         async def show(event: IngestEvent) -> None:
@@ -151,6 +165,8 @@ async def _drive(agent: NoticeAgent, args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if not 0.1 <= args.interval <= 3600:
         raise NoticeError(f"--interval: must be 0.1-3600 seconds, got {args.interval}")
+    if not 0 < args.grace <= 86400:
+        raise NoticeError(f"--grace: must be > 0 and at most a day, got {args.grace}")
     job, node = identity(args, os.environ)
     if not args.dry_run:
         server_url(args.url, os.environ)  # a missing URL is an error now, not after the first notice
