@@ -27,6 +27,7 @@ from liver.notice import aws, azure, gcp
 from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
 from liver.notice.aws import AwsSpotNotices
 from liver.notice.azure import AzureScheduledEvents
+from liver.notice.detect import detect
 from liver.notice.gcp import GcpNotices
 from liver.notice.kubernetes import DEFAULT_GRACE_S, KubernetesNotices
 from liver.notice.publish import publish_event
@@ -46,6 +47,7 @@ class Source(StrEnum):
     GCP = "gcp"
     AZURE = "azure"
     KUBERNETES = "kubernetes"
+    AUTO = "auto"
 
 
 class NoticeError(InputError):
@@ -80,8 +82,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def source_of(args: argparse.Namespace, node: str) -> NoticeSource:
+def source_of(args: argparse.Namespace, node: str, environ: Mapping[str, str]) -> NoticeSource:
     source = Source(args.source)
+    if source is Source.AUTO:
+        if args.endpoint:
+            raise NoticeError("--endpoint: give it with a --source, not with auto")
+        source = Source(detect(environ).value)
     if source is Source.AWS:
         return AwsSpotNotices(args.endpoint or aws.DEFAULT_ENDPOINT)
     if source is Source.GCP:  # a long poll: --interval is how long one waits for a change
@@ -111,7 +117,7 @@ def identity(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
 
 
 async def _agent(args: argparse.Namespace, job: str, node: str, environ: Mapping[str, str]) -> int:
-    source = source_of(args, node)
+    source = source_of(args, node, environ)
     if args.dry_run:
 
         async def show(event: IngestEvent) -> None:
