@@ -278,3 +278,14 @@ def test_notice_once_exits_1_when_the_source_cannot_be_read(capsys: pytest.Captu
     fake.server.server_close()
     argv = ["notice", "--source", "aws", "--endpoint", fake.endpoint, "--job", "j", "--node", "n1"]
     assert asyncio.run(asyncio.to_thread(main, [*argv, "--once", "--dry-run"])) == 1
+
+
+def test_an_endpoint_that_never_answers_is_a_source_error_after_the_timeout() -> None:
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(NoticeSourceError, match="unreachable"):
+            AwsSpotNotices(endpoint, timeout_s=0.3).poll()
