@@ -111,9 +111,9 @@ async def client(url: str) -> AsyncIterator[tuple[Client, JetStreamContext]]:
 
 
 @contextlib.asynccontextmanager
-async def running(service: Service, url: str) -> AsyncIterator[Hosted]:
+async def running(service: Service, url: str, metrics_port: int | None = None) -> AsyncIterator[Hosted]:
     """The service hosted as in production, without the environment's credentials."""
-    async with hosted(service, url, environ={}) as h:
+    async with hosted(service, url, environ={}, metrics_port=metrics_port) as h:
         yield h
 
 

@@ -525,6 +525,53 @@ async def test_a_spot_warning_runs_through_every_service_to_a_committed_scale_in
     assert not rig.outcomes(rig.aborted, GenerationAborted)
 
 
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample on ``/metrics``: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_the_metrics_move_as_a_handoff_commits(rig: Rig) -> None:
+    async with (
+        running(CoordinatorService(settings(rig.job)), rig.url, metrics_port=0) as coordinator,
+        running(Ingester(INGESTER), rig.url, metrics_port=0) as ingester,
+    ):
+        assert coordinator.metrics_port and ingester.metrics_port
+        await rig.start_world()
+        await rig.live()
+        before = await asyncio.to_thread(scrape, coordinator.metrics_port)
+        job = (("job", rig.job),)
+        handoff = (
+            "liver_handoffs_total",
+            (("job", rig.job), ("outcome", "committed"), ("trigger", "spot_warning")),
+        )
+        assert before.get(handoff, 0) == 0
+        warning = SpotWarning(
+            job_id=rig.job, event_id="spot-m", node="node001", provider="aws", notice_s=NOTICE_S
+        )
+        await rig.publish(s.SPOT_WARNING, warning)
+        (out,) = await committed(rig)
+        after = await asyncio.to_thread(scrape, coordinator.metrics_port)
+        ingested = await asyncio.to_thread(scrape, ingester.metrics_port)
+    assert after[handoff] == 1
+    assert after[("liver_generation", job)] == 1
+    assert after[("liver_handoff_downtime_seconds_count", job)] == 1
+    assert after[("liver_handoff_downtime_seconds_sum", job)] == pytest.approx(out.downtime_s)
+    assert after[("liver_bytes_moved_total", job)] == out.bytes_moved
+    assert after[("liver_handoff_duration_seconds_count", (*job, ("outcome", "committed")))] == 1
+    published = ("liver_service_stat", (("service", "coordinator"), ("stat", "published")))
+    assert after[published] > before.get(published, 0)
+    assert ingested[("liver_service_stat", (("service", "ingester"), ("stat", "resized")))] == 1
+
+
 async def test_the_committed_generations_plan_objects_and_slice_entries_are_deleted(rig: Rig) -> None:
     planned = await Collector.on(rig.nc, s.transfer_planned(rig.job))
     async with (

@@ -47,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="transfer: staging budget per destination and round (default $LIVER_TRANSFER_BUDGET_BYTES, "
         "else 512 MiB)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (default $LIVER_METRICS_PORT; unset: none)",
+    )
 
 
 def find(service: str) -> ModuleType:
@@ -79,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
         if args.budget_bytes < MIN_BUDGET_BYTES:
             raise ServeError(f"--budget-bytes must be at least {MIN_BUDGET_BYTES}, got {args.budget_bytes}")
         environ[BUDGET_ENV] = str(args.budget_bytes)
+    if args.metrics_port is not None:
+        from liver.services.metrics import METRICS_PORT_ENV
+
+        if not 0 <= args.metrics_port <= 65535:
+            raise ServeError(f"--metrics-port must be a port number (0-65535), got {args.metrics_port}")
+        environ[METRICS_PORT_ENV] = str(args.metrics_port)
     module = find(args.service)
     configure_logging()
     return serve(module.create_service(environ), environ)

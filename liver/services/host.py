@@ -38,9 +38,11 @@ from nats.micro.service import Service as MicroService
 
 from liver.services import bus as b
 from liver.services.bus import ensure_consumer
+from liver.services.metrics import METRICS_PORT_ENV, MetricsServer, ServiceMetrics
 from liver.services.pull import ContinuousPull
 from liver.shared.codec import MessageError
 from liver.shared.connection import connect_options
+from liver.shared.errors import InputError
 from liver.shared.logs import bind_message
 from liver.shared.nats_server import nats_url
 from liver.shared.subjects import validate_token
@@ -298,6 +300,7 @@ class ConsumingService(abc.ABC):
         self._js: JetStreamContext | None = None
         self._consumer: DeadLetteringConsumer | None = None
         self.counts: dict[str, int] = dict.fromkeys(("received", *counters, "rejected"), 0)
+        self.metrics = ServiceMetrics()
 
     @abc.abstractmethod
     async def handle(self, msg: Msg) -> None:
@@ -391,6 +394,7 @@ class Hosted:
     service: Service
     bus: Bus
     micro: MicroService
+    metrics_port: int | None = None
 
 
 @contextlib.asynccontextmanager
@@ -400,10 +404,33 @@ async def hosted(
     environ: Mapping[str, str] | None = None,
     *,
     stop_grace_s: float = STOP_GRACE_S,
+    metrics_port: int | None = None,
 ) -> AsyncIterator[Hosted]:
     """Connect, start ``service`` and announce it; on exit stop it (within ``stop_grace_s``, see
-    :data:`STOP_GRACE_S`) and drain the connection."""
+    :data:`STOP_GRACE_S`) and drain the connection. With ``metrics_port`` (0: a free one), the
+    service's Prometheus metrics are served there for as long (``Hosted.metrics_port``)."""
     name = micro_name(service.name)
+    metrics_server: MetricsServer | None = None
+    if metrics_port is not None:
+        metrics = getattr(service, "metrics", None)
+        if not isinstance(metrics, ServiceMetrics):
+            metrics = ServiceMetrics()
+        metrics.watch_stats(service.name, service.stats)
+        metrics_server = MetricsServer(metrics.registry, metrics_port)
+        log.info("metrics_serving", service=service.name, port=metrics_server.port)
+    try:
+        async with _hosted(service, url, environ, name, stop_grace_s) as h:
+            h.metrics_port = metrics_server.port if metrics_server is not None else None
+            yield h
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
+
+
+@contextlib.asynccontextmanager
+async def _hosted(
+    service: Service, url: str, environ: Mapping[str, str] | None, name: str, stop_grace_s: float
+) -> AsyncIterator[Hosted]:
     nc = await connect(url, environ, name=name)
     try:
         bus = Bus(nc=nc, js=nc.jetstream())
@@ -454,6 +481,7 @@ async def run_until_signalled(
     url: str,
     environ: Mapping[str, str] | None = None,
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    metrics_port: int | None = None,
 ) -> None:
     """Host ``service`` until one of ``signals`` arrives, then shut down cleanly.
 
@@ -467,7 +495,7 @@ async def run_until_signalled(
         loop.add_signal_handler(sig, stop.set)
 
     async def host() -> None:
-        async with hosted(service, url, environ):
+        async with hosted(service, url, environ, metrics_port=metrics_port):
             started.set()
             await stop.wait()
             log.info("signal_received")
@@ -495,8 +523,23 @@ def serve(service: Service, environ: Mapping[str, str] | None = None) -> int:
     Returns the exit code (0 after a clean drain).
     """
     env = os.environ if environ is None else environ
+    port = metrics_port(env)
     # The embedded server (if any) lives exactly as long as this block: it is stopped after the drain.
     with nats_url(env) as url:
         connect_options(url, env, name=micro_name(service.name))  # bad settings fail before anything starts
-        asyncio.run(run_until_signalled(service, url, env))
+        asyncio.run(run_until_signalled(service, url, env, metrics_port=port))
     return 0
+
+
+class MetricsPortError(InputError):
+    """``$LIVER_METRICS_PORT`` is not a port number."""
+
+
+def metrics_port(environ: Mapping[str, str]) -> int | None:
+    """The port ``$LIVER_METRICS_PORT`` names (0: a free one), or None (no metrics served)."""
+    text = environ.get(METRICS_PORT_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) > 65535:
+        raise MetricsPortError(f"{METRICS_PORT_ENV}: {text!r} is not a port number (0-65535)")
+    return int(text)

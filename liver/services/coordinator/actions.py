@@ -7,6 +7,7 @@ in order and reports back the ones that have a result (a key-value write answers
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -61,6 +62,10 @@ class Publish(Action):
 
     message: GenerationCommitted | GenerationAborted
     msg_id: str
+    trigger: str | None = None
+    """The first trigger's kind (``TriggerSource``), for the metrics; None for a restored outcome."""
+    began_at: datetime | None = None
+    """When the handoff began, for the metrics; None for a restored outcome."""
 
 
 class WriteMembership(Action):

@@ -488,8 +488,17 @@ class Coordinator:
         while len(self._seen) > self.config.max_remembered_events:
             self._seen.popitem(last=False)
 
-    def _publish(self, message: GenerationCommitted | GenerationAborted) -> None:
-        self._emit(Publish(message=message, msg_id=generation_msg_id(self.job_id, message.generation)))
+    def _publish(
+        self, message: GenerationCommitted | GenerationAborted, handoff: _Handoff | None = None
+    ) -> None:
+        self._emit(
+            Publish(
+                message=message,
+                msg_id=generation_msg_id(self.job_id, message.generation),
+                trigger=handoff.triggers[0].kind.value if handoff is not None else None,
+                began_at=handoff.began_at if handoff is not None else None,
+            )
+        )
 
     def _settle(self, triggers: Iterable[Trigger], outcome: SettleOutcome, generation: int | None) -> None:
         """Acknowledge the bus events among ``triggers`` (a lost worker is no bus event)."""
@@ -1127,7 +1136,7 @@ class Coordinator:
     def _committed(self) -> None:
         h = self._handoff
         assert h is not None and self._record is not None and self._record.last_outcome is not None
-        self._publish(self._record.last_outcome)
+        self._publish(self._record.last_outcome, h)
         self._move(GenerationPhase.COMMITTED, f"generation {h.generation} is live")
         self._settle(h.triggers, SettleOutcome.COMMITTED, h.generation)
         self._move(GenerationPhase.CLEANUP, "releasing the old generation's resources")
@@ -1220,7 +1229,7 @@ class Coordinator:
         self._emit(
             SendCommand(command=Abort(job_id=self.job_id, generation=h.generation, reason=aborted.reason))
         )
-        self._publish(aborted)
+        self._publish(aborted, h)
         if h.transfer is not None or h.switch_sent:
             self._release_plan(h)
         self._handoff, self._deferred = None, None

@@ -523,6 +523,8 @@ class CoordinatorService(ConsumingService):
                 )
                 duplicate = await self._publish(subject, encode(message), action.msg_id)
                 self.counts["published"] += 1
+                if not duplicate:
+                    self.metrics.outcome(message, action.trigger, action.began_at)
                 log.info(
                     "outcome_published", subject=subject, generation=message.generation, duplicate=duplicate
                 )

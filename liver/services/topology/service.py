@@ -13,6 +13,7 @@ are logged too, so an operator reading the log sees why a job got the layout it 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Final
@@ -84,9 +85,11 @@ class TopologyService(ConsumingService):
                 )
             else:
                 async with keep_in_progress(msg, self.settings.progress_every_s):
+                    started = time.perf_counter()
                     result = await asyncio.to_thread(
                         answer, request, profile, self.settings, datetime.now(UTC)
                     )
+                    self.metrics.plan_seconds.labels("topology").observe(time.perf_counter() - started)
             out = result.message
             subject = (
                 s.topology_planned(request.job_id)

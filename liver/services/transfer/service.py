@@ -163,6 +163,7 @@ class TransferService(ConsumingService):
         with bind_message(topology):
             try:
                 async with keep_in_progress(msg, self.settings.progress_every_s):
+                    started = time.perf_counter()
                     planned = await asyncio.to_thread(
                         core.plan_transfer,
                         topology,
@@ -170,6 +171,7 @@ class TransferService(ConsumingService):
                         optimizer=self.settings.optimizer,
                         planner=self._planner,
                     )
+                    self.metrics.plan_seconds.labels("transfer").observe(time.perf_counter() - started)
             except MessageError as error:
                 await self._reject(msg, error)
                 return
