@@ -82,6 +82,8 @@ class Deployment:
         env.update(service_environment(service, self.variables))
         assert env["NATS_URL"] == "nats://nats:4222", "compose points the service at its nats service"
         env["NATS_URL"] = self.server.url
+        if "LIVER_METRICS_PORT" in env:  # one port per container there; here every process shares a host
+            env["LIVER_METRICS_PORT"] = "0"
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["LIVER_PYTHON"] = sys.executable
         return env
