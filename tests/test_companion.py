@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from bus_helpers import Collector, client, eventually
+from bus_helpers import Collector, client, eventually, scrape
 from companion_helpers import (
     DEVICES,
     NEW_LAYOUT,
@@ -657,3 +657,28 @@ def test_command_box_hands_commands_over_in_arrival_order() -> None:
     assert [type(c).__name__ for c in taken] == ["Prepared", "Switch", "Abort"]
     assert isinstance(taken[0], Prepared) and taken[0].plan is plan
     assert not box.pending and box.take() == []
+
+
+async def test_the_companion_serves_its_counters_progress_and_world_as_metrics(
+    nats_server: NatsServer, job: str
+) -> None:
+    me = identity(job)
+    companion = Companion(
+        me, RecordingHooks(), url=nats_server.url, settings=FAST, world=GenerationRank(2, 1), metrics_port=0
+    )
+    async with running(companion):
+        assert companion.metrics_port
+        companion.set_iteration(41)
+        labels = (("job", job), ("worker", me.worker_id))
+        beats = ("liver_worker_stat", (*labels, ("stat", "heartbeats")))
+        first = await asyncio.to_thread(scrape, companion.metrics_port)
+
+        async def beat_again() -> bool:
+            now = await asyncio.to_thread(scrape, companion.metrics_port)
+            return now[beats] > first[beats]
+
+        await eventually(beat_again, what="the heartbeat counter moving")
+        seen = await asyncio.to_thread(scrape, companion.metrics_port)
+    assert seen[("liver_worker_iteration", labels)] == 41
+    assert (seen[("liver_worker_generation", labels)], seen[("liver_worker_rank", labels)]) == (2, 1)
+    assert seen[("liver_worker_connected", labels)] == 1

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import nats.js.errors
 import pytest
-from bus_helpers import WAIT_S, Collector, client, error_events, eventually, running, stored
+from bus_helpers import WAIT_S, Collector, client, error_events, eventually, running, scrape, stored
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -523,20 +523,6 @@ async def test_a_spot_warning_runs_through_every_service_to_a_committed_scale_in
     participants = {w for w, _ in rig.workers.commands(Prepare, 1)}
     assert participants == {worker_id(d) for d in WORLD}, "the leaving node sends its state too"
     assert not rig.outcomes(rig.aborted, GenerationAborted)
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample on ``/metrics``: (name, sorted labels) -> value."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S).read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 async def test_the_metrics_move_as_a_handoff_commits(rig: Rig) -> None:

@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=16, help="sequence length (default 16)")
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve the companion's Prometheus metrics on this port (0: any free)"
+    )
     ckpt = p.add_argument_group("checkpoints (the fallback when a handoff cannot complete)")
     ckpt.add_argument(
         "--checkpoint-dir", metavar="DIR", help="shared directory of the job's checkpoints (default: none)"
@@ -137,6 +140,7 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_keep=args.checkpoint_keep,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -11,22 +11,23 @@ the tests and in ``liver demo``; each keeps its own series). Two kinds of series
   time per planner.
 
 Off by default in the library; ``liver serve --metrics-port`` (``$LIVER_METRICS_PORT``, set in the
-images) serves ``/metrics`` on that port.
+images) serves ``/metrics`` on that port (:class:`~liver.shared.metrics_http.MetricsServer`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Final
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from liver.shared.messages import GenerationAborted, GenerationCommitted
+from liver.shared.metrics_http import MetricsServer
+
+__all__ = ["METRICS_PORT_ENV", "MetricsServer", "ServiceMetrics"]
 
 METRICS_PORT_ENV: Final = "LIVER_METRICS_PORT"
 
@@ -114,18 +115,3 @@ class ServiceMetrics:
         self.handoffs.labels(job, kind, trigger or "unknown").inc()
         if began_at is not None:
             self.duration.labels(job, kind).observe(max(0.0, (at - began_at).total_seconds()))
-
-
-class MetricsServer:
-    """``/metrics`` of a registry on ``addr:port`` (port 0: a free one, see :attr:`port`)."""
-
-    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
-        server, thread = start_http_server(port, addr, registry=registry)
-        self._server: WSGIServer = server
-        self._thread: threading.Thread = thread
-        self.port: int = server.server_port
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)

@@ -121,6 +121,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     checkpoint_every: Annotated[int, Meta(ge=1)] | None = None
     """Save every N iterations (None: never save here; a fallback still loads what is in the directory)."""
     checkpoint_keep: Annotated[int, Meta(ge=1)] = 2
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    """Serve the companion's Prometheus metrics on this port (0: a free one); None: none."""
 
     def __post_init__(self) -> None:
         validate_token(self.job_id, "job_id")
@@ -128,6 +130,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("`checkpoint_dir`: must not be empty (leave it out for no checkpoints)")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("`checkpoint_every`: needs `checkpoint_dir`, where the checkpoints go")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"`metrics_port`: {self.metrics_port} is not a port number (0-65535)")
         if self.worker_id:
             validate_token(self.worker_id, "worker_id")
         if self.model not in PRESETS:
@@ -300,6 +304,7 @@ class _Worker:
             world=None if initial is None or rank is None else GenerationRank(initial.generation, rank),
             environ=self.environ,
             settings=AgentSettings(heartbeat_s=s.heartbeat_s),
+            metrics_port=s.metrics_port,
         )
         bridge.attach(runtime, companion.report, job_id=s.job_id, worker_id=s.name)
         self.log.info("worker.starting", address=address, standby=initial is None, rank=rank)

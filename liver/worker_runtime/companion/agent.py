@@ -576,6 +576,10 @@ class WorkerAgent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def counters(self) -> dict[str, int]:
+        """The agent's counters (commands, rejected, acks, heartbeats, hooks_failed), for metrics."""
+        return self._count_fields()
+
     def _count_fields(self) -> dict[str, int]:
         c = self.counts
         return {

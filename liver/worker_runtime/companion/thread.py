@@ -43,6 +43,7 @@ from nats.aio.client import Client
 from liver.shared.connection import connect_options
 from liver.shared.errors import BusError
 from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase, WorkerStatus
+from liver.shared.metrics_http import MetricsServer
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
     AgentSettings,
@@ -52,6 +53,7 @@ from liver.worker_runtime.companion.agent import (
     WorkerAgent,
     WorkerIdentity,
 )
+from liver.worker_runtime.companion.metrics import CompanionCollector, companion_registry
 
 log = structlog.get_logger(__name__)
 
@@ -112,7 +114,9 @@ class Companion:
 
     ``world`` is the generation and rank the process starts in (``None`` for a new worker that joins at
     the next handoff). ``environ`` supplies credentials (``NATS_USER``/``NATS_PASSWORD``, ``NATS_TOKEN``
-    or ``NATS_CREDS``); it defaults to the process environment.
+    or ``NATS_CREDS``); it defaults to the process environment. With ``metrics_port`` (0: a free one)
+    the companion serves its Prometheus metrics there (:mod:`.metrics`) from :meth:`start` to
+    :meth:`close`.
     """
 
     def __init__(
@@ -125,8 +129,11 @@ class Companion:
         environ: Mapping[str, str] | None = None,
         settings: AgentSettings | None = None,
         reconnect_time_wait_s: float = 1.0,
+        metrics_port: int | None = None,
     ) -> None:
         identity.check()
+        self._metrics_port = metrics_port
+        self._metrics: MetricsServer | None = None
         self.identity = identity
         self._hooks = hooks
         self._settings = settings or AgentSettings()
@@ -154,6 +161,11 @@ class Companion:
         """Start the thread; return once connected, subscribed and hello'd; raise after ``timeout_s``."""
         if self._thread.is_alive() or self._closed:
             raise CompanionError("a companion starts once")
+        if self._metrics_port is not None:
+            collector = CompanionCollector(
+                self.identity, self._presence, lambda: self._agent, lambda: self.connected
+            )
+            self._metrics = MetricsServer(companion_registry(collector), self._metrics_port)
         self._thread.start()
         if not self._ready.wait(timeout_s) or self._agent is None:
             failure = self._failure
@@ -168,6 +180,8 @@ class Companion:
         if self._closed:
             return
         self._closed = True
+        if self._metrics is not None:
+            self._metrics.close()
         with contextlib.suppress(RuntimeError):  # the loop already ended
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread.is_alive():
@@ -187,6 +201,11 @@ class Companion:
         self.close()
 
     # -- what the training thread calls ---------------------------------------------------------------
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port ``/metrics`` is served on (given ``metrics_port``; 0 picks a free one)."""
+        return self._metrics.port if self._metrics is not None else None
 
     @property
     def connected(self) -> bool:

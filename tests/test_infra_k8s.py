@@ -1,0 +1,154 @@
+"""infra/k8s: every manifest is valid for Kubernetes (its JSON schemas, offline), and what the manifests
+give LiveR's processes (commands, users, settings, the NATS cluster's config) is what they accept."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from infra_helpers import INFRA, SERVICES, load_compose
+
+from liver.cli import notice_cmd, serve_cmd, worker_cmd
+from liver.shared.nats_server import find_binary
+
+K8S = INFRA / "k8s"
+KUBERNETES_VERSION = "1.33.0"
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def every_document() -> list[dict[str, Any]]:
+    return [d for p in MANIFESTS for d in documents(p)]
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in every_document() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("doc", every_document(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_every_manifest_is_valid_for_kubernetes(doc: dict[str, Any]) -> None:
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_schema_check_refuses_a_misspelt_field() -> None:
+    doc = copy.deepcopy(find("Deployment", "liver-ingester"))
+    doc["spec"]["template"]["spec"]["containers"][0]["enviroment"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_kustomization_applies_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in MANIFESTS)
+
+
+# -- the services -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_runs_as_in_compose_and_is_ready_when_it_answers(service: str) -> None:
+    (container,) = find("Deployment", f"liver-{service}")["spec"]["template"]["spec"]["containers"]
+    env = env_of(container)
+    assert container["args"] == [service]
+    assert env["NATS_USER"] == service
+    assert env["NATS_PASSWORD"]["secretKeyRef"] == {
+        "name": "liver-nats-passwords",
+        "key": f"LIVER_NATS_PASSWORD_{service.upper()}",
+    }
+    assert container["readinessProbe"]["exec"]["command"] == ["liver-entrypoint", "health", service]
+    compose = load_compose()["services"][service]["environment"]
+    assert env["LIVER_METRICS_PORT"] == compose["LIVER_METRICS_PORT"]
+    assert {p["containerPort"] for p in container["ports"]} == {int(env["LIVER_METRICS_PORT"])}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_accepts_the_settings_its_manifest_gives_it(service: str) -> None:
+    (container,) = find("Deployment", f"liver-{service}")["spec"]["template"]["spec"]["containers"]
+    env = {k: v if isinstance(v, str) else f"from-{k.lower()}" for k, v in env_of(container).items()}
+    created = serve_cmd.find(service).create_service(env)
+    assert created.name == service
+
+
+# -- NATS ---------------------------------------------------------------------------------------------
+
+
+def test_nats_runs_three_servers_with_a_volume_each() -> None:
+    nats = find("StatefulSet", "liver-nats")
+    assert nats["spec"]["replicas"] == 3
+    (claim,) = nats["spec"]["volumeClaimTemplates"]
+    (container,) = nats["spec"]["template"]["spec"]["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == container["args"][container["args"].index("--store_dir") + 1]
+
+
+def test_each_pods_cluster_config_with_the_projects_auth_config_is_valid_for_nats_server(
+    tmp_path: Path,
+) -> None:
+    config = find("ConfigMap", "liver-nats-cluster")["data"]["cluster.conf"]
+    (tmp_path / "cluster.conf").write_text(config)
+    (tmp_path / "nats.conf").write_text((INFRA / "nats.conf").read_text())  # the liver-nats-auth Secret
+    roles = (*SERVICES, "worker", "publisher", "subscriber")
+    env = {f"LIVER_NATS_PASSWORD_{r.upper()}": f"p{r}" for r in roles} | {"SERVER_NAME": "liver-nats-1"}
+    result = subprocess.run(
+        [str(find_binary()), "--config", str(tmp_path / "cluster.conf"), "-t"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    routes = [line.strip() for line in config.splitlines() if line.strip().startswith("nats://")]
+    assert routes == [f"nats://liver-nats-{i}.liver-nats-cluster.liver.svc:6222" for i in range(3)]
+
+
+# -- the notice agent and the example job ---------------------------------------------------------------
+
+
+def test_the_notice_agent_reads_only_nodes_and_runs_a_valid_command() -> None:
+    (rule,) = find("ClusterRole", "liver-notice")["rules"]
+    assert (rule["resources"], sorted(rule["verbs"])) == (["nodes"], ["get", "list", "watch"])
+    spec = find("DaemonSet", "liver-notice")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "liver-notice"
+    (container,) = spec["containers"]
+    env = env_of(container)
+    assert env["LIVER_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["NATS_USER"] == "publisher"
+    assert container["args"][:2] == ["liver", "notice"]
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    notice_cmd.add_parser(sub)
+    args = parser.parse_args(container["args"][1:])
+    assert args.source == "kubernetes"
+    assert notice_cmd.identity(args, {"LIVER_JOB_ID": env["LIVER_JOB_ID"], "LIVER_NODE": "node-a"})
+
+
+def test_each_worker_of_the_example_job_gets_its_own_rank_of_one_world() -> None:
+    job = find("StatefulSet", "liver-train")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (script,) = container["args"]
+    ranks = []
+    for ordinal in range(job["spec"]["replicas"]):
+        pod = f"liver-train-{ordinal}"
+        words = shlex.split(script.replace("$POD_NAME", pod))
+        assert words[:3] == ["exec", "liver-entrypoint", "worker"]
+        parser = argparse.ArgumentParser()
+        worker_cmd.add_arguments(parser)
+        settings = worker_cmd.settings_from(parser.parse_args(words[3:]))
+        assert settings.initial is not None
+        ranks.append(settings.initial.placement.rank_on()[settings.device_id])
+    assert ranks == list(range(job["spec"]["replicas"]))
