@@ -670,7 +670,7 @@ async def test_the_companion_serves_its_counters_progress_and_world_as_metrics(
         assert companion.metrics_port
         companion.set_iteration(41)
         labels = (("job", job), ("worker", me.worker_id))
-        beats = ("liver_worker_stat", (*labels, ("stat", "heartbeats")))
+        beats = ("liver_worker_stat", tuple(sorted((*labels, ("stat", "heartbeats")))))
         first = await asyncio.to_thread(scrape, companion.metrics_port)
 
         async def beat_again() -> bool:
