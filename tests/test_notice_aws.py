@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from bus_helpers import client, stored
+from local_http import LocalHttp, QuietHandler, nothing_listening, serving
 
 from liver.cli.main import main
 from liver.notice.agent import NoticeAgent, PollOutcome
@@ -37,38 +36,28 @@ class FakeImds:
         self.requests: list[tuple[str, str]] = []
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_PUT(self) -> None:
                 fake.requests.append(("PUT", self.path))
                 if self.path != TOKEN_PATH or not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-                    self._answer(400)
+                    self.answer(400)
                     return
                 fake.issued += 1
                 token = f"token-{fake.issued}"
                 fake.valid.add(token)
-                self._answer(200, token.encode())
+                self.answer(200, token.encode())
 
             def do_GET(self) -> None:
                 fake.requests.append(("GET", self.path))
                 if self.headers.get("X-aws-ec2-metadata-token") not in fake.valid:
-                    self._answer(401)
+                    self.answer(401)
                 elif self.path != ACTION_PATH or fake.action is None:
-                    self._answer(404)
+                    self.answer(404)
                 else:
-                    self._answer(200, fake.action)
+                    self.answer(200, fake.action)
 
-            def _answer(self, status: int, body: bytes = b"") -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.http = LocalHttp(Handler)
+        self.endpoint = self.http.endpoint
 
     def schedule(self, action: str = "terminate", time: str = WHEN) -> None:
         self.action = json.dumps({"action": action, "time": time}).encode()
@@ -80,12 +69,8 @@ class FakeImds:
 @pytest.fixture
 def imds() -> Iterator[FakeImds]:
     fake = FakeImds()
-    fake.thread.start()
-    try:
+    with serving(fake.http):
         yield fake
-    finally:
-        fake.server.shutdown()
-        fake.server.server_close()
 
 
 # -- the source ----------------------------------------------------------------------------------------
@@ -136,10 +121,8 @@ def test_an_expired_token_is_renewed_and_the_read_repeated(imds: FakeImds) -> No
 
 
 def test_an_unreachable_endpoint_is_a_source_error_naming_it() -> None:
-    fake = FakeImds()  # bound but never served, then closed: nothing listens on its port
-    fake.server.server_close()
     with pytest.raises(NoticeSourceError, match="unreachable"):
-        AwsSpotNotices(fake.endpoint, timeout_s=1.0).poll()
+        AwsSpotNotices(nothing_listening(), timeout_s=1.0).poll()
 
 
 @pytest.mark.parametrize(
@@ -274,9 +257,7 @@ def test_notice_takes_job_and_node_from_the_environment(
 
 
 def test_notice_once_exits_1_when_the_source_cannot_be_read(capsys: pytest.CaptureFixture[str]) -> None:
-    fake = FakeImds()
-    fake.server.server_close()
-    argv = ["notice", "--source", "aws", "--endpoint", fake.endpoint, "--job", "j", "--node", "n1"]
+    argv = ["notice", "--source", "aws", "--endpoint", nothing_listening(), "--job", "j", "--node", "n1"]
     assert asyncio.run(asyncio.to_thread(main, [*argv, "--once", "--dry-run"])) == 1
 
 

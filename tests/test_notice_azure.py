@@ -4,15 +4,14 @@ acknowledgement once a generation without the node has committed."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import msgspec
 import pytest
 from bus_helpers import WAIT_S, client, eventually
+from local_http import LocalHttp, QuietHandler, serving
 
 from liver.cli.notice_cmd import _acknowledge_on_commit
 from liver.notice.agent import NoticeAgent, PollOutcome
@@ -49,54 +48,40 @@ class FakeScheduledEvents:
         self.raw: bytes | None = None  # served instead of the document when set
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if self.headers.get("Metadata") != "true":
-                    self._answer(400, b'{"error": "Bad request. Required metadata header not specified"}')
+                    self.answer(400, b'{"error": "Bad request. Required metadata header not specified"}')
                 elif self.path == EVENTS_PATH:
                     doc = {"DocumentIncarnation": fake.incarnation, "Events": fake.events}
-                    self._answer(200, fake.raw if fake.raw is not None else json.dumps(doc).encode())
+                    self.answer(200, fake.raw if fake.raw is not None else json.dumps(doc).encode())
                 elif self.path == NAME_PATH:
-                    self._answer(200, VM.encode())
+                    self.answer(200, VM.encode())
                 else:
-                    self._answer(404, b"")
+                    self.answer(404, b"")
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if self.headers.get("Metadata") != "true" or self.path != EVENTS_PATH:
-                    self._answer(400, b"")
+                    self.answer(400, b"")
                     return
                 ids = [r["EventId"] for r in body.get("StartRequests", [])]
                 if not ids or any(i not in {e["EventId"] for e in fake.events} for i in ids):
-                    self._answer(400, b"")
+                    self.answer(400, b"")
                     return
                 fake.started += ids
-                self._answer(200, b"")
+                self.answer(200, b"")
 
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.http = LocalHttp(Handler)
+        self.endpoint = self.http.endpoint
 
 
 @pytest.fixture
 def azure() -> Iterator[FakeScheduledEvents]:
     fake = FakeScheduledEvents()
-    fake.thread.start()
-    try:
+    with serving(fake.http):
         yield fake
-    finally:
-        fake.server.shutdown()
-        fake.server.server_close()
 
 
 def test_no_scheduled_event_is_no_notice(azure: FakeScheduledEvents) -> None:

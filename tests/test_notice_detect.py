@@ -3,12 +3,12 @@ documents, or Kubernetes inside a pod."""
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from local_http import LocalHttp, QuietHandler, serving
 
 from liver.notice.detect import Platform, detect
 from liver.notice.model import NoticeSourceError
@@ -40,36 +40,25 @@ def nothing(_: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
 
 class Fake:
     def __init__(self, answer: Answer) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def _reply(self) -> None:
                 status, headers, body = answer(self)
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(status, body, headers)
 
             do_GET = do_PUT = _reply
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.http = LocalHttp(Handler)
+        self.url = self.http.endpoint
 
 
 @pytest.fixture
 def fakes() -> Iterator[dict[str, Fake]]:
     answers = {"aws": aws_like, "azure": azure_like, "gcp": gcp_like, "none": nothing}
     made = {name: Fake(answer) for name, answer in answers.items()}
-    try:
-        yield made
-    finally:
+    with contextlib.ExitStack() as stack:
         for fake in made.values():
-            fake.server.shutdown()
-            fake.server.server_close()
+            stack.enter_context(serving(fake.http))
+        yield made
 
 
 def endpoints(fakes: dict[str, Fake], **which: str) -> dict[str, str]:

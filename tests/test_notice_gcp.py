@@ -8,11 +8,11 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from local_http import LocalHttp, QuietHandler, nothing_listening, serving
 
 from liver.notice.agent import NoticeAgent, PollOutcome
 from liver.notice.gcp import MAINTENANCE_PATH, PREEMPTED_PATH, GcpNotices
@@ -35,17 +35,14 @@ class FakeMetadata:
         self.ended: list[str] = []  # why each long poll returned: "changed" or "timeout"
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if fake.refuse or self.headers.get("Metadata-Flavor") != "Google":
-                    self._answer(403, "Missing Metadata-Flavor:Google header.")
+                    self.answer(403, b"Missing Metadata-Flavor:Google header.")
                     return
                 url = urlsplit(self.path)
                 if url.path not in fake.values:
-                    self._answer(404, "not found")
+                    self.answer(404, b"not found")
                     return
                 query = {k: v[0] for k, v in parse_qs(url.query).items()}
                 if query.get("wait_for_change") == "true":
@@ -59,21 +56,10 @@ class FakeMetadata:
                     fake.waits.append(time.monotonic() - started)
                     fake.ended.append("timeout" if same else "changed")
                 value = fake.values[url.path]
-                self._answer(200, value, {"ETag": etag(value)})
+                self.answer(200, value.encode(), {"ETag": etag(value)})
 
-            def _answer(self, status: int, body: str, headers: dict[str, str] | None = None) -> None:
-                data = body.encode()
-                self.send_response(status)
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.http = LocalHttp(Handler)
+        self.endpoint = self.http.endpoint
 
     def set(self, path: str, value: str) -> None:
         with self.changed:
@@ -84,12 +70,8 @@ class FakeMetadata:
 @pytest.fixture
 def metadata() -> Iterator[FakeMetadata]:
     fake = FakeMetadata()
-    fake.thread.start()
-    try:
+    with serving(fake.http):
         yield fake
-    finally:
-        fake.server.shutdown()
-        fake.server.server_close()
 
 
 def test_a_running_vm_has_no_notice(metadata: FakeMetadata) -> None:
@@ -156,10 +138,8 @@ def test_an_unexpected_value_is_a_source_error(metadata: FakeMetadata) -> None:
 
 
 def test_an_unreachable_metadata_server_is_a_source_error() -> None:
-    fake = FakeMetadata()
-    fake.server.server_close()
     with pytest.raises(NoticeSourceError, match="unreachable"):
-        GcpNotices(fake.endpoint, wait_s=1, timeout_s=1).poll()
+        GcpNotices(nothing_listening(), wait_s=1, timeout_s=1).poll()
 
 
 async def test_the_agent_publishes_a_preemption_once(metadata: FakeMetadata) -> None:

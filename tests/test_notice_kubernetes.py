@@ -4,14 +4,13 @@ recorded watch streams of a node."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from local_http import LocalHttp, QuietHandler, nothing_listening, serving
 
 from liver.cli.main import main
 from liver.notice.agent import NoticeAgent, PollOutcome
@@ -52,11 +51,8 @@ class FakeApiServer:
         self.queries: list[dict[str, str]] = []
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *_: Any) -> None:
-                return None
 
             def do_GET(self) -> None:
                 url = urlsplit(self.path)
@@ -65,32 +61,22 @@ class FakeApiServer:
                 reply = fake.streams.pop(0) if fake.streams else b""
                 if url.path != "/api/v1/nodes" or query.get("watch") not in ("true", "True"):
                     reply = 404
+                json_type = {"Content-Type": "application/json"}
                 if isinstance(reply, int):
-                    body = json.dumps({"kind": "Status", "code": reply, "reason": "Forbidden"}).encode()
-                    self.send_response(reply)
+                    status = json.dumps({"kind": "Status", "code": reply, "reason": "Forbidden"}).encode()
+                    self.answer(reply, status, json_type)
                 else:
-                    body = reply
-                    self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    self.answer(200, reply, json_type)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.http = LocalHttp(Handler)
+        self.endpoint = self.http.endpoint
 
 
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     fake = FakeApiServer()
-    fake.thread.start()
-    try:
+    with serving(fake.http):
         yield fake
-    finally:
-        fake.server.shutdown()
-        fake.server.server_close()
 
 
 def source(api: FakeApiServer, **options: Any) -> KubernetesNotices:
@@ -151,12 +137,10 @@ def test_a_refused_watch_is_a_source_error_naming_the_status(api: FakeApiServer)
 
 
 def test_an_unreachable_api_server_is_a_source_error() -> None:
-    fake = FakeApiServer()
-    fake.server.server_close()
     from kubernetes import client
 
     configuration = client.Configuration()
-    configuration.host = fake.endpoint
+    configuration.host = nothing_listening()
     configuration.retries = 0
     s = KubernetesNotices(NODE, client.CoreV1Api(client.ApiClient(configuration)), wait_s=1)
     with pytest.raises(NoticeSourceError, match=f"watching node {NODE}"):
