@@ -16,10 +16,21 @@ from nats.aio.client import Client
 
 from liver.shared.connection import URL_ENV, connect_options
 from liver.shared.errors import BusError, InputError
+from liver.shared.subjects import validate_token
 
 
 class BusUnreachable(BusError):
     """The server named by ``--url`` / ``$NATS_URL`` did not accept a connection."""
+
+
+def job_flag(job: str | None) -> str | None:
+    """``--job`` as given, when it is a job id the bus accepts (or not given)."""
+    if job is not None:
+        try:
+            validate_token(job, "job")
+        except ValueError as exc:
+            raise InputError(f"--job: {exc}") from None
+    return job
 
 
 def server_url(url: str | None, environ: Mapping[str, str]) -> str:

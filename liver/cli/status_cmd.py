@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from liver.cli.bus_access import connect_once, server_url
+from liver.cli.bus_access import connect_once, job_flag, server_url
 from liver.services.coordinator.record import GenerationRecord
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode
@@ -230,11 +230,7 @@ async def _run(args: argparse.Namespace, url: str, environ: Mapping[str, str]) -
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.wait <= 60:
         raise StatusError(f"--wait: must be > 0 and at most 60 seconds, got {args.wait}")
-    if args.job is not None:
-        try:
-            s.validate_token(args.job, "job")
-        except ValueError as exc:
-            raise StatusError(f"--job: {exc}") from None
+    job_flag(args.job)
     url = server_url(args.url, os.environ)
     st = asyncio.run(_run(args, url, os.environ))
     if args.json:

@@ -21,7 +21,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from liver.cli.bus_access import connect_once, server_url
+from liver.cli.bus_access import connect_once, job_flag, server_url
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode
 from liver.shared.errors import InputError
@@ -157,10 +157,6 @@ def run(args: argparse.Namespace) -> int:
         raise WatchError(f"--count: must be at least 1, got {args.count}")
     if args.timeout is not None and args.timeout <= 0:
         raise WatchError(f"--timeout: must be > 0 seconds, got {args.timeout}")
-    if args.job is not None:
-        try:
-            s.validate_token(args.job, "job")
-        except ValueError as exc:
-            raise WatchError(f"--job: {exc}") from None
+    job_flag(args.job)
     url = server_url(args.url, os.environ)
     return 0 if asyncio.run(_run(args, url, os.environ)) else 1
