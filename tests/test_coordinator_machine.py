@@ -1378,6 +1378,16 @@ def test_world_worker_gone_silent_starts_a_handoff_without_it() -> None:
     assert d.pop(RequestTopology).request.lost == (WORLD[3],)
 
 
+def test_a_worker_gone_silent_is_counted_as_heartbeats_missed() -> None:
+    d = started()
+    assert d.core.silent_workers == 0
+    d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
+    for dev in WORLD[:3] + SPARES:
+        d.beat(dev)
+    d.tick()
+    assert d.core.silent_workers == 1
+
+
 def test_world_worker_restarting_counts_as_lost() -> None:
     d = started()
     d.beat(WORLD[1], seq=9)

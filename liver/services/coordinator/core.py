@@ -255,6 +255,8 @@ class Coordinator:
         self.instance_id = validate_token(instance_id, "instance_id")
         self.config = config or CoordinatorConfig()
         self.membership = Membership(job_id, self.config.heartbeat_timeout_s)
+        self.silent_workers = 0
+        """Workers declared lost because their heartbeats stopped for the timeout (for the metrics)."""
         self._phase = GenerationPhase.DOWN
         self._wait = Wait.NOTHING
         self._record: GenerationRecord | None = None
@@ -1283,6 +1285,7 @@ class Coordinator:
     def _on_tick(self) -> None:
         expired = self.membership.expire(self.now)
         timeout = self.config.heartbeat_timeout_s
+        self.silent_workers += len(expired.lost)
         for member in expired.lost:
             self._on_lost(
                 member.device, f"worker {member.worker_id} on {member.device} silent for {timeout} s"

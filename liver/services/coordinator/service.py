@@ -299,6 +299,7 @@ class CoordinatorService(ConsumingService):
             "revision": self.core.revision,
             "workers": len(self.core.membership),
             "held": len(self._held),
+            "heartbeats_missed": self.core.silent_workers,
         }
         out.update(super().stats())
         return out
