@@ -21,12 +21,12 @@ import nats.errors
 import pytest
 import structlog
 import structlog.testing
-from bus_helpers import WAIT_S, Collector, client, eventually, put_membership, running
+from bus_helpers import WAIT_S, Collector, client, eventually, put_membership, running, scrape
 from nats.aio.msg import Msg
 
 from liver.cli import serve_cmd
 from liver.services import bus as b
-from liver.services.host import PullConsumer, hosted, micro_name, status_subject
+from liver.services.host import Bus, ConsumingService, PullConsumer, hosted, micro_name, status_subject
 from liver.services.ingester.service import Ingester
 from liver.shared import subjects as s
 from liver.shared.codec import encode
@@ -210,6 +210,49 @@ async def test_a_service_that_cannot_settle_its_message_is_cut_off_after_the_sto
     assert nc.is_closed
     (timed_out,) = [e for e in logged if e["event"] == "service_stop_timed_out"]
     assert timed_out["service"] == "stuck"
+
+
+class Holding(ConsumingService):
+    """A service that takes one message at a time and holds it until released: a queue that stands."""
+
+    name = "holding"
+    description = "holds its message"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.taken = 0
+
+    async def start(self, bus: Bus) -> None:
+        self._js = bus.js
+        await b.ensure_stream(bus.js, s.STREAM_INGEST)
+        config = b.pull_consumer_config(
+            "holding", s.SCALE_REQUEST, ack_wait_s=60, max_deliver=3, description="t"
+        )
+        await self._consume(bus, stream=s.STREAM_INGEST.name, config=config, batch=1, retry_delay_s=0.1)
+
+    async def handle(self, msg: Msg) -> None:
+        self.taken += 1
+        await self.release.wait()
+        await msg.ack()
+
+
+async def test_the_queue_depth_of_a_services_consumer_is_a_metric(server: NatsServer) -> None:
+    service = Holding()
+    async with hosted(service, server.url, {}, metrics_port=0) as h, client(server.url) as (_, js):
+        for i in range(3):
+            await js.publish(s.SCALE_REQUEST, f"held-{i}".encode())
+        assert h.metrics_port
+
+        async def standing() -> bool:
+            now = await asyncio.to_thread(scrape, h.metrics_port)
+            waiting = now.get(("liver_queue_messages", (("service", "holding"), ("state", "waiting"))))
+            unacked = now.get(("liver_queue_messages", (("service", "holding"), ("state", "unacked"))))
+            return (waiting, unacked) == (2, 1)
+
+        await eventually(standing, what="two messages waiting and one in hand on /metrics")
+        assert await service.queue_depth() == (2, 1)
+        service.release.set()
 
 
 # -- consuming ----------------------------------------------------------------------------------------

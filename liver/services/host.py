@@ -332,6 +332,15 @@ class ConsumingService(abc.ABC):
         if self._consumer is not None:
             await self._consumer.stop()
 
+    async def queue_depth(self) -> tuple[int, int] | None:
+        """Messages waiting for this service's durable consumer and delivered but unacknowledged (from
+        JetStream's consumer info), or None before it consumes."""
+        if self._consumer is None or self._js is None:
+            return None
+        consumer = self._consumer.consumer
+        info = await self._js.consumer_info(consumer.stream, consumer.durable)
+        return int(info.num_pending or 0), int(info.num_ack_pending or 0)
+
     def stats(self) -> dict[str, int | float | str]:
         out: dict[str, int | float | str] = dict(self.counts)
         if self._consumer is not None:
@@ -421,10 +430,39 @@ async def hosted(
     try:
         async with _hosted(service, url, environ, name, stop_grace_s) as h:
             h.metrics_port = metrics_server.port if metrics_server is not None else None
-            yield h
+            refreshing = None
+            if metrics_server is not None and isinstance(metrics, ServiceMetrics):
+                refreshing = asyncio.create_task(_refresh_queue(service, metrics), name="metrics-queue")
+            try:
+                yield h
+            finally:
+                if refreshing is not None:
+                    refreshing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await refreshing
     finally:
         if metrics_server is not None:
             metrics_server.close()
+
+
+QUEUE_REFRESH_S: Final = 5.0
+
+
+async def _refresh_queue(service: Service, metrics: ServiceMetrics, every_s: float = QUEUE_REFRESH_S) -> None:
+    """Keep ``liver_queue_messages`` current: a failed read (the server away) leaves the last value."""
+    depth_of = getattr(service, "queue_depth", None)
+    if depth_of is None:
+        return
+    while True:
+        try:
+            depth = await depth_of()
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.debug("queue_depth_unread", service=service.name, error=repr(exc))
+        else:
+            if depth is not None:
+                metrics.queue.labels(service.name, "waiting").set(depth[0])
+                metrics.queue.labels(service.name, "unacked").set(depth[1])
+        await asyncio.sleep(every_s)
 
 
 @contextlib.asynccontextmanager

@@ -6,6 +6,8 @@ the tests and in ``liver demo``; each keeps its own series). Two kinds of series
 - the service's own counters, exactly as its ``$SRV.STATS`` reports them (``stats()``: messages
   received, events resized or de-duplicated, plans made or failed, dead letters, record conflicts, ...),
   as ``liver_service_stat{service, stat}``: one source of truth for both views;
+- the depth of the service's queue, from its durable consumer (``liver_queue_messages{service, state}``,
+  ``state`` ``waiting`` or ``unacked``);
 - what only a series can show: handoff outcomes by trigger (``liver_handoffs_total{job, outcome,
   trigger}``), their downtime and duration (histograms), bytes moved, the live generation, and planning
   time per planner.
@@ -86,6 +88,13 @@ class ServiceMetrics:
             "liver_bytes_moved", "State moved between devices by committed handoffs", ["job"], registry=r
         )
         self.generation = Gauge("liver_generation", "The job's live generation", ["job"], registry=r)
+        self.queue = Gauge(
+            "liver_queue_messages",
+            "Messages of the service's durable consumer: waiting to be delivered, or delivered and not yet "
+            "acknowledged (refreshed every few seconds while metrics are served)",
+            ["service", "state"],
+            registry=r,
+        )
         self.plan_seconds = Histogram(
             "liver_plan_seconds", "Planning time per request", ["planner"], buckets=PLAN_BUCKETS, registry=r
         )
