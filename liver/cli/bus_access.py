@@ -9,6 +9,7 @@ at once when the server cannot be reached, so a typo in the URL is an error, not
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 
 import nats
 import nats.errors
@@ -21,6 +22,11 @@ from liver.shared.subjects import validate_token
 
 class BusUnreachable(BusError):
     """The server named by ``--url`` / ``$NATS_URL`` did not accept a connection."""
+
+
+def utc_text(moment: datetime) -> str:
+    """An aware time as ISO 8601, UTC written ``Z``: how the bus commands print moments."""
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def job_flag(job: str | None) -> str | None:

@@ -22,7 +22,7 @@ from typing import Final
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from liver.cli.bus_access import connect_once, server_url
+from liver.cli.bus_access import connect_once, job_flag, server_url
 from liver.notice import aws, azure, gcp
 from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
 from liver.notice.aws import AwsSpotNotices
@@ -107,10 +107,7 @@ def identity(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
         raise NoticeError(f"--job: not given and ${JOB_ENV} is not set")
     if not node:
         raise NoticeError(f"--node: not given and ${NODE_ENV} is not set")
-    try:
-        s.validate_token(job, "job")
-    except ValueError as exc:
-        raise NoticeError(f"--job: {exc}") from None
+    job_flag(job)
     if re.match(NODE_PATTERN, node) is None:
         raise NoticeError(f"--node: {node!r} is not a node id the bus accepts ({NODE_PATTERN})")
     return job, node

@@ -18,7 +18,7 @@ import asyncio
 import json
 import os
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 import nats.js.errors
@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from liver.cli.bus_access import connect_once, job_flag, server_url
+from liver.cli.bus_access import connect_once, job_flag, server_url, utc_text
 from liver.services.coordinator.record import GenerationRecord
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode
@@ -34,6 +34,7 @@ from liver.shared.errors import InputError
 from liver.shared.messages import GenerationAborted, GenerationCommitted, JobMembership
 
 REQUEST_TIMEOUT_S: Final = 10.0
+M = TypeVar("M", GenerationRecord, JobMembership)
 
 
 class StatusError(InputError):
@@ -126,21 +127,28 @@ async def jobs(nc: Client, job: str | None) -> list[JobStatus]:
     names = [job] if job is not None else sorted({*await _keys(records), *await _keys(members)})
     out = []
     for name in names:
-        status = JobStatus(job_id=name)
-        data = await _value(records, name)
-        if data is not None:
-            try:
-                status.record = decode(data, GenerationRecord)
-            except MessageError as exc:
-                status.record_error = str(exc)
-        data = await _value(members, name)
-        if data is not None:
-            try:
-                status.membership = decode(data, JobMembership)
-            except MessageError as exc:
-                status.membership_error = str(exc)
-        out.append(status)
+        record, record_error = _decoded(await _value(records, name), GenerationRecord)
+        membership, membership_error = _decoded(await _value(members, name), JobMembership)
+        out.append(
+            JobStatus(
+                job_id=name,
+                record=record,
+                record_error=record_error,
+                membership=membership,
+                membership_error=membership_error,
+            )
+        )
     return out
+
+
+def _decoded(data: bytes | None, into: type[M]) -> tuple[M | None, str | None]:
+    """A stored value as ``into``, or why it does not decode (None and None: nothing stored)."""
+    if data is None:
+        return None, None
+    try:
+        return decode(data, into), None
+    except MessageError as exc:
+        return None, str(exc)
 
 
 async def status(nc: Client, job: str | None, wait_s: float) -> Status:
@@ -184,20 +192,20 @@ def _job_lines(j: JobStatus) -> list[str]:
             )
             out.append(
                 f"handoff in flight: generation {p.generation} in {p.phase.value}{target}, "
-                f"event {p.event_id}, began {_at(p.began_at.isoformat())}, "
-                f"deadline {_at(p.deadline.isoformat())}"
+                f"event {p.event_id}, began {utc_text(p.began_at)}, "
+                f"deadline {utc_text(p.deadline)}"
             )
         else:
             out.append("handoff in flight: none")
         o = r.last_outcome
         if isinstance(o, GenerationCommitted):
             out.append(
-                f"last outcome: generation {o.generation} committed {_at(o.committed_at.isoformat())}, "
+                f"last outcome: generation {o.generation} committed {utc_text(o.committed_at)}, "
                 f"downtime {o.downtime_s:.3f} s, event {o.event_id}"
             )
         elif isinstance(o, GenerationAborted):
             out.append(
-                f"last outcome: generation {o.generation} aborted {_at(o.aborted_at.isoformat())} in "
+                f"last outcome: generation {o.generation} aborted {utc_text(o.aborted_at)} in "
                 f"{o.phase.value} ({o.outcome.value}), event {o.event_id}: {o.reason}"
             )
     elif j.record_error is not None:
@@ -213,10 +221,6 @@ def _job_lines(j: JobStatus) -> list[str]:
     else:
         out.append("workers: no membership recorded")
     return out
-
-
-def _at(iso: str) -> str:
-    return iso.replace("+00:00", "Z")
 
 
 async def _run(args: argparse.Namespace, url: str, environ: Mapping[str, str]) -> Status:

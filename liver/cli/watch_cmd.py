@@ -21,7 +21,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from liver.cli.bus_access import connect_once, job_flag, server_url
+from liver.cli.bus_access import connect_once, job_flag, server_url, utc_text
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode
 from liver.shared.errors import InputError
@@ -58,7 +58,7 @@ def render(subject: str, message: GenerationCommitted | GenerationAborted | Erro
     if isinstance(message, GenerationCommitted):
         m = message
         return (
-            f"{_at(m.committed_at.isoformat())}  committed  job {m.job_id}  generation {m.generation} "
+            f"{utc_text(m.committed_at)}  committed  job {m.job_id}  generation {m.generation} "
             f"(from {m.previous_generation})  {m.layout.describe()} on {len(m.placement)} devices  "
             f"downtime {m.downtime_s:.3f} s  moved {m.bytes_moved / 1e6:,.1f} MB  "
             f"from iteration {m.started_at_iteration}  event {m.event_id}"
@@ -67,17 +67,13 @@ def render(subject: str, message: GenerationCommitted | GenerationAborted | Erro
         a = message
         fallback = f"  checkpoint {a.checkpoint}" if a.checkpoint else ""
         return (
-            f"{_at(a.aborted_at.isoformat())}  aborted    job {a.job_id}  generation {a.generation} "
+            f"{utc_text(a.aborted_at)}  aborted    job {a.job_id}  generation {a.generation} "
             f"(active {a.active_generation})  in {a.phase.value}: {a.outcome.value}{fallback}  "
             f"event {a.event_id}  reason: {a.reason}"
         )
     e = message
     ids = "".join(f"  {k} {v}" for k, v in (("job", e.job_id), ("event", e.event_id)) if v)
-    return f"{_at(e.at.isoformat())}  rejected   by {e.source} on {e.subject}{ids}  {e.field}: {e.message}"
-
-
-def _at(iso: str) -> str:
-    return iso.replace("+00:00", "Z")
+    return f"{utc_text(e.at)}  rejected   by {e.source} on {e.subject}{ids}  {e.field}: {e.message}"
 
 
 def parse(subject: str, data: bytes) -> GenerationCommitted | GenerationAborted | ErrorEvent:

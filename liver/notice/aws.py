@@ -52,7 +52,7 @@ class AwsSpotNotices:
 
     def poll(self) -> Notice | None:
         """The interruption scheduled for this instance, or None while there is none."""
-        where = f"{self.endpoint.base}{ACTION_PATH}"
+        where = self.endpoint.where(ACTION_PATH)
         for attempt in range(2):
             if self._token is None:
                 self._token = self._new_token()
@@ -84,6 +84,6 @@ class AwsSpotNotices:
         )
         if answer.status != 200 or not answer.body.strip():
             raise NoticeSourceError(
-                f"{self.endpoint.base}{TOKEN_PATH}: no session token (HTTP {answer.status})"
+                f"{self.endpoint.where(TOKEN_PATH)}: no session token (HTTP {answer.status})"
             )
         return answer.body.decode("ascii", errors="replace").strip()

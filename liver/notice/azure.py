@@ -69,7 +69,7 @@ class AzureScheduledEvents:
         self.vm_name = vm_name
 
     def poll(self) -> Notice | None:
-        where = f"{self.endpoint.base}{EVENTS_PATH.split('?')[0]}"
+        where = self.endpoint.where(EVENTS_PATH)
         answer = self.endpoint.send(EVENTS_PATH, headers=HEADERS)
         if answer.status != 200:
             raise NoticeSourceError(f"{where}: HTTP {answer.status}")
@@ -94,14 +94,14 @@ class AzureScheduledEvents:
             EVENTS_PATH, method="POST", headers={**HEADERS, "Content-Type": "application/json"}, body=body
         )
         if answer.status != 200:
-            where = f"{self.endpoint.base}{EVENTS_PATH.split('?')[0]}"
+            where = self.endpoint.where(EVENTS_PATH)
             raise NoticeSourceError(f"{where}: acknowledging {notice.key}: HTTP {answer.status}")
 
     def _name(self) -> str:
         if self.vm_name is None:
             answer = self.endpoint.send(NAME_PATH, headers=HEADERS)
             if answer.status != 200 or not answer.body.strip():
-                where = f"{self.endpoint.base}{NAME_PATH.split('?')[0]}"
+                where = self.endpoint.where(NAME_PATH)
                 raise NoticeSourceError(f"{where}: HTTP {answer.status}")
             self.vm_name = answer.body.decode("utf-8", errors="replace").strip()
         return self.vm_name

@@ -60,7 +60,7 @@ class GcpNotices:
             return self._notice(NoticeKind.TERMINATION, f"preempted-{self._etag}", PREEMPTION_NOTICE)
         if value != "FALSE":
             raise NoticeSourceError(
-                f"{self.endpoint.base}{PREEMPTED_PATH}: not TRUE or FALSE: {value[:80]!r}"
+                f"{self.endpoint.where(PREEMPTED_PATH)}: not TRUE or FALSE: {value[:80]!r}"
             )
         maintenance = self._read(MAINTENANCE_PATH, {})
         event = maintenance.body.decode("ascii", errors="replace").strip().upper()
@@ -69,7 +69,7 @@ class GcpNotices:
             return self._notice(NoticeKind.TERMINATION, f"maintenance-{etag}", TERMINATION_NOTICE)
         if event in ("NONE", "MIGRATE_ON_HOST_MAINTENANCE") or event.startswith("MIGRATE"):
             return None
-        raise NoticeSourceError(f"{self.endpoint.base}{MAINTENANCE_PATH}: unknown event {event[:80]!r}")
+        raise NoticeSourceError(f"{self.endpoint.where(MAINTENANCE_PATH)}: unknown event {event[:80]!r}")
 
     def _notice(self, kind: NoticeKind, key: str, notice: timedelta) -> Notice:
         seen = self._first_seen.setdefault(key, datetime.now(UTC))
@@ -80,5 +80,5 @@ class GcpNotices:
             path + (f"?{urlencode(query)}" if query else ""), headers=HEADERS, timeout_s=timeout_s
         )
         if answer.status != 200:
-            raise NoticeSourceError(f"{self.endpoint.base}{path}: HTTP {answer.status}")
+            raise NoticeSourceError(f"{self.endpoint.where(path)}: HTTP {answer.status}")
         return answer

@@ -30,6 +30,10 @@ class Endpoint:
         self.timeout_s = timeout_s
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
+    def where(self, path: str) -> str:
+        """``path`` at this endpoint without its query: how an error names what was read."""
+        return self.base + path.split("?")[0]
+
     def send(
         self,
         path: str,
@@ -49,4 +53,4 @@ class Endpoint:
             return Response(int(exc.code), dict(exc.headers or {}), b"")
         except (urllib.error.URLError, OSError, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise NoticeSourceError(f"{self.base}{path.split('?')[0]}: unreachable: {reason}") from None
+            raise NoticeSourceError(f"{self.where(path)}: unreachable: {reason}") from None

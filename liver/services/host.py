@@ -38,12 +38,13 @@ from nats.micro.service import Service as MicroService
 
 from liver.services import bus as b
 from liver.services.bus import ensure_consumer
-from liver.services.metrics import METRICS_PORT_ENV, MetricsServer, ServiceMetrics
+from liver.services.metrics import METRICS_PORT_ENV, ServiceMetrics
 from liver.services.pull import ContinuousPull
 from liver.shared.codec import MessageError
 from liver.shared.connection import connect_options
 from liver.shared.errors import InputError
 from liver.shared.logs import bind_message
+from liver.shared.metrics_http import MetricsServer
 from liver.shared.nats_server import nats_url
 from liver.shared.subjects import validate_token
 
@@ -419,30 +420,28 @@ async def hosted(
     :data:`STOP_GRACE_S`) and drain the connection. With ``metrics_port`` (0: a free one), the
     service's Prometheus metrics are served there for as long (``Hosted.metrics_port``)."""
     name = micro_name(service.name)
-    metrics_server: MetricsServer | None = None
-    if metrics_port is not None:
-        metrics = getattr(service, "metrics", None)
-        if not isinstance(metrics, ServiceMetrics):
-            metrics = ServiceMetrics()
-        metrics.watch_stats(service.name, service.stats)
-        metrics_server = MetricsServer(metrics.registry, metrics_port)
-        log.info("metrics_serving", service=service.name, port=metrics_server.port)
+    if metrics_port is None:
+        async with _hosted(service, url, environ, name, stop_grace_s) as h:
+            yield h
+        return
+    metrics = getattr(service, "metrics", None)
+    if not isinstance(metrics, ServiceMetrics):
+        metrics = ServiceMetrics()
+    metrics.watch_stats(service.name, service.stats)
+    metrics_server = MetricsServer(metrics.registry, metrics_port)
+    log.info("metrics_serving", service=service.name, port=metrics_server.port)
     try:
         async with _hosted(service, url, environ, name, stop_grace_s) as h:
-            h.metrics_port = metrics_server.port if metrics_server is not None else None
-            refreshing = None
-            if metrics_server is not None and isinstance(metrics, ServiceMetrics):
-                refreshing = asyncio.create_task(_refresh_queue(service, metrics), name="metrics-queue")
+            h.metrics_port = metrics_server.port
+            refreshing = asyncio.create_task(_refresh_queue(service, metrics), name="metrics-queue")
             try:
                 yield h
             finally:
-                if refreshing is not None:
-                    refreshing.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await refreshing
+                refreshing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await refreshing
     finally:
-        if metrics_server is not None:
-            metrics_server.close()
+        metrics_server.close()
 
 
 QUEUE_REFRESH_S: Final = 5.0

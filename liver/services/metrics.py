@@ -1,7 +1,7 @@
-"""Prometheus metrics of one service process (``prometheus-client``), served by :func:`serve_metrics`.
+"""Prometheus metrics of one service process (``prometheus-client``), served by ``hosted(metrics_port=)``.
 
 Every service has a :class:`ServiceMetrics` of its own registry (several services share a process in
-the tests and in ``liver demo``; each keeps its own series). Two kinds of series:
+the tests and in ``liver demo``; each keeps its own series). Three kinds of series:
 
 - the service's own counters, exactly as its ``$SRV.STATS`` reports them (``stats()``: messages
   received, events resized or de-duplicated, plans made or failed, dead letters, record conflicts, ...),
@@ -27,9 +27,6 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from liver.shared.messages import GenerationAborted, GenerationCommitted
-from liver.shared.metrics_http import MetricsServer
-
-__all__ = ["METRICS_PORT_ENV", "MetricsServer", "ServiceMetrics"]
 
 METRICS_PORT_ENV: Final = "LIVER_METRICS_PORT"
 
@@ -63,6 +60,7 @@ class ServiceMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._stats_watched = False
         r = self.registry
         self.handoffs = Counter(
             "liver_handoffs",
@@ -101,7 +99,7 @@ class ServiceMetrics:
 
     def watch_stats(self, service: str, stats: Callable[[], Mapping[str, int | float | str]]) -> None:
         """Export ``stats()`` of ``service`` at every scrape (once per registry)."""
-        if not getattr(self, "_stats_watched", False):
+        if not self._stats_watched:
             self.registry.register(_Stats(service, stats))
             self._stats_watched = True
 

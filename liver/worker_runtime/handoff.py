@@ -525,8 +525,8 @@ def warm_peers(stream: StreamGroup, schedule: PreparedSchedule, timeout: timedel
 def _staging_device(stream: StreamGroup, into: dict[int, LocalTensor] | None) -> torch.device:
     """Where the executor will stage: the new shards' device, else (a process that leaves) the GPU of
     an NCCL stream group, else the CPU; :func:`_stream` hands the buffer in only when it matches."""
-    for value in (into or {}).values():
-        return pieces_of(value)[0].device
+    if into:
+        return stream_device(None, {}, into)
     if stream.backend == "nccl" and stream.device is not None:
         return torch.device("cuda", stream.device.index)
     return torch.device("cpu")

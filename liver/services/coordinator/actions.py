@@ -25,7 +25,7 @@ from liver.shared.messages import (
     TopologyRequest,
 )
 
-from .record import GenerationRecord
+from .record import GenerationRecord, TriggerSource
 
 
 class Action(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,8 +62,8 @@ class Publish(Action):
 
     message: GenerationCommitted | GenerationAborted
     msg_id: str
-    trigger: str | None = None
-    """The first trigger's kind (``TriggerSource``), for the metrics; None for a restored outcome."""
+    trigger: TriggerSource | None = None
+    """The first trigger's kind, for the metrics; None for a restored outcome."""
     began_at: datetime | None = None
     """When the handoff began, for the metrics; None for a restored outcome."""
 

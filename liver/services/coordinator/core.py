@@ -497,7 +497,7 @@ class Coordinator:
             Publish(
                 message=message,
                 msg_id=generation_msg_id(self.job_id, message.generation),
-                trigger=handoff.triggers[0].kind.value if handoff is not None else None,
+                trigger=handoff.triggers[0].kind if handoff is not None else None,
                 began_at=handoff.began_at if handoff is not None else None,
             )
         )

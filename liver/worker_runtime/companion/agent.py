@@ -291,7 +291,7 @@ class WorkerAgent:
         for task in fetches:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self._log.info("worker_agent_stopped", **self._count_fields())
+        self._log.info("worker_agent_stopped", **self.counters())
 
     async def announce(self) -> None:
         """Hello again (after a reconnect), with the ack of a handoff still in flight.
@@ -577,10 +577,8 @@ class WorkerAgent:
         task.add_done_callback(self._tasks.discard)
 
     def counters(self) -> dict[str, int]:
-        """The agent's counters (commands, rejected, acks, heartbeats, hooks_failed), for metrics."""
-        return self._count_fields()
-
-    def _count_fields(self) -> dict[str, int]:
+        """The agent's counters (commands, rejected, acks, heartbeats, hooks_failed): the stop log line
+        and the metrics."""
         c = self.counts
         return {
             "commands": c.commands,

@@ -43,22 +43,16 @@ class CompanionCollector(Collector):
             for name, value in agent.counters().items():
                 stats.add_metric([*self.labels, name], float(value))
         yield stats
-        connected = GaugeMetricFamily(
-            "liver_worker_connected", "1 while the bus connection is up", labels=names
-        )
+        connected = gauge("liver_worker_connected", "1 while the bus connection is up")
         connected.add_metric(self.labels, 1.0 if self.connected() else 0.0)
         yield connected
-        iteration = GaugeMetricFamily(
-            "liver_worker_iteration", "The iteration heartbeats report", labels=names
-        )
+        iteration = gauge("liver_worker_iteration", "The iteration heartbeats report")
         if self.presence.iteration is not None:
             iteration.add_metric(self.labels, float(self.presence.iteration))
         yield iteration
         world = self.presence.world
-        generation = GaugeMetricFamily(
-            "liver_worker_generation", "The generation of this process's world", labels=names
-        )
-        rank = GaugeMetricFamily("liver_worker_rank", "This process's rank in that world", labels=names)
+        generation = gauge("liver_worker_generation", "The generation of this process's world")
+        rank = gauge("liver_worker_rank", "This process's rank in that world")
         if world is not None:
             generation.add_metric(self.labels, float(world.generation))
             rank.add_metric(self.labels, float(world.rank))

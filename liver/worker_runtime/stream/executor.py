@@ -332,7 +332,8 @@ def stream_plan(
             raise ValueError(
                 f"`staging`: {staging.numel()} bytes on {staging.device}, the stream needs {size} on {dev}"
             )
-    return _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s, staging).run()
+    stream = _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s)
+    return stream.run(ahead=preallocated, buffer_size=size, staging=staging)
 
 
 def allocate_new_state(
@@ -617,10 +618,8 @@ class _Stream:
         opts: StreamOptions,
         on_step: Callable[[int, int], None] | None,
         schedule_s: float = 0.0,
-        staging: torch.Tensor | None = None,
     ) -> None:
         self.plan = plan
-        self.staging = staging
         self.schedule_s = schedule_s
         self.s = schedule
         self.group = group
@@ -640,17 +639,18 @@ class _Stream:
             old_rank=schedule.old_rank, new_rank=schedule.new_rank, group_rank=schedule.group_rank
         )
 
-    def run(self) -> StreamResult:
+    def run(self, *, ahead: bool, buffer_size: int, staging: torch.Tensor | None) -> StreamResult:
+        """Stream, posting ahead when ``ahead`` (every new shard given), in a buffer of ``buffer_size``
+        bytes: the front of ``staging`` when given, else one allocated here."""
         t0 = time.perf_counter()
         self.t0 = t0
         old_bytes = sum(t.numel() * t.element_size() for v in self.old.values() for t in pieces_of(v))
         self.mem.add("old", old_bytes)
-        self.ahead = self.into is not None and all(ti in self.into for ti in self.s.new_shards)
-        size = _buffer_size(self.plan, self.s, self.ahead, touched=self.staging is not None)
-        self.buffer_size = size
+        self.ahead = ahead
+        size = self.buffer_size = buffer_size
         if size:
-            if self.staging is not None:
-                self.buffer = self.staging[:size]
+            if staging is not None:
+                self.buffer = staging[:size]
             else:
                 self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
             self.mem.add("buffer", size)
