@@ -45,6 +45,7 @@ from liver import (  # LiveR
     ModelSource,
     ParallelLayout,
     Placement,
+    RuntimeOptions,
     StoreAddress,
     TrainConfig,
     TrainerHooks,
@@ -151,6 +152,12 @@ def main() -> int:
     parser.add_argument("--reshard-to", default=None, help="TP,PP,DP")
     parser.add_argument("--distributed-optimizer", action="store_true", help="Megatron's ZeRO-1 optimizer")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="nccl" if torch.cuda.is_available() else "gloo",
+        help="NCCL on GPUs (one per process, by local rank), gloo on CPUs (default: by what is here)",
+    )
     args = parser.parse_args()
     if (args.reshard_at is None) != (args.reshard_to is None):
         parser.error("--reshard-at and --reshard-to go together")
@@ -184,7 +191,10 @@ def main() -> int:
         ),
     )
     start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
-    runtime = LiveRuntime(job, job="your-job", device=devices[rank], store=address, initial=start)  # LiveR
+    options = RuntimeOptions(backend=args.backend)
+    runtime = LiveRuntime(  # LiveR
+        job, job="your-job", device=devices[rank], store=address, initial=start, options=options
+    )
 
     after = 0 if args.reshard_at is not None else 2  # steps on the new world, two at least
     trainer = runtime.step()  # LiveR: the trainer of the world this process is in (None: it left)
@@ -201,7 +211,10 @@ def main() -> int:
         if runtime.world is not None and runtime.world.rank == 0:
             described = runtime.world.layout.describe()
             if args.json:
-                print(json.dumps({"layout": described, **result._asdict()}), flush=True)
+                print(
+                    json.dumps({"layout": described, "generation": runtime.generation, **result._asdict()}),
+                    flush=True,
+                )
             else:
                 print(f"step {result.iteration:3d}  loss {result.loss:.4f}  [{described}]", flush=True)
         trainer = runtime.step()  # LiveR: switches at the agreed iteration boundary

@@ -37,6 +37,8 @@ def padded_vocab(tp: int) -> int:
 class UserModel:
     kind: str
     params_dtype: str = "float32"
+    cpu_initialization: bool = True
+    """False: Megatron initialises weights as on a GPU, through the model-parallel RNG tracker."""
 
     def config(self, layout: ParallelLayout) -> Any:
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -53,7 +55,7 @@ class UserModel:
             bf16=dtype == torch.bfloat16,
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
-            use_cpu_initialization=True,
+            use_cpu_initialization=self.cpu_initialization,
             **pipeline_split(NUM_LAYERS, layout),
         )
         if self.kind == "qk-layernorm":

@@ -105,6 +105,14 @@ def child_main(results: Any) -> None:
                 except LayoutError:
                     continue
                 out["checked"][(kind, layout.describe())] = _emulated_mismatches(provider, geometry, layout)
+        gpu_style = UserModel("qk-layernorm", cpu_initialization=False)
+        out["gpu_init"] = derive_geometry(
+            gpu_style,
+            name="qk-layernorm",
+            num_layers=NUM_LAYERS,
+            vocab_size=VOCAB_SIZE,
+            make_vocab_size_divisible_by=DIVISIBLE_BY,
+        )
         out["tp1"] = derive_geometry(
             UserModel("tp1-only"),
             name="tp1-only",
@@ -229,6 +237,14 @@ def test_a_model_no_modelspec_describes_gets_its_geometry_from_megatron(
     if kind == "value-head":
         head = next(p for p in geometry.parameters if p.name == "value_head.weight")
         assert (head.rule, head.home, head.shape) == ("column", "last", (8, 64))
+
+
+def test_a_model_that_initialises_its_weights_as_on_a_gpu_gets_the_same_geometry(
+    found: dict[str, Any],
+) -> None:
+    # use_cpu_initialization=False forks Megatron's model-parallel RNG tracker while the probe builds;
+    # the first GPU run found the probe had not seeded it.
+    assert found["gpu_init"] == found["users"]["qk-layernorm"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -222,6 +222,31 @@ def test_release_unregisters_every_group_and_forbids_further_use(store: StoreAdd
     world.release()  # twice is harmless
 
 
+def test_groups_are_registered_as_new_group_registers_them_on_a_torch_without_the_helper(
+    store: StoreAddress, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch before 2.13 (the first GPU image met 2.11) has no c10d._register_pg_in_world.
+    with_helper = build_world(_spec("helper", 0), DEVICE, store)
+    registered = {kind: _registration(g.pg) for kind, g in with_helper.groups.items()}
+    with_helper.release()
+    monkeypatch.delattr(c10d, "_register_pg_in_world")
+    without = build_world(_spec("helper", 1), DEVICE, store)
+    try:
+        for kind, group in without.groups.items():
+            assert _registration(group.pg) == registered[kind].replace("helper/gen0", "helper/gen1")
+            assert dist.get_process_group_ranks(group.pg) == [0]
+            assert c10d._resolve_process_group(group.name) is group.pg
+    finally:
+        without.release()
+
+
+def _registration(pg: dist.ProcessGroup) -> str:
+    world = c10d._world
+    return repr(
+        (world.pg_names[pg], world.pg_backend_config[pg], world.pg_group_ranks[pg], world.pg_to_tag[pg])
+    )
+
+
 def test_groups_made_while_a_world_is_the_default_go_with_it(store: StoreAddress) -> None:
     world = build_world(_spec("adopt", 0), DEVICE, store)
     world.adopt_as_default()

@@ -46,6 +46,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 import structlog
+import torch
 
 from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement
@@ -205,6 +206,15 @@ class LiveRuntime(Generic[T]):
             if initial.rank_of(device) is not None and store is None:
                 raise ValueError("`store`: needed to build the initial world this device is in")
         options = options or RuntimeOptions()
+        if options.backend == "nccl":
+            # Megatron allocates on torch.cuda.current_device(): bind the process to its GPU before any
+            # model is built, or every process of a node would build on cuda:0.
+            if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"`device`: {device} has no CUDA device {device.index} here "
+                    f"({torch.cuda.device_count()} visible) for the NCCL backend"
+                )
+            torch.cuda.set_device(device.index)
         if options.checkpoint is not None and not all(
             callable(getattr(factory, name, None)) for name in ("save_checkpoint", "fall_back")
         ):

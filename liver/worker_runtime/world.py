@@ -329,6 +329,36 @@ def _new_pg(
     return pg
 
 
+def _register_in_world(
+    pg: dist.ProcessGroup, backend: Backend, store: dist.Store, name: str, rank_mapping: dict[int, int]
+) -> None:
+    """Make c10d know ``pg`` as it knows the groups ``new_group`` makes (by name, ranks and tag), so
+    that Megatron's and torch's own lookups find it.
+
+    torch 2.13 has one helper for it; before, ``new_group`` updated the same tables inline, so on an
+    older torch (a GPU image's: the first GPU run met torch 2.11) the same updates are made here."""
+    register = getattr(c10d, "_register_pg_in_world", None)
+    if register is not None:
+        register(
+            pg,
+            backend_name=backend,
+            store=store,
+            group_name=name,
+            backend_config=_backend_config(backend),
+            rank_mapping=rank_mapping,
+        )
+        return
+    world = c10d._world
+    world.pg_map[pg] = (backend, store)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = _backend_config(backend)
+    c10d._register_process_group(name, pg)
+    world.pg_group_ranks[pg] = rank_mapping
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.pg_to_tag[pg] = tag
+
+
 def _backend_config(backend: Backend) -> str:
     return "cpu:gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl"
 
@@ -577,14 +607,7 @@ def _build_reserved(
             pg._set_group_name(name)
             pg._set_group_desc(f"liver {slot.kind} group {slot.index}")
             with _LOCK:
-                c10d._register_pg_in_world(
-                    pg,
-                    backend_name=backend,
-                    store=group_store,
-                    group_name=name,
-                    backend_config=_backend_config(backend),
-                    rank_mapping={r: i for i, r in enumerate(slot.ranks)},
-                )
+                _register_in_world(pg, backend, group_store, name, {r: i for i, r in enumerate(slot.ranks)})
                 _OWNED.add(name)
             built.append(WorldGroup(slot, name, pg))
         # new_group on an adopted world keys its groups under this prefix (see adopt_as_default).

@@ -124,12 +124,18 @@ def _fake_world(layout: ParallelLayout, rank: int) -> Iterator[None]:
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from liver.worker_runtime.megatron.build import initialize_parallel_state
+    from liver.worker_runtime.megatron.build import initialize_parallel_state, seed_build
 
+    # A model that initialises its weights as on a GPU (use_cpu_initialization=False) forks Megatron's
+    # model-parallel RNG tracker, which must be seeded as a real build seeds it; the caller's own random
+    # streams are left as they were.
+    gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         initialize_parallel_state(layout, gloo_groups=False)
-        yield
+        with torch.random.fork_rng(devices=gpus):
+            seed_build(0, layout, rank)
+            yield
     finally:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
