@@ -147,6 +147,12 @@ def test_a_member_of_both_worlds_stays_and_one_only_in_the_old_world_leaves() ->
     assert member_runtime(0).request_resize(1, TP2, NEW.placement, plan, STORE) is Role.LEAVE
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a GPU this machine lacks")
+def test_the_nccl_backend_is_refused_for_a_device_this_machine_has_no_gpu_for() -> None:
+    with pytest.raises(ValueError, match=r"`device`: .* no CUDA device 0 here \(0 visible\)"):
+        member_runtime(options=RuntimeOptions(backend="nccl"))
+
+
 def test_a_process_in_no_world_joins() -> None:
     runtime = LiveRuntime(ToyFactory(), job=JOB, device=DEVICES[2])
     assert runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE) is Role.JOIN
