@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import ssl
 import subprocess
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -31,6 +32,7 @@ COMPOSE: Final = INFRA / "compose.yaml"
 DOCKERFILE: Final = INFRA / "Dockerfile"
 ENTRYPOINT: Final = INFRA / "entrypoint.sh"
 MAKE_ENV: Final = INFRA / "make-env.sh"
+MAKE_TLS: Final = INFRA / "make-tls.sh"
 
 SERVICES: Final = ("ingester", "topology", "transfer", "coordinator")
 ROLES: Final = (*SERVICES, "worker", "publisher", "subscriber")
@@ -193,13 +195,40 @@ def without_nats_settings(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def make_tls(folder: Path) -> Path:
+    """Run infra/make-tls.sh into ``folder`` (the CA and the server's certificate) and return it."""
+    subprocess.run(["sh", str(MAKE_TLS), str(folder)], check=True, capture_output=True, timeout=120)
+    return folder
+
+
+def compose_tls_args(tls_dir: Path) -> tuple[str, ...]:
+    """The TLS flags compose.yaml gives the nats server, with the files it mounts from ``infra/tls``
+    taken from ``tls_dir`` instead."""
+    spec = load_compose()["services"]["nats"]
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in spec["volumes"]}
+    command = [str(part) for part in spec["command"]]
+    flags = command[command.index("--tls") :]
+    return tuple(tls_dir / Path(mounts[f]).relative_to("tls") if f in mounts else f for f in map(str, flags))
+
+
+def client_tls(tls_dir: Path) -> ssl.SSLContext:
+    """A client context that trusts the CA make-tls.sh made in ``tls_dir``."""
+    return ssl.create_default_context(cafile=str(tls_dir / "ca.crt"))
+
+
 @contextlib.contextmanager
-def secured_server(passwords: Mapping[str, str], log_file: Path | None = None) -> Iterator[NatsServer]:
-    """A nats-server started with infra/nats.conf and ``passwords`` in its environment."""
+def secured_server(
+    passwords: Mapping[str, str], log_file: Path | None = None, tls_dir: Path | None = None
+) -> Iterator[NatsServer]:
+    """A nats-server started with infra/nats.conf and ``passwords`` in its environment; with
+    ``tls_dir``, also with compose's TLS flags and the certificate make-tls.sh wrote there."""
     saved = dict(os.environ)
     os.environ.update(passwords)
+    extra = tuple(map(str, compose_tls_args(tls_dir))) if tls_dir is not None else ()
     try:
-        server = NatsServer(config_file=NATS_CONF, log_file=log_file, startup_timeout_s=60.0).start()
+        server = NatsServer(
+            config_file=NATS_CONF, log_file=log_file, startup_timeout_s=60.0, extra_args=extra
+        ).start()
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -238,8 +267,11 @@ class Errors(list[str]):
 
 
 @contextlib.asynccontextmanager
-async def connected(url: str, user: str | None, password: str | None) -> AsyncIterator[tuple[Client, Errors]]:
-    """A client logged in as ``user`` (anonymous when ``None``) whose asynchronous errors are collected."""
+async def connected(
+    url: str, user: str | None, password: str | None, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[Client, Errors]]:
+    """A client logged in as ``user`` (anonymous when ``None``) whose asynchronous errors are collected;
+    ``tls`` for a server that requires TLS."""
     errors = Errors()
 
     async def on_error(exc: Exception) -> None:
@@ -250,6 +282,8 @@ async def connected(url: str, user: str | None, password: str | None) -> AsyncIt
     options: dict[str, Any] = {"allow_reconnect": False, "max_reconnect_attempts": 1, "connect_timeout": 30}
     if user is not None:
         options.update(user=user, password=password)
+    if tls is not None:
+        options["tls"] = tls
     nc = await nats.connect(url, error_cb=on_error, **options)
     try:
         yield nc, errors

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,11 +88,32 @@ def test_each_service_runs_its_own_command_as_its_own_nats_user(service: str) ->
     spec = services()[service]
     assert spec["command"] == [service] and service in serve_cmd.SERVICES
     env = spec["environment"]
-    assert (env["NATS_URL"], env["NATS_USER"]) == ("nats://nats:4222", service)
+    assert (env["NATS_URL"], env["NATS_USER"]) == ("tls://nats:4222", service)
     assert env["NATS_PASSWORD"].startswith(f"${{{password_var(service)}:?")
     assert spec["depends_on"] == {"nats": {"condition": "service_healthy"}}
     assert spec["healthcheck"]["test"] == ["CMD", "liver-entrypoint", "health", service]
     assert spec["init"] is True, "an init reaps children and forwards SIGTERM"
+
+
+def test_the_server_speaks_tls_with_the_certificate_make_tls_writes(tmp_path: Path) -> None:
+    spec = services()["nats"]
+    command = spec["command"]
+    assert "--tls" in command, "TLS on client connections"
+    cert, key = command[command.index("--tlscert") + 1], command[command.index("--tlskey") + 1]
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in spec["volumes"]}
+    subprocess.run(["sh", str(INFRA / "make-tls.sh"), str(tmp_path / "tls")], check=True, capture_output=True)
+    for inside in (cert, key):
+        outside = mounts[inside]
+        assert outside.startswith("./tls/"), f"{inside} comes from the folder make-tls.sh fills"
+        assert (tmp_path / outside).is_file()
+
+
+@pytest.mark.parametrize("service", [*SERVICES, "simulate"])
+def test_each_liver_client_verifies_the_server_against_the_local_ca(service: str) -> None:
+    spec = services()[service]
+    env = spec["environment"]
+    assert env["NATS_URL"].startswith("tls://")
+    assert f"./tls/ca.crt:{env['NATS_TLS_CA']}:ro" in spec["volumes"]
 
 
 @pytest.mark.parametrize("service", [*SERVICES, "simulate"])

@@ -1,10 +1,12 @@
-"""The compose deployment acted out without Docker: a nats-server with infra/nats.conf and the passwords
-infra/make-env.sh wrote, the four services started through infra/entrypoint.sh with the commands and
-environments compose.yaml gives them, and the demo profile's simulated job as the worker user.
+"""The compose deployment acted out without Docker: a nats-server with infra/nats.conf, the passwords
+infra/make-env.sh wrote and TLS on client connections with the certificate infra/make-tls.sh made, the
+four services started through infra/entrypoint.sh with the commands and environments compose.yaml gives
+them, and the demo profile's simulated job as the worker user.
 
 Each process therefore connects as its own NATS user, so the end-to-end flow below passing with no
 permission violation in the server's log is what shows that the config's allow lists are sufficient
-(tests/test_infra_permissions.py shows that they refuse the rest).
+(tests/test_infra_permissions.py shows that they refuse the rest). Every client, the services' health
+checks included, verifies the server against the local CA, as compose.yaml has them do.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from infra_helpers import (
     INFRA,
     REPO,
     SERVICES,
+    client_tls,
     connected,
     interpolate,
     load_compose,
     make_env,
+    make_tls,
     password_var,
     secured_server,
     service_command,
@@ -74,14 +78,18 @@ class Deployment:
     """What compose would read from infra/.env: the passwords make-env.sh wrote."""
     logs: Path
     processes: dict[str, subprocess.Popen[bytes]]
+    tls_dir: Path
+    """What infra/make-tls.sh wrote: the CA every client trusts and the server's certificate."""
 
     def environment(self, service: str) -> dict[str, str]:
         """``service``'s container environment from compose.yaml, pointed at the test server, plus what
         lets ``infra/entrypoint.sh`` find this interpreter's ``liver`` and ``python``."""
         env = without_nats_settings(os.environ)
         env.update(service_environment(service, self.variables))
-        assert env["NATS_URL"] == "nats://nats:4222", "compose points the service at its nats service"
+        assert env["NATS_URL"] == "tls://nats:4222", "compose points the service at its nats service"
         env["NATS_URL"] = self.server.url
+        assert env["NATS_TLS_CA"] == "/etc/liver/tls/ca.crt", "compose mounts the local CA there"
+        env["NATS_TLS_CA"] = str(self.tls_dir / "ca.crt")
         if "LIVER_METRICS_PORT" in env:  # one port per container there; here every process shares a host
             env["LIVER_METRICS_PORT"] = "0"
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -149,8 +157,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     logs = root / "logs"
     logs.mkdir()
     log_file = root / "nats-server.log"
-    with secured_server(variables, log_file=log_file) as server:
-        stack = Deployment(server=server, log_file=log_file, variables=variables, logs=logs, processes={})
+    tls_dir = make_tls(root / "tls")
+    with secured_server(variables, log_file=log_file, tls_dir=tls_dir) as server:
+        assert server.url.startswith("tls://"), "the server requires TLS of its clients"
+        stack = Deployment(
+            server=server, log_file=log_file, variables=variables, logs=logs, processes={}, tls_dir=tls_dir
+        )
         try:
             for service in SERVICES:
                 stack.start(service)
@@ -205,6 +217,7 @@ async def test_a_spot_warning_from_the_publisher_is_committed_and_seen_by_the_su
     deployment: Deployment,
 ) -> None:
     variables, url = deployment.variables, deployment.server.url
+    tls = client_tls(deployment.tls_dir)
     job = service_environment("coordinator", variables)["LIVER_JOB_ID"]
     simulate = deployment.start("simulate")
     try:
@@ -218,8 +231,14 @@ async def test_a_spot_warning_from_the_publisher_is_committed_and_seen_by_the_su
 
         await membership_published()
         async with (
-            connected(url, "subscriber", variables[password_var("subscriber")]) as (watcher, watch_errors),
-            connected(url, "publisher", variables[password_var("publisher")]) as (publisher, publish_errors),
+            connected(url, "subscriber", variables[password_var("subscriber")], tls) as (
+                watcher,
+                watch_errors,
+            ),
+            connected(url, "publisher", variables[password_var("publisher")], tls) as (
+                publisher,
+                publish_errors,
+            ),
         ):
             committed = await Collector.on(watcher, s.GENERATION_COMMITTED)
             js = publisher.jetstream(timeout=REQUEST_TIMEOUT_S)

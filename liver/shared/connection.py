@@ -3,11 +3,19 @@
 It lives in ``shared`` because both sides of the bus connect the same way (a service process and the
 worker companion inside a training process) while ``services`` and ``worker_runtime`` may not import
 each other. One way of authenticating at a time: user and password together, a token, or a creds file.
+
+TLS: a server that requires it is always spoken to over TLS (nats-py upgrades the connection when the
+server's INFO says so, and a ``tls://`` URL asks for it). ``$NATS_TLS_CA`` names the CA bundle that
+signed the server's certificate (a private CA, as infra/make-tls.sh or cert-manager makes); without it
+the system's trust store is used. ``$NATS_TLS_CERT`` and ``$NATS_TLS_KEY`` add a client certificate for
+a server that verifies clients, and ``$NATS_TLS_HOSTNAME`` the name to verify when the URL's host is not
+in the server's certificate.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -20,6 +28,14 @@ PASSWORD_ENV: Final = "NATS_PASSWORD"
 TOKEN_ENV: Final = "NATS_TOKEN"
 CREDS_ENV: Final = "NATS_CREDS"
 """Path of a ``.creds`` file (a user JWT and its nkey seed)."""
+
+TLS_CA_ENV: Final = "NATS_TLS_CA"
+"""Path of the PEM bundle of the CA(s) that signed the server's certificate."""
+TLS_CERT_ENV: Final = "NATS_TLS_CERT"
+"""Path of this client's PEM certificate (mutual TLS), given with ``$NATS_TLS_KEY``."""
+TLS_KEY_ENV: Final = "NATS_TLS_KEY"
+TLS_HOSTNAME_ENV: Final = "NATS_TLS_HOSTNAME"
+"""The server name to verify instead of the URL's host (connecting through an IP or a tunnel)."""
 
 DRAIN_TIMEOUT_S: Final = 10.0
 """How long a drain may take on shutdown; a container's stop grace period is usually 10-30 s."""
@@ -73,4 +89,42 @@ def connect_options(
         if not Path(creds).is_file():
             raise ConnectionConfigError(f"{CREDS_ENV}: {creds} is not a readable file")
         options["user_credentials"] = creds
+    context = tls_context(env, wanted=any(server.startswith("tls://") for server in servers))
+    if context is not None:
+        options["tls"] = context
+    hostname = env.get(TLS_HOSTNAME_ENV, "").strip()
+    if hostname:
+        options["tls_hostname"] = hostname
     return options
+
+
+def tls_context(environ: Mapping[str, str], *, wanted: bool = False) -> ssl.SSLContext | None:
+    """The client TLS context the environment describes; None when it describes none and ``wanted`` is
+    false (a server that requires TLS then still gets the system's trust store, from nats-py).
+
+    Every file is loaded here, so a missing or unreadable one is named before anything connects."""
+    ca, cert, key = (environ.get(v, "").strip() for v in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV))
+    if bool(cert) != bool(key):
+        missing = TLS_KEY_ENV if cert else TLS_CERT_ENV
+        raise ConnectionConfigError(f"{missing}: {TLS_CERT_ENV} and {TLS_KEY_ENV} are given together")
+    if not (ca or cert or wanted):
+        return None
+    for variable, path in ((TLS_CA_ENV, ca), (TLS_CERT_ENV, cert), (TLS_KEY_ENV, key)):
+        if path and not Path(path).is_file():
+            raise ConnectionConfigError(f"{variable}: {path} is not a readable file")
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    if ca:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise ConnectionConfigError(
+                f"{TLS_CA_ENV}: {ca} holds no usable CA certificate ({exc})"
+            ) from None
+    if cert:
+        try:
+            context.load_cert_chain(certfile=cert, keyfile=key)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise ConnectionConfigError(
+                f"{TLS_CERT_ENV}: {cert} with {TLS_KEY_ENV} {key} is not a certificate and its key ({exc})"
+            ) from None
+    return context
