@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from infra_helpers import INFRA, SERVICES, load_compose
+from infra_helpers import INFRA, SERVICES, load_compose, make_tls
 
 from liver.cli import notice_cmd, serve_cmd, worker_cmd
 from liver.shared.nats_server import find_binary
@@ -40,9 +40,34 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
-@pytest.mark.parametrize("doc", every_document(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+CERT_MANAGER = "cert-manager.io/v1"
+"""cert-manager's resources (tls.yaml): custom resources, which Kubernetes' own schemas do not cover."""
+
+
+def kubernetes_documents() -> list[dict[str, Any]]:
+    return [d for d in every_document() if d["apiVersion"] != CERT_MANAGER]
+
+
+def cert_manager(kind: str) -> dict[str, dict[str, Any]]:
+    return {
+        d["metadata"]["name"]: d
+        for d in every_document()
+        if d["apiVersion"] == CERT_MANAGER and d["kind"] == kind
+    }
+
+
+@pytest.mark.parametrize("doc", kubernetes_documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 def test_every_manifest_is_valid_for_kubernetes(doc: dict[str, Any]) -> None:
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_only_resources_beyond_kubernetes_are_cert_managers_issuers_and_certificates() -> None:
+    others = [d for d in every_document() if d not in kubernetes_documents()]
+    assert others and {(d["apiVersion"], d["kind"]) for d in others} == {
+        (CERT_MANAGER, "Issuer"),
+        (CERT_MANAGER, "Certificate"),
+    }
+    assert all(d["metadata"]["namespace"] == "liver" for d in others)
 
 
 def test_the_schema_check_refuses_a_misspelt_field() -> None:
@@ -100,7 +125,13 @@ def test_each_pods_cluster_config_with_the_projects_auth_config_is_valid_for_nat
     tmp_path: Path,
 ) -> None:
     config = find("ConfigMap", "liver-nats-cluster")["data"]["cluster.conf"]
-    (tmp_path / "cluster.conf").write_text(config)
+    # The certificate cert-manager keeps in liver-nats-tls, as the pod sees it (make-tls.sh's here).
+    tls = make_tls(tmp_path / "made")
+    (tmp_path / "tls").mkdir()
+    (tmp_path / "tls" / "tls.crt").write_bytes((tls / "server.crt").read_bytes())
+    (tmp_path / "tls" / "tls.key").write_bytes((tls / "server.key").read_bytes())
+    assert "/etc/nats/tls/tls.crt" in config and "/etc/nats/tls/tls.key" in config
+    (tmp_path / "cluster.conf").write_text(config.replace("/etc/nats/tls/", f"{tmp_path}/tls/"))
     (tmp_path / "nats.conf").write_text((INFRA / "nats.conf").read_text())  # the liver-nats-auth Secret
     roles = (*SERVICES, "worker", "publisher", "subscriber")
     env = {f"LIVER_NATS_PASSWORD_{r.upper()}": f"p{r}" for r in roles} | {"SERVER_NAME": "liver-nats-1"}
@@ -114,6 +145,65 @@ def test_each_pods_cluster_config_with_the_projects_auth_config_is_valid_for_nat
     assert result.returncode == 0, result.stdout + result.stderr
     routes = [line.strip() for line in config.splitlines() if line.strip().startswith("nats://")]
     assert routes == [f"nats://liver-nats-{i}.liver-nats-cluster.liver.svc:6222" for i in range(3)]
+
+
+# -- TLS ----------------------------------------------------------------------------------------------
+
+
+def test_the_servers_certificate_comes_from_a_ca_issuer_whose_ca_cert_manager_makes() -> None:
+    issuers, certificates = cert_manager("Issuer"), cert_manager("Certificate")
+    for certificate in certificates.values():
+        spec = certificate["spec"]
+        assert spec["secretName"] and spec["issuerRef"]["kind"] == "Issuer"
+        assert spec["issuerRef"]["name"] in issuers, "every certificate's issuer is defined here"
+    for issuer in issuers.values():
+        assert len(issuer["spec"]) == 1, "an Issuer is of exactly one type"
+    ca = certificates["liver-ca"]["spec"]
+    assert ca["isCA"] is True and "selfSigned" in issuers[ca["issuerRef"]["name"]]["spec"]
+    server = certificates["liver-nats-server"]["spec"]
+    assert issuers[server["issuerRef"]["name"]]["spec"] == {"ca": {"secretName": ca["secretName"]}}
+    assert "server auth" in server["usages"]
+
+
+def _client_containers() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    out = []
+    for doc in kubernetes_documents():
+        pod = doc.get("spec", {}).get("template", {}).get("spec")
+        for container in (pod or {}).get("containers", []):
+            if "NATS_URL" in env_of(container):
+                out.append((pod, container))
+    return out
+
+
+def test_the_servers_serve_tls_with_the_certificate_cert_manager_keeps() -> None:
+    secret = cert_manager("Certificate")["liver-nats-server"]["spec"]["secretName"]
+    config = find("ConfigMap", "liver-nats-cluster")["data"]["cluster.conf"]
+    pod = find("StatefulSet", "liver-nats")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
+    (source,) = [
+        src["secret"] for src in volume["projected"]["sources"] if src.get("secret", {}).get("name") == secret
+    ]
+    for item in source["items"]:
+        assert f"{mount['mountPath']}/{item['path']}" in config, f"cluster.conf reads {item['key']}"
+    assert {item["key"] for item in source["items"]} == {"tls.crt", "tls.key"}
+
+
+def test_every_nats_client_speaks_tls_to_a_name_in_the_certificate_and_trusts_only_its_ca() -> None:
+    certificate = cert_manager("Certificate")["liver-nats-server"]["spec"]
+    clients = _client_containers()
+    assert len(clients) == len(SERVICES) + 2, "the services, the notice agent and the example job"
+    for pod, container in clients:
+        env = env_of(container)
+        url = env["NATS_URL"]
+        assert url.startswith("tls://"), container["name"]
+        assert url.removeprefix("tls://").rsplit(":", 1)[0] in certificate["dnsNames"]
+        ca = Path(env["NATS_TLS_CA"])
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == str(ca.parent)]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == certificate["secretName"]
+        assert volume["secret"]["items"] == [{"key": "ca.crt", "path": ca.name}], "never the server's key"
 
 
 # -- the notice agent and the example job ---------------------------------------------------------------
