@@ -36,6 +36,7 @@ from liver.shared.messages import (
     ResizeRequested,
     ScaleRequest,
     SpotWarning,
+    WarningKind,
 )
 from liver.shared.nats_server import NatsServer
 
@@ -71,6 +72,12 @@ def test_a_spot_warning_is_built_from_its_flags() -> None:
     assert isinstance(event, SpotWarning)
     assert (event.job_id, event.node, event.notice_s, event.provider) == ("job-7", "n1", 120.0, "manual")
     assert event.event_id.startswith("cli-")
+
+
+def test_a_rebalance_recommendation_needs_no_notice() -> None:
+    _, event = event_of("spot-warning", "--job", "j", "--node", "n1", "--provider", "aws", "--rebalance")
+    assert isinstance(event, SpotWarning)
+    assert (event.warning_kind, event.notice_s, event.deadline) == (WarningKind.REBALANCE, None, None)
 
 
 def test_a_deadline_is_read_as_an_aware_time() -> None:

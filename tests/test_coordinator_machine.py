@@ -288,6 +288,19 @@ class Driver:
             )
         )
 
+    def rebalance(self, event_id: str, node: str) -> list[Action]:
+        """A spot warning of kind rebalance, as the ingester resolves it: no deadline."""
+        return self.feed(
+            ResizeRequested(
+                job_id=JOB,
+                event_id=event_id,
+                trigger="rebalance",
+                generation=0,
+                reason=f"aws recommends moving off node {node} (rebalance)",
+                remove=on_node(node),
+            )
+        )
+
     def scale(self, event_id: str, add: tuple[Device, ...] = (), target: int | None = None) -> list[Action]:
         return self.feed(
             ResizeRequested(
@@ -924,6 +937,36 @@ def test_warning_for_a_node_of_the_target_cancels_and_replans() -> None:
     assert committed.generation == 2 and committed.previous_generation == 0
     assert set(committed.placement.devices) == set(on_node("node001") + SPARES)
     assert [(s.event_ids, s.outcome) for s in d.settled()] == [(("evt-1", "evt-2"), "committed")]
+
+
+def test_a_rebalance_for_a_node_of_the_target_waits_for_the_handoff_in_flight() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.rebalance("evt-2", "node000")
+    assert d.core.phase is GenerationPhase.PREPARE and d.core.queued == ("evt-2",)
+    assert d.published(GenerationAborted) == [], "a recommendation does not cancel work under way"
+    d.run()
+    first, second = d.published(GenerationCommitted)
+    assert (first.generation, first.event_id) == (1, "evt-1")
+    assert set(first.placement.devices) == set(WORLD + SPARES)
+    assert (second.generation, second.event_id) == (2, "evt-2")
+    assert not {d.node for d in second.placement.devices} & {"node000"}
+
+
+def test_a_rebalance_alone_moves_the_job_off_the_node_with_the_budget_of_an_undated_trigger() -> None:
+    d = started()
+    d.rebalance("evt-1", "node001")
+    assert d.core.phase is GenerationPhase.PREPARE
+    d.write()
+    assert d.kv.record is not None and d.kv.record.pending is not None
+    budget = timedelta(seconds=d.core.config.default_handoff_s)
+    assert d.kv.record.pending.deadline == d.now + budget
+    d.run()
+    (committed,) = d.published(GenerationCommitted)
+    assert {d.node for d in committed.placement.devices} == {"node000"}
 
 
 def test_warning_for_the_offered_node_cancels_the_offer_and_leaves_nothing_to_do() -> None:

@@ -11,7 +11,14 @@ from liver.services.ingester import core
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, encode
 from liver.shared.layout import Device
-from liver.shared.messages import JobMembership, NodeDevices, ScaleRequest, SpotWarning, WorkerDevice
+from liver.shared.messages import (
+    JobMembership,
+    NodeDevices,
+    ScaleRequest,
+    SpotWarning,
+    WarningKind,
+    WorkerDevice,
+)
 
 PUBLISHED = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 A0, A1, B0, B1 = Device("node-a", 0), Device("node-a", 1), Device("node-b", 0), Device("node-b", 1)
@@ -105,6 +112,20 @@ def test_a_spot_warning_with_an_earlier_absolute_deadline_keeps_that_deadline() 
         job_id="job-1", event_id="evt-1", node="node-b", provider="gcp", notice_s=120.0, deadline=early
     )
     assert core.resolve(warning, MEMBERSHIP, PUBLISHED).deadline == early
+
+
+def test_a_rebalance_recommendation_removes_its_node_without_a_deadline() -> None:
+    warning = SpotWarning(
+        job_id="job-1", event_id="evt-9", node="node-b", provider="aws", warning_kind=WarningKind.REBALANCE
+    )
+    resize = core.resolve(warning, MEMBERSHIP, PUBLISHED)
+    assert (resize.trigger, resize.remove, resize.deadline) == ("rebalance", (B0, B1), None)
+    assert "rebalance" in resize.reason
+
+
+def test_an_interruption_without_notice_or_deadline_is_refused_at_notice_s() -> None:
+    with pytest.raises(ValueError, match="`notice_s`"):
+        SpotWarning(job_id="job-1", event_id="evt-9", node="node-b", provider="aws")
 
 
 def test_a_scale_request_removes_nodes_and_adds_devices() -> None:

@@ -14,16 +14,17 @@ from local_http import LocalHttp, QuietHandler, nothing_listening, serving
 
 from liver.cli.main import main
 from liver.notice.agent import NoticeAgent, PollOutcome
-from liver.notice.aws import ACTION_PATH, TOKEN_PATH, AwsSpotNotices
+from liver.notice.aws import ACTION_PATH, REBALANCE_PATH, TOKEN_PATH, AwsSpotNotices
 from liver.notice.model import NoticeKind, NoticeSourceError
 from liver.notice.publish import publish_event
 from liver.services import bus as b
 from liver.shared import subjects as s
 from liver.shared.codec import decode
-from liver.shared.messages import SpotWarning
+from liver.shared.messages import SpotWarning, WarningKind
 from liver.shared.nats_server import NatsServer
 
 WHEN = "2026-12-04T16:02:00Z"
+RECOMMENDED = "2026-12-04T15:50:00Z"
 
 
 class FakeImds:
@@ -31,6 +32,7 @@ class FakeImds:
 
     def __init__(self) -> None:
         self.action: bytes | None = None  # the body of spot/instance-action; None: 404
+        self.rebalance: bytes | None = None  # the body of events/recommendations/rebalance; None: 404
         self.valid: set[str] = set()
         self.issued = 0
         self.requests: list[tuple[str, str]] = []
@@ -49,18 +51,22 @@ class FakeImds:
 
             def do_GET(self) -> None:
                 fake.requests.append(("GET", self.path))
+                body = {ACTION_PATH: fake.action, REBALANCE_PATH: fake.rebalance}.get(self.path)
                 if self.headers.get("X-aws-ec2-metadata-token") not in fake.valid:
                     self.answer(401)
-                elif self.path != ACTION_PATH or fake.action is None:
+                elif body is None:
                     self.answer(404)
                 else:
-                    self.answer(200, fake.action)
+                    self.answer(200, body)
 
         self.http = LocalHttp(Handler)
         self.endpoint = self.http.endpoint
 
     def schedule(self, action: str = "terminate", time: str = WHEN) -> None:
         self.action = json.dumps({"action": action, "time": time}).encode()
+
+    def recommend_rebalance(self, time: str = RECOMMENDED) -> None:
+        self.rebalance = json.dumps({"noticeTime": time}).encode()
 
     def expire_tokens(self) -> None:
         self.valid.clear()
@@ -101,6 +107,36 @@ def test_the_same_interruption_read_twice_is_the_same_event(imds: FakeImds) -> N
     assert first is not None and second is not None
     assert first.event_id("node-a") == second.event_id("node-a") == "aws-node-a-terminate-20261204T160200Z"
     assert first.event_id("node-b") != first.event_id("node-a")
+
+
+def test_a_rebalance_recommendation_is_an_undated_notice_of_its_own(imds: FakeImds) -> None:
+    imds.recommend_rebalance()
+    notice = AwsSpotNotices(imds.endpoint).poll()
+    assert notice is not None
+    assert (notice.kind, notice.deadline) == (NoticeKind.REBALANCE, None)
+    assert notice.event_id("node-a") == "aws-node-a-rebalance-20261204T155000Z"
+    warning = notice.warning("job-n", "node-a")
+    assert (warning.warning_kind, warning.notice_s, warning.deadline) == (WarningKind.REBALANCE, None, None)
+
+
+def test_a_scheduled_interruption_supersedes_the_recommendation(imds: FakeImds) -> None:
+    imds.recommend_rebalance()
+    imds.schedule()
+    notice = AwsSpotNotices(imds.endpoint).poll()
+    assert notice is not None and notice.kind == NoticeKind.TERMINATION
+
+
+def test_recommendations_are_not_read_when_switched_off(imds: FakeImds) -> None:
+    imds.recommend_rebalance()
+    assert AwsSpotNotices(imds.endpoint, rebalance=False).poll() is None
+    assert ("GET", REBALANCE_PATH) not in imds.requests
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"noticeTime": "soon"}', b'{"noticeTime": "2026-12-04T15:50:00"}'])
+def test_an_answer_that_is_not_a_recommendation_is_a_source_error(imds: FakeImds, body: bytes) -> None:
+    imds.rebalance = body
+    with pytest.raises(NoticeSourceError, match="rebalance"):
+        AwsSpotNotices(imds.endpoint).poll()
 
 
 def test_a_token_is_taken_once_and_reused(imds: FakeImds) -> None:
@@ -167,6 +203,21 @@ async def test_the_agent_publishes_a_notice_once_however_often_it_polls(imds: Fa
     assert isinstance(event, SpotWarning)
     assert (event.job_id, event.node, event.provider) == ("job-n", "node-a", "aws")
     assert event.deadline == datetime(2026, 12, 4, 16, 2, tzinfo=UTC)
+
+
+async def test_the_agent_publishes_the_recommendation_then_the_interruption_as_two_events(
+    imds: FakeImds,
+) -> None:
+    sent = Sent()
+    agent = NoticeAgent(AwsSpotNotices(imds.endpoint), job_id="job-n", node="node-a", publish=sent)
+    imds.recommend_rebalance()
+    assert await agent.poll_once() == PollOutcome.PUBLISHED
+    imds.schedule()
+    assert await agent.poll_once() == PollOutcome.PUBLISHED
+    assert [(e.warning_kind, e.deadline is None) for e in sent.events] == [
+        (WarningKind.REBALANCE, True),
+        (WarningKind.INTERRUPTION, False),
+    ]
 
 
 async def test_a_failed_publish_is_retried_at_the_next_poll(imds: FakeImds) -> None:

@@ -76,6 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_GRACE_S,
         help=f"kubernetes: seconds from a disruption taint to the node's end (default {DEFAULT_GRACE_S:g})",
     )
+    p.add_argument(
+        "--no-rebalance",
+        action="store_true",
+        help="aws: publish only scheduled interruptions, not EC2's earlier rebalance recommendations",
+    )
     p.add_argument("--once", action="store_true", help="poll once, publish what is there, and exit")
     p.add_argument("--dry-run", action="store_true", help="print the events instead of publishing them")
     p.add_argument("--url", help="the NATS server (default $NATS_URL)")
@@ -89,7 +94,7 @@ def source_of(args: argparse.Namespace, node: str, environ: Mapping[str, str]) -
             raise NoticeError("--endpoint: give it with a --source, not with auto")
         source = Source(detect(environ).value)
     if source is Source.AWS:
-        return AwsSpotNotices(args.endpoint or aws.DEFAULT_ENDPOINT)
+        return AwsSpotNotices(args.endpoint or aws.DEFAULT_ENDPOINT, rebalance=not args.no_rebalance)
     if source is Source.GCP:  # a long poll: --interval is how long one waits for a change
         return GcpNotices(args.endpoint or gcp.DEFAULT_ENDPOINT, wait_s=args.interval)
     if source is Source.AZURE:

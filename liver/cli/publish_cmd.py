@@ -28,7 +28,7 @@ from liver.services.ingester.core import IngestEvent, parse
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError
 from liver.shared.errors import InputError
-from liver.shared.messages import SCHEMA_VERSION
+from liver.shared.messages import SCHEMA_VERSION, WarningKind
 
 
 class EventKind(StrEnum):
@@ -54,6 +54,7 @@ FLAGS: Final[Mapping[str, str]] = {
     "provider": "--provider",
     "notice_s": "--notice",
     "deadline": "--deadline",
+    "warning_kind": "--rebalance",
     "reason": "--reason",
     "add": "--add",
     "remove": "--remove",
@@ -75,6 +76,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     warning.add_argument("--notice", type=float, help="seconds of notice, from now")
     warning.add_argument("--deadline", help="the moment the node is gone (ISO 8601, with a time zone)")
     warning.add_argument("--provider", default="manual", help="aws, gcp, azure, manual, ... (default manual)")
+    warning.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="a recommendation to move off the node, no reclaim scheduled (needs no --notice)",
+    )
 
     request = kinds.add_parser(EventKind.SCALE_REQUEST.value, help="a planned change of the job's devices")
     _common(request)
@@ -113,6 +119,8 @@ def build_event(args: argparse.Namespace) -> tuple[str, IngestEvent]:
             fields["notice_s"] = args.notice
         if args.deadline is not None:
             fields["deadline"] = _deadline(args.deadline)
+        if args.rebalance:
+            fields["warning_kind"] = WarningKind.REBALANCE.value
     else:
         fields |= {"reason": args.reason, "add": [_node_devices(a) for a in args.add], "remove": args.remove}
         if args.target_devices is not None:

@@ -9,7 +9,7 @@ from enum import StrEnum
 import msgspec
 
 from liver.shared.errors import BusError
-from liver.shared.messages import SpotWarning
+from liver.shared.messages import SpotWarning, WarningKind
 
 
 class NoticeKind(StrEnum):
@@ -17,6 +17,7 @@ class NoticeKind(StrEnum):
 
     TERMINATION = "termination"  # the instance is reclaimed (EC2 terminate, GCE preemption, ...)
     STOP = "stop"  # stopped or hibernated: the node goes away all the same
+    REBALANCE = "rebalance"  # at elevated risk of an interruption, none scheduled (EC2's recommendation)
 
 
 class NoticeSourceError(BusError):
@@ -28,7 +29,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True):
-    """One announcement about this node: the provider, what it announced, and when the node goes.
+    """One announcement about this node: the provider, what it announced, and when the node goes (None
+    for a rebalance recommendation, which names no time).
 
     ``key`` identifies the announcement itself (provider, node, the time it names, the action): it does
     not change however often the announcement is read, so it makes the event id.
@@ -36,7 +38,7 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
 
     provider: str
     kind: NoticeKind
-    deadline: datetime
+    deadline: datetime | None
     key: str
 
     def event_id(self, node: str) -> str:
@@ -50,4 +52,7 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
             node=node,
             provider=self.provider,
             deadline=self.deadline,
+            warning_kind=WarningKind.REBALANCE
+            if self.kind is NoticeKind.REBALANCE
+            else WarningKind.INTERRUPTION,
         )

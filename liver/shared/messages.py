@@ -68,10 +68,25 @@ ObjectName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_=/.-]{1,255}$")]
 
 
 class TriggerKind(StrEnum):
-    """What asked for a resize (the event's subject)."""
+    """What asked for a resize: the event's subject, and for a spot warning how urgent it is."""
 
     SPOT_WARNING = "spot_warning"
     SCALE_REQUEST = "scale_request"
+    REBALANCE = "rebalance"
+    """A spot warning of kind ``rebalance``: the node is at elevated risk, no reclaim is scheduled."""
+
+
+class WarningKind(StrEnum):
+    """What a spot warning announces.
+
+    ``interruption``: the node is reclaimed at a stated time (a notice or a deadline is required).
+    ``rebalance``: the platform recommends moving off the node before an interruption comes (EC2's
+    rebalance recommendation); no reclaim is scheduled, so it needs no deadline and it is the lower
+    priority: it never disturbs a handoff already under way, and waits for the next one.
+    """
+
+    INTERRUPTION = "interruption"
+    REBALANCE = "rebalance"
 
 
 class WorkerPhase(StrEnum):
@@ -160,6 +175,8 @@ class SpotWarning(Message, kw_only=True, tag="spot_warning"):
     Published on ``spot.warning`` by a cloud-provider bridge (or an operator, or a test); consumed by
     the ingester. ``notice_s`` counts from publication (the stream's timestamp); give ``deadline``
     instead (or as well) when the provider states an absolute time: the earlier of the two counts.
+    ``warning_kind`` (default ``interruption``) says whether a reclaim is scheduled or only recommended to be
+    avoided (:class:`WarningKind`).
     """
 
     job_id: JobId
@@ -168,17 +185,19 @@ class SpotWarning(Message, kw_only=True, tag="spot_warning"):
     provider: Provider
     notice_s: Seconds | None = None
     deadline: Timestamp | None = None
+    warning_kind: WarningKind = WarningKind.INTERRUPTION
 
     def _validate(self) -> None:
-        if self.notice_s is None and self.deadline is None:
-            raise _invalid("notice_s", "give notice_s or deadline (or both)")
+        if self.warning_kind is WarningKind.INTERRUPTION and self.notice_s is None and self.deadline is None:
+            raise _invalid("notice_s", "give notice_s or deadline (or both) for an interruption")
 
-    def effective_deadline(self, published_at: datetime) -> datetime:
-        """The moment the node is gone, given when the warning was published."""
+    def effective_deadline(self, published_at: datetime) -> datetime | None:
+        """The moment the node is gone, given when the warning was published (None: a rebalance
+        recommendation that names no time)."""
         candidates = [d for d in (self.deadline,) if d is not None]
         if self.notice_s is not None:
             candidates.append(published_at + timedelta(seconds=self.notice_s))
-        return min(candidates)
+        return min(candidates, default=None)
 
 
 class NodeDevices(Part):

@@ -684,7 +684,15 @@ class Coordinator:
             self._note("info", "trigger_queued", event_id=trigger.event_id, why="target not planned yet")
             return
         clash = sorted(set(trigger.remove) & target)
-        if clash and h.switch_sent:
+        if clash and trigger.kind is TriggerSource.REBALANCE:
+            self._queue.append(trigger)
+            self._note(
+                "info",
+                "trigger_queued",
+                event_id=trigger.event_id,
+                why="a rebalance waits for the handoff in flight",
+            )
+        elif clash and h.switch_sent:
             self._queue.append(trigger)
             self._note("info", "trigger_queued", event_id=trigger.event_id, why="the switch is under way")
         elif clash:

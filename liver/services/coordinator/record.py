@@ -54,6 +54,7 @@ class TriggerSource(StrEnum):
 
     SPOT_WARNING = "spot_warning"
     SCALE_REQUEST = "scale_request"
+    REBALANCE = "rebalance"
     WORKER_LOST = "worker_lost"
 
 

@@ -24,7 +24,14 @@ import msgspec
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.layout import Device
-from liver.shared.messages import JobMembership, ResizeRequested, ScaleRequest, SpotWarning, TriggerKind
+from liver.shared.messages import (
+    JobMembership,
+    ResizeRequested,
+    ScaleRequest,
+    SpotWarning,
+    TriggerKind,
+    WarningKind,
+)
 
 IngestEvent = SpotWarning | ScaleRequest
 
@@ -117,11 +124,16 @@ def _spot(event: SpotWarning, membership: JobMembership, published_at: datetime)
     if not remove:
         raise _unknown_node(event, "$.node", event.node, membership)
     keep = tuple(w.device for w in membership.workers if w.device.node != event.node)
+    rebalance = event.warning_kind is WarningKind.REBALANCE
     return _build(
         event,
-        trigger=TriggerKind.SPOT_WARNING,
+        trigger=TriggerKind.REBALANCE if rebalance else TriggerKind.SPOT_WARNING,
         generation=membership.generation,
-        reason=f"{event.provider} reclaims node {event.node}",
+        reason=(
+            f"{event.provider} recommends moving off node {event.node} (rebalance)"
+            if rebalance
+            else f"{event.provider} reclaims node {event.node}"
+        ),
         keep=keep,
         remove=tuple(remove),
         deadline=event.effective_deadline(published_at),
