@@ -642,6 +642,37 @@ async def test_after_a_reconnect_the_worker_says_hello_again_with_its_open_ack(
     assert first == again and again.phase == "ready"
 
 
+async def test_a_connection_the_server_closes_is_renewed_with_the_handoff_and_its_open_ack(
+    nats_server: NatsServer, job: str
+) -> None:
+    # nats-py reconnects after an outage by itself, but not after the server closed the connection on a
+    # protocol error; a companion left on it would be deaf (issue 16, finding 5's worker-side twin).
+    hooks = RecordingHooks()
+    async with client(nats_server.url) as (nc, _):
+        hellos = await Collector.on(nc, s.worker_hello(job))
+        acks = await Collector.on(nc, s.worker_status(job))
+        async with running(Companion(identity(job), hooks, url=nats_server.url)) as companion:
+            await hellos.wait_for(1)
+            await prepared(nc, job, companion, hooks)
+            companion.report("ready")
+            await acks.wait_for(1)
+            old = companion._nc
+            assert old is not None
+            too_big = old.publish(
+                "liver.test.too-big", b"x" * (old.max_payload - 8), headers={"Pad": "y" * 256}
+            )
+            asyncio.run_coroutine_threadsafe(too_big, companion._loop).result(30)
+            await hellos.wait_for(2)
+            first, again = await statuses(acks, 2)
+            await eventually(lambda: _true(companion.connected and companion._nc is not old), what="renewed")
+            assert companion.reconnections == 1 and old.is_closed
+            await publish(nc, s.worker_commands(job), switch(job, 1))
+            await eventually(
+                lambda: _true(len(hooks.named("switch")) == 1), what="a command on the new connection"
+            )
+    assert first == again and again.phase == "ready"
+
+
 # -- the training thread's side ----------------------------------------------------------------------------
 
 

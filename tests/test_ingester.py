@@ -6,6 +6,7 @@ buckets start empty and LiveR's real names can be used.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -157,6 +158,46 @@ BAD_INPUT = [
         id="unknown-node-to-remove",
     ),
     pytest.param(s.SCALE_REQUEST, encode(WARNING), "$.kind", id="warning-on-the-request-subject"),
+    # What an outside fuzz test found (issue 16, findings 6-9): each was retried, dead-lettered with no
+    # error, acted on, or crashed the handler.
+    pytest.param(
+        s.SPOT_WARNING,
+        b'{"schema_version": 2, "job_id": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+        "$",
+        id="deep-json",
+    ),
+    pytest.param(s.SPOT_WARNING, spot(job_id="job-1\n"), "$.job_id", id="job-id-with-a-newline"),
+    pytest.param(s.SPOT_WARNING, spot(event_id="nl-5\n"), "$.event_id", id="event-id-with-a-newline"),
+    pytest.param(s.SPOT_WARNING, spot(notice_s=1e12), "$.notice_s", id="notice-of-30000-years"),
+    pytest.param(s.SPOT_WARNING, spot(notice_s=1.79e308), "$.notice_s", id="notice-near-the-float-limit"),
+    pytest.param(
+        s.SCALE_REQUEST,
+        json.dumps(
+            {
+                "schema_version": 2,
+                "job_id": JOB,
+                "event_id": "evt-4",
+                "reason": "r",
+                "add": [{"node": "node-c", "devices": [2**64]}],
+            }
+        ).encode(),
+        "$.add[0].devices[0]",
+        id="device-index-2^64",
+    ),
+    pytest.param(
+        s.SCALE_REQUEST,
+        json.dumps(
+            {
+                "schema_version": 2,
+                "job_id": JOB,
+                "event_id": "evt-5",
+                "reason": "r",
+                "target_devices": 2**63 - 1,
+            }
+        ).encode(),
+        "$.target_devices",
+        id="target-of-2^63-devices",
+    ),
 ]
 
 
@@ -184,6 +225,27 @@ async def test_bad_input_is_named_by_field_kept_as_a_dead_letter_and_terminated(
     assert len(await stored(rig.js, s.STREAM_DEAD_LETTERS.name, s.dead_letters("ingester"))) == 1
     assert rig.resized.messages == []
     assert rig.ingester.stats()["rejected"] == 1
+
+
+async def test_a_warning_just_under_max_payload_is_dead_lettered_cut_and_the_ingester_keeps_serving(
+    rig: Rig,
+) -> None:
+    # Finding 5: the dead-letter copy (the payload plus its headers) went over max_payload, the server
+    # closed the ingester's connection and the ingester stayed up but deaf.
+    limit = rig.nc.max_payload
+    payload = spot(node="n" * (limit - len(spot()) - 64))
+    assert limit - 200 < len(payload) <= limit
+    await rig.publish(s.SPOT_WARNING, payload)
+    (error,) = error_events(await _wait(rig.errors))
+    assert (error.field, error.payload_size, error.payload_truncated) == ("$.node", len(payload), True)
+    (dead,) = await rig.dead.wait_for(1)
+    assert dead.headers is not None
+    assert dead.headers["Liver-Payload-Truncated"] == "true"
+    assert dead.headers["Liver-Payload-Size"] == str(len(payload))
+    assert dead.headers["Liver-Payload-Digest"] == "SHA-256=" + hashlib.sha256(payload).hexdigest()
+    assert payload.startswith(dead.data) and len(dead.data) < len(payload)
+    await rig.publish(s.SPOT_WARNING, WARNING)
+    assert (await rig.resized.one(ResizeRequested)).event_id == "evt-1"
 
 
 async def _wait(collector: Collector) -> Collector:

@@ -329,6 +329,58 @@ def test_an_id_that_is_not_token_safe_is_refused(bad: str) -> None:
     assert "token-safe id" in error.reason
 
 
+@pytest.mark.parametrize("field", ["job_id", "event_id", "node", "provider"])
+def test_an_id_ending_in_a_newline_is_refused_at_its_field(field: str) -> None:
+    # Python's `$` matches before a final newline; msgspec checks patterns with re.search.
+    error = rejected(payload(SPOT, **{field: "fuzz\n"}), m.SpotWarning)
+    assert error.path == f"$.{field}"
+
+
+def test_json_nested_deeper_than_the_stack_is_malformed_json_at_the_root() -> None:
+    deep = b'{"schema_version": 2, "job_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for data in (deep, b'{"a":' * 5000 + b"1" + b"}" * 5000):
+        error = rejected(data, m.SpotWarning)
+        assert (error.path, error.reason) == ("$", "malformed JSON: nested too deeply")
+        event = rejection_event(data)
+        assert event.field == "$" and event.job_id is None
+
+
+@pytest.mark.parametrize("notice", [1e12, 1.79e308])
+def test_a_notice_beyond_a_year_is_refused(notice: float) -> None:
+    error = rejected(payload(SPOT, notice_s=notice), m.SpotWarning)
+    assert error.path == "$.notice_s"
+
+
+@pytest.mark.parametrize("index", [2**64, 65_536, 2**31])
+def test_a_device_index_beyond_any_node_is_refused(index: int) -> None:
+    data = payload(SCALE, add=[{"node": "node002", "devices": [0, index]}])
+    assert rejected(data, m.ScaleRequest).path == "$.add[0].devices[1]"
+
+
+def test_a_device_index_given_as_a_float_is_refused() -> None:
+    data = payload(SCALE, add=[{"node": "node002", "devices": [1e23]}])
+    assert rejected(data, m.ScaleRequest).path == "$.add[0].devices[0]"
+
+
+def test_a_resize_on_an_internal_subject_with_an_absurd_device_index_is_refused() -> None:
+    sample = samples()[m.ResizeRequested]
+    data = payload(sample, add=[{"node": "node0", "index": 99999999999999999999999}])
+    assert rejected(data, m.ResizeRequested).path == "$.add[0].index"
+
+
+@pytest.mark.parametrize("target", [2**63 - 1, m.MAX_DEVICES + 1])
+def test_a_target_beyond_any_job_is_refused(target: int) -> None:
+    data = payload(SCALE, add=[], remove=[], target_devices=target)
+    assert rejected(data, m.ScaleRequest).path == "$.target_devices"
+
+
+def test_a_layout_beyond_any_world_is_refused() -> None:
+    sample = samples()[m.TopologyRequest]
+    bad = json.loads(encode(sample))
+    bad["layout"]["dp"] = 2**40
+    assert rejected(json.dumps(bad).encode(), m.TopologyRequest).path.startswith("$.layout")
+
+
 def test_a_negative_notice_is_refused() -> None:
     error = rejected(payload(SPOT, notice_s=-1), m.SpotWarning)
     assert (error.path, error.reason) == ("$.notice_s", "Expected `float` >= 0.0")

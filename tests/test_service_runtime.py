@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.errors
@@ -26,7 +27,16 @@ from nats.aio.msg import Msg
 
 from liver.cli import serve_cmd
 from liver.services import bus as b
-from liver.services.host import Bus, ConsumingService, PullConsumer, hosted, micro_name, status_subject
+from liver.services.host import (
+    Bus,
+    ConnectionLost,
+    ConsumingService,
+    PullConsumer,
+    hosted,
+    micro_name,
+    run_until_signalled,
+    status_subject,
+)
 from liver.services.ingester.service import Ingester
 from liver.shared import subjects as s
 from liver.shared.codec import encode
@@ -210,6 +220,54 @@ async def test_a_service_that_cannot_settle_its_message_is_cut_off_after_the_sto
     assert nc.is_closed
     (timed_out,) = [e for e in logged if e["event"] == "service_stop_timed_out"]
     assert timed_out["service"] == "stuck"
+
+
+class Idle:
+    """A service that does nothing; with ``overflow``, it publishes one message over ``max_payload``
+    once it is started (its headers uncounted by nats-py's own check), so the server closes its
+    connection, as it closed the ingester's over a too-big dead letter."""
+
+    name = "idle"
+    description = "does nothing"
+
+    def __init__(self, overflow: bool = False) -> None:
+        self.overflow = overflow
+        self.bus: Any = None
+
+    async def start(self, bus: Any) -> None:
+        self.bus = bus
+        if self.overflow:
+            asyncio.get_running_loop().call_later(0.1, asyncio.ensure_future, self._overflow())
+
+    async def _overflow(self) -> None:
+        nc = self.bus.nc
+        await nc.publish("liver.test.too-big", b"x" * (nc.max_payload - 8), headers={"Pad": "y" * 256})
+
+    async def stop(self) -> None:
+        return None
+
+    def stats(self) -> Mapping[str, int]:
+        return {}
+
+
+async def test_a_connection_the_server_closes_is_reported_as_lost(server: NatsServer) -> None:
+    async with hosted(Idle(), server.url, {}) as h:
+        await h.service._overflow()
+        await asyncio.wait_for(h.lost.wait(), WAIT_S)
+        assert h.bus.nc.is_closed
+
+
+async def test_a_service_closing_its_own_connection_is_not_a_loss(server: NatsServer) -> None:
+    async with hosted(Idle(), server.url, {}) as h:
+        pass
+    assert h.bus.nc.is_closed and not h.lost.is_set()
+
+
+async def test_a_host_whose_connection_is_lost_ends_with_an_error_instead_of_staying_deaf(
+    server: NatsServer,
+) -> None:
+    with pytest.raises(ConnectionLost, match="idle: the server closed the connection"):
+        await asyncio.wait_for(run_until_signalled(Idle(overflow=True), server.url, {}), PROCESS_S)
 
 
 class Holding(ConsumingService):

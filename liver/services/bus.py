@@ -193,12 +193,52 @@ async def ensure_object_store(
 # -- giving up on a message ---------------------------------------------------------------------------
 
 
+HEADER_ORIGINAL_HEADERS_DROPPED: Final = "Liver-Original-Headers-Dropped"
+_ORIGINAL_HEADERS_MAX: Final = 16 * 1024
+
+
 def _original_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """The original message's headers for its dead letter (its msg id renamed); headers too large to
+    travel beside the payload are replaced by their size."""
     out = dict(headers or {})
+    if _header_bytes(out) > _ORIGINAL_HEADERS_MAX:
+        return {HEADER_ORIGINAL_HEADERS_DROPPED: str(_header_bytes(out))}
     msg_id = out.pop(s.HEADER_MSG_ID, None)
     if msg_id is not None:
         out[HEADER_ORIGINAL_MSG_ID] = msg_id
     return out
+
+
+HEADER_PAYLOAD_SIZE: Final = "Liver-Payload-Size"
+HEADER_PAYLOAD_DIGEST: Final = "Liver-Payload-Digest"
+HEADER_PAYLOAD_TRUNCATED: Final = "Liver-Payload-Truncated"
+_HEADER_MARGIN: Final = 512
+"""Room kept for the headers added below and for what the server counts beyond them."""
+
+
+def _header_bytes(headers: Mapping[str, str]) -> int:
+    """The size of the NATS header block these headers make (``NATS/1.0``, a line each, a blank line)."""
+    return len(b"NATS/1.0\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items()) + 2
+
+
+def fit_to_payload(data: bytes, headers: dict[str, str], max_payload: int) -> bytes:
+    """``data``, cut so that it and ``headers`` fit in ``max_payload``; a cut copy says so in its headers
+    (the original size, a SHA-256 of the whole payload). The server counts headers and body together
+    against ``max_payload`` and closes the connection of a client that goes over; a message just under
+    the limit plus a dead letter's headers would otherwise cost the service its connection."""
+    if len(data) + _header_bytes(headers) <= max_payload:
+        return data
+    headers[HEADER_PAYLOAD_SIZE] = str(len(data))
+    headers[HEADER_PAYLOAD_DIGEST] = "SHA-256=" + hashlib.sha256(data).hexdigest()
+    headers[HEADER_PAYLOAD_TRUNCATED] = "true"
+    keep = max(0, max_payload - _header_bytes(headers) - _HEADER_MARGIN)
+    return bytes(data[:keep])
+
+
+def max_payload_of(js: JetStreamContext) -> int:
+    """The connected server's ``max_payload`` (1 MiB, the server's default, before any INFO)."""
+    nc = getattr(js, "_nc", None)
+    return int(getattr(nc, "max_payload", 0) or 1024 * 1024)
 
 
 async def dead_letter(
@@ -224,7 +264,8 @@ async def dead_letter(
             s.HEADER_MSG_ID: f"dlq-{stream}-{sequence}",
         }
     )
-    await js.publish(s.dead_letters(source), data, headers=copy)
+    body = fit_to_payload(data, copy, max_payload_of(js))
+    await js.publish(s.dead_letters(source), body, headers=copy)
 
 
 async def publish_error(js: JetStreamContext, event: ErrorEvent, *, stream: str, sequence: int) -> None:
@@ -283,15 +324,13 @@ async def reject_unstored(
     await js.publish(
         s.errors(source), encode(event), headers={s.HEADER_MSG_ID: f"error-{source}-core-{digest}"}
     )
-    await js.publish(
-        s.dead_letters(source),
-        data,
-        headers={
-            s.HEADER_ORIGINAL_SUBJECT: subject,
-            s.HEADER_ERROR: " ".join(f"{error.path}: {error.reason}".split())[:1000],
-            s.HEADER_MSG_ID: f"dlq-core-{digest}",
-        },
-    )
+    headers = {
+        s.HEADER_ORIGINAL_SUBJECT: subject,
+        s.HEADER_ERROR: " ".join(f"{error.path}: {error.reason}".split())[:1000],
+        s.HEADER_MSG_ID: f"dlq-core-{digest}",
+    }
+    body = fit_to_payload(bytes(data), headers, max_payload_of(js))
+    await js.publish(s.dead_letters(source), body, headers=headers)
     with bind_message(job_id=event.job_id, event_id=event.event_id):
         log.warning("message_rejected", subject=subject, field=error.path, reason=error.reason)
     return event
@@ -342,7 +381,7 @@ class MaxDeliveriesWatch:
     async def _on_advisory(self, msg: Msg) -> None:
         try:
             advisory = _ADVISORY.decode(msg.data)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
             log.error("advisory_unreadable", subject=msg.subject, error=str(exc), data=msg.data[:500])
             return
         seq = advisory.stream_seq

@@ -21,7 +21,7 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 import msgspec
@@ -42,7 +42,7 @@ from liver.services.metrics import METRICS_PORT_ENV, ServiceMetrics
 from liver.services.pull import ContinuousPull
 from liver.shared.codec import MessageError
 from liver.shared.connection import connect_options
-from liver.shared.errors import InputError
+from liver.shared.errors import BusError, InputError
 from liver.shared.logs import bind_message
 from liver.shared.metrics_http import MetricsServer
 from liver.shared.nats_server import nats_url
@@ -91,8 +91,20 @@ class Service(Protocol):
 # -- connection ---------------------------------------------------------------------------------------
 
 
-async def connect(url: str, environ: Mapping[str, str] | None = None, *, name: str) -> Client:
-    """Connect with :func:`connect_options`; connection events go to the log, not to stderr as text."""
+async def connect(
+    url: str,
+    environ: Mapping[str, str] | None = None,
+    *,
+    name: str,
+    on_lost: Callable[[], None] | None = None,
+) -> Client:
+    """Connect with :func:`connect_options`; connection events go to the log, not to stderr as text.
+
+    ``on_lost`` is called when the connection is closed for good, by this process or not (the caller
+    knows which): the client reconnects after an outage by itself, but a connection the server closed on
+    a protocol error (a payload over ``max_payload``, for one) stays closed, and a service on it would be
+    up but deaf.
+    """
 
     async def on_error(exc: Exception) -> None:
         log.error("nats_error", error=repr(exc))
@@ -107,12 +119,17 @@ async def connect(url: str, environ: Mapping[str, str] | None = None, *, name: s
     async def on_reconnected() -> None:
         log.info("nats_reconnected")
 
+    async def on_closed() -> None:
+        if on_lost is not None:
+            on_lost()
+
     options = connect_options(url, environ, name=name)
     nc = await nats.connect(
         **options,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
+        closed_cb=on_closed,
     )
     clients.append(nc)
     log.info("nats_connected", servers=options["servers"], client=name)
@@ -405,6 +422,13 @@ class Hosted:
     bus: Bus
     micro: MicroService
     metrics_port: int | None = None
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the connection closed without this process closing it: the service can no longer hear
+    anything, so its host must end the process (non-zero) for a supervisor to restart it."""
+
+
+class ConnectionLost(BusError):
+    """The server closed the service's connection for good; the process exits 1 to be restarted."""
 
 
 @contextlib.asynccontextmanager
@@ -468,20 +492,33 @@ async def _refresh_queue(service: Service, metrics: ServiceMetrics, every_s: flo
 async def _hosted(
     service: Service, url: str, environ: Mapping[str, str] | None, name: str, stop_grace_s: float
 ) -> AsyncIterator[Hosted]:
-    nc = await connect(url, environ, name=name)
+    lost = asyncio.Event()
+    closing = False
+
+    def on_lost() -> None:
+        if not closing:
+            log.error("nats_connection_lost", service=service.name, error=repr(nc.last_error))
+            lost.set()
+
+    nc = await connect(url, environ, name=name, on_lost=on_lost)
     try:
         bus = Bus(nc=nc, js=nc.jetstream())
         await service.start(bus)
         try:
             micro = await _announce(nc, service, name)
             log.info("service_started", service=service.name, micro_service=name, id=micro.id)
-            yield Hosted(service=service, bus=bus, micro=micro)
+            yield Hosted(service=service, bus=bus, micro=micro, lost=lost)
         finally:
+            closing = True
             log.info("service_stopping", service=service.name)
             try:
                 await asyncio.wait_for(service.stop(), stop_grace_s)
             except TimeoutError:
                 log.error("service_stop_timed_out", service=service.name, grace_s=stop_grace_s)
+            except nats.errors.Error as exc:
+                if not lost.is_set():
+                    raise
+                log.warning("service_stopped_without_connection", service=service.name, error=repr(exc))
     finally:
         if not nc.is_closed:
             try:
@@ -532,9 +569,18 @@ async def run_until_signalled(
         loop.add_signal_handler(sig, stop.set)
 
     async def host() -> None:
-        async with hosted(service, url, environ, metrics_port=metrics_port):
+        async with hosted(service, url, environ, metrics_port=metrics_port) as h:
             started.set()
-            await stop.wait()
+            waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(h.lost.wait())}
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            if h.lost.is_set():
+                raise ConnectionLost(
+                    f"{service.name}: the server closed the connection ({h.bus.nc.last_error!r})"
+                )
             log.info("signal_received")
 
     hosting = asyncio.create_task(host())

@@ -63,7 +63,7 @@ _AT = re.compile(r"^(?P<reason>.*) - at `(?P<path>\$[^`]*)`$", re.S)
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]+)`$")
 _CROSS_FIELD = re.compile(r"^`(?P<field>[^`]+)`: (?P<reason>.*)$", re.S)
-_TOKEN_TEXT = f"matching regex '{TOKEN_PATTERN}'"
+_TOKEN_TEXT = "matching regex '{}'".format(TOKEN_PATTERN.replace("\\", "\\\\"))  # msgspec doubles backslashes
 _TOKEN = re.compile(TOKEN_PATTERN)
 
 
@@ -87,6 +87,8 @@ def decode(data: Payload, into: Any) -> Any:
         version = _ENVELOPE.decode(data).schema_version
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _translate(expected, exc) from None
+    except RecursionError:
+        raise _too_deep(expected) from None
     if version not in READ_SCHEMA_VERSIONS:
         raise MessageError(
             expected,
@@ -97,6 +99,14 @@ def decode(data: Payload, into: Any) -> Any:
         return decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _translate(expected, exc) from None
+    except RecursionError:
+        raise _too_deep(expected) from None
+
+
+def _too_deep(expected: str) -> MessageError:
+    """msgspec raises ``RecursionError`` (not one of its own errors) for JSON nested deeper than the
+    interpreter's stack allows; no message of the contract is nested more than a few levels."""
+    return MessageError(expected, "$", "malformed JSON: nested too deeply")
 
 
 def error_event(
@@ -182,7 +192,7 @@ def _translate(expected: str, exc: msgspec.MsgspecError) -> MessageError:
 def _readable_ids(data: bytes) -> tuple[str | None, str | None]:
     try:
         ids = _IDS.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return None, None
 
     def token(value: object) -> str | None:

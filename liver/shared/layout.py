@@ -17,7 +17,7 @@ CP and DP as replicas), and every part of LiveR uses them through :meth:`Paralle
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -65,6 +65,12 @@ class Grid(NamedTuple):
         return tp, ep, rest % self.replicas, rest // self.replicas
 
 
+MAX_WORLD_SIZE: Final = 1_048_576
+"""Ranks of one world: far beyond any job, and small enough that a layout read from outside cannot
+make a planner allocate without bound."""
+MAX_LAYERS: Final = 65_536
+
+
 class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """(TP, PP, DP), context parallelism, expert parallelism and expert-TP, with the number of decoder
     layers on each pipeline stage.
@@ -90,6 +96,10 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
                 raise LayoutError(f"{field} must be at least 1, got {getattr(self, field)}")
         if self.etp is not None and self.etp < 1:
             raise LayoutError(f"etp must be at least 1, got {self.etp}")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise LayoutError(
+                f"the layout has {self.world_size} ranks; at most {MAX_WORLD_SIZE} are supported"
+            )
         if self.etp == self.tp:
             msgspec.structs.force_setattr(self, "etp", None)  # one spelling of the default
         per_stage = self.tp * self.cp * self.dp
@@ -110,6 +120,10 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
                 raise LayoutError(f"stage_layers has {len(self.stage_layers)} entries but pp is {self.pp}")
             if any(n < 0 for n in self.stage_layers):
                 raise LayoutError("stage_layers entries must not be negative")
+            if sum(self.stage_layers) > MAX_LAYERS:
+                raise LayoutError(
+                    f"stage_layers adds up to {sum(self.stage_layers)} layers; at most {MAX_LAYERS}"
+                )
 
     @property
     def world_size(self) -> int:

@@ -27,7 +27,14 @@ import msgspec
 from msgspec import Meta
 
 from liver.shared.geometry import ModelGeometry
-from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
+from liver.shared.layout import (
+    MAX_WORLD_SIZE,
+    Device,
+    LayoutError,
+    ParallelLayout,
+    Placement,
+    check_placement,
+)
 from liver.shared.subjects import TOKEN_PATTERN, kv_key_prefix
 
 SCHEMA_VERSION: Final = 2
@@ -39,12 +46,12 @@ version 1 reader refuses version 2."""
 READ_SCHEMA_VERSIONS: Final = frozenset({1, SCHEMA_VERSION})
 """The versions this build decodes."""
 
-NODE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,252}$"
+NODE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,252}\Z"
 """Node ids only travel in bodies, never in subjects, so they may be DNS names or provider ids
 (``ip-10-0-1-7.ec2.internal``, ``aws:///us-east-1a/i-0abc``)."""
 
 _NODE = re.compile(NODE_PATTERN)
-_KV_KEY_TOKEN = re.compile(r"^[A-Za-z0-9_=-]+$")
+_KV_KEY_TOKEN = re.compile(r"^[A-Za-z0-9_=-]+\Z")
 """One token of a key-value key (NATS also allows ``/``, which slice keys replace by ``.``)."""
 
 JobId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe job id")]
@@ -52,19 +59,34 @@ EventId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe id 
 WorkerId = Annotated[str, Meta(pattern=TOKEN_PATTERN, description="token-safe id of a worker process")]
 Token = Annotated[str, Meta(pattern=TOKEN_PATTERN)]
 NodeId = Annotated[str, Meta(pattern=NODE_PATTERN, description="provider's node id")]
-Generation = Annotated[int, Meta(ge=0, description="0 = the initial world; +1 per commit")]
-DeviceIndex = Annotated[int, Meta(ge=0)]
-Count = Annotated[int, Meta(ge=1)]
-NonNegative = Annotated[int, Meta(ge=0)]
-Bytes = Annotated[int, Meta(ge=0)]
-Iteration = Annotated[int, Meta(ge=0)]
-Seconds = Annotated[float, Meta(ge=0)]
+# Every number has the bounds its meaning allows: a value outside them is refused at its field, never
+# planned with (a device index of 2^64 once became a world) or computed with (a notice of 1e308 s
+# overflowed the deadline).
+MAX_COUNT: Final = 2**53
+"""Counters, generations, iterations: the largest integer every JSON reader keeps exactly."""
+MAX_DEVICE_INDEX: Final = 65_535
+"""A device's index on its node (accelerators, or CPU worker slots)."""
+MAX_DEVICES: Final = MAX_WORLD_SIZE
+"""Devices of one job."""
+MAX_BYTES: Final = 2**62
+MAX_SECONDS: Final = 366 * 24 * 3600.0
+"""Durations and notices: a year (a notice, a downtime, a plan time beyond it is an error)."""
+
+Generation = Annotated[int, Meta(ge=0, le=MAX_COUNT, description="0 = the initial world; +1 per commit")]
+DeviceIndex = Annotated[int, Meta(ge=0, le=MAX_DEVICE_INDEX)]
+Count = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+DeviceCount = Annotated[int, Meta(ge=1, le=MAX_DEVICES)]
+NonNegative = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+Bytes = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
+PositiveBytes = Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+Iteration = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
 Timestamp = Annotated[datetime, Meta(tz=True, description="RFC 3339 with a timezone")]
 Reason = Annotated[str, Meta(min_length=1, max_length=2000)]
 Explanation = Annotated[str, Meta(min_length=1, max_length=20000)]
-Provider = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,64}$", description="aws, gcp, azure, manual, ...")]
-Address = Annotated[str, Meta(pattern=r"^\S{1,250}:[0-9]{1,5}$", description="host:port")]
-ObjectName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_=/.-]{1,255}$")]
+Provider = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,64}\Z", description="aws, gcp, azure, manual, ...")]
+Address = Annotated[str, Meta(pattern=r"^\S{1,250}:[0-9]{1,5}\Z", description="host:port")]
+ObjectName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_=/.-]{1,255}\Z")]
 
 
 class TriggerKind(StrEnum):
@@ -130,8 +152,8 @@ def _check_devices(devices: tuple[Device, ...], field: str) -> None:
     """Layout's Device is a plain contract type; bus input must also have sane node ids and indices."""
     seen: set[Device] = set()
     for i, device in enumerate(devices):
-        if device.index < 0:
-            raise _invalid(f"{field}[{i}].index", f"must be >= 0, got {device.index}")
+        if not isinstance(device.index, int) or not 0 <= device.index <= MAX_DEVICE_INDEX:
+            raise _invalid(f"{field}[{i}].index", f"must be 0..{MAX_DEVICE_INDEX}, got {device.index}")
         if not isinstance(device.node, str) or _NODE.match(device.node) is None:
             raise _invalid(f"{field}[{i}].node", f"{str(device.node)[:100]!r} is not a valid node id")
         if device in seen:
@@ -227,7 +249,7 @@ class ScaleRequest(Message, kw_only=True, tag="scale_request"):
     reason: Reason
     add: tuple[NodeDevices, ...] = ()
     remove: tuple[NodeId, ...] = ()
-    target_devices: Count | None = None
+    target_devices: DeviceCount | None = None
 
     def _validate(self) -> None:
         by_nodes = bool(self.add or self.remove)
@@ -270,7 +292,7 @@ class ResizeRequested(Message, kw_only=True, tag="resize_requested"):
     keep: tuple[Device, ...] = ()
     remove: tuple[Device, ...] = ()
     add: tuple[Device, ...] = ()
-    target_devices: Count | None = None
+    target_devices: DeviceCount | None = None
     deadline: Timestamp | None = None
 
     def _validate(self) -> None:
@@ -308,9 +330,9 @@ class TopologyRequest(Message, kw_only=True, tag="topology_request"):
     remove: tuple[Device, ...] = ()
     lost: tuple[Device, ...] = ()
     add: tuple[Device, ...] = ()
-    target_devices: Count | None = None
+    target_devices: DeviceCount | None = None
     deadline: Timestamp
-    device_memory_bytes: Count | None = None
+    device_memory_bytes: PositiveBytes | None = None
     """The smallest device memory the workers of the offered devices reported in their ``Hello``;
     ``None`` when none did, and the planner's hardware profile decides."""
     geometry: ModelGeometry | None = None
@@ -343,7 +365,7 @@ class Candidate(Part):
     """One layout the topology planner considered, with its score under the planner's cost model."""
 
     layout: ParallelLayout
-    score: Annotated[float, Meta(ge=0)]
+    score: Annotated[float, Meta(ge=0, le=1e300)]
     """Estimated throughput (higher is better); 0 for a layout that does not fit."""
     fits: bool
     bytes_moved: Bytes | None = None
@@ -666,7 +688,7 @@ class Prepare(Message, kw_only=True, tag="prepare"):
     plan: ObjectRef
     """The whole plan file (for audits; a worker reads only its slice)."""
     slices: SliceIndex
-    staging_bytes: Count
+    staging_bytes: PositiveBytes
     deadline: Timestamp
     store: Address | None = None
     """Where the rendezvous store of the new generation listens (``host:port``): the ``address`` the

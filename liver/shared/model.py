@@ -437,6 +437,8 @@ def load_model(preset_or_path: str) -> ModelSpec:
         raise ModelError(f"model file {preset_or_path}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ModelError(f"model file {preset_or_path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ModelError(f"model file {preset_or_path}: not valid JSON (nested too deeply)") from None
 
 
 def _read(path: str) -> bytes:
@@ -461,6 +463,8 @@ def load_model_or_geometry(preset_or_path: str) -> ModelSpec | ModelGeometry:
         fields = msgspec.json.decode(_read(preset_or_path))
     except msgspec.DecodeError as exc:
         raise ModelError(f"model file {preset_or_path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ModelError(f"model file {preset_or_path}: not valid JSON (nested too deeply)") from None
     kind: type[ModelSpec | ModelGeometry] = ModelSpec
     if isinstance(fields, dict) and "parameters" in fields:
         kind = ModelGeometry

@@ -157,6 +157,8 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
         raise PlanFileError(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise PlanFileError(f"{source}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise PlanFileError(f"{source}: not valid JSON (nested too deeply)") from None
     try:
         worlds = []
         for name, entry in (("old", f.old), ("new", f.new)):

@@ -28,8 +28,10 @@ class SubjectError(InputError):
     """An id that cannot be used as a NATS subject token."""
 
 
-TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,128}$"
-"""Ids that appear in subjects, key-value keys or dedup headers (job, worker, event ids)."""
+TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,128}\Z"
+"""Ids that appear in subjects, key-value keys or dedup headers (job, worker, event ids). ``\\Z``, not
+``$``: Python's ``$`` also matches before a final newline, and msgspec checks patterns with
+``re.search``, so ``"job\n"`` would pass and then fail as a key."""
 
 _TOKEN = re.compile(TOKEN_PATTERN)
 

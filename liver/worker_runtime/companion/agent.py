@@ -293,6 +293,16 @@ class WorkerAgent:
         await asyncio.gather(*pending, return_exceptions=True)
         self._log.info("worker_agent_stopped", **self.counters())
 
+    async def rebind(self, nc: Client) -> None:
+        """Carry on over ``nc`` after the server closed the old connection for good (it reconnects by
+        itself after an outage, not after a protocol error): the handoffs in flight, the presence and
+        the counters stay; the subscriptions, the heartbeat and the plan reads move to ``nc``, and the
+        hello that :meth:`start` sends re-sends the ack of a handoff still in flight."""
+        await self.stop()
+        self.nc = nc
+        self._fetcher = PlanFetcher(nc.jetstream(timeout=self.settings.fetch_timeout_s))
+        await self.start()
+
     async def announce(self) -> None:
         """Hello again (after a reconnect), with the ack of a handoff still in flight.
 

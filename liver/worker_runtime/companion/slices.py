@@ -255,6 +255,8 @@ def decode_slice(data: bytes, prepare: Prepare, device: Device) -> Plan:
         piece = _DECODER.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _translate(exc) from None
+    except RecursionError:
+        raise MessageError("PlanSlice", "$", "malformed JSON: nested too deeply") from None
     check_slice(piece, prepare, device)
     view = view_of(prepare)
     return piece.with_worlds(view.old, view.new).to_plan()

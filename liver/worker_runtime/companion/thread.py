@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import nats
 import nats.errors
@@ -151,6 +151,8 @@ class Companion:
             target=self._run, name=f"liver-companion-{identity.worker_id}", daemon=True
         )
         self._agent: WorkerAgent | None = None
+        self.reconnections = 0
+        """Connections renewed after the server closed one for good."""
         self._nc: Client | None = None
         self._failure: BaseException | None = None
         self._closed = False
@@ -279,15 +281,11 @@ class Companion:
                 self._loop.run_until_complete(self._loop.shutdown_asyncgens())
 
     async def _main(self) -> None:
-        connecting = asyncio.create_task(self._connect())
         stopping = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not connecting.done():
-            connecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await connecting
+        lost = asyncio.Event()
+        nc = await self._connect_unless_stopped(stopping, lost)
+        if nc is None:
             return
-        nc = self._nc = connecting.result()
         try:
             agent = WorkerAgent(
                 nc, self.identity, self._hooks, presence=self._presence, settings=self._settings
@@ -295,13 +293,46 @@ class Companion:
             await agent.start()
             self._agent = agent
             self._ready.set()
-            await stopping
-            await agent.stop()
+            while True:
+                losing = asyncio.create_task(lost.wait())
+                await asyncio.wait({stopping, losing}, return_when=asyncio.FIRST_COMPLETED)
+                losing.cancel()
+                if stopping.done():
+                    await agent.stop()
+                    return
+                # The server closed the connection for good: a new one, the same agent (and handoffs).
+                log.error(
+                    "nats_connection_lost", worker_id=self.identity.worker_id, error=repr(nc.last_error)
+                )
+                lost = asyncio.Event()
+                renewed = await self._connect_unless_stopped(stopping, lost)
+                if renewed is None:
+                    await agent.stop()
+                    return
+                nc = renewed
+                await agent.rebind(nc)
+                self.reconnections += 1
+                log.info("nats_connection_renewed", worker_id=self.identity.worker_id)
         finally:
             stopping.cancel()
             await self._drain(nc)
 
-    async def _connect(self) -> Client:
+    async def _connect_unless_stopped(
+        self, stopping: asyncio.Task[Any], lost: asyncio.Event
+    ) -> Client | None:
+        """A new connection (``lost`` set when it closes unasked), or None when the companion is told to
+        stop first."""
+        connecting = asyncio.create_task(self._connect(lost))
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await connecting
+            return None
+        nc = self._nc = connecting.result()
+        return nc
+
+    async def _connect(self, lost: asyncio.Event) -> Client:
         async def on_error(exc: Exception) -> None:
             log.error("nats_error", worker_id=self.identity.worker_id, error=repr(exc))
 
@@ -314,11 +345,16 @@ class Companion:
             if self._agent is not None:
                 await self._agent.announce()
 
+        async def on_closed() -> None:
+            if not self._stop.is_set():
+                lost.set()
+
         return await nats.connect(
             **self._options,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
         )
 
     async def _drain(self, nc: Client) -> None:
