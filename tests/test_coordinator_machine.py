@@ -977,7 +977,10 @@ def test_warning_for_the_offered_node_cancels_the_offer_and_leaves_nothing_to_do
     d.transfer()
     d.warn("evt-2", "node002")
     d.run()
-    assert [type(m).__name__ for m in d.published()] == ["GenerationAborted"]
+    cancelled, answered = d.published()
+    assert (type(cancelled).__name__, cancelled.replanned_event_ids) == ("GenerationAborted", ("evt-1",))
+    assert (type(answered).__name__, answered.event_ids) == ("GenerationAborted", ("evt-1", "evt-2"))
+    assert answered.outcome == "kept_old_world" and "nothing to change" in answered.reason
     assert [(s.event_ids, s.outcome) for s in d.settled()] == [(("evt-1", "evt-2"), "no_change")]
     assert d.core.phase is GenerationPhase.STABLE and d.kv.record is not None and d.kv.record.generation == 0
 
@@ -1405,6 +1408,81 @@ def test_restart_at_any_step_ends_each_generation_exactly_once(crash_after: int,
     assert [type(outcomes[g]).__name__ for g in sorted(outcomes)][-1] == "GenerationCommitted"
     assert d.kv.record is not None and d.kv.record.pending is None
     assert set(d.kv.record.placement.devices) == set(on_node("node000"))
+
+
+def test_a_request_redelivered_long_after_its_commit_is_not_run_again_by_a_restarted_coordinator() -> None:
+    # Issue 16, finding 1: a restarted coordinator knew only the last outcome's event, took a redelivered
+    # older request for a new one, and ran it a second time.
+    d = started()
+    d.warn("evt-1", "node001")
+    d.run()
+    d.scale("evt-2", add=on_node("node001"))
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1, 2]
+    d.restart()
+    d.run()
+    d.warn("evt-1", "node001")  # the stream redelivers evt-1: its acknowledgement was lost
+    d.run()
+    assert d.core.phase is GenerationPhase.STABLE
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1, 2, 2], "only the re-publication"
+    assert d.kv.record is not None and d.kv.record.generation == 2
+    assert set(on_node("node001")) <= set(d.kv.record.placement.devices)
+    assert ("evt-1", "committed", 1) in [
+        (i, s.outcome, s.generation) for s in d.settled() for i in s.event_ids
+    ]
+
+
+def test_the_record_keeps_the_latest_settled_events_and_no_more() -> None:
+    config = replace(CONFIG, record_settled_events=2)
+    d = started(config)
+    for i, node in enumerate(("node001", "node000")):
+        d.warn(f"evt-{i}", node) if i == 0 else d.scale(f"evt-{i}", add=SPARES)
+        d.run()
+    d.scale("evt-9", add=SPARES)  # changes nothing now: settled with the next record write
+    d.run()
+    d.warn("evt-3", "node002")
+    d.run()
+    assert d.kv.record is not None
+    assert [(e.event_id, e.outcome) for e in d.kv.record.settled] == [
+        ("evt-9", "no_change"),
+        ("evt-3", "committed"),
+    ]
+
+
+def test_a_commit_names_every_event_merged_into_it() -> None:
+    # Issue 16, finding 2: only the first trigger's id was in the outcome.
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.warn("evt-2", "node000")
+    d.run()
+    (aborted,) = d.published(GenerationAborted)
+    assert (aborted.event_ids, aborted.replanned_event_ids) == ((), ("evt-1",))
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.event_ids == ("evt-1", "evt-2") and committed.event_id == "evt-1"
+
+
+def test_an_event_that_changes_nothing_gets_an_outcome_of_its_own_that_names_it() -> None:
+    d = started()
+    d.scale("evt-1", add=on_node("node000"))  # already the job's devices
+    d.run()
+    (answer,) = d.published()
+    assert isinstance(answer, GenerationAborted)
+    assert (answer.event_ids, answer.generation, answer.active_generation) == (("evt-1",), 1, 0)
+    assert d.kv.record is not None and (d.kv.record.generation, d.kv.record.issued) == (0, 1)
+    assert [(e.event_id, e.outcome, e.generation) for e in d.kv.record.settled] == [("evt-1", "no_change", 1)]
+
+
+def test_an_abort_that_settles_its_events_names_them_all() -> None:
+    d = started()
+    switching(d)
+    d.feed(WorkerLost(worker_id=worker(WORLD[0]), reason="died in the switch"))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback"
+    assert aborted.event_ids == ("evt-1",) and aborted.replanned_event_ids == ()
 
 
 # -- liveness through the machine ---------------------------------------------------------------------

@@ -735,6 +735,40 @@ async def test_the_same_event_twice_makes_one_handoff_and_both_copies_are_acknow
     assert (await rig.record()).issued == 1
 
 
+async def test_a_copy_of_an_event_settled_by_a_predecessor_is_acknowledged_without_running_it(
+    rig: Rig,
+) -> None:
+    # Issue 16, finding 1: the successor did not know an event its predecessor had settled.
+    first = resize(rig.job)
+    grow = msgspec.structs.replace(
+        resize(rig.job, "evt-2"),
+        trigger="scale_request",
+        generation=1,
+        keep=(),
+        remove=(),
+        add=SPARES,
+        deadline=None,
+    )
+    async with running(CoordinatorService(settings(rig.job, instance_id="coord-a")), rig.url) as hosted:
+        await rig.start_world()
+        await rig.live()
+        await rig.publish(s.resize_requested(rig.job), first)
+        await committed(rig, 1)
+        await rig.publish(s.resize_requested(rig.job), grow)
+        await committed(rig, 2)
+        await eventually(rig.consumer_settled, what="both events acknowledged")
+        await delivered(rig, hosted)
+    assert [e.event_id for e in (await rig.record()).settled] == ["evt-1", "evt-2"]
+    async with running(CoordinatorService(settings(rig.job, instance_id="coord-b")), rig.url) as hosted:
+        await rig.publish(s.resize_requested(rig.job), first)  # as the stream redelivers it
+        await eventually(rig.consumer_settled, what="the copy acknowledged")
+        await delivered(rig, hosted)
+        assert hosted.service.core.phase is GenerationPhase.STABLE
+    record = await rig.record()
+    assert (record.generation, record.issued) == (2, 2)
+    assert [type(m).__name__ for m in await rig.stored_outcomes()].count("GenerationAborted") == 0
+
+
 async def test_bad_input_is_reported_and_the_coordinator_carries_on(rig: Rig) -> None:
     async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
         await rig.start_world()

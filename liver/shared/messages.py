@@ -37,13 +37,15 @@ from liver.shared.layout import (
 )
 from liver.shared.subjects import TOKEN_PATTERN, kv_key_prefix
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 """The bus contract's version. Bump it on any incompatible change to any message. Version 2 added
 context parallelism, expert parallelism and expert-TP to layouts and experts to model geometries;
-a version 1 message means the same under version 2 (it is read and treated as version 2), while a
-version 1 reader refuses version 2."""
+version 3 added a spot warning's ``warning_kind`` (and the ``rebalance`` trigger), the ids of every
+event an outcome settles (``event_ids``, ``replanned_event_ids``) and the settled events of the job's
+record. An older message means the same under version 3 (it is read and treated as version 3), while
+an older reader refuses version 3."""
 
-READ_SCHEMA_VERSIONS: Final = frozenset({1, SCHEMA_VERSION})
+READ_SCHEMA_VERSIONS: Final = frozenset({1, 2, SCHEMA_VERSION})
 """The versions this build decodes."""
 
 NODE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.:/@-]{0,252}\Z"
@@ -159,6 +161,12 @@ def _check_devices(devices: tuple[Device, ...], field: str) -> None:
         if device in seen:
             raise _invalid(f"{field}[{i}]", f"device {device} appears twice")
         seen.add(device)
+
+
+def _check_unique(ids: tuple[str, ...], field: str) -> None:
+    if len(set(ids)) != len(ids):
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        raise _invalid(field, f"event ids repeat: {repeated}")
 
 
 def _check_world(layout: ParallelLayout, placement: Placement, field: str) -> None:
@@ -783,7 +791,7 @@ class GenerationCommitted(Message, kw_only=True, tag="generation_committed"):
 
     job_id: JobId
     event_id: EventId
-    """The event that triggered this handoff."""
+    """The event that triggered this handoff (the first, when several were merged into it)."""
     previous_generation: Generation
     generation: Generation
     layout: ParallelLayout
@@ -792,11 +800,15 @@ class GenerationCommitted(Message, kw_only=True, tag="generation_committed"):
     downtime_s: Seconds
     bytes_moved: Bytes
     committed_at: Timestamp
+    event_ids: tuple[EventId, ...] = ()
+    """Every published event (``spot.warning``, ``scale.request``) this commit settles: each ends here
+    and in no other outcome. Empty for a handoff that only a lost worker triggered."""
 
     def _validate(self) -> None:
         if self.generation <= self.previous_generation:
             raise _invalid("generation", f"{self.generation} must be after {self.previous_generation}")
         _check_world(self.layout, self.placement, "placement")
+        _check_unique(self.event_ids, "event_ids")
 
     def rank_to_device(self) -> dict[int, Device]:
         return dict(enumerate(self.placement.devices))
@@ -821,8 +833,14 @@ class GenerationAborted(Message, kw_only=True, tag="generation_aborted"):
     outcome: AbortOutcome
     aborted_at: Timestamp
     checkpoint: Annotated[str, Meta(min_length=1, max_length=1000)] | None = None
+    event_ids: tuple[EventId, ...] = ()
+    """The published events this abort settles: each ends here and in no other outcome."""
+    replanned_event_ids: tuple[EventId, ...] = ()
+    """Events of the cancelled handoff that are planned again as a new generation: their outcome is a
+    later one."""
 
     def _validate(self) -> None:
+        _check_unique(self.event_ids + self.replanned_event_ids, "event_ids")
         if self.outcome == AbortOutcome.KEPT_OLD_WORLD:
             if self.active_generation >= self.generation:
                 raise _invalid(

@@ -8,7 +8,6 @@ in order and reports back the ones that have a result (a key-value write answers
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
 from typing import Any, Literal
 
 import msgspec
@@ -25,7 +24,7 @@ from liver.shared.messages import (
     TopologyRequest,
 )
 
-from .record import GenerationRecord, TriggerSource
+from .record import GenerationRecord, SettleOutcome, TriggerSource
 
 
 class Action(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,17 +88,6 @@ class ReleasePlan(Action):
     objects: tuple[str, ...] = ()
     kv_bucket: str = ""
     kv_keys: str = ""
-
-
-class SettleOutcome(StrEnum):
-    """How the trigger events of a settle ended (logged with the acknowledgement)."""
-
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    CHECKPOINT_FALLBACK = "checkpoint_fallback"
-    NO_CHANGE = "no_change"
-    ENDED_BEFORE = "ended_before"
-    """The event's handoff had already ended before this coordinator held the event."""
 
 
 class Settle(Action):

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from .record import MAX_SETTLED_IN_RECORD, Trigger
+
 if TYPE_CHECKING:
     from liver.shared.messages import PlanSummary
-
-    from .record import Trigger
 
 
 class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -58,6 +58,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     max_remembered_events: int = 10_000
     """Event ids kept for de-duplication; JetStream's own window covers the rest."""
 
+    record_settled_events: int = 512
+    """Settled events the job's record keeps (oldest dropped first), so that any coordinator recognises
+    a redelivered copy of one: far more than can settle within one ack wait, when a lost
+    acknowledgement brings a copy back."""
+
     def __post_init__(self) -> None:
         for field in (
             "heartbeat_timeout_s",
@@ -66,9 +71,15 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             "bandwidth_bytes_per_s",
             "staging_bytes",
             "max_remembered_events",
+            "record_settled_events",
         ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"`{field}`: must be positive, got {getattr(self, field)}")
+        if self.record_settled_events > MAX_SETTLED_IN_RECORD:
+            raise ValueError(
+                f"`record_settled_events`: at most {MAX_SETTLED_IN_RECORD} (a record stays one small value), "
+                f"got {self.record_settled_events}"
+            )
         for field in ("margin_s", "switch_overhead_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"`{field}`: must not be negative, got {getattr(self, field)}")

@@ -66,6 +66,7 @@ from liver.shared.messages import (
     AbortOutcome,
     GenerationAborted,
     GenerationCommitted,
+    HandoffPhase,
     Heartbeat,
     Hello,
     JobMembership,
@@ -114,7 +115,16 @@ from .events import (
     WorldStarted,
 )
 from .membership import HelloPending, Membership, MembershipError
-from .record import GenerationRecord, Participant, PendingHandoff, PendingPhase, Trigger, TriggerSource
+from .record import (
+    GenerationRecord,
+    Participant,
+    PendingHandoff,
+    PendingPhase,
+    SettledEvent,
+    Trigger,
+    TriggerSource,
+    bus_event_ids,
+)
 
 
 class GenerationPhase(enum.StrEnum):
@@ -172,6 +182,7 @@ class Wait(enum.StrEnum):
     SWITCHED = "switched"
     COMMIT_WRITE = "commit_write"
     ABORT_WRITE = "abort_write"
+    NO_CHANGE_WRITE = "no_change_write"
 
 
 class IllegalTransition(LiverError, RuntimeError):
@@ -268,6 +279,9 @@ class Coordinator:
         self._queue: list[Trigger] = []
         self._departing: set[Device] = set()
         self._seen: OrderedDict[str, None] = OrderedDict()
+        self._unrecorded: list[SettledEvent] = []
+        self._no_change: tuple[list[Trigger], GenerationAborted] | None = None
+        """Settlements the next record write carries (an event is acknowledged only after that)."""
         self._history: list[tuple[GenerationPhase, GenerationPhase, str]] = []
         self._out: list[Action] = []
         self._now: datetime | None = None
@@ -309,7 +323,7 @@ class Coordinator:
         and the queued ones. The adapter holds their stream messages unacknowledged until a
         :class:`Settle` names them, and acknowledges a redelivered event that is not among them."""
         triggers = self._queue + (self._handoff.triggers if self._handoff is not None else [])
-        return frozenset(t.event_id for t in triggers if t.kind != TriggerSource.WORKER_LOST)
+        return frozenset(bus_event_ids(triggers))
 
     @property
     def history(self) -> tuple[tuple[GenerationPhase, GenerationPhase, str], ...]:
@@ -384,6 +398,8 @@ class Coordinator:
         self._restored_at = now
         self._record, self._revision = record, revision
         self._handoff, self._deferred, self._wait = None, None, Wait.NOTHING
+        self._unrecorded = []
+        self._restore_settled(record.settled)
         last = record.last_outcome
         if last is not None:
             self._remember(last.event_id)
@@ -484,6 +500,16 @@ class Coordinator:
         ):
             self._wait = Wait.NOTHING
 
+    def _restore_settled(self, settled: Iterable[SettledEvent]) -> None:
+        """Know every event the record says is settled, and have the adapter acknowledge a redelivered
+        copy of one at once, whichever coordinator settled it."""
+        groups: dict[tuple[SettleOutcome, int | None], list[str]] = {}
+        for entry in settled:
+            self._remember(entry.event_id)
+            groups.setdefault((entry.outcome, entry.generation), []).append(entry.event_id)
+        for (outcome, generation), ids in groups.items():
+            self._emit(Settle(event_ids=tuple(ids), outcome=outcome, generation=generation))
+
     def _remember(self, event_id: str) -> None:
         self._seen[event_id] = None
         self._seen.move_to_end(event_id)
@@ -502,11 +528,31 @@ class Coordinator:
             )
         )
 
-    def _settle(self, triggers: Iterable[Trigger], outcome: SettleOutcome, generation: int | None) -> None:
-        """Acknowledge the bus events among ``triggers`` (a lost worker is no bus event)."""
-        ids = tuple(t.event_id for t in triggers if t.kind != TriggerSource.WORKER_LOST)
-        if ids:
-            self._emit(Settle(event_ids=ids, outcome=outcome, generation=generation))
+    def _settle(
+        self,
+        triggers: Iterable[Trigger],
+        outcome: SettleOutcome,
+        generation: int | None,
+        *,
+        recorded: bool = True,
+    ) -> None:
+        """Acknowledge the bus events among ``triggers`` (a lost worker is no bus event). An outcome's
+        events were written to the record with it (:meth:`_record_settled`); others (``recorded``
+        false: events that changed nothing) go with the next record write."""
+        ids = bus_event_ids(triggers)
+        if not ids:
+            return
+        if not recorded:
+            self._unrecorded.extend(
+                SettledEvent(event_id=i, outcome=outcome, generation=generation) for i in ids
+            )
+        self._emit(Settle(event_ids=ids, outcome=outcome, generation=generation))
+
+    def _record_settled(self, triggers: Iterable[Trigger], outcome: SettleOutcome, generation: int) -> None:
+        """Have the next record write (the one that records the outcome) carry these settlements."""
+        self._unrecorded.extend(
+            SettledEvent(event_id=i, outcome=outcome, generation=generation) for i in bus_event_ids(triggers)
+        )
 
     def _wrong_job(self, job_id: str, what: str) -> bool:
         if job_id == self.job_id:
@@ -519,6 +565,10 @@ class Coordinator:
     # -- the record ------------------------------------------------------------------------------------
 
     def _write(self, record: GenerationRecord, wait: Wait) -> None:
+        if self._unrecorded:
+            keep = self.config.record_settled_events
+            record = replace(record, settled=(record.settled + tuple(self._unrecorded))[-keep:])
+            self._unrecorded = []
         record = replace(record, writer=self.instance_id)
         self._inflight = record
         self._wait = wait
@@ -540,6 +590,8 @@ class Coordinator:
                 self._committed()
             case Wait.ABORT_WRITE:
                 self._abort_recorded()
+            case Wait.NO_CHANGE_WRITE:
+                self._no_change_recorded()
             case other:
                 raise IllegalTransition(f"a write completed while waiting for {other.value}")
 
@@ -626,6 +678,7 @@ class Coordinator:
                 issued=event.generation,
                 last_outcome=None if record is None else record.last_outcome,
                 geometry=event.geometry or (None if record is None else record.geometry),
+                settled=() if record is None else record.settled,
             ),
             Wait.WORLD_WRITE,
         )
@@ -754,10 +807,12 @@ class Coordinator:
         world = self._record.devices
         keep = [t for t in self._queue if self._relevant(t, world)]
         done = [t for t in self._queue if not self._relevant(t, world)]
-        self._queue = []
         if done:
+            self._queue = keep
             self._note("info", "triggers_need_no_change", event_ids=[t.event_id for t in done])
-            self._settle(done, SettleOutcome.NO_CHANGE, None)
+            self._answer_no_change(done)
+            return
+        self._queue = []
         if not keep:
             return
         record = self._record
@@ -783,6 +838,44 @@ class Coordinator:
             f"{len(keep)} trigger(s) change the world; handoff to generation {generation}",
         )
         self._write(replace(record, issued=generation, pending=pending), Wait.BEGIN_WRITE)
+
+    def _answer_no_change(self, done: list[Trigger]) -> None:
+        """Give events that change nothing (any more) an outcome of their own: a generation id that
+        never runs, aborted as keeping the live world, recorded with the events it settles. The queue's
+        other triggers start their handoff once that write lands. Lost workers already gone need no
+        answer: they are settled at once."""
+        assert self._record is not None
+        ids = bus_event_ids(done)
+        if not ids:
+            self._settle(done, SettleOutcome.NO_CHANGE, None)
+            self._begin()
+            return
+        record = self._record
+        generation = record.issued + 1
+        reason = f"nothing to change: the live world (generation {record.generation}) already does what "
+        reason += "the event asks" if len(ids) == 1 else f"the {len(ids)} events ask"
+        answer = GenerationAborted(
+            job_id=self.job_id,
+            event_id=ids[0],
+            event_ids=ids,
+            generation=generation,
+            active_generation=record.generation,
+            phase=HandoffPhase.PREPARE,
+            reason=reason,
+            outcome=AbortOutcome.KEPT_OLD_WORLD,
+            aborted_at=self.now,
+        )
+        self._no_change = (done, answer)
+        self._record_settled(done, SettleOutcome.NO_CHANGE, generation)
+        self._write(replace(record, issued=generation, last_outcome=answer), Wait.NO_CHANGE_WRITE)
+
+    def _no_change_recorded(self) -> None:
+        assert self._no_change is not None
+        (done, answer), self._no_change = self._no_change, None
+        self._wait = Wait.NOTHING
+        self._publish(answer)
+        self._settle(done, SettleOutcome.NO_CHANGE, answer.generation)
+        self._begin()
 
     def _begun(self) -> None:
         h = self._handoff
@@ -1122,6 +1215,7 @@ class Coordinator:
         committed = GenerationCommitted(
             job_id=self.job_id,
             event_id=h.event_id,
+            event_ids=bus_event_ids(h.triggers),
             previous_generation=self._record.generation,
             generation=h.generation,
             layout=h.layout,
@@ -1141,6 +1235,7 @@ class Coordinator:
             live=True,
         )
         self._deferred = None
+        self._record_settled(h.triggers, SettleOutcome.COMMITTED, h.generation)
         self._write(record, Wait.COMMIT_WRITE)
 
     def _committed(self) -> None:
@@ -1215,9 +1310,13 @@ class Coordinator:
         reason = (
             stop.reason if not stop.replan else f"{stop.reason} (cancelled; re-planned as a new generation)"
         )
+        settles = not stop.replan or fallback
+        ids = bus_event_ids(h.triggers)
         aborted = GenerationAborted(
             job_id=self.job_id,
             event_id=h.event_id,
+            event_ids=ids if settles else (),
+            replanned_event_ids=() if settles else ids,
             generation=h.generation,
             active_generation=self._record.generation,
             phase=_ABORT_PHASE_NAME[stopped_in],
@@ -1228,6 +1327,9 @@ class Coordinator:
         h.stop, h.stopped_in, h.outcome = stop, stopped_in, aborted
         self._deferred = None
         self._move(GenerationPhase.ABORTED, stop.reason)
+        if settles:
+            outcome = SettleOutcome.CHECKPOINT_FALLBACK if fallback else stop.settle
+            self._record_settled(h.triggers, outcome, h.generation)
         self._write(
             replace(self._record, pending=None, last_outcome=aborted, live=not fallback), Wait.ABORT_WRITE
         )

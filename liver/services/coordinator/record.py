@@ -24,9 +24,10 @@ What is stored, and why:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Final
 
 from msgspec import Meta
 
@@ -56,6 +57,31 @@ class TriggerSource(StrEnum):
     SCALE_REQUEST = "scale_request"
     REBALANCE = "rebalance"
     WORKER_LOST = "worker_lost"
+
+
+MAX_SETTLED_IN_RECORD: Final = 4096
+"""The most settled events a record may hold (a coordinator keeps fewer: ``record_settled_events``)."""
+
+
+class SettleOutcome(StrEnum):
+    """How the trigger events of a settle ended (logged with the acknowledgement, kept in the record)."""
+
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"
+    NO_CHANGE = "no_change"
+    ENDED_BEFORE = "ended_before"
+    """The event's handoff had already ended before this coordinator held the event."""
+
+
+class SettledEvent(Part):
+    """A published event the job is done with, and how: what a coordinator needs to recognise a
+    redelivered copy (its acknowledgement may have been lost with the coordinator that settled it)."""
+
+    event_id: EventId
+    outcome: SettleOutcome
+    generation: Generation | None = None
+    """The generation whose outcome names the event (None: it changed nothing)."""
 
 
 class PendingPhase(StrEnum):
@@ -111,6 +137,12 @@ class Trigger(Part):
         return cls(
             event_id=lost_event_id(device), kind=TriggerSource.WORKER_LOST, received_at=now, remove=(device,)
         )
+
+
+def bus_event_ids(triggers: Iterable[Trigger]) -> tuple[str, ...]:
+    """The ids of the published events among ``triggers``, in order, once each (a lost worker is a
+    trigger but no event anybody published)."""
+    return tuple(dict.fromkeys(t.event_id for t in triggers if t.kind != TriggerSource.WORKER_LOST))
 
 
 class Participant(Part):
@@ -174,6 +206,9 @@ class GenerationRecord(Message, kw_only=True, tag="generation_record"):
     geometry: ModelGeometry | None = None
     """The job's model geometry from its ``WorldStarted`` (kept across generations and fallbacks); every
     topology request carries it."""
+    settled: Annotated[tuple[SettledEvent, ...], Meta(max_length=MAX_SETTLED_IN_RECORD)] = ()
+    """The latest events settled, oldest first: written in the same compare-and-set as the outcome that
+    settles them, so that no coordinator, however many restarts later, runs an event twice."""
 
     def _validate(self) -> None:
         try:
