@@ -20,6 +20,7 @@ from msgspec.structs import replace
 from liver.services.coordinator import (
     TRANSITIONS,
     Action,
+    BusReconnected,
     Coordinator,
     CoordinatorConfig,
     CoordinatorError,
@@ -260,7 +261,14 @@ class Driver:
             )
         )
 
-    def beat(self, device: Device, seq: int | None = None, iteration: int | None = None) -> list[Action]:
+    def beat(
+        self,
+        device: Device,
+        seq: int | None = None,
+        iteration: int | None = None,
+        generation: int | None = None,
+        rank: int | None = None,
+    ) -> list[Action]:
         w = worker(device)
         self.seq[w] = self.seq.get(w, 0) + 1 if seq is None else seq
         return self.feed(
@@ -271,6 +279,8 @@ class Driver:
                 address=f"{device.node}:{29500 + device.index}",
                 seq=self.seq[w],
                 iteration=iteration,
+                generation=generation,
+                rank=rank,
             )
         )
 
@@ -1082,6 +1092,66 @@ def test_target_clash_during_the_switch_waits_for_the_commit() -> None:
     d.run()
     assert [c.generation for c in d.published(GenerationCommitted)] == [1]
     assert [a.generation for a in d.published(GenerationAborted)] == [2]
+
+
+# -- the bus restarting mid-handoff (issue 16, finding 3) -------------------------------------------------
+
+
+def test_a_reconnect_while_waiting_for_ready_sends_the_same_prepare_again() -> None:
+    d = started()
+    handoff_prepared(d)
+    (first,) = d.commands(Prepare)
+    d.feed(BusReconnected())
+    (again,) = d.commands(Prepare)
+    assert again.command == first.command
+    d.pending.append(again)
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+    assert not d.published(GenerationAborted)
+
+
+def test_a_reconnect_during_the_switch_sends_the_switch_again() -> None:
+    d = started()
+    switching(d)
+    (first,) = d.commands(Switch)
+    d.feed(BusReconnected())
+    (again,) = d.commands(Switch)
+    assert again.command == first.command
+    d.pending.append(again)
+    d.run()
+    assert [c.generation for c in d.published(GenerationCommitted)] == [1]
+
+
+def test_a_reconnect_with_no_handoff_sends_nothing() -> None:
+    d = started()
+    assert not [a for a in d.feed(BusReconnected()) if isinstance(a, SendCommand)]
+
+
+def test_heartbeats_from_the_new_world_complete_a_switch_whose_acks_were_lost() -> None:
+    d = started()
+    switching(d)
+    d.commands(Switch)  # delivered, but every ack is lost with the bus
+    pending = d.kv.record.pending if d.kv.record is not None else None
+    assert pending is not None and pending.placement is not None
+    new_rank = {device: rank for rank, device in enumerate(pending.placement.devices)}
+    for p in pending.participants:
+        if p.device in new_rank:
+            d.beat(p.device, iteration=100, generation=1, rank=new_rank[p.device])
+        else:
+            d.beat(p.device, iteration=100)  # left: in no world any more
+    d.write()
+    (committed,) = d.published(GenerationCommitted)
+    assert (committed.generation, committed.started_at_iteration) == (1, 100)
+    assert not d.published(GenerationAborted)
+
+
+def test_a_heartbeat_still_in_the_old_world_is_not_taken_for_a_switch() -> None:
+    d = started()
+    switching(d)
+    d.commands(Switch)
+    for rank, device in enumerate(WORLD):
+        d.beat(device, iteration=99, generation=0, rank=rank)
+    assert d.core.phase is GenerationPhase.SWITCH and not d.published()
 
 
 def test_loss_once_everyone_switched_does_not_stop_the_commit() -> None:

@@ -16,6 +16,7 @@ import yaml
 from infra_helpers import INFRA, SERVICES, load_compose, make_tls
 
 from liver.cli import notice_cmd, serve_cmd, worker_cmd
+from liver.services import bus as b
 from liver.shared.nats_server import find_binary
 
 K8S = INFRA / "k8s"
@@ -99,6 +100,13 @@ def test_each_service_runs_as_in_compose_and_is_ready_when_it_answers(service: s
     compose = load_compose()["services"][service]["environment"]
     assert env["LIVER_METRICS_PORT"] == compose["LIVER_METRICS_PORT"]
     assert {p["containerPort"] for p in container["ports"]} == {int(env["LIVER_METRICS_PORT"])}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_keeps_what_it_declares_on_every_server_of_the_cluster(service: str) -> None:
+    (container,) = find("Deployment", f"liver-{service}")["spec"]["template"]["spec"]["containers"]
+    replicas = b.replicas_from(env_of(container))
+    assert replicas == find("StatefulSet", "liver-nats")["spec"]["replicas"] == 3
 
 
 @pytest.mark.parametrize("service", SERVICES)

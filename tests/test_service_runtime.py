@@ -276,21 +276,27 @@ class Holding(ConsumingService):
     name = "holding"
     description = "holds its message"
 
-    def __init__(self) -> None:
+    def __init__(self, ack_wait_s: float = 60.0, batch: int = 1) -> None:
         super().__init__()
         self.release = asyncio.Event()
         self.taken = 0
+        self.deliveries: list[int] = []
+        self.ack_wait_s = ack_wait_s
+        self.batch = batch
 
     async def start(self, bus: Bus) -> None:
         self._js = bus.js
         await b.ensure_stream(bus.js, s.STREAM_INGEST)
         config = b.pull_consumer_config(
-            "holding", s.SCALE_REQUEST, ack_wait_s=60, max_deliver=3, description="t"
+            "holding", s.SCALE_REQUEST, ack_wait_s=self.ack_wait_s, max_deliver=3, description="t"
         )
-        await self._consume(bus, stream=s.STREAM_INGEST.name, config=config, batch=1, retry_delay_s=0.1)
+        await self._consume(
+            bus, stream=s.STREAM_INGEST.name, config=config, batch=self.batch, retry_delay_s=0.1
+        )
 
     async def handle(self, msg: Msg) -> None:
         self.taken += 1
+        self.deliveries.append(msg.metadata.num_delivered)
         await self.release.wait()
         await msg.ack()
 
@@ -311,6 +317,46 @@ async def test_the_queue_depth_of_a_services_consumer_is_a_metric(server: NatsSe
         await eventually(standing, what="two messages waiting and one in hand on /metrics")
         assert await service.queue_depth() == (2, 1)
         service.release.set()
+
+
+async def test_messages_held_past_the_ack_wait_are_kept_in_progress_and_never_redelivered(
+    server: NatsServer,
+) -> None:
+    service = Holding(ack_wait_s=1.0, batch=4)
+    async with hosted(service, server.url, {}), client(server.url) as (_, js):
+        for i in range(3):
+            await js.publish(s.SCALE_REQUEST, f"held-{i}".encode())
+        assert service._consumer is not None
+        consumer = service._consumer.consumer
+
+        async def kept_for_two_ack_waits() -> bool:  # one in hand and two prefetched all the while
+            return service.taken == 1 and consumer.kept_alive >= 3 * 6
+
+        await eventually(kept_for_two_ack_waits, what="six keep-alive rounds of three held messages")
+        info = await js.consumer_info(s.STREAM_INGEST.name, "holding")
+        assert (info.num_redelivered, info.num_ack_pending) == (0, 3)
+        service.release.set()
+        await eventually(lambda: _true(service.taken == 3), what="all three handled")
+    assert service.deliveries == [1, 1, 1]
+
+
+async def test_a_message_held_by_a_service_that_died_is_redelivered_after_the_short_ack_wait(
+    server: NatsServer,
+) -> None:
+    dying, next_one = Holding(ack_wait_s=1.0), Holding(ack_wait_s=1.0)
+    async with client(server.url) as (_, js):
+        async with hosted(dying, server.url, {}) as h:
+            await js.publish(s.SCALE_REQUEST, b"held")
+            await eventually(lambda: _true(dying.taken == 1), what="the message in hand")
+            await h.bus.nc.close()  # dies: no ack, no nak, no keep-alive
+        next_one.release.set()
+        async with hosted(next_one, server.url, {}):
+            await eventually(lambda: _true(next_one.taken == 1), what="the message redelivered")
+    assert next_one.deliveries == [2]
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 # -- consuming ----------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from nats.js.object_store import ObjectStore
 
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, encode, error_event
-from liver.shared.errors import BusError
+from liver.shared.errors import BusError, InputError
 from liver.shared.logs import bind_message
 from liver.shared.messages import ErrorEvent
 
@@ -70,10 +70,31 @@ class DeclareError(BusError):
     """A stream, consumer or bucket could not be declared (a name clash with a foreign config)."""
 
 
+REPLICAS_ENV: Final = "LIVER_JS_REPLICAS"
+"""How many servers of a JetStream cluster keep each of LiveR's streams, buckets and object stores: 1 for
+a single server (the embedded default), 3 for the deployment's three-server cluster, so that losing one
+server loses nothing and stops nothing."""
+MAX_REPLICAS: Final = 5  # JetStream's own limit
+
+
+class ReplicasError(InputError):
+    """``$LIVER_JS_REPLICAS`` is not a replica count JetStream accepts."""
+
+
+def replicas_from(environ: Mapping[str, str]) -> int:
+    """The replica count ``$LIVER_JS_REPLICAS`` gives (default 1); a bad value is named."""
+    text = environ.get(REPLICAS_ENV, "").strip()
+    if not text:
+        return 1
+    if not text.isdigit() or not 1 <= int(text) <= MAX_REPLICAS:
+        raise ReplicasError(f"{REPLICAS_ENV}: {text!r} is not a replica count (1 to {MAX_REPLICAS})")
+    return int(text)
+
+
 # -- declarations -------------------------------------------------------------------------------------
 
 
-def stream_config(spec: s.StreamSpec) -> api.StreamConfig:
+def stream_config(spec: s.StreamSpec, replicas: int = 1) -> api.StreamConfig:
     """The JetStream config LiveR wants for one of its streams."""
     if spec.name not in STREAM_LIMITS:
         raise DeclareError(f"stream {spec.name} has no entry in STREAM_LIMITS")
@@ -85,11 +106,20 @@ def stream_config(spec: s.StreamSpec) -> api.StreamConfig:
         storage=api.StorageType.FILE,
         max_age=STREAM_LIMITS[spec.name],
         duplicate_window=DUPLICATE_WINDOW_S,
+        num_replicas=replicas,
     )
 
 
 def _differs(have: api.StreamConfig, want: api.StreamConfig) -> list[str]:
-    fields = ("subjects", "description", "max_age", "duplicate_window", "storage", "retention")
+    fields = (
+        "subjects",
+        "description",
+        "max_age",
+        "duplicate_window",
+        "storage",
+        "retention",
+        "num_replicas",
+    )
     out = []
     for field in fields:
         a, b = getattr(have, field), getattr(want, field)
@@ -97,14 +127,17 @@ def _differs(have: api.StreamConfig, want: api.StreamConfig) -> list[str]:
             a, b = sorted(a or ()), sorted(b or ())
         if field == "max_age":
             a, b = a or 0, b or 0
+        if field == "num_replicas":
+            a, b = a or 1, b or 1
         if a != b:
             out.append(field)
     return out
 
 
-async def ensure_stream(js: JetStreamContext, spec: s.StreamSpec) -> api.StreamInfo:
-    """Create the stream, or bring an existing one's subjects and limits to :func:`stream_config`."""
-    want = stream_config(spec)
+async def ensure_stream(js: JetStreamContext, spec: s.StreamSpec, *, replicas: int = 1) -> api.StreamInfo:
+    """Create the stream, or bring an existing one's subjects, limits and replicas to
+    :func:`stream_config`."""
+    want = stream_config(spec, replicas)
     for _attempt in range(3):
         try:
             info = await js.stream_info(spec.name)
@@ -123,9 +156,11 @@ async def ensure_stream(js: JetStreamContext, spec: s.StreamSpec) -> api.StreamI
     raise DeclareError(f"stream {spec.name} could not be declared")
 
 
-async def ensure_streams(js: JetStreamContext, specs: tuple[s.StreamSpec, ...] = s.STREAMS) -> None:
+async def ensure_streams(
+    js: JetStreamContext, specs: tuple[s.StreamSpec, ...] = s.STREAMS, *, replicas: int = 1
+) -> None:
     for spec in specs:
-        await ensure_stream(js, spec)
+        await ensure_stream(js, spec, replicas=replicas)
 
 
 def pull_consumer_config(
@@ -159,7 +194,13 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: api.Consume
 
 
 async def ensure_kv(
-    js: JetStreamContext, bucket: str, *, description: str, ttl_s: float | None = None, history: int = 1
+    js: JetStreamContext,
+    bucket: str,
+    *,
+    description: str,
+    ttl_s: float | None = None,
+    history: int = 1,
+    replicas: int = 1,
 ) -> KeyValue:
     """Open the bucket, creating it when missing (a bucket made by another process is used as it is)."""
     try:
@@ -167,7 +208,9 @@ async def ensure_kv(
     except nats.js.errors.BucketNotFoundError:
         pass
     try:
-        return await js.create_key_value(bucket=bucket, description=description, ttl=ttl_s, history=history)
+        return await js.create_key_value(
+            bucket=bucket, description=description, ttl=ttl_s, history=history, replicas=replicas
+        )
     except nats.js.errors.BadRequestError as exc:
         if exc.err_code != 10058:
             raise
@@ -175,7 +218,7 @@ async def ensure_kv(
 
 
 async def ensure_object_store(
-    js: JetStreamContext, bucket: str, *, description: str, ttl_s: float | None = None
+    js: JetStreamContext, bucket: str, *, description: str, ttl_s: float | None = None, replicas: int = 1
 ) -> ObjectStore:
     """Open the store, creating it when missing; objects older than ``ttl_s`` expire."""
     try:
@@ -183,7 +226,7 @@ async def ensure_object_store(
     except nats.js.errors.BucketNotFoundError:
         pass
     try:
-        return await js.create_object_store(bucket, description=description, ttl=ttl_s)
+        return await js.create_object_store(bucket, description=description, ttl=ttl_s, replicas=replicas)
     except nats.js.errors.BadRequestError as exc:
         if exc.err_code != 10058:
             raise

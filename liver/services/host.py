@@ -68,6 +68,8 @@ class Bus:
 
     nc: Client
     js: JetStreamContext
+    replicas: int = 1
+    """Replicas of every stream, bucket and object store a service declares (``$LIVER_JS_REPLICAS``)."""
 
 
 class Service(Protocol):
@@ -97,13 +99,15 @@ async def connect(
     *,
     name: str,
     on_lost: Callable[[], None] | None = None,
+    on_reconnected: Callable[[], Awaitable[None]] | None = None,
 ) -> Client:
     """Connect with :func:`connect_options`; connection events go to the log, not to stderr as text.
 
     ``on_lost`` is called when the connection is closed for good, by this process or not (the caller
     knows which): the client reconnects after an outage by itself, but a connection the server closed on
     a protocol error (a payload over ``max_payload``, for one) stays closed, and a service on it would be
-    up but deaf.
+    up but deaf. ``on_reconnected`` is awaited after each reconnect: what was published meanwhile
+    without being stored is gone, and a service may have to say it again.
     """
 
     async def on_error(exc: Exception) -> None:
@@ -116,8 +120,10 @@ async def connect(
             return  # our own shutdown, not an outage
         log.warning("nats_disconnected")
 
-    async def on_reconnected() -> None:
+    async def reconnected() -> None:
         log.info("nats_reconnected")
+        if on_reconnected is not None:
+            await on_reconnected()
 
     async def on_closed() -> None:
         if on_lost is not None:
@@ -128,7 +134,7 @@ async def connect(
         **options,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
+        reconnected_cb=reconnected,
         closed_cb=on_closed,
     )
     clients.append(nc)
@@ -146,6 +152,12 @@ class HasJobId(Protocol):
     def job_id(self) -> str: ...
 
 
+DEFAULT_ACK_WAIT_S: Final = 5.0
+"""How long the server waits for a service to settle a message before it redelivers it elsewhere. Short,
+because every held message is reported in progress meanwhile (:class:`PullConsumer`): what it bounds is
+the time a message stays with a process that died holding it."""
+
+
 class PullConsumer:
     """One durable pull consumer feeding ``handler`` one message at a time, in stream order.
 
@@ -159,6 +171,10 @@ class PullConsumer:
     ``fetch_timeout_s`` is how long one pull request lives on the server; an idle request shows it is
     alive every ``heartbeat_s``, and one silent for two heartbeats (lost in a server restart) is
     replaced, so a long expiry costs nothing in latency or recovery.
+
+    Every message this instance holds (in hand and prefetched) is reported in progress every third of
+    the consumer's ack wait, so that the ack wait can be short: a message is taken back from a process
+    that died with it within seconds, never from one still working on it or about to.
     """
 
     def __init__(
@@ -194,20 +210,43 @@ class PullConsumer:
             backoff_s=retry_delay_s,
         )
         self._task: asyncio.Task[None] | None = None
+        self._keeping: asyncio.Task[None] | None = None
+        self._in_hand: Msg | None = None
+        ack_wait = config.ack_wait or DEFAULT_ACK_WAIT_S
+        self._keep_alive_s = ack_wait / 3
         self._stopping = False
         self._idle = True
         self._errors: collections.OrderedDict[int, str] = collections.OrderedDict()
         self.handled = 0
         self.failed = 0
+        self.kept_alive = 0
+        """Messages reported in progress so far (each held message, every third of the ack wait)."""
 
     async def start(self) -> None:
         await ensure_consumer(self._js, self.stream, self._config)
         await self._pull.start()
         self._task = asyncio.create_task(self._run(), name=f"consume-{self.stream}-{self.durable}")
+        self._keeping = asyncio.create_task(
+            self._keep_alive(), name=f"keep-alive-{self.stream}-{self.durable}"
+        )
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self._keep_alive_s)
+            held = ([self._in_hand] if self._in_hand is not None else []) + self._pull.waiting()
+            for msg in held:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.in_progress()
+                    self.kept_alive += 1
 
     async def stop(self) -> None:
         """Stop taking messages; a message being handled is finished first, prefetched ones nak'ed."""
         self._stopping = True
+        keeping, self._keeping = self._keeping, None
+        if keeping is not None:
+            keeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeping
         task, self._task = self._task, None
         if task is not None:
             if self._idle:
@@ -240,6 +279,7 @@ class PullConsumer:
         meta = msg.metadata
         seq = meta.sequence.stream
         with bind_message(subject=msg.subject, stream_sequence=seq, delivery=meta.num_delivered):
+            self._in_hand = msg
             try:
                 await self._handler(msg)
             except Exception as exc:
@@ -252,6 +292,8 @@ class PullConsumer:
                 with contextlib.suppress(Exception):
                     await msg.nak(delay=self._retry_delay_s)
                 return
+            finally:
+                self._in_hand = None
             self.handled += 1
             self._errors.pop(seq, None)
 
@@ -500,9 +542,16 @@ async def _hosted(
             log.error("nats_connection_lost", service=service.name, error=repr(nc.last_error))
             lost.set()
 
-    nc = await connect(url, environ, name=name, on_lost=on_lost)
+    async def on_reconnected() -> None:
+        again = getattr(service, "on_reconnected", None)
+        if again is not None:
+            await again()
+
+    nc = await connect(url, environ, name=name, on_lost=on_lost, on_reconnected=on_reconnected)
     try:
-        bus = Bus(nc=nc, js=nc.jetstream())
+        bus = Bus(
+            nc=nc, js=nc.jetstream(), replicas=b.replicas_from(os.environ if environ is None else environ)
+        )
         await service.start(bus)
         try:
             micro = await _announce(nc, service, name)
@@ -610,6 +659,7 @@ def serve(service: Service, environ: Mapping[str, str] | None = None) -> int:
     # The embedded server (if any) lives exactly as long as this block: it is stopped after the drain.
     with nats_url(env) as url:
         connect_options(url, env, name=micro_name(service.name))  # bad settings fail before anything starts
+        b.replicas_from(env)
         asyncio.run(run_until_signalled(service, url, env, metrics_port=port))
     return 0
 

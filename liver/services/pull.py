@@ -94,6 +94,10 @@ class ContinuousPull:
         self._not_before = 0.0  # no request before this (after a refusal)
         self.requests_sent = 0
 
+    def waiting(self) -> list[Msg]:
+        """Messages delivered and not yet handed out by :meth:`next` (their ack timers are running)."""
+        return [m for m in self._inbox if m.reply]
+
     async def start(self) -> None:
         self._reply_prefix = self._nc.new_inbox()
         self._sub = await self._nc.subscribe(f"{self._reply_prefix}.*", cb=self._arrive)

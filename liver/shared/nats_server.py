@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -163,6 +164,11 @@ class NatsServer:
 
     def start(self) -> NatsServer:
         """Start the server and return once it answers its health check; raise with its log otherwise."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (members of a cluster wait for each other)."""
         if self._process is not None:
             raise NatsServerError("the server is already started")
         binary = self._binary or find_binary()
@@ -191,13 +197,26 @@ class NatsServer:
             stderr=subprocess.STDOUT,
             preexec_fn=preexec,
         )
+
+    def wait_ready(self) -> NatsServer:
+        """Return once the launched server answers its health check; raise with its log otherwise."""
+        assert self._process is not None and self._workdir is not None
         try:
-            self._wait_ready(ports_dir)
+            self._wait_ready(self._workdir / "ports")
         except BaseException:
             self.stop()
             raise
         log.info("nats_server_started", url=self._url, pid=self._process.pid, store_dir=str(self.store_dir))
         return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: JetStream gets no chance to flush; an explicit ``store_dir`` is kept."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+            log.info("nats_server_killed", pid=process.pid)
+        self.stop()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM (JetStream flushes and shuts down cleanly), then SIGKILL after ``timeout_s``."""
@@ -270,6 +289,110 @@ class NatsServer:
             data = self.log_file.read_bytes()
             return data[-_LOG_TAIL_BYTES:].decode("utf-8", errors="replace")
         return "(no log written)"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (another process may take it before it is used: callers bind
+    soon after)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsCluster:
+    """``size`` nats-servers on loopback, routed into one JetStream cluster, as a deployment runs them.
+
+    Each member keeps its client port and store across :meth:`kill` and :meth:`restart`, so a restarted
+    member is the same server coming back (what a pod restart is); :attr:`urls` lists every member, as
+    clients of a cluster are configured.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        name: str = "liver",
+        config_file: str | os.PathLike[str] | None = None,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"`size`: a cluster has at least one server, got {size}")
+        self.size = size
+        self.name = name
+        self._config_file = config_file
+        self._startup_timeout_s = startup_timeout_s
+        self._root: Path | None = None
+        self._members: list[NatsServer] = []
+        self._client_ports: list[int] = []
+        self._route_ports: list[int] = []
+
+    @property
+    def urls(self) -> str:
+        """Every member's client URL, comma-separated (``$NATS_URL`` for a cluster)."""
+        return ",".join(f"nats://127.0.0.1:{port}" for port in self._client_ports)
+
+    def member(self, index: int) -> NatsServer:
+        return self._members[index]
+
+    def _server(self, index: int) -> NatsServer:
+        assert self._root is not None
+        routes = ",".join(f"nats://127.0.0.1:{p}" for i, p in enumerate(self._route_ports) if i != index)
+        return NatsServer(
+            store_dir=self._root / f"store-{index}",
+            config_file=self._config_file,
+            startup_timeout_s=self._startup_timeout_s,
+            extra_args=(
+                "-p", str(self._client_ports[index]),
+                "--server_name", f"{self.name}-{index}",
+                "--cluster_name", self.name,
+                "--cluster", f"nats://127.0.0.1:{self._route_ports[index]}",
+                "--routes", routes,
+            ),
+        )  # fmt: skip
+
+    def start(self) -> NatsCluster:
+        """Start every member, then wait for all: each becomes healthy only once the cluster has a
+        JetStream meta leader, which needs a quorum of them."""
+        self._root = Path(tempfile.mkdtemp(prefix="liver-nats-cluster-"))
+        self._client_ports = [free_port() for _ in range(self.size)]
+        self._route_ports = [free_port() for _ in range(self.size)]
+        self._members = [self._server(i) for i in range(self.size)]
+        try:
+            for member in self._members:
+                member.launch()
+            for member in self._members:
+                member.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, index: int) -> None:
+        """Crash one member (SIGKILL); its store stays for :meth:`restart`."""
+        self._members[index].kill()
+
+    def restart(self, index: int) -> None:
+        """Start a killed member again, on its ports, with its store."""
+        self._members[index] = self._server(index)
+        self._members[index].start()
+
+    def stop(self) -> None:
+        for member in self._members:
+            member.stop()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from .actions import (
 from .config import CoordinatorConfig
 from .core import TRANSITIONS, Coordinator, CoordinatorError, GenerationPhase, IllegalTransition, Wait
 from .events import (
+    BusReconnected,
     Event,
     RecordConflict,
     RecordObserved,
@@ -36,6 +37,7 @@ from .record import GenerationRecord, Participant, PendingHandoff, Trigger
 __all__ = [
     "TRANSITIONS",
     "Action",
+    "BusReconnected",
     "Change",
     "Coordinator",
     "CoordinatorConfig",

@@ -77,6 +77,7 @@ from liver.shared.messages import (
     TopologyPlanned,
     TransferPlanned,
     WorkerDevice,
+    WorkerPhase,
     WorkerStatus,
 )
 from liver.shared.plan import slice_participants
@@ -104,6 +105,7 @@ from .actions import (
 )
 from .config import CoordinatorConfig, handoff_deadline, switch_estimate_s, trigger_deadline
 from .events import (
+    BusReconnected,
     Event,
     PlanningFailed,
     RecordConflict,
@@ -235,6 +237,8 @@ class _Handoff:
     prepared: set[str] = field(default_factory=set)
     switched: dict[str, WorkerStatus] = field(default_factory=dict)
     switch_sent: bool = False
+    prepare: Prepare | None = None
+    """The Prepare broadcast (sent again after the bus was away)."""
     stop: _Stop | None = None
     stopped_in: GenerationPhase | None = None
     outcome: GenerationAborted | None = None
@@ -364,6 +368,8 @@ class Coordinator:
                 self._on_world_started(event)
             case Tick():
                 self._on_tick()
+            case BusReconnected():
+                self._on_reconnected()
             case RecordWritten():
                 self._on_written(event.revision)
             case RecordConflict():
@@ -1060,6 +1066,7 @@ class Coordinator:
             self._request_stop(_Stop(reason, replan=False))
             return
         self._emit(SendCommand(command=prepare))
+        h.prepare = prepare
         self._wait = Wait.PREPARED
         self._note("info", "prepare_sent", participants=len(participants), deadline=prepare.deadline)
 
@@ -1440,6 +1447,58 @@ class Coordinator:
                 )
         if self._wait is Wait.WORKERS and h is not None and h.stop is None and self._deferred is None:
             self._send_prepares()
+        if isinstance(event, Heartbeat):
+            self._switched_by_heartbeat(event)
+
+    def _on_reconnected(self) -> None:
+        """The bus was away: what this coordinator sent, and what workers acked, may be lost (worker
+        traffic is not stored). Send the command of the phase again; workers answer a repeated command
+        with their last ack without redoing it, and announce themselves again after their own
+        reconnect, so the handoff carries on instead of waiting for its deadline."""
+        h = self._handoff
+        if h is None or h.stop is not None or self._deferred is not None:
+            return
+        if self._wait is Wait.PREPARED and h.prepare is not None:
+            self._note(
+                "info",
+                "prepare_resent",
+                generation=h.generation,
+                waiting_for=len(h.participants) - len(h.prepared),
+            )
+            self._emit(SendCommand(command=h.prepare))
+        elif self._wait is Wait.SWITCHED:
+            self._note(
+                "info",
+                "switch_resent",
+                generation=h.generation,
+                waiting_for=len(h.participants) - len(h.switched),
+            )
+            self._emit(
+                SendCommand(command=Switch(job_id=self.job_id, generation=h.generation, deadline=h.deadline))
+            )
+
+    def _switched_by_heartbeat(self, beat: Heartbeat) -> None:
+        """A participant whose heartbeat speaks for the new world (or, leaving, for no world any more) has
+        switched, whether or not its ack arrived: acks sent while the bus was away are lost, heartbeats
+        keep coming."""
+        h = self._handoff
+        if h is None or not h.switch_sent or self._wait is not Wait.SWITCHED or h.stop is not None:
+            return
+        device = h.participants.get(beat.worker_id)
+        if device is None or beat.worker_id in h.switched or h.placement is None:
+            return
+        stays = device in h.placement.devices
+        if (stays and beat.generation == h.generation) or (not stays and beat.generation is None):
+            self._note("info", "switch_seen_in_heartbeat", worker_id=beat.worker_id, generation=h.generation)
+            self._on_status(
+                WorkerStatus(
+                    job_id=self.job_id,
+                    worker_id=beat.worker_id,
+                    generation=h.generation,
+                    phase=WorkerPhase.SWITCHED,
+                    iteration=beat.iteration,
+                )
+            )
 
     def _on_worker_lost(self, event: WorkerLost) -> None:
         member = self.membership.remove(event.worker_id)

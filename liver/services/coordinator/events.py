@@ -35,6 +35,11 @@ class Tick(msgspec.Struct, frozen=True):
     """Time passed: check heartbeats and phase deadlines."""
 
 
+class BusReconnected(msgspec.Struct, frozen=True):
+    """The adapter's connection to the bus is back after an outage (a server restart, a network cut):
+    commands sent and acks published meanwhile may be gone, as worker traffic is not stored."""
+
+
 class RecordWritten(msgspec.Struct, frozen=True, kw_only=True):
     """The compare-and-set the core asked for succeeded; ``revision`` is the key's new revision."""
 
@@ -75,6 +80,7 @@ Event = (
     | WorkerLost
     | WorldStarted
     | Tick
+    | BusReconnected
     | RecordWritten
     | RecordConflict
     | RecordWriteFailed

@@ -57,12 +57,13 @@ class RecordStore:
         self.job_id = s.validate_token(job_id, "job_id")
 
     @classmethod
-    async def open(cls, js: JetStreamContext, job_id: str) -> RecordStore:
+    async def open(cls, js: JetStreamContext, job_id: str, *, replicas: int = 1) -> RecordStore:
         kv = await b.ensure_kv(
             js,
             s.KV_GENERATIONS,
             description="Each job's generation record, by job id; commit is a compare-and-set on it.",
             history=HISTORY,
+            replicas=replicas,
         )
         return cls(kv, job_id)
 

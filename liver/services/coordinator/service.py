@@ -49,7 +49,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.host import Bus, ConsumingService
+from liver.services.host import DEFAULT_ACK_WAIT_S, Bus, ConsumingService
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -81,7 +81,7 @@ from .actions import (
 from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
 from .core import Coordinator, GenerationPhase
-from .events import Event, RecordConflict, RecordWriteFailed, Tick
+from .events import BusReconnected, Event, RecordConflict, RecordWriteFailed, Tick
 from .kv import BUS_FAILURES, RecordStore
 
 log = structlog.get_logger(__name__)
@@ -129,8 +129,8 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     durable: str = ""
     """The durable consumer's name; empty: ``coordinator-<job>``. Coordinators that share it split the
     job's control traffic (only one should be active); coordinators with their own see all of it."""
-    ack_wait_s: float = 30.0
-    progress_every_s: float = 10.0
+    ack_wait_s: float = DEFAULT_ACK_WAIT_S
+    progress_every_s: float = DEFAULT_ACK_WAIT_S / 3
     """How often held resize requests are reported in progress (well under ``ack_wait_s``)."""
     retry_delay_s: float = 1.0
     """Pause before a failed message is redelivered, and before a record write is retried."""
@@ -229,11 +229,16 @@ class CoordinatorService(ConsumingService):
         self._nc, js = bus.nc, bus.js
         self._js = js
         await b.ensure_streams(
-            js, (s.STREAM_CONTROL, s.STREAM_GENERATIONS, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS)
+            js,
+            (s.STREAM_CONTROL, s.STREAM_GENERATIONS, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS),
+            replicas=bus.replicas,
         )
-        self._records = await RecordStore.open(js, self.job_id)
+        self._records = await RecordStore.open(js, self.job_id, replicas=bus.replicas)
         self._members = await b.ensure_kv(
-            js, s.KV_MEMBERSHIP, description="Each job's current workers and devices, by job id."
+            js,
+            s.KV_MEMBERSHIP,
+            description="Each job's current workers and devices, by job id.",
+            replicas=bus.replicas,
         )
         job = self.job_id
         for subject, handler in (
@@ -348,6 +353,13 @@ class CoordinatorService(ConsumingService):
                 # redelivered for ever.
                 await self._held.settle([event.event_id], SettleOutcome.ENDED_BEFORE)
                 log.info("ended_event_acknowledged")
+
+    async def on_reconnected(self) -> None:
+        """The host's connection is back after an outage: the core re-sends the command of its phase."""
+        if self._standing_by or self._js is None:
+            return
+        with bind_message(job_id=self.job_id):
+            await self._feed(BusReconnected())
 
     async def _on_presence(self, msg: Msg) -> None:
         into = Hello if msg.subject == s.worker_hello(self.job_id) else Heartbeat

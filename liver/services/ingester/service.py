@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.host import Bus, ConsumingService
+from liver.services.host import DEFAULT_ACK_WAIT_S, Bus, ConsumingService
 from liver.services.ingester import core
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
@@ -48,7 +48,8 @@ class IngesterSettings(msgspec.Struct, frozen=True, kw_only=True):
     durable: str = "ingester"
     max_deliver: int = 5
     """Attempts at a message that keeps failing for reasons other than its content."""
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = DEFAULT_ACK_WAIT_S
+    """Short: held messages are reported in progress; a message held by a dead ingester comes back in it."""
     retry_delay_s: float = 2.0
     seen_ttl_s: float = 7 * b.DAY_S
     """How long an event id is remembered: past this a re-sent event would resize again."""
@@ -84,16 +85,22 @@ class Ingester(ConsumingService):
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
         await b.ensure_streams(
-            js, (s.STREAM_INGEST, s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS)
+            js,
+            (s.STREAM_INGEST, s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS),
+            replicas=bus.replicas,
         )
         self._seen = await b.ensure_kv(
             js,
             s.KV_EVENTS_SEEN,
             ttl_s=self.settings.seen_ttl_s,
             description="Events the ingester turned into resize requests, by job and event id.",
+            replicas=bus.replicas,
         )
         self._members = await b.ensure_kv(
-            js, s.KV_MEMBERSHIP, description="Each job's current workers and devices, by job id."
+            js,
+            s.KV_MEMBERSHIP,
+            description="Each job's current workers and devices, by job id.",
+            replicas=bus.replicas,
         )
         config = b.pull_consumer_config(
             self.settings.durable,

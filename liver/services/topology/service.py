@@ -48,7 +48,9 @@ class TopologyService(ConsumingService):
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
-        await b.ensure_streams(js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS))
+        await b.ensure_streams(
+            js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS), replicas=bus.replicas
+        )
         config = b.pull_consumer_config(
             self.settings.durable,
             s.TOPOLOGY_REQUEST_ANY,

@@ -29,6 +29,7 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta
 
+from liver.services.host import DEFAULT_ACK_WAIT_S
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
 from liver.shared.errors import InputError
 from liver.shared.model import PRESETS, ModelError, ModelSpec, load_model
@@ -91,8 +92,8 @@ class TopologySettings(msgspec.Struct, frozen=True, kw_only=True):
     """The workers' transfer staging buffer: memory training cannot use (I2)."""
     durable: str = "topology"
     max_deliver: int = 3
-    ack_wait_s: float = 30.0
-    progress_every_s: float = 10.0
+    ack_wait_s: float = DEFAULT_ACK_WAIT_S
+    progress_every_s: float = DEFAULT_ACK_WAIT_S / 3
     retry_delay_s: float = 2.0
 
     def __post_init__(self) -> None:

@@ -31,7 +31,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from liver.services import bus as b
-from liver.services.host import Bus, ConsumingService, keep_in_progress
+from liver.services.host import DEFAULT_ACK_WAIT_S, Bus, ConsumingService, keep_in_progress
 from liver.services.transfer import core, store
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s
@@ -55,9 +55,11 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
     optimizer: bool = True
     """Plan the optimizer state (moments, master weights) along with the parameters."""
     max_deliver: int = 3
-    ack_wait_s: float = 60.0
-    progress_every_s: float = 15.0
+    ack_wait_s: float = DEFAULT_ACK_WAIT_S
+    progress_every_s: float = DEFAULT_ACK_WAIT_S / 3
     """How often a long planning run tells JetStream it is still working (well under ``ack_wait_s``)."""
+    store_timeout_s: float = 60.0
+    """The longest one write of a plan object or slice entry may take."""
     retry_delay_s: float = 2.0
     plans_ttl_s: float = 7 * b.DAY_S
     """How long plan objects and slice entries live if nobody deletes them (a missed release)."""
@@ -73,7 +75,7 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_deliver must be >= 1, got {self.max_deliver}")
         if self.kv_slice_max_bytes < 0:
             raise ValueError(f"kv_slice_max_bytes must be >= 0, got {self.kv_slice_max_bytes}")
-        for field in ("ack_wait_s", "progress_every_s", "retry_delay_s", "plans_ttl_s"):
+        for field in ("ack_wait_s", "progress_every_s", "retry_delay_s", "plans_ttl_s", "store_timeout_s"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
         if self.progress_every_s >= self.ack_wait_s:
@@ -114,18 +116,22 @@ class TransferService(ConsumingService):
 
     async def start(self, bus: Bus) -> None:
         js = self._js = bus.js
-        await b.ensure_streams(js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS))
+        await b.ensure_streams(
+            js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS), replicas=bus.replicas
+        )
         objects = await b.ensure_object_store(
             js,
             s.OBJECT_STORE_PLANS,
             description="Transfer plans and per-device slices, by job, generation and request.",
             ttl_s=self.settings.plans_ttl_s,
+            replicas=bus.replicas,
         )
         await b.ensure_kv(
             js,
             s.KV_PLAN_SLICES,
             description="Per-device plan slices that fit one message, by job, generation and request.",
             ttl_s=self.settings.plans_ttl_s,
+            replicas=bus.replicas,
         )
         self._writer = store.PlanWriter(
             js,
@@ -133,7 +139,7 @@ class TransferService(ConsumingService):
             object_bucket=s.OBJECT_STORE_PLANS,
             kv_bucket=s.KV_PLAN_SLICES,
             kv_max_bytes=store.kv_limit(bus.nc.max_payload, self.settings.kv_slice_max_bytes),
-            timeout_s=self.settings.ack_wait_s,
+            timeout_s=self.settings.store_timeout_s,
         )
         config = b.pull_consumer_config(
             self.settings.durable,

@@ -40,6 +40,7 @@ from nats.aio.subscription import Subscription
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode, error_event
 from liver.shared.connection import connect_options
+from liver.shared.errors import BusError
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import (
     Abort,
@@ -398,6 +399,11 @@ class SimulatedJob:
             return
         log.info("world_started_published", generation=settings.generation, layout=layout.describe())
 
+    async def reannounce(self) -> None:
+        """Every worker still on the bus says hello again, with the ack of a handoff in flight: after a
+        reconnect, what they published while the bus was away is gone."""
+        await asyncio.gather(*(w.agent.announce() for w in self.active if w.agent is not None))
+
     def leave(self, worker: SimulatedWorker, reason: str) -> None:
         """Take a worker off the bus (it stops beating and reading commands)."""
         agent, worker.agent = worker.agent, None
@@ -452,6 +458,10 @@ class SimulatedJob:
                 self.leave(worker, reason=f"not in the world of generation {committed.generation}")
 
 
+class SimulationConnectionLost(BusError):
+    """The server closed the simulated job's connection for good (the process exits 1)."""
+
+
 @contextlib.asynccontextmanager
 async def simulated_job(settings: SimSettings, nc: Client) -> AsyncIterator[SimulatedJob]:
     job = SimulatedJob(settings, nc)
@@ -474,11 +484,32 @@ async def run_until_signalled(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     options = connect_options(url, environ, name=f"liver-sim-{settings.job_id}")
+    running: list[SimulatedJob] = []
+    lost = asyncio.Event()
+
+    async def on_reconnected() -> None:
+        log.info("nats_reconnected", job_id=settings.job_id)
+        if running:
+            await running[0].reannounce()
+
+    async def on_closed() -> None:
+        if not stop.is_set():
+            lost.set()
+
     try:
-        nc = await nats.connect(**options)
+        nc = await nats.connect(**options, reconnected_cb=on_reconnected, closed_cb=on_closed)
         try:
-            async with simulated_job(settings, nc):
-                await stop.wait()
+            async with simulated_job(settings, nc) as job:
+                running.append(job)
+                waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())}
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+                if lost.is_set():
+                    # A deaf simulation would look alive to its supervisor: exit 1 to be restarted.
+                    raise SimulationConnectionLost(f"the server closed the connection ({nc.last_error!r})")
                 log.info("signal_received")
         finally:
             with contextlib.suppress(TimeoutError, nats.errors.Error):
