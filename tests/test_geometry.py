@@ -11,12 +11,13 @@ import pytest
 from liver.services.transfer.planner import build_plan
 from liver.shared.geometry import (
     GEOMETRY_SCHEMA_VERSION,
+    MAX_EXPERTS,
     GeometryError,
     ModelGeometry,
     ParamGeometry,
     TpDivisor,
 )
-from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.layout import MAX_LAYERS, Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import PRESETS
 from liver.shared.plan import PLAN_SCHEMA_VERSION, WorldConfig
 from liver.shared.plan_check import verify_plan
@@ -133,6 +134,33 @@ def test_a_geometry_no_model_could_have_is_refused_naming_the_field(change: dict
     data = msgspec.to_builtins(ODD) | msgspec.to_builtins(change)
     with pytest.raises(msgspec.ValidationError, match=field):
         msgspec.convert(data, ModelGeometry)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"num_layers": 2**64}, "num_layers"),
+        ({"num_layers": MAX_LAYERS + 1}, "num_layers"),
+        ({"num_experts": 2**40}, "num_experts"),
+        ({"vocab_size": 10**23}, "vocab_size"),
+    ],
+)
+def test_an_absurd_count_is_refused_at_its_field_before_anything_is_built_per_layer(
+    change: dict, field: str
+) -> None:
+    """A geometry on the bus with 2^64 layers once had a service build a set of every layer index: one
+    message took 24 GiB and minutes (found by the fuzz run)."""
+    data = msgspec.to_builtins(ODD) | change
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.convert(data, ModelGeometry)
+
+
+def test_runs_of_layers_and_experts_that_expand_past_the_bound_are_refused() -> None:
+    layers = (0, MAX_LAYERS)
+    expert = param("decoder.layers.{layer}.experts.{expert}.w", (4,), home="layer", layers=layers)
+    expert = msgspec.structs.replace(expert, expert=True)
+    with pytest.raises(GeometryError, match="parameters: stand for"):
+        ModelGeometry(name="x", num_layers=MAX_LAYERS, parameters=(expert,), num_experts=MAX_EXPERTS)
 
 
 def test_the_error_is_an_input_error_when_built_in_code() -> None:

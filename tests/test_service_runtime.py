@@ -19,6 +19,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 import structlog
 import structlog.testing
@@ -52,6 +53,7 @@ from liver.shared.layout import Device
 from liver.shared.logs import configure_logging
 from liver.shared.messages import SpotWarning
 from liver.shared.nats_server import URL_ENV, NatsServer
+from liver.shared.outage import is_outage
 
 URL = "nats://127.0.0.1:4222"
 
@@ -404,6 +406,94 @@ async def test_a_handler_that_raises_neither_stops_the_consumer_nor_loses_the_me
             assert consumer.last_error(boom) is None  # cleared by the successful retry
         finally:
             await consumer.stop()
+
+
+class UnreachableBus:
+    """A handler that finds no stream leader ``times`` times (as during an election), then acknowledges."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+        self.calls: list[int] = []
+
+    async def __call__(self, msg: Msg) -> None:
+        self.calls.append(msg.metadata.num_delivered)
+        if len(self.calls) <= self.times:
+            try:
+                raise nats.errors.NoRespondersError
+            except nats.errors.NoRespondersError as exc:
+                raise nats.js.errors.NoStreamResponseError from exc
+        await msg.ack()
+
+
+async def test_a_handler_failing_only_because_the_bus_is_unreachable_keeps_its_delivery(
+    server: NatsServer,
+) -> None:
+    """An election longer than all of a message's deliveries must not dead-letter the message."""
+    async with client(server.url) as (_, js):
+        await b.ensure_stream(js, s.STREAM_INGEST)
+        handler = UnreachableBus(times=8)
+        config = b.pull_consumer_config("electing", None, ack_wait_s=5, max_deliver=2, description="test")
+        consumer = PullConsumer(
+            js, stream=s.STREAM_INGEST.name, config=config, handler=handler, retry_delay_s=0.01
+        )
+        await consumer.start()
+        try:
+            await js.publish(s.SPOT_WARNING, b"during an election")
+
+            async def acked() -> bool:
+                return len(handler.calls) == 9
+
+            await eventually(acked, what="the message handled once the bus answers again")
+            assert handler.calls == [1] * 9  # all on the first delivery
+            assert (consumer.outage_retries, consumer.failed) == (8, 0)
+        finally:
+            await consumer.stop()
+
+
+async def test_an_outage_longer_than_the_bound_counts_as_a_failed_delivery(server: NatsServer) -> None:
+    async with client(server.url) as (_, js):
+        await b.ensure_stream(js, s.STREAM_INGEST)
+        handler = UnreachableBus(times=1_000_000)
+        config = b.pull_consumer_config("outlasting", None, ack_wait_s=5, max_deliver=2, description="test")
+        consumer = PullConsumer(
+            js, stream=s.STREAM_INGEST.name, config=config, handler=handler, retry_delay_s=0.01, outage_s=0.0
+        )
+        await consumer.start()
+        try:
+            await js.publish(s.SPOT_WARNING, b"for ever unreachable")
+
+            async def redelivered() -> bool:
+                return 2 in handler.calls
+
+            await eventually(redelivered, what="the message nak'ed and delivered again")
+            assert consumer.failed >= 1
+        finally:
+            await consumer.stop()
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (nats.errors.NoRespondersError(), True),
+        (nats.errors.TimeoutError(), True),
+        (nats.js.errors.ServiceUnavailableError(), True),
+        (nats.errors.ConnectionReconnectingError(), True),
+        (ValueError("a bad field"), False),
+        (nats.js.errors.KeyWrongLastSequenceError(), False),
+    ],
+)
+def test_only_errors_that_say_the_bus_is_unreachable_are_outages(error: Exception, outage: bool) -> None:
+    assert is_outage(error) is outage
+
+
+def test_an_error_raised_from_an_outage_is_an_outage() -> None:
+    try:
+        try:
+            raise nats.errors.NoRespondersError
+        except nats.errors.NoRespondersError as cause:
+            raise RuntimeError("could not publish the event") from cause
+    except RuntimeError as exc:
+        assert is_outage(exc)
 
 
 async def test_log_lines_carry_the_ids_of_the_message_being_handled_and_only_that_one(

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("liver.cli.watch_cmd", "follow handoff outcomes (and rejected input) as they happen"),
     "status": ("liver.cli.status_cmd", "the services that answer and where each job stands"),
     "notice": ("liver.cli.notice_cmd", "publish this node's preemption notices from its platform"),
+    "chaos": ("liver.cli.chaos_cmd", "kill services and the nats-server during handoffs; check exactly-once"),
 }
 
 # name -> (module with add_arguments(parser) and run(args), help)

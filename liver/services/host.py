@@ -46,6 +46,7 @@ from liver.shared.errors import BusError, InputError
 from liver.shared.logs import bind_message
 from liver.shared.metrics_http import MetricsServer
 from liver.shared.nats_server import nats_url
+from liver.shared.outage import is_outage
 from liver.shared.subjects import validate_token
 
 log = structlog.get_logger(__name__)
@@ -158,12 +159,23 @@ because every held message is reported in progress meanwhile (:class:`PullConsum
 the time a message stays with a process that died holding it."""
 
 
+OUTAGE_S: Final = 60.0
+"""How long a handler that fails only because the bus is unreachable is retried in place, holding its
+message, before the failure counts as a delivery."""
+
+OUTAGE_RETRY_CAP_S: Final = 2.0
+"""The longest pause between two in-place retries during a bus outage."""
+
+
 class PullConsumer:
     """One durable pull consumer feeding ``handler`` one message at a time, in stream order.
 
     The handler acknowledges or terminates the message itself. When it raises, the message is
     nak'ed with ``retry_delay_s`` (the last error is kept for the dead letter, see
-    :meth:`last_error`), and after ``max_deliver`` attempts JetStream gives up on it.
+    :meth:`last_error`), and after ``max_deliver`` attempts JetStream gives up on it. A failure that
+    only says the bus is unreachable (:func:`is_outage`) is first retried in place, the message held
+    and kept in progress, with a growing pause, for up to ``outage_s``: an outage costs time, never a
+    delivery.
 
     Messages come from a :class:`~liver.services.pull.ContinuousPull`: each is handled as soon as it
     arrives. ``batch`` is the most messages this instance holds at once (in hand and prefetched), so
@@ -188,9 +200,11 @@ class PullConsumer:
         fetch_timeout_s: float = 30.0,
         retry_delay_s: float = 1.0,
         heartbeat_s: float = 1.0,
+        outage_s: float = OUTAGE_S,
     ) -> None:
         if config.durable_name is None:
             raise ValueError("a PullConsumer needs a durable consumer")
+        self._outage_s = outage_s
         self._js = js
         self.stream = stream
         self.durable: str = config.durable_name
@@ -221,6 +235,8 @@ class PullConsumer:
         self.failed = 0
         self.kept_alive = 0
         """Messages reported in progress so far (each held message, every third of the ack wait)."""
+        self.outage_retries = 0
+        """Handler calls repeated in place because the bus could not be reached."""
 
     async def start(self) -> None:
         await ensure_consumer(self._js, self.stream, self._config)
@@ -275,13 +291,28 @@ class PullConsumer:
                 self._idle = False
             await self._one(msg)
 
+    async def _handle_through_outages(self, msg: Msg) -> None:
+        give_up = asyncio.get_running_loop().time() + self._outage_s
+        pause = self._retry_delay_s
+        while True:
+            try:
+                await self._handler(msg)
+                return
+            except Exception as exc:
+                if self._stopping or not is_outage(exc) or asyncio.get_running_loop().time() >= give_up:
+                    raise
+                self.outage_retries += 1
+                log.warning("bus_unreachable_retrying", error=repr(exc), retry_in_s=pause)
+            await asyncio.sleep(pause)
+            pause = min(max(2 * pause, 0.05), OUTAGE_RETRY_CAP_S)
+
     async def _one(self, msg: Msg) -> None:
         meta = msg.metadata
         seq = meta.sequence.stream
         with bind_message(subject=msg.subject, stream_sequence=seq, delivery=meta.num_delivered):
             self._in_hand = msg
             try:
-                await self._handler(msg)
+                await self._handle_through_outages(msg)
             except Exception as exc:
                 self.failed += 1
                 self._errors[seq] = repr(exc)[:500]

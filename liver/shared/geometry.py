@@ -26,13 +26,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 from msgspec import Meta
 
 from liver.shared.errors import InputError
-from liver.shared.layout import LayoutError, ParallelLayout
+from liver.shared.layout import MAX_LAYERS, LayoutError, ParallelLayout
 
 GEOMETRY_SCHEMA_VERSION = 3
 """The version of :class:`ModelGeometry` (``docs/geometry.md``). Version 2 added ``ddp`` (how the
@@ -49,9 +49,19 @@ ParamDType = Literal["float32", "bfloat16", "float16"]
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
+MAX_DIM: Final = 2**53
+"""The largest size a dimension, vocabulary or bucket may have: beyond it no tensor fits any machine,
+and a hostile number would only cost arithmetic on integers that big."""
+MAX_EXPERTS: Final = 65_536
+"""Experts per MoE layer (the largest models have a few hundred)."""
+MAX_NAMED_PARAMETERS: Final = 1 << 22
+"""Parameters a geometry may stand for once its runs of layers and experts are expanded: the check of a
+geometry names each of them, so an unbounded count would let one message exhaust a service's memory."""
+
 _Name = Annotated[str, Meta(min_length=1, max_length=500)]
-_Positive = Annotated[int, Meta(ge=1)]
-_Dim = Annotated[int, Meta(ge=1)]
+_Positive = Annotated[int, Meta(ge=1, le=MAX_DIM)]
+_Dim = Annotated[int, Meta(ge=1, le=MAX_DIM)]
+_Layer = Annotated[int, Meta(ge=0, le=MAX_LAYERS)]
 
 
 class GeometryError(InputError):
@@ -102,7 +112,7 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     dtype: ParamDType
     rule: Rule
     home: Home
-    layers: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]] | None = None
+    layers: tuple[_Layer, Annotated[int, Meta(ge=1, le=MAX_LAYERS)]] | None = None
     """``(first, stop)``: the decoder layers (0-based, ``stop`` excluded) this entry stands for."""
     buffer: bool = False
     """A persistent buffer that training updates outside the optimizer (Megatron's router
@@ -112,6 +122,13 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """Whether this entry stands for one parameter of every expert (``{expert}`` in ``name``, the
     global expert index; the geometry's ``num_experts`` of them). Megatron's local experts are
     numbered from 0 on each EP rank; their global index is ``ep_rank * experts_per_rank + local``."""
+
+    def count(self, num_experts: int = 0) -> int:
+        """How many parameters this entry stands for (:meth:`names` without making them)."""
+        if self.layers is None:
+            return 1
+        runs = max(self.layers[1] - self.layers[0], 0)
+        return runs * (num_experts if self.expert else 1)
 
     def names(self, num_experts: int = 0) -> list[tuple[int | None, str]]:
         """``(decoder layer or None, name)`` for every parameter this entry stands for (every expert's
@@ -145,7 +162,7 @@ class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
-    bucket_size: Annotated[int, Meta(ge=1)] | None = None
+    bucket_size: _Positive | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
 
     def canonical(self) -> DdpSettings:
@@ -170,7 +187,7 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     schema_version: int = GEOMETRY_SCHEMA_VERSION
     name: _Name
-    num_layers: _Positive
+    num_layers: Annotated[int, Meta(ge=1, le=MAX_LAYERS)]
     parameters: Annotated[tuple[ParamGeometry, ...], Meta(min_length=1)]
     vocab_size: _Positive | None = None
     """The real vocabulary (rows of every ``vocab`` tensor); needed when one exists."""
@@ -179,7 +196,7 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ddp: DdpSettings = DdpSettings()
     """How the job's optimizer state is sharded (the plain optimizer unless ``distributed_optimizer``):
     the job's setting, not the model's, so a geometry derived once is given it with :meth:`with_ddp`."""
-    num_experts: Annotated[int, Meta(ge=0)] = 0
+    num_experts: Annotated[int, Meta(ge=0, le=MAX_EXPERTS)] = 0
     """Experts per MoE layer (0: a dense model); every ``expert`` entry stands for this many."""
 
     def __post_init__(self) -> None:
@@ -189,6 +206,11 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         if self.schema_version != GEOMETRY_SCHEMA_VERSION:
             raise GeometryError(
                 f"schema_version: {self.schema_version} is not supported (expected {GEOMETRY_SCHEMA_VERSION})"
+            )
+        named = sum(p.count(self.num_experts) for p in self.parameters)
+        if named > MAX_NAMED_PARAMETERS:
+            raise GeometryError(
+                f"parameters: stand for {named:,} parameters once expanded; at most {MAX_NAMED_PARAMETERS:,}"
             )
         seen: set[str] = set()
         layers: set[int] = set()

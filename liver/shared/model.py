@@ -39,6 +39,8 @@ from liver.shared.geometry import (
     DTYPE_BYTES,
     EXPERT_PLACEHOLDER,
     LAYER_PLACEHOLDER,
+    MAX_DIM,
+    MAX_EXPERTS,
     Home,
     ModelGeometry,
     ParamGeometry,
@@ -47,7 +49,7 @@ from liver.shared.geometry import (
     TensorSpec,
     TpDivisor,
 )
-from liver.shared.layout import ParallelLayout
+from liver.shared.layout import MAX_LAYERS, ParallelLayout
 
 __all__ = [
     "DTYPE_BYTES",
@@ -112,15 +114,17 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             "make_vocab_size_divisible_by",
             "max_sequence_length",
         ):
-            if getattr(self, field) < 1:
-                raise ModelError(f"{field} must be at least 1, got {getattr(self, field)}")
+            if not 1 <= getattr(self, field) <= MAX_DIM:
+                raise ModelError(f"{field} must be between 1 and {MAX_DIM}, got {getattr(self, field)}")
+        if self.num_layers > MAX_LAYERS:
+            raise ModelError(f"num_layers must be at most {MAX_LAYERS}, got {self.num_layers}")
         if self.num_attention_heads % self.query_groups:
             raise ModelError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_query_groups ({self.query_groups})"
             )
-        if self.num_experts < 0:
-            raise ModelError(f"num_experts must not be negative, got {self.num_experts}")
+        if not 0 <= self.num_experts <= MAX_EXPERTS:
+            raise ModelError(f"num_experts must be between 0 and {MAX_EXPERTS}, got {self.num_experts}")
         if self.num_experts:
             if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
                 raise ModelError(f"moe_ffn_hidden_size must be at least 1, got {self.moe_ffn_hidden_size}")

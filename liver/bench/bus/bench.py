@@ -38,9 +38,8 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -256,7 +255,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     configure_logging(level="WARNING")  # stderr: stdout carries the report alone
     load_before = load_average()
-    with _log_dir(args.log_dir) as logs, NatsServer(log_file=logs / "nats-server.log") as server:
+    with (
+        rig.log_directory(args.log_dir, "liver-bench-bus-") as logs,
+        NatsServer(log_file=logs / "nats-server.log") as server,
+    ):
         sizes, version = asyncio.run(_bench(config, server, logs))
     checks = [c for r in sizes for c in checks_for(r)]
     report = BusBenchReport(
@@ -275,16 +277,6 @@ def run(args: argparse.Namespace) -> int:
     )
     emit(report, args.json, print_report)
     return 0 if report.ok else 1
-
-
-@contextlib.contextmanager
-def _log_dir(path: Path | None) -> Iterator[Path]:
-    if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="liver-bench-bus-") as tmp:
-        yield Path(tmp)
 
 
 def _progress(text: str) -> None:

@@ -26,9 +26,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -101,6 +102,17 @@ class Child:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def log_directory(path: Path | None, prefix: str) -> Iterator[Path]:
+    """``path`` (created and kept), or a temporary directory named ``prefix...`` removed afterwards."""
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
 
 
 def spawn(name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path) -> Child:

@@ -58,7 +58,13 @@ from liver.shared.messages import (
     WorkerStatus,
 )
 from liver.shared.plan import Plan
-from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError, decode_slice, view_of
+from liver.worker_runtime.companion.slices import (
+    PlanFetcher,
+    PlanFetchError,
+    decode_slice,
+    fetch_context,
+    view_of,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -234,7 +240,7 @@ class WorkerAgent:
         self.presence = presence or Presence()
         self.settings = settings or AgentSettings()
         self.counts = AgentCounts()
-        self._fetcher = fetcher or PlanFetcher(nc.jetstream(timeout=self.settings.fetch_timeout_s))
+        self._fetcher = fetcher or PlanFetcher(fetch_context(nc))
         self._log = log.bind(job_id=identity.job_id, worker_id=identity.worker_id)
         self._handoffs: dict[int, HandoffView] = {}
         self._aborted_unseen: set[int] = set()
@@ -300,7 +306,7 @@ class WorkerAgent:
         hello that :meth:`start` sends re-sends the ack of a handoff still in flight."""
         await self.stop()
         self.nc = nc
-        self._fetcher = PlanFetcher(nc.jetstream(timeout=self.settings.fetch_timeout_s))
+        self._fetcher = PlanFetcher(fetch_context(nc))
         await self.start()
 
     async def announce(self) -> None:

@@ -61,7 +61,7 @@ from liver.worker_runtime.companion.agent import (
     WorkerIdentity,
     decode_command,
 )
-from liver.worker_runtime.companion.slices import PlanFetcher
+from liver.worker_runtime.companion.slices import PlanFetcher, fetch_context
 
 log = structlog.get_logger(__name__)
 
@@ -327,7 +327,7 @@ class SimulatedJob:
         settings = self.settings
         # Each read's request may wait as long as the whole read may: a thousand workers share this loop,
         # and a reply can sit behind their work for longer than the client's default 5 s.
-        fetcher = PlanFetcher(self.nc.jetstream(timeout=settings.fetch_timeout_s))
+        fetcher = PlanFetcher(fetch_context(self.nc))
         agent_settings = AgentSettings(
             heartbeat_s=settings.heartbeat_s, fetch_timeout_s=settings.fetch_timeout_s
         )

@@ -21,12 +21,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final, NamedTuple
 
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 from nats.js.object_store import (
     OBJ_CHUNKS_PRE_TEMPLATE,
@@ -39,6 +40,7 @@ from liver.shared.codec import MessageError
 from liver.shared.errors import BusError
 from liver.shared.layout import Device, LayoutError
 from liver.shared.messages import ObjectRef, Prepare, SliceLocation
+from liver.shared.outage import is_outage
 from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_participants
 
 EXPECTED: Final = "SliceFile"
@@ -52,6 +54,19 @@ KV_OPERATION: Final = "KV-Operation"
 
 MISSING_RETRY_S: Final = (0.02, 0.05, 0.1, 0.2, 0.5)
 """Pauses between reads of a key-value entry that is not there yet (then the last one, repeatedly)."""
+
+REQUEST_TIMEOUT_S: Final = 5.0
+"""Each request of a read waits this long for its reply (the read as a whole waits its own
+``fetch_timeout_s``): a request lost in a server restart is sent again instead of eating the whole
+read's time."""
+
+OUTAGE_RETRY_S: Final = (0.1, 0.2, 0.5, 1.0)
+"""Pauses before a read is tried again after the bus could not be reached (then the last one)."""
+
+
+def fetch_context(nc: Client) -> JetStreamContext:
+    """The JetStream context a :class:`PlanFetcher` reads with (requests of ``REQUEST_TIMEOUT_S``)."""
+    return nc.jetstream(timeout=REQUEST_TIMEOUT_S)
 
 
 class PlanFetchError(BusError):
@@ -67,6 +82,8 @@ class _Progress:
         self.step = "the stream's configuration"
         self.misses = 0
         """Reads that found no entry yet."""
+        self.outages = 0
+        """Reads tried again because the bus could not be reached (a request lost, no responders)."""
 
     @property
     def elapsed_s(self) -> float:
@@ -108,9 +125,8 @@ class PlanFetcher:
         appear."""
         where = f"key-value entry {bucket}/{key}"
         progress = _Progress()
-        return await _read(
-            where, self._entry(bucket, key, progress), timeout_s, progress, "the bucket does not exist"
-        )
+        read = _through_outages(lambda: self._entry(bucket, key, progress), progress)
+        return await _read(where, read, timeout_s, progress, "the bucket does not exist")
 
     async def _entry(self, bucket: str, key: str, progress: _Progress) -> bytes:
         stream = f"KV_{bucket}"
@@ -156,7 +172,7 @@ class PlanFetcher:
         """Object ``name`` of ``bucket``, checked against the stored digest (and ``size`` and ``digest``
         when the caller knows them)."""
         progress = _Progress()
-        read = self._fetch(bucket, name, size, digest, progress)
+        read = _through_outages(lambda: self._fetch(bucket, name, size, digest, progress), progress)
         return await _read(f"object {bucket}/{name}", read, timeout_s, progress, "no such object")
 
     async def _fetch(
@@ -327,6 +343,18 @@ def _translate(exc: msgspec.MsgspecError) -> MessageError:
     return MessageError(EXPECTED, match["path"], match["reason"])
 
 
+async def _through_outages(read: Callable[[], Awaitable[bytes]], progress: _Progress) -> bytes:
+    """``read()``, started again after each failure that only says the bus could not be reached."""
+    while True:
+        try:
+            return await read()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            progress.outages += 1
+        await asyncio.sleep(OUTAGE_RETRY_S[min(progress.outages, len(OUTAGE_RETRY_S)) - 1])
+
+
 async def _read(
     where: str, read: Coroutine[Any, Any, bytes], timeout_s: float, progress: _Progress, not_found: str
 ) -> bytes:
@@ -346,9 +374,10 @@ async def _read(
                 f"{where}: no such entry (read {progress.misses} times over {progress.elapsed_s:.3g} s; "
                 f"the read was allowed {timeout_s:.3g} s)"
             ) from None
+        lost = f"; {progress.outages} tries lost to bus outages" if progress.outages else ""
         raise PlanFetchError(
             f"{where}: not read within the {timeout_s:.3g} s allowed (gave up after "
-            f"{progress.elapsed_s:.3g} s, waiting for {progress.step})"
+            f"{progress.elapsed_s:.3g} s, waiting for {progress.step}{lost})"
         ) from None
     except nats.js.errors.NotFoundError:
         raise PlanFetchError(f"{where}: {not_found}") from None
