@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from liver.chaos.checker import Invariant, check
 from liver.chaos.fuzz import SEMANTIC, Category, HostileMaker, channels, run_fuzz
-from liver.chaos.run import ChaosConfig, run_chaos, summary
+from liver.chaos.run import ChaosConfig, ChaosError, ChaosRun, run_chaos, summary
 from liver.chaos.schedule import SERVICES, ScheduleError, Target, make_schedule
 from liver.services.coordinator.record import GenerationRecord
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
@@ -212,3 +213,18 @@ def test_every_hostile_message_is_answered_and_every_service_keeps_serving() -> 
     assert result.unplanned_exits == {}
     assert sorted(result.services_answering) == sorted(t.value for t in SERVICES)
     assert result.resized_after and result.conflict_refused
+
+
+def test_one_generation_published_with_two_different_outcomes_is_a_violation() -> None:
+    """The stream keeps one outcome per generation (its message id), so only a live subscriber sees a
+    second, different one."""
+    outcomes = [commit(1, "w-1")]
+    live = [commit(1, "w-1"), commit(1, "w-2")]
+    found = check(["w-1"], outcomes, record_of(outcomes[-1]), live)
+    assert [v.invariant for v in found] == [Invariant.COMMITTED_ONCE]
+
+
+def test_a_log_directory_holding_an_earlier_runs_store_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "jetstream").mkdir()
+    with pytest.raises(ChaosError, match="earlier run"):
+        ChaosRun(make_schedule(1, steps=1, kills=0, server_kills=0), ChaosConfig(), tmp_path)

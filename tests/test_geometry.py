@@ -18,7 +18,7 @@ from liver.shared.geometry import (
     TpDivisor,
 )
 from liver.shared.layout import MAX_LAYERS, Device, LayoutError, ParallelLayout, Placement
-from liver.shared.model import PRESETS
+from liver.shared.model import PRESETS, ModelError, ModelSpec
 from liver.shared.plan import PLAN_SCHEMA_VERSION, WorldConfig
 from liver.shared.plan_check import verify_plan
 from liver.shared.plan_file import PlanFileError, decode_plan, encode_plan
@@ -276,3 +276,21 @@ def test_an_older_geometry_is_read_as_version_3_with_the_plain_optimizer_and_no_
         del fields["ddp"]
     old = msgspec.convert(fields, type=type(geometry))
     assert old == geometry and old.schema_version == 3 and not old.distributed and old.num_experts == 0
+
+
+def test_names_that_expand_past_the_character_bound_are_refused() -> None:
+    long_name = "decoder.layers.{layer}.experts.{expert}." + "w" * 440
+    expert = param(long_name, (4,), home="layer", layers=(0, MAX_LAYERS))
+    expert = msgspec.structs.replace(expert, expert=True)
+    with pytest.raises(GeometryError, match="their names come to"):
+        ModelGeometry(name="x", num_layers=MAX_LAYERS, parameters=(expert,), num_experts=16)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_query_groups", -1), ("num_query_groups", 0), ("kv_channels", 2**200), ("num_layers", 2**64)],
+)
+def test_a_model_description_with_an_impossible_size_is_refused_naming_it(field: str, value: int) -> None:
+    spec = msgspec.structs.asdict(PRESETS["tiny-gpt"]) | {field: value}
+    with pytest.raises(ModelError, match=field):
+        ModelSpec(**spec)

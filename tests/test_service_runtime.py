@@ -486,6 +486,21 @@ def test_only_errors_that_say_the_bus_is_unreachable_are_outages(error: Exceptio
     assert is_outage(error) is outage
 
 
+def test_a_timeout_on_a_connection_that_stayed_up_is_the_handlers_own_failure() -> None:
+    assert not is_outage(nats.errors.TimeoutError(), timeouts=False)
+    assert is_outage(nats.errors.NoRespondersError(), timeouts=False)
+
+
+def test_an_error_raised_from_none_inside_an_outage_is_not_an_outage() -> None:
+    try:
+        try:
+            raise nats.errors.NoRespondersError
+        except nats.errors.NoRespondersError:
+            raise ValueError("a bad field") from None
+    except ValueError as exc:
+        assert not is_outage(exc)
+
+
 def test_an_error_raised_from_an_outage_is_an_outage() -> None:
     try:
         try:

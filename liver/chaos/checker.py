@@ -45,10 +45,32 @@ def settled_by(outcome: Outcome) -> tuple[str, ...]:
 
 
 def check(
-    published: Sequence[str], outcomes: Sequence[Outcome], record: GenerationRecord | None
+    published: Sequence[str],
+    outcomes: Sequence[Outcome],
+    record: GenerationRecord | None,
+    seen_live: Sequence[Outcome] = (),
 ) -> list[Violation]:
-    """Every violated invariant, with what violates it; empty when the run was clean."""
+    """Every violated invariant, with what violates it; empty when the run was clean.
+
+    ``outcomes`` are the ones the generations stream kept, in its order; ``seen_live`` the ones a
+    subscriber saw as they were published (the stream keeps one per generation and drops a second
+    publish under the same message id, which a subscriber still sees).
+    """
     out: list[Violation] = []
+    versions: dict[int, set[tuple[str, tuple[str, ...]]]] = {}
+    for outcome in seen_live:
+        versions.setdefault(outcome.generation, set()).add((type(outcome).__name__, outcome.event_ids))
+    for generation, seen in sorted(versions.items()):
+        if len(seen) > 1:
+            out.append(
+                Violation(
+                    invariant=Invariant.COMMITTED_ONCE,
+                    detail=(
+                        f"generation {generation} was published with {len(seen)} different outcomes: "
+                        f"{sorted(seen)}"
+                    ),
+                )
+            )
     counts = Counter(event_id for outcome in outcomes for event_id in settled_by(outcome))
     for event_id in published:
         if counts[event_id] != 1:

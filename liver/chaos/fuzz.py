@@ -47,6 +47,8 @@ HUGE_MARGIN: Final = 4096
 """Bytes below the server's ``max_payload`` an oversized payload stays (its headers must fit too)."""
 DEEP: Final = 1200
 """Nesting depth of the deep payloads: deeper than the codec's recursion allows."""
+CONFLICT_QUIET_S: Final = 3.0
+"""How long after a conflicting copy is refused no new outcome may appear (a handoff commits in 0.2 s)."""
 ATTEMPTS: Final = 20
 """Tries at making one message of a category invalid before another category is drawn."""
 
@@ -351,7 +353,12 @@ class FuzzRun:
             self.progress(
                 f"sent {len(self.sent)} hostile messages in {send_seconds:.1f} s; waiting for answers"
             )
+            waiting = time.monotonic()
             await self._await_answers(answer_timeout_s)
+            left = sum(_pending(x) for x in self.sent)
+            self.progress(
+                f"answers read in {time.monotonic() - waiting:.1f} s ({left} missing); resizing the job"
+            )
             answering = await self._answering()
             resized, conflict = await self._still_resizes()
         finally:
@@ -407,14 +414,19 @@ class FuzzRun:
         await nc.flush()
 
     async def _read_new(self, stream: str, start: int) -> tuple[list[Any], int]:
+        """The messages of ``stream`` from sequence ``start`` on, and the sequence to read next: as many
+        as could be read (a failed request ends the read; the next call goes on from there)."""
         js = self.rig.js
-        last = await self._last_seq(stream)
         out = []
         seq = start
-        while seq <= last:
-            with contextlib.suppress(nats.js.errors.NotFoundError):  # none is deleted; do not spin on one
-                out.append(await js.get_msg(stream, seq))
-            seq += 1
+        try:
+            last = await self._last_seq(stream)
+            while seq <= last:
+                with contextlib.suppress(nats.js.errors.NotFoundError):  # none is deleted; do not spin
+                    out.append(await js.get_msg(stream, seq))
+                seq += 1
+        except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            pass
         return out, seq
 
     async def _await_answers(self, timeout_s: float) -> None:
@@ -430,11 +442,8 @@ class FuzzRun:
         }
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                errors, self._error_seq = await self._read_new(s.STREAM_ERRORS.name, self._error_seq)
-                letters, self._dlq_seq = await self._read_new(s.STREAM_DEAD_LETTERS.name, self._dlq_seq)
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
-                errors, letters = [], []
+            errors, self._error_seq = await self._read_new(s.STREAM_ERRORS.name, self._error_seq)
+            letters, self._dlq_seq = await self._read_new(s.STREAM_DEAD_LETTERS.name, self._dlq_seq)
             for raw in errors:
                 try:
                     event = decode(raw.data or b"", m.ErrorEvent)
@@ -461,9 +470,7 @@ class FuzzRun:
                     found = unstored_dlq.get((headers.get(s.HEADER_ORIGINAL_SUBJECT, ""), digest))
                 if found is not None:
                     found.dead_lettered = True
-            pending = [
-                x for x in self.sent if not x.answered or (x.channel.dead_letter and not x.dead_lettered)
-            ]
+            pending = [x for x in self.sent if _pending(x)]
             self.rig.procs.restart_exited_services()
             if not pending or time.monotonic() > deadline:
                 return
@@ -496,8 +503,8 @@ class FuzzRun:
             subject = s.SCALE_REQUEST
             back = m.NodeDevices(node=record.nodes[0], devices=(0,))
             other = m.ScaleRequest(job_id=JOB, event_id=event_id, reason="the same id again", add=(back,))
-        ack = await self.rig.js.publish(subject, encode(other))
         outcomes_before = len(await self.rig.outcomes())
+        ack = await self.rig.js.publish(subject, encode(other))
         deadline = time.monotonic() + 60.0
         while time.monotonic() < deadline:
             errors, self._error_seq = await self._read_new(s.STREAM_ERRORS.name, self._error_seq)
@@ -507,6 +514,8 @@ class FuzzRun:
                 except MessageError:
                     continue
                 if event.subject == subject and event.stream_sequence == ack.seq:
+                    # Refused; and nothing started from it either (an outcome would follow in seconds).
+                    await asyncio.sleep(CONFLICT_QUIET_S)
                     return True, len(await self.rig.outcomes()) == outcomes_before
             await asyncio.sleep(0.2)
         return True, False

@@ -121,12 +121,19 @@ class ChaosResult(msgspec.Struct, kw_only=True):
     dead_letters: int
     error_events: int
     violations: list[Violation]
+    failure: str | None
+    """Why the run stopped before its last step (a process that never came back, a job that never
+    settled); the invariants are still checked on what happened until then."""
     seconds: float
     log_dir: str
 
     @property
     def passed(self) -> bool:
-        return not self.violations and all(step.outcome != "timeout" for step in self.steps)
+        return (
+            self.failure is None
+            and not self.violations
+            and all(step.outcome != "timeout" for step in self.steps)
+        )
 
 
 def _status_seconds(records: list[StepRecord], killed: bool) -> list[float]:
@@ -160,6 +167,11 @@ class _Processes:
         self.log_dir = log_dir
         self.port = free_port()
         self.store = log_dir / "jetstream"
+        if self.store.exists():
+            raise ChaosError(
+                f"{log_dir} holds the store of an earlier run, whose events and outcomes would count in "
+                "this one: give a new directory"
+            )
         self.incarnations: Counter[str] = Counter()
         self.server = self._new_server()
         self.services: dict[Target, rig.Child] = {}
@@ -245,6 +257,10 @@ class _StageWatch:
         self._seen: dict[Stage, asyncio.Event] = {stage: asyncio.Event() for stage in Stage}
         self.hellos: set[str] = set()
         """Every worker that said hello so far."""
+        self.outcomes: list[Outcome] = []
+        """Every outcome of the job as published, seen live: the stream drops a second publish of one
+        generation (its message id), a subscriber does not, so only here would a second, different
+        outcome of one generation show (the server's restarts make this list miss some)."""
 
     async def start(self, nc: Client) -> None:
         for subject, stage in (
@@ -256,7 +272,16 @@ class _StageWatch:
             await nc.subscribe(subject, cb=self._marker(stage))
         await nc.subscribe(s.worker_commands(JOB), cb=self._on_command)
         await nc.subscribe(s.worker_hello(JOB), cb=self._on_hello)
+        await nc.subscribe(s.GENERATION_COMMITTED, cb=self._on_outcome)
+        await nc.subscribe(s.GENERATION_ABORTED, cb=self._on_outcome)
         await nc.flush()
+
+    async def _on_outcome(self, msg: Msg) -> None:
+        kind = GenerationCommitted if msg.subject == s.GENERATION_COMMITTED else GenerationAborted
+        with contextlib.suppress(MessageError):
+            outcome = decode(msg.data, kind)
+            if outcome.job_id == JOB:
+                self.outcomes.append(outcome)
 
     async def _on_hello(self, msg: Msg) -> None:
         with contextlib.suppress(MessageError):
@@ -413,6 +438,7 @@ class ChaosRun:
 
     async def outcomes(self) -> list[Outcome]:
         """Every outcome of the job so far, in the order the generations stream keeps them."""
+        deadline = time.monotonic() + self.config.settle_timeout_s
         while True:
             try:
                 last = (await self.js.stream_info(s.STREAM_GENERATIONS.name)).state.last_seq
@@ -431,7 +457,11 @@ class ChaosRun:
                     if outcome.job_id == JOB:
                         self._outcomes.append(outcome)
                 return list(self._outcomes)
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise ChaosError(
+                        f"the generations stream unreadable for {self.config.settle_timeout_s} s: {exc!r}"
+                    ) from None
                 await asyncio.sleep(POLL_S)
 
     async def stream_messages(self, stream: str) -> int:
@@ -554,8 +584,8 @@ class ChaosRun:
                 f"the coordinator stable at generation {last.generation}",
             )
             await self._membership(last.generation, self.world_devices)
-            for node in [n for n in self.procs.nodes if n not in self.world]:
-                self.procs.stop_node(node)
+        for node in [n for n in self.procs.nodes if n not in self.world]:
+            self.procs.stop_node(node)  # left the world, or came back for a resize that did not commit
         return record
 
     # -- the whole run --------------------------------------------------------------------------------------
@@ -570,11 +600,17 @@ class ChaosRun:
     async def run(self) -> ChaosResult:
         started = time.monotonic()
         records: list[StepRecord] = []
+        failure: str | None = None
         try:
             self.progress(f"starting a nats-server, four services and {len(self.all_nodes)} nodes")
             await self.start()
             for step in self.schedule.steps:
-                record = await self.step(step)
+                try:
+                    record = await self.step(step)
+                except ChaosError as exc:
+                    failure = f"step {step.index}: {exc}"
+                    self.progress(failure)
+                    break
                 records.append(record)
                 took = "no outcome"
                 if record.seconds is not None:
@@ -586,7 +622,7 @@ class ChaosRun:
                 if record.seconds is None:
                     break
             outcomes = await self.outcomes()
-            violations = check(self.published, outcomes, await self.record())
+            violations = check(self.published, outcomes, await self.record(), self.watch.outcomes)
             dead = await self.stream_messages(s.STREAM_DEAD_LETTERS.name)
             errors = await self.stream_messages(s.STREAM_ERRORS.name)
         finally:
@@ -603,6 +639,7 @@ class ChaosRun:
             dead_letters=dead,
             error_events=errors,
             violations=violations,
+            failure=failure,
             seconds=time.monotonic() - started,
             log_dir=str(self.procs.log_dir),
         )

@@ -213,6 +213,7 @@ class PullConsumer:
         self._retry_delay_s = retry_delay_s
         # nats-py keeps a JetStreamContext's connection and API prefix (which carries the domain) private;
         # the pull request is sent on that connection to that prefix's MSG.NEXT subject.
+        self._nc: Client = js._nc
         self._pull = ContinuousPull(
             js._nc,
             api_prefix=js._prefix,
@@ -292,18 +293,25 @@ class PullConsumer:
             await self._one(msg)
 
     async def _handle_through_outages(self, msg: Msg) -> None:
-        give_up = asyncio.get_running_loop().time() + self._outage_s
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._outage_s
         pause = self._retry_delay_s
         while True:
+            reconnects = self._nc.stats["reconnects"]
             try:
                 await self._handler(msg)
                 return
             except Exception as exc:
-                if self._stopping or not is_outage(exc) or asyncio.get_running_loop().time() >= give_up:
+                # A timeout is an outage only if the connection went down meanwhile (a request lost in
+                # a server restart); on a connection that stayed up it is the handler's own failure.
+                lost = not self._nc.is_connected or self._nc.stats["reconnects"] != reconnects
+                if self._stopping or not is_outage(exc, timeouts=lost) or loop.time() >= give_up:
                     raise
                 self.outage_retries += 1
                 log.warning("bus_unreachable_retrying", error=repr(exc), retry_in_s=pause)
             await asyncio.sleep(pause)
+            if self._stopping:
+                raise BusError("stopped while the bus was unreachable; the message goes back")
             pause = min(max(2 * pause, 0.05), OUTAGE_RETRY_CAP_S)
 
     async def _one(self, msg: Msg) -> None:

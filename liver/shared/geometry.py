@@ -54,9 +54,12 @@ MAX_DIM: Final = 2**53
 and a hostile number would only cost arithmetic on integers that big."""
 MAX_EXPERTS: Final = 65_536
 """Experts per MoE layer (the largest models have a few hundred)."""
-MAX_NAMED_PARAMETERS: Final = 1 << 22
-"""Parameters a geometry may stand for once its runs of layers and experts are expanded: the check of a
-geometry names each of them, so an unbounded count would let one message exhaust a service's memory."""
+MAX_NAMED_PARAMETERS: Final = 1 << 20
+"""Parameters a geometry may stand for once its runs of layers and experts are expanded (a 61-layer
+model of 256 experts has under 50,000): the check of a geometry names each of them, so an unbounded
+count would let one message exhaust a service's memory."""
+MAX_NAME_BYTES: Final = 64 << 20
+"""The characters of all those names together (500 each would otherwise still allow 500 MB)."""
 
 _Name = Annotated[str, Meta(min_length=1, max_length=500)]
 _Positive = Annotated[int, Meta(ge=1, le=MAX_DIM)]
@@ -211,6 +214,12 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         if named > MAX_NAMED_PARAMETERS:
             raise GeometryError(
                 f"parameters: stand for {named:,} parameters once expanded; at most {MAX_NAMED_PARAMETERS:,}"
+            )
+        name_bytes = sum(p.count(self.num_experts) * len(p.name) for p in self.parameters)
+        if name_bytes > MAX_NAME_BYTES:
+            raise GeometryError(
+                f"parameters: their names come to {name_bytes:,} characters once expanded; at most "
+                f"{MAX_NAME_BYTES:,}"
             )
         seen: set[str] = set()
         layers: set[int] = set()

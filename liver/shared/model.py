@@ -116,6 +116,15 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         ):
             if not 1 <= getattr(self, field) <= MAX_DIM:
                 raise ModelError(f"{field} must be between 1 and {MAX_DIM}, got {getattr(self, field)}")
+        for field in (
+            "num_query_groups",
+            "kv_channels",
+            "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+        ):
+            value = getattr(self, field)
+            if value is not None and not 1 <= value <= MAX_DIM:
+                raise ModelError(f"{field} must be between 1 and {MAX_DIM}, got {value}")
         if self.num_layers > MAX_LAYERS:
             raise ModelError(f"num_layers must be at most {MAX_LAYERS}, got {self.num_layers}")
         if self.num_attention_heads % self.query_groups:
