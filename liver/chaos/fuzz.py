@@ -47,6 +47,9 @@ HUGE_MARGIN: Final = 4096
 """Bytes below the server's ``max_payload`` an oversized payload stays (its headers must fit too)."""
 DEEP: Final = 1200
 """Nesting depth of the deep payloads: deeper than the codec's recursion allows."""
+CORE_AHEAD: Final = 200
+"""Unanswered worker-traffic messages the sender lets a reader be behind before it waits."""
+CATCH_UP_S: Final = 30.0
 CONFLICT_QUIET_S: Final = 3.0
 """How long after a conflicting copy is refused no new outcome may appear (a handoff commits in 0.2 s)."""
 ATTEMPTS: Final = 20
@@ -337,6 +340,8 @@ class FuzzRun:
         # One step, run after the fuzz: the job must still resize.
         self.rig = ChaosRun(make_schedule(seed, steps=1, kills=0, server_kills=0), ChaosConfig(), log_dir)
         self.sent: list[_Sent] = []
+        self._by_error: dict[tuple[Any, ...], _Sent] = {}
+        self._by_letter: dict[tuple[Any, ...], _Sent] = {}
         self._error_seq = 1
         self._dlq_seq = 1
 
@@ -390,6 +395,9 @@ class FuzzRun:
         return int((await self.rig.js.stream_info(stream)).state.last_seq)
 
     async def _send(self) -> None:
+        """Publish the hostile messages. Worker traffic is core NATS, with no flow control: a reader
+        that falls more than ``CORE_AHEAD`` messages behind is waited for (up to ``CATCH_UP_S``), so that
+        a slow reader is not cut off by the server and its dropped messages counted as unanswered."""
         assert self.rig.nc is not None
         nc = self.rig.nc
         maker = HostileMaker(self.seed, max_payload=nc.max_payload)
@@ -407,11 +415,29 @@ class FuzzRun:
                 sent.sequence = ack.seq
             else:
                 await nc.publish(channel.subject, hostile.data)
-            self.sent.append(sent)
+            self._index(sent)
             if index % 50 == 49:
                 await nc.flush()
                 self.rig.procs.restart_exited_services()
+                await self._catch_up()
         await nc.flush()
+
+    def _index(self, x: _Sent) -> None:
+        """Remember ``x`` under the keys its error event and dead letter will carry."""
+        self.sent.append(x)
+        if x.sequence is not None:
+            self._by_error[(x.channel.subject, x.sequence)] = x
+            self._by_letter[(x.channel.stream, x.sequence)] = x
+        else:
+            self._by_error[_payload_key(x.channel.subject, x.hostile.data)] = x
+            self._by_letter[(x.channel.subject, hashlib.sha256(x.hostile.data).hexdigest())] = x
+
+    async def _catch_up(self) -> None:
+        core = [x for x in self.sent if x.sequence is None and x.channel.answered]
+        deadline = time.monotonic() + CATCH_UP_S
+        while sum(not x.answered for x in core) > CORE_AHEAD and time.monotonic() < deadline:
+            await self._collect()
+            await asyncio.sleep(0.1)
 
     async def _read_new(self, stream: str, start: int) -> tuple[list[Any], int]:
         """The messages of ``stream`` from sequence ``start`` on, and the sequence to read next: as many
@@ -429,50 +455,40 @@ class FuzzRun:
             pass
         return out, seq
 
+    async def _collect(self) -> None:
+        """Read the error events and dead letters published since the last call; mark what they answer."""
+        errors, self._error_seq = await self._read_new(s.STREAM_ERRORS.name, self._error_seq)
+        letters, self._dlq_seq = await self._read_new(s.STREAM_DEAD_LETTERS.name, self._dlq_seq)
+        for raw in errors:
+            try:
+                event = decode(raw.data or b"", m.ErrorEvent)
+            except MessageError:
+                continue
+            if event.stream_sequence is not None:
+                found = self._by_error.get((event.subject, event.stream_sequence))
+            else:
+                payload = hashlib.sha256(event.payload.encode()).hexdigest()
+                found = self._by_error.get((event.subject, event.payload_size, payload))
+            if found is not None:
+                found.answered = True
+        for raw in letters:
+            headers = raw.headers or {}
+            stream, seq = headers.get(s.HEADER_ORIGINAL_STREAM), headers.get(s.HEADER_ORIGINAL_SEQUENCE)
+            if stream is not None and seq is not None and seq.isdigit():
+                found = self._by_letter.get((stream, int(seq)))
+            else:
+                digest = headers.get(HEADER_PAYLOAD_DIGEST, "").removeprefix("SHA-256=")
+                digest = digest or hashlib.sha256(raw.data or b"").hexdigest()
+                found = self._by_letter.get((headers.get(s.HEADER_ORIGINAL_SUBJECT, ""), digest))
+            if found is not None:
+                found.dead_lettered = True
+
     async def _await_answers(self, timeout_s: float) -> None:
-        stored = {(x.channel.subject, x.sequence): x for x in self.sent if x.sequence is not None}
-        stored_dlq = {(x.channel.stream, x.sequence): x for x in self.sent if x.sequence is not None}
-        unstored = {
-            _payload_key(x.channel.subject, x.hostile.data): x for x in self.sent if x.sequence is None
-        }
-        unstored_dlq = {
-            (x.channel.subject, hashlib.sha256(x.hostile.data).hexdigest()): x
-            for x in self.sent
-            if x.sequence is None
-        }
         deadline = time.monotonic() + timeout_s
         while True:
-            errors, self._error_seq = await self._read_new(s.STREAM_ERRORS.name, self._error_seq)
-            letters, self._dlq_seq = await self._read_new(s.STREAM_DEAD_LETTERS.name, self._dlq_seq)
-            for raw in errors:
-                try:
-                    event = decode(raw.data or b"", m.ErrorEvent)
-                except MessageError:
-                    continue
-                found = stored.get((event.subject, event.stream_sequence))
-                if found is None and event.stream_sequence is None:
-                    key = (
-                        event.subject,
-                        event.payload_size,
-                        hashlib.sha256(event.payload.encode()).hexdigest(),
-                    )
-                    found = unstored.get(key)
-                if found is not None:
-                    found.answered = True
-            for raw in letters:
-                headers = raw.headers or {}
-                stream, seq = headers.get(s.HEADER_ORIGINAL_STREAM), headers.get(s.HEADER_ORIGINAL_SEQUENCE)
-                if stream is not None and seq is not None and seq.isdigit():
-                    found = stored_dlq.get((stream, int(seq)))
-                else:
-                    digest = headers.get(HEADER_PAYLOAD_DIGEST, "").removeprefix("SHA-256=")
-                    digest = digest or hashlib.sha256(raw.data or b"").hexdigest()
-                    found = unstored_dlq.get((headers.get(s.HEADER_ORIGINAL_SUBJECT, ""), digest))
-                if found is not None:
-                    found.dead_lettered = True
-            pending = [x for x in self.sent if _pending(x)]
+            await self._collect()
             self.rig.procs.restart_exited_services()
-            if not pending or time.monotonic() > deadline:
+            if not any(_pending(x) for x in self.sent) or time.monotonic() > deadline:
                 return
             await asyncio.sleep(0.5)
 
