@@ -173,7 +173,7 @@ class _Processes:
                 "this one: give a new directory"
             )
         self.incarnations: Counter[str] = Counter()
-        self.server = self._new_server()
+        self.server = self.new_server()
         self.services: dict[Target, rig.Child] = {}
         self.nodes: dict[str, rig.Child] = {}
         self.unplanned_exits: Counter[str] = Counter()
@@ -181,7 +181,7 @@ class _Processes:
         self.topology_config = log_dir / "topology.json"
         self.coordinator_config = log_dir / "coordinator.json"
 
-    def _new_server(self) -> NatsServer:
+    def new_server(self) -> NatsServer:
         self.incarnations["nats-server"] += 1
         return NatsServer(
             store_dir=self.store,
@@ -335,6 +335,8 @@ class ChaosRun:
         self._outcomes: list[Outcome] = []
         self._next_seq = 1
         self.watch = _StageWatch()
+        self._ended = asyncio.Event()
+        """Set when the step's events have their outcomes (a kill waiting for a skipped stage stops)."""
 
     # -- setup --------------------------------------------------------------------------------------
 
@@ -513,14 +515,22 @@ class ChaosRun:
 
     async def _kill(self, kill: Kill) -> None:
         if kill.stage != Stage.PUBLISHED:
-            with contextlib.suppress(TimeoutError):  # a stage the handoff skipped (or passed unseen)
-                await asyncio.wait_for(self.watch.seen(kill.stage), STAGE_WAIT_S)
+            # The stage, or the step's end when the handoff skipped it (an abort before the Prepare).
+            waits = [
+                asyncio.ensure_future(self.watch.seen(kill.stage)),
+                asyncio.ensure_future(self._ended.wait()),
+            ]
+            try:
+                await asyncio.wait(waits, timeout=STAGE_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
         self.kills[kill.target.value] += 1
         self.progress(f"  kill -9 {kill.target.value} at {kill.stage.value}, back in {kill.down_s:.1f} s")
         if kill.target == Target.SERVER:
             await asyncio.to_thread(self.procs.server.kill)
             await asyncio.sleep(kill.down_s)
-            self.procs.server = self.procs._new_server()
+            self.procs.server = self.procs.new_server()
             await asyncio.to_thread(self.procs.server.start)
             return
         self.procs.killing.add(kill.target)
@@ -541,6 +551,7 @@ class ChaosRun:
         record = StepRecord(index=step.index, kind=kind, event_ids=ids, nodes=nodes, kill=step.kill)
         before = len(await self.outcomes())
         self.watch.arm()
+        self._ended.clear()
         started = time.monotonic()
         for event_id, node in zip(ids, nodes, strict=True):
             message: SpotWarning | ScaleRequest
@@ -564,6 +575,7 @@ class ChaosRun:
                 settled = [o for o in (await self.outcomes())[before:] if set(o.event_ids) & set(ids)]
                 if {e for o in settled for e in o.event_ids} >= set(ids):
                     record.seconds = time.monotonic() - started
+                    self._ended.set()
                     break
                 if time.monotonic() > deadline:
                     return record
