@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.train import TrainerHooks
     from liver.worker_runtime.megatron.train_config import TrainConfig
+    from liver.worker_runtime.peers import StepAbandoned
     from liver.worker_runtime.runtime import (
         AbortReport,
         CheckpointOptions,
@@ -60,6 +61,7 @@ _LAZY: dict[str, str] = {
     "SwitchReport": "liver.worker_runtime.handoff",
     "HandoffAborted": "liver.worker_runtime.handoff",
     "HandoffFailed": "liver.worker_runtime.handoff",
+    "StepAbandoned": "liver.worker_runtime.peers",
     # the Megatron-core job
     "MegatronJob": "liver.worker_runtime.megatron.job",
     "ModelSource": "liver.worker_runtime.megatron.source",
@@ -121,6 +123,7 @@ __all__ = [
     "RuntimeBridge",
     "RuntimeEvent",
     "RuntimeOptions",
+    "StepAbandoned",
     "StoreAddress",
     "SwitchReport",
     "TrainConfig",

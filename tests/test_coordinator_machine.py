@@ -686,7 +686,7 @@ def test_worker_failing_to_prepare_aborts_and_keeps_the_old_world() -> None:
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "kept_old_world" and aborted.phase == "prepare"
     assert "out of memory" in aborted.reason and aborted.active_generation == 0
-    assert [c.command.generation for c in d.sent(Abort)] == [1]
+    assert [(c.command.generation, c.command.fallback) for c in d.sent(Abort)] == [(1, False)]
     assert d.core.phase is GenerationPhase.STABLE
     assert d.kv.record is not None and d.kv.record.generation == 0 and d.kv.record.live
     assert [(s.outcome, s.generation) for s in d.settled()] == [("aborted", 1)]
@@ -755,6 +755,8 @@ def test_worker_failing_during_the_switch_falls_back_to_the_checkpoint() -> None
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback" and "NCCL timeout" in aborted.reason
     assert [(s.outcome, s.generation) for s in d.settled()] == [("checkpoint_fallback", 1)]
+    # Workers waiting for a live recovery hear that none comes.
+    assert [(c.command.generation, c.command.fallback) for c in d.sent(Abort)] == [(1, True)]
 
 
 def test_a_fallback_world_reported_before_the_abort_is_recorded_is_adopted_after_it() -> None:

@@ -29,6 +29,7 @@ from liver.worker_runtime.stream.executor import (
     stream_plan,
 )
 from liver.worker_runtime.stream.schedule import (
+    LOST_RANK,
     Schedule,
     StreamStep,
     align,
@@ -357,3 +358,48 @@ def test_tensors_that_share_a_view_key_have_one_view_in_every_layout(model: str)
             for members in groups.values():
                 views = {view(tensors[ti], spec, layout, rank) for ti in members}
                 assert len(views) == 1, (tensors[members[0]].name, layout.describe(), rank)
+
+
+def lost_tp2_dp2_to_dp3() -> tuple[Plan, list[Device]]:
+    devs = [Device("n", i) for i in range(4)]
+    plan = build_plan(
+        PRESETS["tiny-gpt"],
+        WorldConfig(ParallelLayout(2, 1, 2), Placement(tuple(devs))),
+        WorldConfig(ParallelLayout(1, 1, 3), Placement(tuple(devs[:3]))),
+        lost=[devs[3]],
+    )
+    return plan, devs
+
+
+def test_a_lost_device_has_no_process_in_the_stream_numbering() -> None:
+    plan, devs = lost_tp2_dp2_to_dp3()
+    assert devices_in_stream_order(plan, [devs[3]]) == tuple(devs[:3])
+    assert GroupRanks.by_device(plan, [devs[3]]) == GroupRanks(old=(0, 1, 2, LOST_RANK), new=(0, 1, 2))
+
+
+def test_a_plan_made_around_a_lost_device_schedules_no_message_with_it() -> None:
+    plan, devs = lost_tp2_dp2_to_dp3()
+    ranks = GroupRanks.by_device(plan, [devs[3]])
+    for rank in range(3):
+        sched = build_schedule(plan, rank, rank, ranks, rank, 3, 1024)
+        peers = {m.peer for step in sched.steps() for m in (*step.sends, *step.recvs)}
+        assert peers <= {0, 1, 2}
+
+
+def test_a_plan_that_reads_from_a_lost_device_is_refused() -> None:
+    devs = [Device("n", i) for i in range(4)]
+    plan = build_plan(  # planned without knowing that n3 is lost: some slices come from it
+        PRESETS["tiny-gpt"],
+        WorldConfig(ParallelLayout(2, 1, 2), Placement(tuple(devs))),
+        WorldConfig(ParallelLayout(1, 1, 3), Placement(tuple(devs[:3]))),
+    )
+    ranks = GroupRanks.by_device(plan, [devs[3]])
+    with pytest.raises(PlanMismatch, match="lost old rank"):
+        for rank in range(3):
+            build_schedule(plan, rank, rank, ranks, rank, 3, 1024)
+
+
+def test_a_lost_device_that_the_new_world_runs_on_is_refused() -> None:
+    plan, devs = lost_tp2_dp2_to_dp3()
+    with pytest.raises(PlanMismatch, match="is lost, but the plan's new world runs on it"):
+        devices_in_stream_order(plan, [devs[0]])

@@ -219,6 +219,24 @@ def test_a_plan_slice_for_another_device_is_refused() -> None:
     assert member_runtime(1).request_resize(1, TP2, NEW.placement, piece, STORE) is Role.STAY
 
 
+def test_a_lost_device_outside_the_old_world_is_refused() -> None:
+    plan = plan_between(OLD, NEW)
+    with pytest.raises(ValueError, match=r"`lost`: device .* is not in the old world"):
+        member_runtime(1).request_resize(1, TP2, NEW.placement, plan, STORE, lost=(DEVICES[3],))
+
+
+def test_a_lost_device_that_the_new_world_runs_on_is_refused() -> None:
+    plan = plan_between(OLD, NEW)
+    with pytest.raises(ValueError, match=r"`lost`: .* the new world runs on it"):
+        member_runtime(0).request_resize(1, TP2, NEW.placement, plan, STORE, lost=(DEVICES[1],))
+
+
+def test_a_request_that_calls_this_processs_own_device_lost_is_refused() -> None:
+    plan = plan_between(OLD, NEW)
+    with pytest.raises(ValueError, match="`lost`: names this process's own device"):
+        member_runtime(0).request_resize(1, TP2, NEW.placement, plan, STORE, lost=(DEVICES[0],))
+
+
 def test_a_deadline_without_a_timezone_is_refused() -> None:
     with pytest.raises(ValueError, match="`deadline`"):
         member_runtime().request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, datetime.now())
@@ -255,7 +273,13 @@ def test_a_process_never_taken_into_a_world_gives_up_after_its_join_timeout() ->
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("vote_every", 0), ("control_timeout_s", 0.0), ("build_timeout_s", -1.0), ("join_timeout_s", 0.0)],
+    [
+        ("vote_every", 0),
+        ("control_timeout_s", 0.0),
+        ("build_timeout_s", -1.0),
+        ("join_timeout_s", 0.0),
+        ("recover_timeout_s", 0.0),
+    ],
 )
 def test_options_out_of_range_are_refused_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"`{field}`"):

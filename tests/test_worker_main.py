@@ -39,8 +39,8 @@ class FakeRuntime:
     def allow_switch(self, generation: int) -> None:
         self.calls.append(("allow_switch", generation))
 
-    def abort(self, generation: int, reason: str) -> None:
-        self.calls.append(("abort", (generation, reason)))
+    def abort(self, generation: int, reason: str, *, fallback: bool = False) -> None:
+        self.calls.append(("abort", (generation, reason, "fallback") if fallback else (generation, reason)))
 
 
 class Acks:
@@ -113,7 +113,7 @@ def test_prepare_requests_the_resize_on_the_store_it_names_switching_only_when_a
     assert (generation, layout, placement, got_plan) == (4, LAYOUT, Placement((A,)), plan)
     assert store == StoreAddress("10.0.0.7", 29500)
     assert deadline == DEADLINE + timedelta(seconds=30)
-    assert kwargs == {"from_generation": 3, "switch_when_ready": False}
+    assert kwargs == {"from_generation": 3, "switch_when_ready": False, "lost": ()}
 
 
 def test_prepare_without_a_store_is_refused_naming_the_field() -> None:
@@ -134,6 +134,12 @@ def test_switch_allows_the_switch_and_abort_aborts_the_generation() -> None:
     b.on_switch(Switch(job_id=JOB, generation=4, deadline=DEADLINE))
     b.on_abort(Abort(job_id=JOB, generation=4, reason="node lost"))
     assert runtime.calls == [("allow_switch", 4), ("abort", (4, "node lost"))]
+
+
+def test_an_abort_that_falls_back_to_the_checkpoint_says_so_to_the_runtime() -> None:
+    b, runtime, _ = bridge()
+    b.on_abort(Abort(job_id=JOB, generation=4, reason="no surviving source", fallback=True))
+    assert runtime.calls == [("abort", (4, "no surviving source", "fallback"))]
 
 
 def test_a_command_before_attach_raises_so_the_agent_reports_it_failed() -> None:

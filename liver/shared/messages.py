@@ -739,12 +739,15 @@ class Abort(Message, kw_only=True, tag="abort"):
     """Drop the shadow world of ``generation`` and keep training on the active one.
 
     Published on ``liver.worker.cmd.<job>`` or a worker's own command subject by the coordinator;
-    consumed by the worker companion. Aborting a generation the worker never prepared is a no-op.
+    consumed by the worker companion. Aborting a generation the worker never prepared is a no-op, but
+    for a worker whose world lost a peer and which waits for a live recovery: ``fallback`` (the abort's
+    outcome is ``checkpoint_fallback``) tells it that none will come.
     """
 
     job_id: JobId
     generation: Generation
     reason: Reason
+    fallback: bool = False
 
 
 WorkerCommand = Prepare | Switch | Abort

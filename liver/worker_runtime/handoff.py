@@ -45,7 +45,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -222,6 +222,27 @@ class SwitchReport(msgspec.Struct, kw_only=True):
 
 
 @dataclass
+class KeptState:
+    """The training state of a process whose world broke (a lost peer), kept apart from its trainer.
+
+    The trainer's modules, DDP wrapper and optimizer hold the broken world's process groups, and a gloo
+    group closes its connections only when the last reference to it goes: as long as the trainer lives,
+    peers blocked in one of its collectives would wait for their timeout. So the runtime keeps only what
+    the recovery streams (the local state's tensors and the training progress) and lets the rest go
+    (``TrainerFactory.keep_state``, optional)."""
+
+    state: dict[int, LocalTensor]
+    progress: bytes
+
+    def dispose(self) -> None:
+        """Free the kept tensors' storage (after the commit: the new trainer has its own)."""
+        for value in self.state.values():
+            for tensor in value if isinstance(value, tuple) else (value,):
+                tensor.untyped_storage().resize_(0)
+        self.state = {}
+
+
+@dataclass
 class Prebuilt(Generic[T]):
     """The new trainer built before the cut (:func:`prebuild`): what the switch streams into.
 
@@ -270,6 +291,11 @@ class Handoff(Generic[T]):
         None  # made in preparation (:func:`handoff_schedule`); else built here
     )
     prebuilt: Prebuilt[T] | None = None  # built before the cut (:func:`prebuild`); else built here
+    lost: tuple[Any, ...] = ()  # old-world devices whose processes are gone (in no group, sending nothing)
+    broken: bool = False  # the old world was lost before the handoff (a recovery): its members hold
+    # their state (``kept``, or ``old_trainer``) but no old-world group; the cut is the last iteration
+    # they completed
+    kept: KeptState | None = None
 
     @property
     def generation(self) -> int:
@@ -277,9 +303,11 @@ class Handoff(Generic[T]):
 
     @property
     def role(self) -> Role:
-        if self.old_world is not None and self.new_world is not None:
+        held = self.old_trainer is not None or self.kept is not None
+        in_old = self.old_world is not None or (self.broken and held)
+        if in_old and self.new_world is not None:
             return Role.STAY
-        return Role.LEAVE if self.old_world is not None else Role.JOIN
+        return Role.LEAVE if in_old else Role.JOIN
 
 
 def switch(handoff: Handoff[T], cut_at: float | None = None) -> tuple[T | None, SwitchReport]:
@@ -320,6 +348,8 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         assert cut_at is not None and iteration is not None
         stage = HandoffStage.PROGRESS
         mine = h.factory.progress(h.old_trainer) if h.old_trainer is not None else None
+        if h.kept is not None:
+            mine = h.kept.progress
         progress = _broadcast_bytes(h.stream, mine, h.control_timeout)
         t_enter = time.perf_counter()
 
@@ -359,6 +389,9 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
     if old_trainer is not None:
         h.factory.dispose(old_trainer)
         del old_trainer
+    if h.kept is not None:
+        h.kept.dispose()
+        h.kept = None
     if h.old_world is not None:
         h.old_world.release()
     h.stream.release()
@@ -402,6 +435,8 @@ def _stream(
     h: Handoff[T], old_rank: int | None, new_rank: int | None, into: dict[int, LocalTensor] | None
 ) -> StreamResult:
     old_state = h.factory.local_state(h.old_trainer) if h.old_trainer is not None else {}
+    if h.kept is not None:
+        old_state = h.kept.state
     on_step = None
     hook, generation = h.on_stream_step, h.generation
     if hook is not None:
@@ -417,7 +452,7 @@ def _stream(
         old_rank=old_rank,
         new_rank=new_rank,
         group=h.stream.group(),
-        group_ranks=GroupRanks.by_device(h.plan),
+        group_ranks=GroupRanks.by_device(h.plan, h.lost),
         old_state=old_state,
         into=into,
         options=h.stream_options,
@@ -554,7 +589,9 @@ def _touch(tensors: list[torch.Tensor]) -> threading.Thread:
     return thread
 
 
-def handoff_schedule(plan: Plan, device: Any, options: StreamOptions) -> PreparedSchedule:
+def handoff_schedule(
+    plan: Plan, device: Any, options: StreamOptions, lost: Collection[Any] = ()
+) -> PreparedSchedule:
     """The executor's schedule of the process on ``device`` for the handoff streaming ``plan``.
 
     Pure work on the plan (no tensor, no group), so the preparation runs it off the training thread and
@@ -562,14 +599,15 @@ def handoff_schedule(plan: Plan, device: Any, options: StreamOptions) -> Prepare
     :meth:`GroupRanks.by_device` does. Raises ``PlanMismatch`` when the plan does not fit the device.
     """
     old_rank, new_rank = ranks_on_device(plan, device)
-    order = devices_in_stream_order(plan)
+    order = devices_in_stream_order(plan, lost)
     if device not in order:
-        raise ValueError(f"`device`: {device} is in neither world of the plan")
+        why = "is lost" if device in lost else "is in neither world of the plan"
+        raise ValueError(f"`device`: {device} {why}")
     return prepare_schedule(
         plan,
         old_rank=old_rank,
         new_rank=new_rank,
-        group_ranks=GroupRanks.by_device(plan),
+        group_ranks=GroupRanks.by_device(plan, lost),
         group_rank=order.index(device),
         group_size=len(order),
         options=options,

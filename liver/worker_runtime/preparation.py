@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -53,6 +53,8 @@ class ResizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     store: StoreAddress
     deadline: datetime | None
     switch_when_ready: bool
+    lost: tuple[Device, ...] = ()
+    """Old-world devices whose processes are gone: no stream group or message includes them."""
 
 
 def check_request(
@@ -70,6 +72,7 @@ def check_request(
     deadline: datetime | None,
     from_generation: int | None,
     switch_when_ready: bool,
+    lost: Collection[Device] = (),
 ) -> tuple[ResizeRequest, Role, WorldSpec, WorldSpec]:
     """The request, this process's role, and the old and new world specs; ``ValueError`` names the field.
 
@@ -121,6 +124,14 @@ def check_request(
     if not in_old and device in plan.old.placement.devices:
         raise ValueError(f"`plan.old`: device {device} is in the old world, but this process is in no world")
     role = Role.STAY if in_old and in_new else Role.LEAVE if in_old else Role.JOIN
+    lost_devices = tuple(dict.fromkeys(lost))
+    for gone in lost_devices:
+        if gone not in plan.old.placement.devices:
+            raise ValueError(f"`lost`: device {gone} is not in the old world")
+        if gone in placement.devices:
+            raise ValueError(f"`lost`: device {gone} is lost, but the new world runs on it")
+    if device in lost_devices:
+        raise ValueError(f"`lost`: names this process's own device {device}")
     old = WorldSpec(job=job, generation=from_generation, layout=plan.old.layout, placement=plan.old.placement)
     new = WorldSpec(job=job, generation=generation, layout=layout, placement=placement)
     request = ResizeRequest(
@@ -132,6 +143,7 @@ def check_request(
         store=store,
         deadline=deadline,
         switch_when_ready=switch_when_ready,
+        lost=lost_devices,
     )
     return request, role, old, new
 
@@ -202,9 +214,10 @@ class StreamBuild(_Background[StreamGroup]):
         store: StoreAddress,
         backend: Backend,
         timeout: timedelta,
+        lost: Collection[Device] = (),
     ) -> None:
         super().__init__(
-            lambda: build_stream_group(old, new, device, store, backend=backend, timeout=timeout),
+            lambda: build_stream_group(old, new, device, store, backend=backend, timeout=timeout, lost=lost),
             name=f"liver-stream-{new.job}-gen{new.generation}",
             release=StreamGroup.release,
         )
@@ -223,8 +236,10 @@ class ScheduleBuild(_Background[PreparedSchedule]):
     checks it. A plan that does not fit this process fails here, before the cut, instead of in the pause.
     """
 
-    def __init__(self, plan: Plan, device: Device, options: StreamOptions) -> None:
-        super().__init__(lambda: handoff_schedule(plan, device, options), name="liver-schedule")
+    def __init__(
+        self, plan: Plan, device: Device, options: StreamOptions, lost: Collection[Device] = ()
+    ) -> None:
+        super().__init__(lambda: handoff_schedule(plan, device, options, lost), name="liver-schedule")
 
     def result(self) -> PreparedSchedule | None:
         """The schedule, or None while it is not built (the handoff then builds it itself)."""
@@ -302,10 +317,11 @@ class Preparation:
         if check is not None:
             self.layout_check = LayoutCheck(check)
         if stream_options is not None:
-            self.schedule_build = ScheduleBuild(self.request.plan, device, stream_options)
+            self.schedule_build = ScheduleBuild(self.request.plan, device, stream_options, self.request.lost)
         if self.role is not Role.LEAVE:
             self.world_build = build_world_async(self.new, device, store, backend=backend, timeout=timeout)
-        self.stream_build = StreamBuild(self.old, self.new, device, store, backend, timeout)
+        lost = self.request.lost
+        self.stream_build = StreamBuild(self.old, self.new, device, store, backend, timeout, lost)
 
     def schedule(self) -> PreparedSchedule | None:
         """The prepared transfer schedule, or None when none was (or is yet) made."""

@@ -2,7 +2,10 @@
 
     runtime = LiveRuntime(MegatronJob(spec, config), job="gpt", device=device, store=store, initial=spec0)
     while (trainer := runtime.step()) is not None:      # None: this process left the job
-        trainer.train_step()
+        try:
+            trainer.train_step()
+        except StepAbandoned:                             # a peer is lost: the next step() recovers
+            pass
 
 :meth:`LiveRuntime.step` is the iteration boundary. The first call builds the initial world and its
 trainer (or, in a process that is in no world yet, waits until a resize takes it in). Every later call
@@ -32,6 +35,16 @@ iterations), the processes of the new world agree on it through the new generati
 on the new layout, as generation ``failed + 1``, from the last durable checkpoint (:mod:`.fallback`):
 ``step`` returns that trainer, at the checkpoint's iteration. Processes of the old world only leave.
 Without a checkpoint the failure is raised (:class:`~.fallback.NoCheckpointConfigured`).
+
+A peer lost outside a handoff (fail-stop in a training step, the vote or a checkpoint save): the
+trainer gives the step up with its state at the last completed iteration
+(:class:`~.peers.StepAbandoned`, which the training loop catches before calling ``step`` again); the
+runtime destroys the broken world's groups (so every peer waiting in one fails at once), then waits for
+a request that names the lost devices (``request_resize(..., lost=)``, the coordinator's recovery plan)
+and moves to it live, without the old world: the stream group and the new world are built without the
+lost devices, every survivor enters with the iteration it completed, and the state streams from the
+surviving replicas (:meth:`LiveRuntime._recover`). When that fails, or no request comes within
+``recover_timeout_s``, the job falls back to its checkpoint as above (or the error is raised).
 The runtime never imports the services: plans come in from outside.
 """
 
@@ -39,7 +52,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -67,12 +80,14 @@ from liver.worker_runtime.handoff import (
     HandoffAborted,
     HandoffFailed,
     HandoffStage,
+    KeptState,
     Role,
     SwitchReport,
     TrainerFactory,
     prebuild,
     switch,
 )
+from liver.worker_runtime.peers import StepAbandoned, is_peer_failure
 from liver.worker_runtime.preparation import Preparation, ResizeRequest, check_request
 from liver.worker_runtime.stream.executor import StreamOptions
 from liver.worker_runtime.world import (
@@ -90,6 +105,7 @@ __all__ = [
     "FallbackReport",
     "LiveRuntime",
     "NoCheckpointConfigured",
+    "NoLiveRecovery",
     "ReshardPhase",
     "ResizeRejected",
     "ResizeRequest",
@@ -113,6 +129,21 @@ class ResizeRejected(HandoffError):
     """A resize request this runtime cannot take now (one is being prepared, or it left the job)."""
 
 
+class NoLiveRecovery(HandoffError):
+    """The world lost a peer and no live recovery will come (the state survives on no replica, say): the
+    coordinator falls back to the job's checkpoint, which this process's launcher restarts it from."""
+
+    def __init__(self, iteration: int, reason: str) -> None:
+        self.iteration = iteration
+        self.reason = reason
+        super().__init__(
+            f"no live recovery after iteration {iteration}: {reason}; restart from the checkpoint"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:
+        return (type(self), (self.iteration, self.reason))
+
+
 class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """How the runtime waits and streams. The same on every process of a job (``vote_every`` and
     ``stream.message_bytes`` must be)."""
@@ -128,6 +159,9 @@ class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """How long a joiner waits in ``enter_world`` for the cut when its request has no deadline."""
     join_timeout_s: float | None = None
     """How long a process outside every world waits for a request that takes it in (None: forever)."""
+    recover_timeout_s: float = 600.0
+    """How long a process whose world lost a peer waits for the request that recovers it (a resize that
+    names the lost devices) before it gives up (:class:`~.peers.StepAbandoned` is raised)."""
     stream: StreamOptions = StreamOptions()
     checkpoint: CheckpointOptions | None = None
     """Periodic checkpoints, and the fallback to them when a handoff loses the old world (None: neither)."""
@@ -135,7 +169,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     def __post_init__(self) -> None:
         if self.vote_every < 1:
             raise ValueError(f"`vote_every`: must be at least 1, got {self.vote_every}")
-        for field in ("control_timeout_s", "build_timeout_s", "enter_timeout_s"):
+        for field in ("control_timeout_s", "build_timeout_s", "enter_timeout_s", "recover_timeout_s"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"`{field}`: must be positive, got {getattr(self, field)}")
         if self.join_timeout_s is not None and not self.join_timeout_s > 0:
@@ -151,6 +185,8 @@ class ReshardPhase(StrEnum):
     FALLING_BACK = "falling_back"  # the handoff failed and the old world is gone: restarting from the
     # checkpoint (the event's generation is the failed one; a leaver stops here)
     FELL_BACK = "fell_back"  # restarted from the checkpoint as generation failed + 1: training goes on
+    PEER_LOST = "peer_lost"  # a step or vote met a lost peer: the world is broken, the state of the event's
+    # iteration kept; waiting for a resize that names the lost devices (a live recovery)
 
 
 class AbortReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -239,6 +275,8 @@ class LiveRuntime(Generic[T]):
         self._closed = False
         self._handed_out_at: float | None = None
         self._saved_at: int | None = None  # the iteration of the last periodic checkpoint (or the loaded one)
+        self._broken: WorldSpec | None = None  # the world this process trained in until it lost a peer
+        self._no_recovery: str | None = None  # the coordinator's word that no live recovery will come
         self.history: list[SwitchReport | AbortReport | FallbackReport] = []
         self._log = log.bind(job=job, device=str(device))
 
@@ -294,6 +332,7 @@ class LiveRuntime(Generic[T]):
         *,
         from_generation: int | None = None,
         switch_when_ready: bool = True,
+        lost: Collection[Device] = (),
     ) -> Role:
         """Prepare the move to ``generation`` (``layout`` on ``placement``) with ``plan``; thread-safe.
 
@@ -301,6 +340,8 @@ class LiveRuntime(Generic[T]):
         :class:`ResizeRejected` while another generation is being prepared or after this process left.
         With ``switch_when_ready=False`` the ranks vote ready only after :meth:`allow_switch` (the
         coordinator's SWITCH command); otherwise they switch at the first boundary where all are ready.
+        ``lost`` names old-world devices whose processes are gone (the plan reads nothing from them): the
+        groups are built without them, and a process whose world lost a peer recovers with this request.
         """
         if isinstance(plan, PlanSlice):
             if plan.device != self.device:
@@ -325,7 +366,7 @@ class LiveRuntime(Generic[T]):
                 job=self.job,
                 device=self.device,
                 model=self.factory.model,
-                active=self._world.spec if self._world is not None else self._initial,
+                active=self._active_spec(),
                 newest_generation=self._newest_generation,
                 generation=generation,
                 layout=layout,
@@ -335,11 +376,12 @@ class LiveRuntime(Generic[T]):
                 deadline=deadline,
                 from_generation=from_generation,
                 switch_when_ready=switch_when_ready,
+                lost=lost,
             )
             prep = Preparation(request, role, old, new)
             self._pending = prep
             self._newest_generation = generation
-            if role is not Role.JOIN and self._world is not None:
+            if role is not Role.JOIN and (self._world is not None or self._broken is not None):
                 self._start_preparation(prep)
             self._cond.notify_all()
         self._log.info(
@@ -347,6 +389,13 @@ class LiveRuntime(Generic[T]):
         )
         self._emit(RuntimeEvent(generation=generation, phase=ReshardPhase.PREPARING))
         return role
+
+    def _active_spec(self) -> WorldSpec | None:
+        """The world this process is in, for a request's check: the one it trains in, the one it lost a
+        peer of (its state is still that world's), or the one it starts in."""
+        if self._world is not None:
+            return self._world.spec
+        return self._broken if self._broken is not None else self._initial
 
     def _start_preparation(self, prep: Preparation) -> None:
         """Start building the shadow world, the stream group and the schedule, and the layout check."""
@@ -367,6 +416,7 @@ class LiveRuntime(Generic[T]):
         with self._cond:
             if self._pending is not None and self._pending.generation == generation:
                 self._pending.allowed = True
+                self._cond.notify_all()
 
     def wait_prepared(self, timeout_s: float) -> bool:
         """Block until the pending generation's groups are built (True) or have failed or ``timeout_s``
@@ -382,11 +432,18 @@ class LiveRuntime(Generic[T]):
             return False
         return True
 
-    def abort(self, generation: int, reason: str) -> None:
-        """Give ``generation`` up: the next vote aborts it on every rank. A no-op for other generations."""
+    def abort(self, generation: int, reason: str, *, fallback: bool = False) -> None:
+        """Give ``generation`` up: the next vote aborts it on every rank. A no-op for other generations,
+        but for a process whose world lost a peer and that waits for its recovery: ``fallback`` (the
+        coordinator restarts the job from its checkpoint instead) ends that wait with
+        :class:`NoLiveRecovery`."""
         with self._cond:
             if self._pending is not None and self._pending.generation == generation:
                 self._pending.abort_reason = f"aborted by request: {reason}"
+                self._cond.notify_all()
+            elif fallback and self._broken is not None and generation > self._broken.generation:
+                self._no_recovery = f"generation {generation} aborted: {reason}"
+                self._cond.notify_all()
 
     # -- the training loop's call -------------------------------------------------------------------------
     def step(self) -> T | None:
@@ -401,9 +458,20 @@ class LiveRuntime(Generic[T]):
             return None
         if self._trainer is None:
             return self._start()
+        abandoned = self._abandoned_step()
+        if abandoned is not None:
+            return self._recover(abandoned)
         assert self._world is not None
         iteration = self.factory.iteration(self._trainer)
-        self._save_if_due(iteration)
+        lost: StepAbandoned | None = None
+        try:
+            self._save_if_due(iteration)
+        except Exception as error:
+            if not is_peer_failure(error):
+                raise
+            lost = StepAbandoned(iteration, _first_line(error))
+        if lost is not None:  # recovered outside the except block: see _recover
+            return self._recover(lost)
         if iteration % self.options.vote_every:
             return self._trainer
         with self._cond:
@@ -418,14 +486,21 @@ class LiveRuntime(Generic[T]):
             self._emit(
                 RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY, iteration=iteration)
             )
-        decision = vote(
-            self._world,
-            iteration=iteration,
-            target=target,
-            ready=readiness,
-            failed=failure is not None,
-            timeout=timedelta(seconds=self.options.control_timeout_s),
-        )
+        try:
+            decision = vote(
+                self._world,
+                iteration=iteration,
+                target=target,
+                ready=readiness,
+                failed=failure is not None,
+                timeout=timedelta(seconds=self.options.control_timeout_s),
+            )
+        except Exception as error:
+            if not is_peer_failure(error):
+                raise
+            lost = StepAbandoned(iteration, _first_line(error))
+        if lost is not None:
+            return self._recover(lost)
         cut_at = time.perf_counter()
         if decision.verdict is CutVerdict.WAIT or prep is None:
             return self._trainer
@@ -516,7 +591,14 @@ class LiveRuntime(Generic[T]):
             self._log.warning("runtime.default_not_agreed", error=repr(error)[:300])
 
     def _handoff(
-        self, prep: Preparation, new_world: World | None, iteration: int | None, join_timeout: float
+        self,
+        prep: Preparation,
+        new_world: World | None,
+        iteration: int | None,
+        join_timeout: float,
+        *,
+        broken: bool = False,
+        kept: KeptState | None = None,
     ) -> Handoff[T]:
         assert prep.stream_build is not None
         return Handoff(
@@ -526,7 +608,7 @@ class LiveRuntime(Generic[T]):
             stream=prep.stream_build.result(),
             old_world=self._world,
             new_world=new_world,
-            old_trainer=self._trainer,
+            old_trainer=None if kept is not None else self._trainer,
             iteration=iteration,
             from_generation=prep.request.from_generation,
             control_timeout=timedelta(seconds=self.options.control_timeout_s),
@@ -535,6 +617,9 @@ class LiveRuntime(Generic[T]):
             on_stream_step=self._on_stream_step,
             schedule=prep.schedule(),
             prebuilt=prep.prebuilt,
+            lost=prep.request.lost,
+            broken=broken or kept is not None,
+            kept=kept,
         )
 
     def _switch(self, prep: Preparation, iteration: int, cut_at: float) -> T | None:
@@ -622,6 +707,125 @@ class LiveRuntime(Generic[T]):
             assert trainer is not None
             return trainer
 
+    # -- a peer lost outside a handoff: live recovery ------------------------------------------------------
+    def _abandoned_step(self) -> StepAbandoned | None:
+        """The trainer's abandoned step, when its last step met a lost peer (the factory's optional
+        ``abandoned(trainer)``; ``MegatronJob`` has it)."""
+        abandoned = getattr(self.factory, "abandoned", None)
+        return abandoned(self._trainer) if abandoned is not None else None
+
+    def _recover(self, abandoned: StepAbandoned) -> T | None:
+        """The active world lost a peer outside a handoff: keep the state of the last completed iteration
+        and move to the world the recovery request names, streaming from the surviving replicas.
+
+        The broken world's groups are destroyed first, so that every peer still waiting in one of its
+        collectives fails now instead of at its timeout. Then this process waits, as a joiner does, for
+        the request that names the lost devices (the coordinator sends it when it learns of the loss),
+        builds the new world and the stream group without them, and runs the switch with its kept
+        trainer as the source and the iteration it completed as its side of the cut (the new world's
+        members agree on it in ``enter_world``; survivors that disagree cannot recover live). Whatever
+        fails on the way falls back to the checkpoint (or raises, without one): there is no old world
+        to return to.
+        """
+        assert self._world is not None and self._trainer is not None
+        lost_at = time.perf_counter()
+        broken = self._world.spec
+        mark = getattr(self.factory, "abandon", None)
+        if mark is not None and self._abandoned_step() is None:  # the vote or a checkpoint found the loss
+            abandoned = mark(self._trainer, abandoned.iteration, abandoned.reason)
+        self._log.warning(
+            "runtime.peer_lost",
+            generation=broken.generation,
+            iteration=abandoned.iteration,
+            torn=abandoned.torn,
+            error=abandoned.reason,
+        )
+        self._world.release()
+        self._world = None
+        # Keep only the state: the trainer's objects hold the broken world's groups, whose connections
+        # close (and wake the peers waiting in them) only once nothing refers to them. For the same
+        # reason this runs outside any except block: a caught failure's frames hold them too.
+        keep = getattr(self.factory, "keep_state", None)
+        kept: KeptState | None = None
+        if keep is not None and not abandoned.torn:
+            kept = keep(self._trainer)
+        with self._cond:
+            self._broken = broken
+            stale = self._pending if self._pending is not None and not self._pending.request.lost else None
+        if stale is not None:
+            self._give_up(stale, HandoffStage.PREPARE, f"the world lost a peer: {abandoned.reason}", None)
+        self._emit(
+            RuntimeEvent(
+                generation=broken.generation, phase=ReshardPhase.PEER_LOST, iteration=abandoned.iteration
+            )
+        )
+        if abandoned.torn:
+            raise abandoned
+        prep = self._wait_for_recovery(abandoned, time.monotonic() + self.options.recover_timeout_s)
+        if not prep.started:
+            self._start_preparation(prep)
+        handoff: Handoff[T] | None = None
+        try:
+            prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
+            self._prebuild(prep, None)
+            self._await_allowed(prep)
+            new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
+            handoff = self._handoff(
+                prep, new_world, abandoned.iteration, self.options.control_timeout_s, kept=kept
+            )
+            new_trainer, report = switch(handoff, lost_at)
+        except (HandoffAborted, WorldError, TimeoutError, RuntimeError) as error:
+            stage = error.stage if isinstance(error, HandoffAborted) else HandoffStage.PREPARE
+            reason = error.reason if isinstance(error, HandoffAborted) else _first_line(error)
+            lost_peer = f"generation {broken.generation} lost a peer ({abandoned.reason})"
+            failed = HandoffFailed(prep.generation, stage, reason, lost_peer)
+            verdict = OutcomeVerdict.LOST if self.options.checkpoint is None else OutcomeVerdict.FALLBACK
+            self._post_outcome(
+                prep,
+                HandoffOutcome(verdict=verdict, reached_iteration=abandoned.iteration, reason=str(failed)),
+            )
+            old_trainer, self._trainer, self._broken = self._trainer, None, None
+            handoff = None
+            if kept is not None:
+                kept.dispose()
+            elif old_trainer is not None:
+                self.factory.dispose(old_trainer)
+            del old_trainer
+            return self._fail_stop(prep, failed, abandoned.iteration, time.perf_counter())
+        self._broken = None
+        return self._committed(prep, report, handoff.new_world, new_trainer)
+
+    def _await_allowed(self, prep: Preparation) -> None:
+        """Wait for the coordinator's SWITCH (a request that switches when ready has it already): the
+        recovery's point of no return is the coordinator's, as a handoff's is. An abort, or the deadline,
+        raises."""
+        end = time.monotonic() + prep.seconds_left(self.options.control_timeout_s)
+        with self._cond:
+            while not prep.allowed:
+                problem = prep.failure()
+                if problem is not None:
+                    raise WorldError(problem)
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise WorldError(f"no switch for generation {prep.generation} in time")
+                self._cond.wait(left)
+
+    def _wait_for_recovery(self, abandoned: StepAbandoned, give_up_at: float) -> Preparation:
+        """The pending request that names lost devices (started or not), once it comes."""
+        with self._cond:
+            while self._pending is None or not self._pending.request.lost:
+                if self._closed:
+                    raise ResizeRejected("the runtime was closed while waiting for a recovery")
+                if self._no_recovery is not None:
+                    self._log.error("runtime.no_live_recovery", reason=self._no_recovery)
+                    raise NoLiveRecovery(abandoned.iteration, self._no_recovery)
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    self._log.error("runtime.not_recovered", timeout_s=self.options.recover_timeout_s)
+                    raise abandoned
+                self._cond.wait(left)
+            return self._pending
+
     # -- checkpoints and the fail-stop fallback --------------------------------------------------------------
     def _save_if_due(self, iteration: int) -> None:
         """The periodic checkpoint: at every ``every``-th boundary, once (a collective over the world)."""
@@ -661,8 +865,9 @@ class LiveRuntime(Generic[T]):
 
     def _joiners_outcome(self, prep: Preparation, aborted: HandoffAborted) -> HandoffOutcome | None:
         """What the old world found, for a joiner whose handoff broke. One that broke while entering
-        never met the old world's processes past the cut: they gave the handoff up before it began."""
-        if aborted.stage == HandoffStage.ENTER:
+        never met the old world's processes past the cut: they gave the handoff up before it began; but
+        a recovery (a request naming lost devices) has no old world to go back to, whatever the stage."""
+        if aborted.stage == HandoffStage.ENTER and not prep.request.lost:
             return None
         return await_outcome(
             prep.request.store,
@@ -873,3 +1078,8 @@ class LiveRuntime(Generic[T]):
             self._on_event(event)
         except Exception as error:  # a listener must never break training
             self._log.warning("runtime.listener_failed", phase=str(event.phase), error=repr(error))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0][:500] if text else repr(error)

@@ -328,6 +328,8 @@ class _Worker:
                 self.metrics.close()
 
     def _train(self, runtime: LiveRuntime[Any], companion: Companion) -> int:
+        from liver.worker_runtime.peers import StepAbandoned
+
         s = self.settings
         stop = StopRule(s.max_steps, s.stop_file)
         if s.initial is None:
@@ -357,7 +359,21 @@ class _Worker:
             if reason is not None:
                 why = reason
                 break
-            result = trainer.train_step()
+            try:
+                result = trainer.train_step()
+            except StepAbandoned as abandoned:
+                # A peer is lost: the state of the last completed step is kept, and the runtime's next
+                # boundary recovers (live from the surviving replicas once the coordinator's recovery
+                # request comes, or from the checkpoint).
+                self.log.warning(
+                    "worker.step_abandoned", iteration=abandoned.iteration, error=abandoned.reason
+                )
+                trainer = runtime.step()
+                if trainer is not None:
+                    self.iteration = runtime.factory.iteration(trainer)
+                    companion.set_iteration(self.iteration)
+                seen = self._after_step(runtime, companion, seen)
+                continue
             world = runtime.world
             assert world is not None
             self.iteration = result.iteration

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from datetime import timedelta
 from enum import StrEnum
 from typing import Annotated, Literal, NamedTuple
@@ -758,12 +758,15 @@ def build_world_async(
 # -- the stream group: old and new world together, for the handoff --------------------------------------
 
 
-def stream_devices(old: WorldSpec, new: WorldSpec) -> tuple[Device, ...]:
-    """Every device of either world once: the old world's in old rank order, then the devices only the
-    new world uses, in new rank order. Group rank i of the stream group runs on ``stream_devices[i]``
-    (the numbering ``stream.schedule.GroupRanks.by_device`` assumes)."""
-    order = dict.fromkeys(old.placement.devices)
+def stream_devices(old: WorldSpec, new: WorldSpec, lost: Collection[Device] = ()) -> tuple[Device, ...]:
+    """Every device of either world once, but the ``lost`` ones (their processes are gone): the old
+    world's in old rank order, then the devices only the new world uses, in new rank order. Group rank i
+    of the stream group runs on ``stream_devices[i]`` (the numbering ``stream.schedule.GroupRanks.by_device``
+    assumes)."""
+    order = dict.fromkeys(d for d in old.placement.devices if d not in lost)
     for device in new.placement.devices:
+        if device in lost:
+            raise WorldError(f"device {device} is lost, but generation {new.generation} runs on it")
         order.setdefault(device)
     return tuple(order)
 
@@ -823,19 +826,23 @@ def build_stream_group(
     *,
     backend: Backend = "gloo",
     timeout: timedelta = DEFAULT_TIMEOUT,
+    lost: Collection[Device] = (),
 ) -> StreamGroup:
     """Build this process's stream group for the handoff ``old`` -> ``new`` (blocks until all arrive).
 
-    Every process of either world calls it; build it on the same thread as the shadow world (before or
-    after it, the same way in every process) or on a thread of its own.
+    Every process of either world calls it, but those on ``lost`` devices (gone: the group is made
+    without them); build it on the same thread as the shadow world (before or after it, the same way in
+    every process) or on a thread of its own.
     """
     if old.job != new.job:
         raise WorldError(f"the stream group joins worlds of one job, not {old.job} and {new.job}")
     if new.generation <= old.generation:
         raise WorldError(f"generation {new.generation} does not follow generation {old.generation}")
-    devices = stream_devices(old, new)
+    devices = stream_devices(old, new, lost)
     if device not in devices:
-        raise WorldError(f"device {device} is in neither generation {old.generation} nor {new.generation}")
+        raise WorldError(
+            f"device {device} is in neither generation {old.generation} nor {new.generation}, or lost"
+        )
     client = connect_store(store, timeout)
     prefix = dist.PrefixStore(f"{new.namespace}/stream", client)
     pg = _new_pg(prefix, devices.index(device), len(devices), backend, device, timeout)

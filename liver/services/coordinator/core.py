@@ -1346,7 +1346,14 @@ class Coordinator:
         assert h is not None and h.stop is not None and h.outcome is not None
         aborted, stop = h.outcome, h.stop
         self._emit(
-            SendCommand(command=Abort(job_id=self.job_id, generation=h.generation, reason=aborted.reason))
+            SendCommand(
+                command=Abort(
+                    job_id=self.job_id,
+                    generation=h.generation,
+                    reason=aborted.reason,
+                    fallback=aborted.outcome == AbortOutcome.CHECKPOINT_FALLBACK,
+                )
+            )
         )
         self._publish(aborted, h)
         if h.transfer is not None or h.switch_sent:

@@ -41,7 +41,7 @@ from typing import Protocol
 
 import structlog
 
-from liver.shared.layout import ParallelLayout, Placement
+from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase
 from liver.shared.plan import Plan
 from liver.worker_runtime.runtime import ReshardPhase, RuntimeEvent
@@ -68,11 +68,12 @@ class ResizeTarget(Protocol):
         *,
         from_generation: int | None = None,
         switch_when_ready: bool = True,
+        lost: tuple[Device, ...] = (),
     ) -> object: ...
 
     def allow_switch(self, generation: int) -> None: ...
 
-    def abort(self, generation: int, reason: str) -> None: ...
+    def abort(self, generation: int, reason: str, *, fallback: bool = False) -> None: ...
 
 
 class Reporter(Protocol):
@@ -157,6 +158,7 @@ class RuntimeBridge:
             deadline,
             from_generation=prepare.from_generation,
             switch_when_ready=False,
+            lost=prepare.lost,
         )
         self._open = prepare.generation
         self._log.info(
@@ -174,7 +176,7 @@ class RuntimeBridge:
     def on_abort(self, abort: Abort) -> None:
         with self._lock:
             self._aborted_by_coordinator.add(abort.generation)
-        self._target().abort(abort.generation, abort.reason)
+        self._target().abort(abort.generation, abort.reason, fallback=abort.fallback)
         self._log.info("bridge.abort_requested", generation=abort.generation, reason=abort.reason)
 
     # -- runtime listener (the thread that caused the event) -------------------------------------------

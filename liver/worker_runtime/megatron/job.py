@@ -11,6 +11,7 @@ How a resumed trainer's random streams are set: :mod:`.streams`.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 
 import msgspec
@@ -21,6 +22,7 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
+from liver.worker_runtime.handoff import KeptState
 from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
 from liver.worker_runtime.megatron.data import Corpus
 from liver.worker_runtime.megatron.source import ModelSource, UserProvider, as_source
@@ -39,6 +41,7 @@ from liver.worker_runtime.megatron.train import TrainerHooks, build_trainer
 from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.megatron.trainer import MegatronTrainer
 from liver.worker_runtime.mock_warmup import WarmupReport, mock_warmup
+from liver.worker_runtime.peers import StepAbandoned
 from liver.worker_runtime.stream.executor import LocalTensor
 from liver.worker_runtime.world import World
 
@@ -162,11 +165,31 @@ class MegatronJob:
     def iteration(self, trainer: MegatronTrainer) -> int:
         return trainer.iteration
 
+    def abandoned(self, trainer: MegatronTrainer) -> StepAbandoned | None:
+        """The trainer's step that met a lost peer (its state is the last completed iteration's), if any."""
+        return trainer.abandoned
+
+    def keep_state(self, trainer: MegatronTrainer) -> KeptState:
+        """The state and progress of a trainer whose world broke, with the trainer's hold on that world's
+        groups let go (see :class:`~liver.worker_runtime.handoff.KeptState`)."""
+        kept = KeptState(local_state(trainer), self.progress(trainer))
+        trainer.drop_world()
+        gc.collect()  # Megatron's modules hold reference cycles: the groups go only with a collection
+        return kept
+
+    def abandon(self, trainer: MegatronTrainer, iteration: int, reason: str) -> StepAbandoned:
+        """Mark the trainer's world broken between two steps (the vote or a checkpoint met a lost peer):
+        its state is that of ``iteration``, torn only if parameters were waiting for a deferred
+        all-gather."""
+        trainer.abandoned = StepAbandoned(iteration, reason, torn=trainer.params_stale)
+        return trainer.abandoned
+
     def local_state(self, trainer: MegatronTrainer) -> dict[int, LocalTensor]:
         """The trainer's state as the executor streams it. With ``overlap_param_gather`` a step leaves
         the parameters outside each rank's owned range stale until the next forward: they are gathered
         first (a collective over DP, which every rank of the world reaches at the same point: the cut)."""
-        trainer.sync_params()
+        if trainer.abandoned is None:  # a broken world has no DP group to gather over (and a torn
+            trainer.sync_params()  # state is never read)
         return local_state(trainer)
 
     def progress(self, trainer: MegatronTrainer) -> bytes:

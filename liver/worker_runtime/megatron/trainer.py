@@ -36,6 +36,7 @@ from liver.worker_runtime.megatron.data import Corpus
 from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 from liver.worker_runtime.megatron.source import ModelSource
 from liver.worker_runtime.megatron.train_config import TrainConfig
+from liver.worker_runtime.peers import StepAbandoned, is_peer_failure
 
 __all__ = ["ForwardStep", "MegatronTrainer", "StepResult", "gpt_forward_step", "gpt_loss_func"]
 
@@ -124,6 +125,7 @@ class MegatronTrainer:
         # Built for a stream to fill (build_trainer(initialize=False)): state made before the stream may
         # be left as allocated (the runtime zeroes it beside training), not zeroed on the training thread.
         self.filled_by_stream = False
+        self.abandoned: StepAbandoned | None = None  # set when a step met a lost peer: the world is broken
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
         self._collection = groups.collection()
         self._forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
@@ -152,32 +154,55 @@ class MegatronTrainer:
         return (batch._asdict() for batch in batches)
 
     def train_step(self) -> StepResult:
-        """One iteration over the next global batch: forward/backward, grad sync, optimizer, LR."""
+        """One iteration over the next global batch: forward/backward, grad sync, optimizer, LR.
+
+        The optimizer step is the iteration's commit point: the loss is reduced before it, so that no
+        collective follows the update (the distributed optimizer's parameter all-gather aside). A step
+        whose collective finds a peer lost (:func:`~liver.worker_runtime.peers.is_peer_failure`) raises
+        :class:`~liver.worker_runtime.peers.StepAbandoned`: nothing of it reached the parameters or the
+        optimizer state, the iteration and data position are the last completed ones, and every later
+        call raises the same (the world is broken; the runtime's next ``step`` recovers).
+        """
+        if self.abandoned is not None:
+            raise self.abandoned
         start = time.perf_counter()
         ensure_global_memory_buffer()
         config = self.config
-        with parallel_state_of(self.groups):
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            reports = self._forward_backward(
-                forward_step_func=self.forward_step,
-                data_iterator=self.data_iterator(),
-                model=[self.model],
-                num_microbatches=self.num_microbatches,
-                seq_length=config.seq_length,
-                micro_batch_size=config.micro_batch_size,
-                forward_only=False,
-                p2p_communicator=self._p2p,
-                pg_collection=self._collection,
-            )
-            succeeded, grad_norm, _ = self.optimizer.step()
-            if succeeded:
-                self.adam_steps += 1
-                self.scheduler.step(increment=config.global_batch_size)
-            self.iteration += 1
-            self.consumed_samples += config.global_batch_size
-            self.params_stale = config.overlap_param_gather
-            loss = self._global_loss(reports)
+        stale = self.params_stale
+        marks: tuple[float, ...] | None = None
+        abandoned: StepAbandoned | None = None
+        try:
+            with parallel_state_of(self.groups):
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                reports = self._forward_backward(
+                    forward_step_func=self.forward_step,
+                    data_iterator=self.data_iterator(),
+                    model=[self.model],
+                    num_microbatches=self.num_microbatches,
+                    seq_length=config.seq_length,
+                    micro_batch_size=config.micro_batch_size,
+                    forward_only=False,
+                    p2p_communicator=self._p2p,
+                    pg_collection=self._collection,
+                )
+                loss = self._global_loss(reports)
+                marks = self._update_marks()
+                succeeded, grad_norm, _ = self.optimizer.step()
+                if succeeded:
+                    self.adam_steps += 1
+                    self.scheduler.step(increment=config.global_batch_size)
+                self.iteration += 1
+                self.consumed_samples += config.global_batch_size
+                self.params_stale = config.overlap_param_gather
+        except Exception as error:
+            if not is_peer_failure(error):
+                raise
+            abandoned = self._abandon(error, stale, marks)
+        if abandoned is not None:
+            # Raised here, not from the failure: its traceback's frames hold the broken world's groups,
+            # which must go for the peers to notice (see drop_world).
+            raise abandoned
         lr = float(self.optimizer.param_groups[0]["lr"])
         result = StepResult(
             iteration=self.iteration,
@@ -189,6 +214,45 @@ class MegatronTrainer:
         )
         self._log.debug("megatron_train.step", **result._asdict())
         return result
+
+    def _update_marks(self) -> tuple[float, ...]:
+        """Each inner optimizer's Adam step as it stands (-1: no state yet): what tells, after a failed
+        ``optimizer.step()``, whether any update began."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        marks = []
+        for optimizer in chained:
+            state = getattr(getattr(optimizer, "optimizer", None), "state", None) or {}
+            mark = -1.0
+            for entry in state.values():
+                if isinstance(entry, dict) and "step" in entry:
+                    mark = float(entry["step"])
+                    break
+            marks.append(mark)
+        return tuple(marks)
+
+    def _abandon(self, error: BaseException, stale: bool, marks: tuple[float, ...] | None) -> StepAbandoned:
+        """Give the step up after a lost peer. Before the optimizer's first update nothing of the step
+        is in the state; an update that began (only the distributed optimizer has a collective after
+        one: its parameter all-gather) or parameters still waiting for a deferred all-gather leave the
+        state torn, which no plan may read."""
+        began = marks is not None and self._update_marks() != marks
+        reason = str(error).splitlines()[0][:300] if str(error) else repr(error)
+        self.abandoned = StepAbandoned(self.iteration, reason, torn=began or stale)
+        self._log.warning(
+            "megatron_train.step_abandoned", iteration=self.iteration, torn=self.abandoned.torn, error=reason
+        )
+        return self.abandoned
+
+    def drop_world(self) -> None:
+        """Let go of everything that holds the broken world's process groups (the DDP-wrapped model,
+        the optimizer, the schedule, the groups), once the state was taken out of it
+        (``MegatronJob.keep_state``): a gloo group closes its connections only when its last reference
+        goes, and only then do the peers still waiting in one of its collectives fail. The trainer can
+        only refuse steps afterwards."""
+        if self.abandoned is None:
+            raise RuntimeError("drop_world: the trainer's world is not broken")
+        for name in ("model", "optimizer", "scheduler", "groups", "_collection", "_p2p", "_forward_backward"):
+            self.__dict__.pop(name, None)
 
     def sync_params(self) -> None:
         """Gather the parameters the distributed optimizer updated on other DP ranks now, when a step

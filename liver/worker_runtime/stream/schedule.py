@@ -21,8 +21,8 @@ the executor's extra memory is the buffer plus the layer under assembly, within 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Collection, Iterator, Sequence
+from typing import Final, NamedTuple
 
 import msgspec
 
@@ -42,32 +42,40 @@ class PlanMismatch(InputError):
     """The plan, this process's identity and its group numbering do not fit together."""
 
 
+LOST_RANK: Final = -1
+"""``GroupRanks.old`` of an old rank whose process is gone (a lost device): no process, no message."""
+
+
 class GroupRanks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where each plan rank lives in the process group that carries the stream.
 
-    ``old[r]`` is the group rank of the process running old rank ``r``, ``new[r]`` the same for new rank
-    ``r``. A process that runs an old and a new rank (one device, both worlds) appears in both.
+    ``old[r]`` is the group rank of the process running old rank ``r`` (:data:`LOST_RANK` when its
+    device is lost: a plan made around it never reads from it), ``new[r]`` the same for new rank ``r``.
+    A process that runs an old and a new rank (one device, both worlds) appears in both.
     """
 
     old: tuple[int, ...]
     new: tuple[int, ...]
 
     @classmethod
-    def by_device(cls, plan: Plan) -> GroupRanks:
+    def by_device(cls, plan: Plan, lost: Collection[Device] = ()) -> GroupRanks:
         """The default numbering: one process per device, old devices in old rank order first, then the
-        devices only the new world uses in new rank order."""
-        order = devices_in_stream_order(plan)
+        devices only the new world uses in new rank order; ``lost`` devices have no process."""
+        order = devices_in_stream_order(plan, lost)
         index = {d: i for i, d in enumerate(order)}
         return cls(
-            old=tuple(index[d] for d in plan.old.placement.devices),
+            old=tuple(index.get(d, LOST_RANK) for d in plan.old.placement.devices),
             new=tuple(index[d] for d in plan.new.placement.devices),
         )
 
 
-def devices_in_stream_order(plan: Plan) -> tuple[Device, ...]:
-    """Every device of either world once: the group numbering :meth:`GroupRanks.by_device` uses."""
-    seen = dict.fromkeys(plan.old.placement.devices)
+def devices_in_stream_order(plan: Plan, lost: Collection[Device] = ()) -> tuple[Device, ...]:
+    """Every device of either world once, but the ``lost`` ones: the numbering of
+    :meth:`GroupRanks.by_device` (the same as :func:`liver.worker_runtime.world.stream_devices`)."""
+    seen = dict.fromkeys(d for d in plan.old.placement.devices if d not in lost)
     for d in plan.new.placement.devices:
+        if d in lost:
+            raise PlanMismatch(f"device {d} is lost, but the plan's new world runs on it")
         seen.setdefault(d)
     return tuple(seen)
 
@@ -268,9 +276,10 @@ def _check_identity(
     for field, got, want in (("group_ranks.old", ranks.old, n_old), ("group_ranks.new", ranks.new, n_new)):
         if len(got) != want:
             raise PlanMismatch(f"{field} has {len(got)} entries, the world has {want} ranks")
-        if len(set(got)) != len(got):
+        present = [g for g in got if g != LOST_RANK or field == "group_ranks.new"]
+        if len(set(present)) != len(present):
             raise PlanMismatch(f"{field} maps two ranks to one process: {list(got)}")
-        bad = [g for g in got if not 0 <= g < group_size]
+        bad = [g for g in present if not 0 <= g < group_size]
         if bad:
             raise PlanMismatch(f"{field} names group ranks {bad} outside a group of {group_size}")
     for field, table, rank in (("old_rank", ranks.old, old_rank), ("new_rank", ranks.new, new_rank)):
@@ -346,6 +355,8 @@ def build_schedule(
         if not 0 <= task.src < len(ranks.old) or not 0 <= task.dst < len(ranks.new):
             raise PlanMismatch(f"task layer {task.layer}: ranks {task.src}->{task.dst} outside the worlds")
         src_g, dst_g = ranks.old[task.src], ranks.new[task.dst]
+        if src_g == LOST_RANK:
+            raise PlanMismatch(f"task layer {task.layer} {task.src}->{task.dst} reads from a lost old rank")
         if task.local != (src_g == dst_g):
             raise PlanMismatch(
                 f"task layer {task.layer} {task.src}->{task.dst}: the plan says local={task.local}, "

@@ -1,0 +1,336 @@
+"""A process lost outside any handoff: the survivors keep their state and move live.
+
+One real Megatron job of four processes trains tiny-gpt at TP2,PP1,DP2 (replica A on p0,p1, replica B
+on p2,p3). p3 dies (``os._exit``), in one run inside its third step (in its second micro-batch's
+forward, while its TP peer waits on it in a collective), in the other right after its second step,
+before the boundary's vote (the cut). The survivors:
+
+- notice within moments (in a collective with p3, or when a peer that noticed lets go of the world's
+  groups) and give the step (or the vote) up with their state as the end of step 2 left it;
+- are handed the recovery request (what the coordinator sends: a plan made around the lost device,
+  here TP1,PP1,DP3 on p0-p2; replica B's half on p3 is gone, replica A has everything) and move to it
+  without the old world's groups, streaming from the survivors;
+- train on from iteration 2 with the same global batch and data position.
+
+The state right after the recovery equals, bit for bit, the state at the end of step 2 (gathered from
+replica A before the kill); the loss trace afterwards equals a fresh TP1,PP1,DP3 job that loads that
+state, and one that loads a ``dist_checkpointing`` checkpoint of it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from live_chain import (
+    DEVICES,
+    Chain,
+    Reload,
+    as_numpy,
+    baseline_process,
+    bit_identical,
+    gather,
+)
+from mp_helpers import World as Proc
+from mp_helpers import run_world
+
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import PRESETS
+from liver.shared.plan import Plan, WorldConfig
+from liver.worker_runtime.megatron.train_config import TrainConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+CONFIG = TrainConfig(global_batch_size=6, micro_batch_size=1, seq_length=16)
+OLD = ParallelLayout(tp=2, pp=1, dp=2)
+NEW = ParallelLayout(tp=1, pp=1, dp=3)
+PROCESSES = 4
+VICTIM = 3
+KILLED_IN = 3  # the step the victim dies in
+STEPS_AFTER = 2  # steps on the new world
+CHAIN = Chain(
+    job="fail-stop",
+    model=PRESETS["tiny-gpt"],
+    config=CONFIG,
+    start=OLD,
+    start_processes=(0, 1, 2, 3),
+    transitions={},
+)
+
+
+def recovery_plan() -> Plan:
+    from liver.services.transfer.planner import plan_resize
+
+    old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
+    survivors = [d for i, d in enumerate(DEVICES[:PROCESSES]) if i != VICTIM]
+    return plan_resize(
+        CHAIN.geometry, old, NEW, survivors, budget_bytes=256 * 1024, lost=[DEVICES[VICTIM]]
+    ).plan
+
+
+def _die_in_second_micro_batch(trainer: Any) -> None:
+    """Make this process exit inside its next step, in the forward of its second micro-batch (after
+    the first micro-batch's collectives, while its TP peer waits on it)."""
+    original = trainer.forward_step
+    calls = 0
+
+    def dying(data_iterator: Any, model: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            os._exit(17)
+        return original(data_iterator, model)
+
+    trainer.forward_step = dying
+
+
+def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[str, Any]:
+    from live_chain import _quiet
+
+    _quiet()
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.state import snapshot
+    from liver.worker_runtime.peers import StepAbandoned
+    from liver.worker_runtime.runtime import LiveRuntime, ReshardPhase, RuntimeEvent, RuntimeOptions
+    from liver.worker_runtime.world import StoreAddress, WorldSpec, live_generations
+
+    device = DEVICES[proc.rank]
+    address = StoreAddress("127.0.0.1", proc.store.port)
+    factory = MegatronJob(CHAIN.model, CHAIN.config)
+    out: dict[str, Any] = {"trace": [], "snapshots": {}, "progress": {}, "abandoned": None, "peer_lost": []}
+    requested: list[int] = []
+
+    def on_event(event: RuntimeEvent) -> None:
+        if event.phase is ReshardPhase.PEER_LOST:
+            out["peer_lost"].append(event.iteration)
+            if not requested:  # what the coordinator would send once it learns of the loss
+                requested.append(1)
+                runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address, lost=(lost,))
+
+    runtime = LiveRuntime(
+        factory,
+        job=CHAIN.job,
+        device=device,
+        store=address,
+        initial=WorldSpec(job=CHAIN.job, generation=0, layout=OLD, placement=Placement(DEVICES[:PROCESSES])),
+        options=RuntimeOptions(control_timeout_s=120, build_timeout_s=180, recover_timeout_s=200),
+        on_event=on_event,
+    )
+    trainer = runtime.step()
+    while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
+        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when == "mid-step":
+            _die_in_second_micro_batch(trainer)
+        started = time.perf_counter()
+        try:
+            result = trainer.train_step()
+        except StepAbandoned as abandoned:
+            out["abandoned"] = {
+                "iteration": abandoned.iteration,
+                "torn": abandoned.torn,
+                "reason": abandoned.reason,
+                "noticed_s": time.perf_counter() - started,
+                "again": _raises_again(trainer),
+            }
+            trainer = _next(runtime, out, snapshot)
+            continue
+        out["trace"].append((runtime.generation, result.iteration, result.loss, result.grad_norm))
+        out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
+        out["progress"][result.iteration] = factory.progress(trainer)
+        if proc.rank == VICTIM and result.iteration == KILLED_IN - 1 and when == "vote":
+            os._exit(17)  # after its step, before the boundary's vote
+        trainer = _next(runtime, out, snapshot)
+    out["history"] = [type(h).__name__ for h in runtime.history]
+    out["generation"] = runtime.generation
+    out["left"] = runtime.left
+    out["live_generations"] = live_generations(CHAIN.job)
+    report = runtime.last_switch
+    out["report"] = None if report is None else {"pause_s": report.pause_s, "iteration": report.iteration}
+    runtime.close()
+    return out
+
+
+def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
+    """The runtime's next trainer; the state right after the move, the first time it is on the new world."""
+    before = runtime.generation
+    trainer = runtime.step()
+    if trainer is not None and runtime.generation != before:
+        out["after"] = as_numpy(snapshot(trainer))
+        out["after_iteration"] = trainer.iteration
+    return trainer
+
+
+def _raises_again(trainer: Any) -> bool:
+    from liver.worker_runtime.peers import StepAbandoned
+
+    try:
+        trainer.train_step()
+    except StepAbandoned:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module", params=["mid-step", "vote"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    plan = recovery_plan()
+    outcomes = run_world(
+        fail_stop_process,
+        PROCESSES,
+        args=(plan, DEVICES[VICTIM], request.param),
+        timeout_s=300,
+        group_timeout_s=120,
+    )
+    victim = outcomes[VICTIM]
+    survivors = {o.rank: o.unwrap() for o in outcomes if o.rank != VICTIM}
+    before = gather({r: survivors[r]["snapshots"][KILLED_IN - 1] for r in (0, 1)}, OLD, CHAIN.geometry)
+    new_rank = plan.new.placement.rank_on()
+    after = gather({new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items()}, NEW, CHAIN.geometry)
+    reload = Reload(1, OLD, NEW, before, survivors[0]["progress"][KILLED_IN - 1], STEPS_AFTER)
+    baseline = run_world(
+        baseline_process,
+        PROCESSES,
+        args=([reload], str(tmp_path_factory.mktemp("checkpoints")), CHAIN),
+        timeout_s=240,
+        group_timeout_s=90,
+    )
+    traces = baseline[0].unwrap()
+    return {
+        "when": request.param,
+        "victim": victim,
+        "survivors": survivors,
+        "before": before,
+        "after": after,
+        "reload": traces["reload"][1],
+        "checkpoint": traces["checkpoint"][1],
+    }
+
+
+def test_the_lost_process_is_gone_and_every_survivor_keeps_the_last_completed_iteration(runs: dict) -> None:
+    assert runs["victim"].status == "died" and runs["victim"].exitcode == 17
+    for rank, s in runs["survivors"].items():
+        assert s["peer_lost"] == [KILLED_IN - 1], f"p{rank}: {s['peer_lost']}"
+
+
+def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict) -> None:
+    for s in runs["survivors"].values():
+        if runs["when"] == "vote":  # no step met it: the vote did
+            assert s["abandoned"] is None
+            continue
+        assert s["abandoned"]["iteration"] == KILLED_IN - 1
+        assert not s["abandoned"]["torn"]
+
+
+def test_a_broken_trainer_refuses_every_later_step(runs: dict) -> None:
+    if runs["when"] == "vote":
+        pytest.skip("no step met the loss")
+    assert all(s["abandoned"]["again"] for s in runs["survivors"].values())
+
+
+def test_survivors_notice_the_loss_within_moments_not_at_a_timeout(runs: dict) -> None:
+    if runs["when"] == "vote":
+        pytest.skip("timed in the mid-step run")
+    # The groups' timeout is 120 s here; noticing takes a failed connection, or a peer letting go of the
+    # world's groups (a survivor that kept its trainer alive would leave the others waiting for 120 s).
+    slowest = max(s["abandoned"]["noticed_s"] for s in runs["survivors"].values())
+    assert slowest < 60, slowest
+
+
+def test_the_survivors_move_live_to_the_recovery_layout_without_a_checkpoint(runs: dict) -> None:
+    for rank, s in runs["survivors"].items():
+        assert s["generation"] == 1, rank
+        assert s["history"] == ["SwitchReport"], (rank, s["history"])
+        assert s["live_generations"] == (1,), rank
+        assert s["report"]["iteration"] == KILLED_IN - 1
+
+
+def test_the_state_after_the_recovery_equals_the_last_completed_step_bit_for_bit(runs: dict) -> None:
+    assert bit_identical(runs["before"], runs["after"])
+    for s in runs["survivors"].values():
+        assert s["after_iteration"] == KILLED_IN - 1
+
+
+def test_the_trace_after_the_recovery_equals_a_reload_of_that_state_at_the_new_layout(runs: dict) -> None:
+    live = [(it, loss, norm) for gen, it, loss, norm in runs["survivors"][0]["trace"] if gen == 1]
+    assert [it for it, _, _ in live] == [KILLED_IN + i for i in range(STEPS_AFTER)]
+    assert live == runs["reload"]
+
+
+def test_the_trace_after_the_recovery_equals_a_checkpoint_of_that_state_loaded_at_the_new_layout(
+    runs: dict,
+) -> None:
+    live = [(it, loss, norm) for gen, it, loss, norm in runs["survivors"][0]["trace"] if gen == 1]
+    assert live == runs["checkpoint"]
+
+
+# -- a DP=1 job: the lost process's state survives nowhere -----------------------------------------------
+
+SOLO = ParallelLayout(tp=2, pp=1, dp=1)
+
+
+def solo_process(proc: Proc) -> dict[str, Any]:
+    """TP2,DP1 on two processes; p1 dies in its third step. p0 plays the coordinator: planning around
+    the lost device fails (no replica holds p1's shard), so it aborts with a checkpoint fallback."""
+    from live_chain import _quiet
+
+    _quiet()
+    from liver.services.transfer.planner import NoSurvivingSource, plan_resize
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.peers import StepAbandoned
+    from liver.worker_runtime.runtime import (
+        LiveRuntime,
+        NoLiveRecovery,
+        ReshardPhase,
+        RuntimeEvent,
+        RuntimeOptions,
+    )
+    from liver.worker_runtime.world import StoreAddress, WorldSpec
+
+    placement = Placement(DEVICES[:2])
+    out: dict[str, Any] = {"planning": None, "raised": None}
+
+    def on_event(event: RuntimeEvent) -> None:
+        if event.phase is not ReshardPhase.PEER_LOST:
+            return
+        old = WorldConfig(SOLO, placement)
+        try:
+            plan_resize(CHAIN.geometry, old, ParallelLayout(1, 1, 1), [DEVICES[0]], lost=[DEVICES[1]])
+        except NoSurvivingSource as error:
+            out["planning"] = str(error)
+            runtime.abort(1, str(error), fallback=True)
+
+    runtime = LiveRuntime(
+        MegatronJob(CHAIN.model, CHAIN.config),
+        job="fail-stop-solo",
+        device=DEVICES[proc.rank],
+        store=StoreAddress("127.0.0.1", proc.store.port),
+        initial=WorldSpec(job="fail-stop-solo", generation=0, layout=SOLO, placement=placement),
+        options=RuntimeOptions(control_timeout_s=120, build_timeout_s=180, recover_timeout_s=200),
+        on_event=on_event,
+    )
+    trainer = runtime.step()
+    started = time.perf_counter()
+    try:
+        while trainer is not None:
+            if proc.rank == 1 and trainer.iteration == KILLED_IN - 1:
+                _die_in_second_micro_batch(trainer)
+            try:
+                trainer.train_step()
+            except StepAbandoned:
+                started = time.perf_counter()
+            trainer = runtime.step()
+    except NoLiveRecovery as error:
+        out["raised"] = {"iteration": error.iteration, "message": str(error)}
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def test_a_loss_no_replica_covers_ends_the_wait_at_the_coordinators_fallback_with_the_reason() -> None:
+    outcomes = run_world(solo_process, 2, timeout_s=240, group_timeout_s=120)
+    assert outcomes[1].status == "died"
+    survivor = outcomes[0].unwrap()
+    assert survivor["planning"] is not None and "lost" in survivor["planning"]
+    raised = survivor["raised"]
+    assert raised is not None and raised["iteration"] == KILLED_IN - 1
+    assert survivor["planning"] in raised["message"] and "checkpoint" in raised["message"]
+    assert survivor["seconds"] < 60  # at the coordinator's word, not at recover_timeout_s (200 s)
