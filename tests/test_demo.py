@@ -7,59 +7,19 @@ services, the embedded server); the tests read its JSON result, its files, and t
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
-import msgspec
 import pytest
+from demo_helpers import Run, run_demo
 
-from liver.demo.procs import MARK_ENV, leftovers
-from liver.demo.summary import DemoResult
-
-DEMO_LIMIT_S = 900
-"""The demo's own limit (``--timeout``): past it, it stops everything and reports the failure. Generous:
-on a busy two-core machine its processes take several times as long as on an idle one."""
-DEMO_TIMEOUT_S = 1020
-"""The subprocess's: a demo that does not end by itself is killed (its children die with it)."""
+from liver.demo.procs import leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-Run = tuple[subprocess.CompletedProcess[str], DemoResult, str]
-"""The finished process, its decoded JSON result, and the mark its processes carried."""
-
 
 @pytest.fixture(scope="module")
-def demo(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[subprocess.CompletedProcess[str], DemoResult, str]:
-    out = tmp_path_factory.mktemp("demo")
-    mark = f"test-demo-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, MARK_ENV: mark}
-    env.pop("NATS_URL", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "liver.cli.main",
-            "demo",
-            "--short",
-            "--json",
-            "--out",
-            str(out),
-            "--timeout",
-            str(DEMO_LIMIT_S),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-    )
-    assert done.stdout.strip(), f"no JSON on stdout; stderr:\n{done.stderr[-4000:]}"
-    result = msgspec.json.decode(done.stdout.strip().splitlines()[-1], type=DemoResult)
-    return done, result, mark
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_demo(tmp_path_factory.mktemp("demo"), "--short")
 
 
 def test_the_demo_exits_0_with_a_successful_result(demo: Run) -> None:

@@ -28,6 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short", action="store_true", help="2 training workers + 1 standby, fewer steps")
+    p.add_argument(
+        "--fail-stop",
+        action="store_true",
+        help="no spot warning: kill a node's workers mid-training; the job recovers live from its replica",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument(
         "--out",
@@ -44,11 +49,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from liver.demo.orchestrator import run_demo
-    from liver.demo.scenario import FULL, SHORT
+    from liver.demo.scenario import FULL, FULL_FAIL_STOP, SHORT, SHORT_FAIL_STOP
     from liver.demo.summary import print_summary
     from liver.shared.logs import configure_logging
 
-    scenario = SHORT if args.short else FULL
+    if args.fail_stop:
+        scenario = SHORT_FAIL_STOP if args.short else FULL_FAIL_STOP
+    else:
+        scenario = SHORT if args.short else FULL
     if args.timeout is not None:
         if not args.timeout > 0:
             raise ValueError(f"--timeout: must be positive, got {args.timeout}")
@@ -58,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
         console = Console(stderr=args.json, width=TABLE_WIDTH)  # a log or a pipe: room for the table
     configure_logging(level="WARNING", stream=sys.stderr)
     result = run_demo(
-        scenario, args.out, name="short" if args.short else "full", console=console, live=not args.json
+        scenario,
+        args.out,
+        name=("short" if args.short else "full") + ("-fail-stop" if args.fail_stop else ""),
+        console=console,
+        live=not args.json,
     )
     print_summary(result, console)
     if args.json:

@@ -44,7 +44,7 @@ log = structlog.get_logger(__name__)
 
 M = TypeVar("M")
 
-TriggerKind = Literal["spot_warning", "scale_request"]
+TriggerKind = Literal["spot_warning", "scale_request", "fail_stop"]
 
 
 class DemoTimeout(LiverError, TimeoutError):
@@ -197,6 +197,19 @@ class Observer:
             f"scale request +{node}",
             f"scale request: add {node} ({len(devices)} devices)",
         )
+
+    def killed(self, node: str, event_id: str, killed_at: float) -> PublishedTrigger:
+        """Note a loss the demo caused (no bus event: the coordinator saw missed heartbeats and made
+        ``event_id`` for it), so that it is read like the events the demo published."""
+        trigger = PublishedTrigger(
+            "fail_stop",
+            event_id,
+            f"fail-stop {node}",
+            f"fail-stop: {node}'s workers killed without notice",
+            killed_at,
+        )
+        self.triggers.append(trigger)
+        return trigger
 
     async def _publish(
         self, subject: str, message: msgspec.Struct, kind: TriggerKind, label: str, description: str

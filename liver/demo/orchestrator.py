@@ -161,8 +161,11 @@ async def _scenario(state: RunState, book: ProcessBook, url: str, progress: Prog
             await _wait_first_world(state, observer, runlog, left(WORKERS_TIMEOUT_S), progress)
             await _until_iteration(observer, runlog, sc.warmup_steps, left(WORKERS_TIMEOUT_S))
 
-            trigger = await observer.spot_warning(sc.reclaimed_node, sc.notice_s)
-            progress.phase(f"{trigger.description}: live scale-in (training continues)")
+            if sc.fail_stop:
+                trigger = await _kill_node(state, book, observer, progress, left(WORKERS_TIMEOUT_S))
+            else:
+                trigger = await observer.spot_warning(sc.reclaimed_node, sc.notice_s)
+                progress.phase(f"{trigger.description}: live scale-in (training continues)")
             cut = await _wait_committed(observer, trigger, left(WORKERS_TIMEOUT_S), progress)
             await _until_iteration(observer, runlog, cut + sc.steps_between, left(WORKERS_TIMEOUT_S))
 
@@ -181,6 +184,43 @@ async def _scenario(state: RunState, book: ProcessBook, url: str, progress: Prog
     finally:
         with contextlib.suppress(Exception):
             await nc.drain()
+
+
+async def _kill_node(
+    state: RunState, book: ProcessBook, observer: Observer, progress: Progress, timeout_s: float
+) -> PublishedTrigger:
+    """SIGKILL the reclaimed node's workers mid-training, and wait for the generation the coordinator
+    plans around the loss (it learns of it from their missed heartbeats): the trigger it serves."""
+    sc = state.scenario
+    names = {worker_name(d) for d in sc.node_devices(sc.reclaimed_node)}
+    victims = [p for p in book.workers() if p.name in names]
+    if len(victims) != len(names):
+        raise RuntimeError(f"the workers of {sc.reclaimed_node} are not running: {sorted(names)}")
+    published = {t.event_id for t in observer.triggers}
+    planned_before = set(observer.topology)
+    killed_at = time.time()
+    for victim in victims:
+        victim.signal_group(signal.SIGKILL)
+    progress.phase(
+        f"killed {sc.reclaimed_node}'s workers without notice: the survivors keep their state and wait "
+        f"(the coordinator notices after {sc.heartbeat_timeout_s:.0f} s of missed heartbeats)"
+    )
+
+    def planned() -> str | None:
+        for generation in sorted(set(observer.topology) - planned_before):
+            event_id = observer.topology[generation].message.event_id
+            if event_id not in published:
+                return str(event_id)
+        return None
+
+    await observer.until(
+        "a generation planned around the lost workers", lambda: planned() is not None, timeout_s
+    )
+    event_id = planned()
+    assert event_id is not None
+    trigger = observer.killed(sc.reclaimed_node, event_id, killed_at)
+    progress.phase(f"{trigger.description}: live recovery from the surviving replica")
+    return trigger
 
 
 async def _wait_services(observer: Observer, timeout_s: float) -> None:
@@ -383,7 +423,8 @@ def _result(
     if error is None and survivors:
         error = f"processes left behind: {survivors}"
     elif error is None and not (len(rows) == 2 and all(r.outcome == "committed" for r in rows)):
-        error = "the run did not commit both a scale-in and a scale-out"
+        first = "live recovery" if state.scenario.fail_stop else "scale-in"
+        error = f"the run did not commit both a {first} and a scale-out"
     result = DemoResult(
         ok=error is None,
         scenario=name,

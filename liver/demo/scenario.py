@@ -8,6 +8,11 @@ planner's choice, not the demo's (the planner is given a CPU hardware profile an
 
 ``--short`` keeps the story with one device per node (two training workers and one standby), fewer
 steps and the same services, so that the test suite can run it on two cores.
+
+``--fail-stop`` tells the story without a notice: the reclaimed node's workers are killed (SIGKILL) in
+the middle of training, the coordinator learns of it from their missed heartbeats, and the job moves
+live onto the surviving node, whose workers hold a whole DP replica (the first world is TP2,PP1,DP2,
+or DP2 with ``--short``), then scales out as before.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
     heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
     """The coordinator's: generous, because a busy 2-core laptop delays beats of busy processes."""
+    fail_stop: bool = False
+    """The first event is the reclaimed node's workers killed without notice, not a spot warning."""
     timeout_s: Annotated[float, Meta(gt=0)] = 600.0
     """The whole run's limit: the demo gives up (and cleans up) after it."""
 
@@ -111,3 +118,15 @@ SHORT = Scenario(
     tail_steps=3,
 )
 """Two workers as (TP1, PP2) on node000-001, one standby worker on node002."""
+
+FULL_FAIL_STOP = msgspec.structs.replace(
+    FULL, layout=ParallelLayout(tp=2, pp=1, dp=2), fail_stop=True, heartbeat_timeout_s=12.0
+)
+"""Four workers as (TP2, PP1, DP2): a whole replica on each node, so node000 survives node001's loss.
+The heartbeat timeout is the loss's detection time: shorter than the spot story's, still above what a
+busy laptop delays a beat by."""
+
+SHORT_FAIL_STOP = msgspec.structs.replace(
+    SHORT, layout=ParallelLayout(tp=1, pp=1, dp=2), fail_stop=True, heartbeat_timeout_s=12.0
+)
+"""Two workers as (TP1, PP1, DP2), one standby."""

@@ -91,11 +91,14 @@ def generation_rows(observer: Observer, runlog: RunLog) -> list[GenerationRow]:
 
 
 def _planned_for(observer: Observer, trigger: PublishedTrigger) -> TopologyPlanned | None:
+    """The generation that served ``trigger``: the last one planned for it (an earlier one may have been
+    cancelled and re-planned)."""
+    found = None
     for generation in sorted(observer.topology):
         planned: TopologyPlanned = observer.topology[generation].message
         if planned.event_id == trigger.event_id:
-            return planned
-    return None
+            found = planned
+    return found
 
 
 def _row(

@@ -72,7 +72,11 @@ def write_timeline(
             bottom.axvspan(end - row.downtime_s, end, color="red", alpha=0.5, linewidth=0)
     top.set_xlabel("iteration")
     top.set_ylabel("training loss")
-    top.set_title("LiveR: live scale-in and scale-out of a Megatron-core GPT, training throughout")
+    if "fail-stop" in result.scenario:
+        title = "LiveR: a lost worker recovered live from its replica, then a live scale-out"
+    else:
+        title = "LiveR: live scale-in and scale-out of a Megatron-core GPT, training throughout"
+    top.set_title(title)
     top.legend(loc="lower left", fontsize=8)
     top.grid(alpha=0.3)
     bottom.set_xlabel("seconds since start")
