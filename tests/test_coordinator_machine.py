@@ -1571,6 +1571,38 @@ def test_world_worker_gone_silent_starts_a_handoff_without_it() -> None:
     assert d.pop(RequestTopology).request.lost == (WORLD[3],)
 
 
+def test_a_world_that_reports_a_lost_peer_has_its_silent_worker_found_within_the_suspect_timeout() -> None:
+    d = started()
+    assert CONFIG.suspect_timeout_s < CONFIG.heartbeat_timeout_s
+    d.status(WORLD[0], 0, "peer_lost")  # a survivor's collective failed: some peer is gone
+    d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
+    for dev in WORLD[:3] + SPARES:
+        d.beat(dev)
+    d.tick()
+    assert d.core.phase is GenerationPhase.PREPARE
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[3],)
+
+
+def test_a_lost_peer_report_leaves_every_worker_that_keeps_beating_in_the_world() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    for _ in range(4):
+        d.wait(CONFIG.suspect_timeout_s / 2)
+    assert d.core.phase is GenerationPhase.STABLE and len(d.core.membership) == len(WORLD + SPARES)
+
+
+def test_a_lost_peer_report_of_an_older_generation_changes_nothing() -> None:
+    d = started()
+    d.status(WORLD[0], 7, "peer_lost")
+    d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
+    for dev in WORLD[:3] + SPARES:
+        d.beat(dev)
+    d.tick()
+    assert d.core.phase is GenerationPhase.STABLE
+    assert d.notes("stale_peer_lost_ignored")
+
+
 def test_a_worker_gone_silent_is_counted_as_heartbeats_missed() -> None:
     d = started()
     assert d.core.silent_workers == 0

@@ -1,14 +1,16 @@
 """``liver demo --short --fail-stop`` end to end: a worker killed without notice, the job moves live.
 
 Two training workers as DP2 and one standby. The demo SIGKILLs node001's worker mid-training; the
-coordinator notices its missed heartbeats and plans around the lost device; node000's worker, which
-kept the state of the last step it completed, moves to DP1 on its own (no checkpoint, no restart);
-then the scale request brings node002 in, as in the spot story.
+survivor's next collective fails, it reports ``peer_lost``, the coordinator finds the silent worker
+within its suspect timeout (not the full heartbeat timeout) and plans around the lost device;
+node000's worker, which kept the state of the last step it completed, moves to DP1 on its own (no
+checkpoint, no restart); then the scale request brings node002 in, as in the spot story.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from demo_helpers import Run, run_demo
@@ -47,6 +49,13 @@ def test_training_goes_on_from_the_last_completed_step_without_a_checkpoint(demo
     assert all(math.isfinite(p.loss) for p in result.steps)
     recovery = result.generations[0]
     assert recovery.cut_iteration == max(p.iteration for p in result.steps if p.generation == 0)
+
+
+def test_the_coordinator_finds_the_lost_worker_from_the_survivors_report(demo: Run) -> None:
+    _, result, _ = demo
+    log = (Path(result.out_dir) / "logs" / "service-coordinator.log").read_text()
+    assert '"event":"world_lost_a_peer"' in log
+    assert "silent for 3.0 s after its world lost a peer" in log
 
 
 def test_the_table_names_the_fail_stop(demo: Run) -> None:

@@ -178,3 +178,24 @@ def test_version_moves_when_workers_come_and_go_but_not_on_a_heartbeat(members: 
     assert members.version == joined > start
     members.expire(later(20))
     assert members.version > joined
+
+
+def test_a_suspected_member_is_lost_after_the_short_timeout_and_one_that_beats_stays(
+    members: Membership,
+) -> None:
+    members.observe(beat("w0", GPU0, seq=1), NOW)
+    members.observe(beat("w1", GPU1, seq=1), NOW)
+    assert members.suspect([GPU0, GPU1], within_s=3.0) == 2
+    assert members.next_deadline() == later(3.0)
+    members.observe(beat("w1", GPU1, seq=2), later(2.0))
+    expired = members.expire(later(3.5))
+    assert [m.worker_id for m in expired.lost] == ["w0"]
+    assert members.get("w1") is not None
+
+
+def test_clearing_the_suspicion_gives_back_the_full_timeout(members: Membership) -> None:
+    members.observe(beat("w0", GPU0, seq=1), NOW)
+    members.suspect([GPU0], within_s=3.0)
+    members.clear_suspicion()
+    assert members.next_deadline() == later(10.0)
+    assert members.expire(later(5.0)).lost == ()

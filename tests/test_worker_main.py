@@ -179,6 +179,12 @@ def test_a_handoff_the_runtime_gave_up_on_its_own_is_acked_failed_with_stage_and
     assert acks.sent == [{"phase": "failed", "generation": 4, "error": "prepare: store unreachable"}]
 
 
+def test_a_world_that_lost_a_peer_is_acked_peer_lost_with_its_generation() -> None:
+    b, _, acks = bridge()
+    b.on_event(RuntimeEvent(generation=3, phase=ReshardPhase.PEER_LOST, iteration=41))
+    assert [(a["phase"], a["generation"]) for a in acks.sent] == [("peer_lost", 3)]
+
+
 def test_a_handoff_the_coordinator_aborted_is_acked_aborted() -> None:
     b, _, acks = bridge()
     b.on_abort(Abort(job_id=JOB, generation=4, reason="deadline"))

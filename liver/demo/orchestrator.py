@@ -203,7 +203,7 @@ async def _kill_node(
         victim.signal_group(signal.SIGKILL)
     progress.phase(
         f"killed {sc.reclaimed_node}'s workers without notice: the survivors keep their state and wait "
-        f"(the coordinator notices after {sc.heartbeat_timeout_s:.0f} s of missed heartbeats)"
+        f"(they report it; the coordinator finds the silent workers within {sc.suspect_timeout_s:.0f} s)"
     )
 
     def planned() -> str | None:
@@ -351,7 +351,11 @@ def run_demo(scenario: Scenario, out_dir: Path, *, name: str, console: Console, 
     state = RunState(scenario, out_dir)
     progress = Progress(console, live=live)
     config = out_dir / "coordinator.json"
-    config.write_bytes(msgspec.json.encode({"core": {"heartbeat_timeout_s": scenario.heartbeat_timeout_s}}))
+    core = {
+        "heartbeat_timeout_s": scenario.heartbeat_timeout_s,
+        "suspect_timeout_s": scenario.suspect_timeout_s,
+    }
+    config.write_bytes(msgspec.json.encode({"core": core}))
     server: NatsServer | None = None
     book: ProcessBook | None = None
     error: str | None = None

@@ -55,6 +55,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     heartbeat_s: Annotated[float, Meta(gt=0)] = 1.0
     heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
     """The coordinator's: generous, because a busy 2-core laptop delays beats of busy processes."""
+    suspect_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
+    """The coordinator's, once a survivor reports its world lost a peer: three of the demo's beats."""
     fail_stop: bool = False
     """The first event is the reclaimed node's workers killed without notice, not a spot warning."""
     timeout_s: Annotated[float, Meta(gt=0)] = 600.0
@@ -119,14 +121,10 @@ SHORT = Scenario(
 )
 """Two workers as (TP1, PP2) on node000-001, one standby worker on node002."""
 
-FULL_FAIL_STOP = msgspec.structs.replace(
-    FULL, layout=ParallelLayout(tp=2, pp=1, dp=2), fail_stop=True, heartbeat_timeout_s=12.0
-)
+FULL_FAIL_STOP = msgspec.structs.replace(FULL, layout=ParallelLayout(tp=2, pp=1, dp=2), fail_stop=True)
 """Four workers as (TP2, PP1, DP2): a whole replica on each node, so node000 survives node001's loss.
-The heartbeat timeout is the loss's detection time: shorter than the spot story's, still above what a
-busy laptop delays a beat by."""
+The survivors report the loss at once, and the coordinator finds the silent workers within
+``suspect_timeout_s``."""
 
-SHORT_FAIL_STOP = msgspec.structs.replace(
-    SHORT, layout=ParallelLayout(tp=1, pp=1, dp=2), fail_stop=True, heartbeat_timeout_s=12.0
-)
+SHORT_FAIL_STOP = msgspec.structs.replace(SHORT, layout=ParallelLayout(tp=1, pp=1, dp=2), fail_stop=True)
 """Two workers as (TP1, PP1, DP2), one standby."""

@@ -121,6 +121,8 @@ class WorkerPhase(StrEnum):
     SWITCHED = "switched"
     ABORTED = "aborted"
     FAILED = "failed"
+    PEER_LOST = "peer_lost"  # the worker's world (the ack's generation) lost a peer outside a handoff:
+    # its state is kept, and it waits for a recovery that names the lost device
 
 
 class HandoffPhase(StrEnum):

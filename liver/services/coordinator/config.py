@@ -33,6 +33,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     so one delayed message never costs a handoff, yet a dead node is noticed well within a spot
     warning's two minutes."""
 
+    suspect_timeout_s: float = 5.0
+    """Once a worker reports that its world lost a peer (``peer_lost``), a member of that world unheard
+    for this long is lost: two to three beats. The loss is certain then, only not whose it is, and the
+    survivors stand still until it is found."""
+
     margin_s: float = 5.0
     """A handoff must finish this long before its node is reclaimed. Providers' notices are
     approximate; finishing early keeps the source ranks alive for the whole transfer."""
@@ -66,6 +71,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def __post_init__(self) -> None:
         for field in (
             "heartbeat_timeout_s",
+            "suspect_timeout_s",
             "default_handoff_s",
             "min_switch_s",
             "bandwidth_bytes_per_s",

@@ -505,6 +505,8 @@ class Coordinator:
             GenerationPhase.CLEANUP,
         ):
             self._wait = Wait.NOTHING
+        if to in (GenerationPhase.COMMITTED, GenerationPhase.DOWN, GenerationPhase.STANDBY):
+            self.membership.clear_suspicion()  # a new world (or none): the broken one's loss is served
 
     def _restore_settled(self, settled: Iterable[SettledEvent]) -> None:
         """Know every event the record says is settled, and have the adapter acknowledge a redelivered
@@ -1097,6 +1099,9 @@ class Coordinator:
     def _on_status(self, event: WorkerStatus) -> None:
         if self._wrong_job(event.job_id, "worker_status"):
             return
+        if event.phase == WorkerPhase.PEER_LOST:
+            self._on_peer_lost(event)
+            return
         h = self._handoff
         if h is None or event.generation != h.generation:
             self._note(
@@ -1411,8 +1416,10 @@ class Coordinator:
         timeout = self.config.heartbeat_timeout_s
         self.silent_workers += len(expired.lost)
         for member in expired.lost:
+            after = "" if member.suspect_s is None else " after its world lost a peer"
             self._on_lost(
-                member.device, f"worker {member.worker_id} on {member.device} silent for {timeout} s"
+                member.device,
+                f"worker {member.worker_id} on {member.device} silent for {member.timeout(timeout)} s{after}",
             )
         for device in expired.missing:
             self._on_lost(device, f"no worker on {device} reported within {timeout} s of the restart")
@@ -1506,6 +1513,29 @@ class Coordinator:
                     iteration=beat.iteration,
                 )
             )
+
+    def _on_peer_lost(self, event: WorkerStatus) -> None:
+        """A worker says its world lost a peer (a collective failed outside a handoff). It cannot say
+        which one; whoever it was stops beating, so every member of that world unheard for
+        ``suspect_timeout_s`` is lost now instead of after the full heartbeat timeout."""
+        member = self.membership.get(event.worker_id)
+        if self._record is None or not self._record.live or event.generation != self._record.generation:
+            self._note(
+                "debug", "stale_peer_lost_ignored", worker_id=event.worker_id, generation=event.generation
+            )
+            return
+        if member is None or member.device not in self._world():
+            self._note("warning", "peer_lost_from_outsider_ignored", worker_id=event.worker_id)
+            return
+        marked = self.membership.suspect(self._world(), self.config.suspect_timeout_s)
+        self._note(
+            "warning",
+            "world_lost_a_peer",
+            worker_id=event.worker_id,
+            generation=event.generation,
+            suspects=marked,
+            within_s=self.config.suspect_timeout_s,
+        )
 
     def _on_worker_lost(self, event: WorkerLost) -> None:
         member = self.membership.remove(event.worker_id)

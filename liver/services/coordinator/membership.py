@@ -64,9 +64,15 @@ class Member(msgspec.Struct, kw_only=True):
     """Last heartbeat sequence number; ``None`` until the first heartbeat."""
     iteration: int | None = None
     memory_bytes: int | None = None
+    suspect_s: float | None = None
+    """A shorter timeout while the member's world is known to have lost a peer
+    (:meth:`Membership.suspect`)."""
+
+    def timeout(self, timeout_s: float) -> float:
+        return timeout_s if self.suspect_s is None else min(timeout_s, self.suspect_s)
 
     def deadline(self, timeout_s: float) -> datetime:
-        return self.last_seen + timedelta(seconds=timeout_s)
+        return self.last_seen + timedelta(seconds=self.timeout(timeout_s))
 
 
 class Change(msgspec.Struct, frozen=True, kw_only=True):
@@ -180,6 +186,28 @@ class Membership:
         if member is not None:
             self._drop(member)
         return member
+
+    def suspect(self, devices: Iterable[Device], within_s: float) -> int:
+        """Some member of ``devices`` is gone (a survivor said its world lost a peer), but not which: every
+        member there unheard for ``within_s`` is lost, instead of after the full timeout. Live members
+        keep beating and stay; the suspicion holds until :meth:`clear_suspicion`. How many it covers."""
+        if within_s <= 0:
+            raise ValueError(f"`within_s`: must be positive, got {within_s}")
+        wanted = set(devices)
+        marked = 0
+        for member in self._by_worker.values():
+            if member.device in wanted:
+                member.suspect_s = within_s
+                self._track(member)
+                marked += 1
+        return marked
+
+    def clear_suspicion(self) -> None:
+        """The loss was acted on (a recovery began): every member has the full timeout again."""
+        for member in self._by_worker.values():
+            if member.suspect_s is not None:
+                member.suspect_s = None
+                self._track(member)
 
     def expire(self, now: datetime) -> Expired:
         """Drop and return the workers whose heartbeat deadline passed, and the expected devices that

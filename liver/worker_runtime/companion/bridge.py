@@ -25,6 +25,11 @@ coordinator, past its switch, records that as a checkpoint fallback and waits (D
 world, which the worker that runs its rank 0 announces with ``WorldStarted`` (generation = the failed
 one + 1). The restart itself (``fell_back``) has no ack: no generation of the coordinator's is open.
 
+A world that lost a peer outside a handoff (``peer_lost``) is acked ``peer_lost`` with the broken
+generation: the coordinator then gives that world's silent members a much shorter timeout, so the
+recovery's Prepare (naming the lost device) comes within seconds rather than after the full heartbeat
+timeout.
+
 Why the runtime's deadline is later than the Prepare's: the Prepare's deadline is when the coordinator
 must have sent ``Switch``; the switch itself may run until the handoff's hard deadline, which the
 Prepare does not carry. Were the runtime to give up at the Prepare's deadline, a ``Switch`` sent just
@@ -212,6 +217,9 @@ class RuntimeBridge:
             abort = event.abort
             why = "the old world is gone" if abort is None else f"{abort.stage}: {abort.reason}"
             report(WorkerPhase.FAILED, generation=g, error=f"{why}; falling back to the last checkpoint")
+        elif event.phase is ReshardPhase.PEER_LOST:
+            # The world is broken: the coordinator finds the lost worker sooner (see its suspect timeout).
+            report(WorkerPhase.PEER_LOST, generation=g)
         elif event.phase is ReshardPhase.FELL_BACK and event.fallback is not None:
             f = event.fallback
             self._log.warning(
