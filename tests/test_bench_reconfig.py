@@ -176,3 +176,55 @@ def test_a_job_with_the_distributed_optimizer_is_measured_the_same_way() -> None
     report = json.loads(out)
     assert report["config"]["use_distributed_optimizer"] is True
     assert report["live"]["bytes_moved"] > 0 and report["restart"]["load_s"] > 0
+
+
+# -- --fail-stop: a process lost mid-step, recovered live, against a checkpoint restart ------------------
+
+
+@pytest.fixture(scope="module")
+def fail_stop() -> dict[str, Any]:
+    rc, out, err = _run("--fail-stop", "--quick", "--json")
+    assert rc == 0, err[-3000:]
+    return json.loads(out)
+
+
+@pytest.mark.slow
+def test_fail_stop_survivors_resume_after_the_last_completed_step_without_a_checkpoint(
+    fail_stop: dict[str, Any],
+) -> None:
+    live = fail_stop["live"]
+    assert fail_stop["old_layout"] == "TP2,PP1,DP2" and fail_stop["new_layout"] == "TP1,PP2,DP1"
+    assert live["iteration"] == fail_stop["steps_before"] == fail_stop["restart"]["iteration"]
+    assert (live["processes"], live["survivors"]) == (4, 3)
+    assert all(c["passed"] for c in fail_stop["checks"] if c["level"] == "must")
+
+
+@pytest.mark.slow
+def test_fail_stop_downtime_is_the_pause_from_the_kill_plus_the_first_steps_excess(
+    fail_stop: dict[str, Any],
+) -> None:
+    live = fail_stop["live"]
+    assert 0 < live["noticed_s"] < live["pause_s"]
+    parts = live["noticed_s"] + live["build_s"] + live["transfer_s"] + live["other_s"]
+    assert parts == pytest.approx(live["pause_s"], abs=1e-6) or live["other_s"] == 0
+    assert live["downtime_s"] == pytest.approx(live["pause_s"] + live["first_step_excess_s"])
+
+
+@pytest.mark.slow
+def test_fail_stop_compares_with_a_restart_that_does_not_count_the_earlier_checkpoint_save(
+    fail_stop: dict[str, Any],
+) -> None:
+    restart = fail_stop["restart"]
+    assert fail_stop["restart_downtime_s"] == pytest.approx(restart["downtime_s"] - restart["save_s"])
+    ratio = fail_stop["restart_downtime_s"] / fail_stop["live"]["downtime_s"]
+    assert fail_stop["ratio"] == pytest.approx(ratio)
+
+
+def test_fail_stop_to_more_devices_than_survive_is_refused_naming_the_flag() -> None:
+    rc, _, err = _run("--fail-stop", "--quick", "--from", "1,1,2", "--to", "2,1,1")
+    assert rc == 2 and "--to" in err and "survive" in err
+
+
+def test_fail_stop_of_a_process_whose_state_no_replica_holds_is_refused() -> None:
+    rc, _, err = _run("--fail-stop", "--quick", "--from", "2,1,1", "--to", "1,1,1")
+    assert rc == 2 and "lost" in err

@@ -15,7 +15,7 @@ import multiprocessing.connection as mpc
 import os
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal, NamedTuple
 
 from liver.shared.errors import LiverError
@@ -63,6 +63,7 @@ def run_procs(
     timeout_s: float,
     threads: int = 1,
     preload: Sequence[str] = (),
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, size, *args)`` in ``size`` processes; their return values in rank order.
 
@@ -70,7 +71,8 @@ def run_procs(
     the fork server imports once, besides torch and the worker runtime (the fn's module, typically); the
     fork server is shared by the whole process, so only its first user's list takes effect. Raises
     :class:`ProcsError` when any process raises, dies or has not reported after ``timeout_s`` seconds
-    (the rest are then killed too).
+    (the rest are then killed too); a rank in ``may_die`` may die (a fault the caller injects): its
+    value is then None.
     """
     if size < 1:
         raise ValueError(f"`size`: at least one process, got {size}")
@@ -100,7 +102,8 @@ def run_procs(
                     status, value, tb = c.recv()
                 except EOFError:
                     procs[r].join(5)
-                    outcomes[r] = Outcome(r, "died", None, f"exit code {procs[r].exitcode}")
+                    status = "ok" if r in may_die else "died"
+                    outcomes[r] = Outcome(r, status, None, f"exit code {procs[r].exitcode}")
                     continue
                 outcomes[r] = Outcome(r, status, value, tb)
             if any(o.status != "ok" for o in outcomes.values()):

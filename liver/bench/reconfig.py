@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from liver.bench.fail_stop import FailStopLive, measure_fail_stop
 from liver.bench.procs import ProcsError, run_procs
 from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
 from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart, steady_step
@@ -352,9 +353,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--divisible-by", type=int, default=128, help="with --provider: vocabulary padding")
     parser.add_argument("--max-seq", type=int, default=None, help="with --provider: max_sequence_length")
     parser.add_argument(
-        "--from", dest="from_layout", default="2,1,1", help="old layout TP,PP,DP (default 2,1,1)"
+        "--from",
+        dest="from_layout",
+        default=None,
+        help="old layout TP,PP,DP (default 2,1,1; with --fail-stop 2,1,2)",
     )
     parser.add_argument("--to", dest="to_layout", default="1,2,1", help="new layout TP,PP,DP (default 1,2,1)")
+    parser.add_argument(
+        "--fail-stop",
+        action="store_true",
+        help="no planned change: the last process dies mid-step and the survivors recover live to --to; "
+        "against a checkpoint restart of the same job",
+    )
     parser.add_argument(
         "--steps-before", type=int, default=None, help="training steps before the cut (default 2, quick 1)"
     )
@@ -421,7 +431,9 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelRef, ParallelLayout, Parall
             spec = ModelRef(spec=LARGE_MODEL if args.large else load_model(args.model or MODEL_DEFAULT))
     except ModelError as exc:
         raise ValueError(f"--model: {exc}") from None
-    old, new = _layout(args.from_layout, "--from"), _layout(args.to_layout, "--to")
+    default_from = "2,1,2" if args.fail_stop else "2,1,1"
+    old = _layout(args.from_layout or default_from, "--from")
+    new = _layout(args.to_layout, "--to")
     if old == new:
         raise ValueError(f"--to: the same layout as --from ({old.describe()}): nothing to reconfigure")
     size = max(old.world_size, new.world_size)
@@ -456,6 +468,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"liver bench reconfig: {exc}", file=sys.stderr)
         return 2
+    if args.fail_stop:
+        return _run_fail_stop(args, spec, old, new, config, steps_before, steady)
     load_before = load_average()
     progress(
         "reconfig",
@@ -526,6 +540,141 @@ def run(args: argparse.Namespace) -> int:
     )
     emit(report, args.json, _print_report)
     return 0
+
+
+class FailStopReport(msgspec.Struct, frozen=True, kw_only=True):
+    quick: bool
+    date: str
+    model: str
+    parameters: int
+    old_layout: str
+    new_layout: str
+    config: TrainConfig
+    steps_before: int
+    threads: int
+    backend: str
+    live: FailStopLive
+    restart: RestartBreakdown
+    restart_downtime_s: float  # the restart's downtime less its checkpoint save (taken before the failure)
+    ratio: float  # restart_downtime_s / live downtime
+    checks: list[Check]
+    cpus: int
+    load_average: tuple[float, float]
+    host: str
+
+
+def _run_fail_stop(
+    args: argparse.Namespace,
+    spec: ModelRef,
+    old: ParallelLayout,
+    new: ParallelLayout,
+    config: TrainConfig,
+    steps_before: int,
+    steady: int,
+) -> int:
+    """``--fail-stop``: the live recovery, then a checkpoint restart of the same job (same run)."""
+    from liver.services.transfer.planner import NoSurvivingSource
+
+    load_before = load_average()
+    progress(
+        "reconfig",
+        f"{spec.name}: {old.describe()}, the last process dies in step {steps_before + 1}; "
+        f"the survivors recover to {new.describe()}",
+    )
+    try:
+        live = measure_fail_stop(
+            spec,
+            old,
+            new,
+            config,
+            steps_before=steps_before,
+            steady_steps=steady,
+            threads=args.threads,
+            timeout_s=args.timeout,
+        )
+        progress("reconfig", f"live: downtime {live.downtime_s:.3f} s; checkpoint restart: fresh processes")
+        restart = measure_restart(
+            spec,
+            old,
+            new,
+            config,
+            warmup_steps=live.iteration,
+            steady_steps=steady,
+            threads=args.threads,
+            timeout_s=args.timeout,
+        )
+    except (NoSurvivingSource, ValueError) as exc:
+        print(f"liver bench reconfig: --fail-stop: {exc}", file=sys.stderr)
+        return 2
+    except (ProcsError, RestartError, RuntimeError) as exc:
+        print(f"liver bench reconfig: a measurement failed\n{exc}", file=sys.stderr)
+        return 1
+    restart_downtime = restart.downtime_s - restart.save_s
+    ratio = restart_downtime / live.downtime_s
+    report = FailStopReport(
+        quick=args.quick,
+        date=utc_now(),
+        model=spec.name,
+        parameters=spec.model_geometry().parameter_count(),
+        old_layout=old.describe(),
+        new_layout=new.describe(),
+        config=config,
+        steps_before=steps_before,
+        threads=args.threads,
+        backend="gloo",
+        live=live,
+        restart=restart,
+        restart_downtime_s=restart_downtime,
+        ratio=ratio,
+        checks=[
+            Check(
+                level="must",
+                what="the survivors recover live, from the last completed step",
+                passed=live.iteration == steps_before,
+                detail=f"resumed after iteration {live.iteration}, the victim died in {steps_before + 1}",
+            )
+        ],
+        cpus=os.cpu_count() or 0,
+        load_average=(load_before, load_average()),
+        host=f"{platform.machine()}, Python {platform.python_version()}",
+    )
+    emit(report, args.json, _print_fail_stop)
+    return 0 if all(c.passed for c in report.checks if c.level == "must") else 1
+
+
+def _print_fail_stop(r: FailStopReport) -> None:
+    live, restart = r.live, r.restart
+    out = [
+        f"liver bench reconfig --fail-stop{' (quick)' if r.quick else ''}: {r.model} "
+        f"({r.parameters:,} parameters), {r.old_layout}: the last of {live.processes} processes dies in "
+        f"step {r.steps_before + 1}; {live.survivors} survivors -> {r.new_layout}",
+        "",
+        "live recovery (warm survivors; the kill -> the new world ready to step)",
+        f"  {'noticed':<22}{live.noticed_s:9.3f} s   (the kill -> the last survivor gave its step up)",
+        f"  {'new trainer':<22}{live.build_s:9.3f} s   (built, its groups warmed)",
+        f"  {'transfer':<22}{live.transfer_s:9.3f} s   ({live.bytes_moved / 1e6:.2f} MB moved)",
+        f"  {'other':<22}{live.other_s:9.3f} s   (state kept, groups' rendezvous, enter, commit)",
+        f"  {'pause':<22}{live.pause_s:9.3f} s",
+        f"  {'first-step excess':<22}{live.first_step_excess_s:9.3f} s   "
+        f"(over the steady step, {live.steady_step_s:.3f} s)",
+        f"  {'downtime':<22}{live.downtime_s:9.3f} s   "
+        f"(resumed after iteration {live.iteration}: no step lost)",
+        "  (over the bus the coordinator needs up to its suspect timeout, 5 s by default, to name the lost "
+        "process after the survivors' report)",
+        "",
+        f"checkpoint restart ({restart.new_processes} fresh processes; the checkpoint was saved before "
+        "the failure, its save is not counted)",
+    ]
+    out += [f"  {name:<22}{value:9.3f} s" for name, value in restart.phases().items() if name != "save"]
+    out += [
+        f"  {'downtime':<22}{r.restart_downtime_s:9.3f} s   (plus the steps since that checkpoint, lost)",
+        "",
+        f"checkpoint restart / live recovery downtime: {r.ratio:,.1f}x",
+        f"host: {r.cpus} CPUs ({r.host}), load average {r.load_average[0]:.1f} before, "
+        f"{r.load_average[1]:.1f} after; gloo, {r.threads} thread(s) per process",
+    ]
+    out.extend(check_line(c) for c in r.checks)
+    print("\n".join(out))
 
 
 def _print_report(r: ReconfigReport) -> None:
