@@ -93,7 +93,13 @@ def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[s
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.state import snapshot
     from liver.worker_runtime.peers import StepAbandoned
-    from liver.worker_runtime.runtime import LiveRuntime, ReshardPhase, RuntimeEvent, RuntimeOptions
+    from liver.worker_runtime.runtime import (
+        LiveRuntime,
+        ReshardPhase,
+        ResizeRejected,
+        RuntimeEvent,
+        RuntimeOptions,
+    )
     from liver.worker_runtime.world import StoreAddress, WorldSpec, live_generations
 
     device = DEVICES[proc.rank]
@@ -107,6 +113,10 @@ def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[s
             out["peer_lost"].append(event.iteration)
             if not requested:  # what the coordinator would send once it learns of the loss
                 requested.append(1)
+                try:  # a resize planned with every old device first: it cannot happen any more
+                    runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
+                except ResizeRejected as refused:
+                    out["plain_request_refused"] = str(refused)
                 runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address, lost=(lost,))
 
     runtime = LiveRuntime(
@@ -210,6 +220,11 @@ def test_the_lost_process_is_gone_and_every_survivor_keeps_the_last_completed_it
     assert runs["victim"].status == "died" and runs["victim"].exitcode == 17
     for rank, s in runs["survivors"].items():
         assert s["peer_lost"] == [KILLED_IN - 1], f"p{rank}: {s['peer_lost']}"
+
+
+def test_a_broken_world_takes_only_a_recovery_that_names_the_lost_devices(runs: dict) -> None:
+    for s in runs["survivors"].values():
+        assert "only a recovery that names the lost devices" in s["plain_request_refused"]
 
 
 def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict) -> None:

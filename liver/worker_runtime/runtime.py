@@ -362,6 +362,11 @@ class LiveRuntime(Generic[T]):
                 raise ResizeRejected(
                     f"generation {generation}: generation {self._pending.generation} is being prepared"
                 )
+            if self._broken is not None and not lost:
+                raise ResizeRejected(
+                    f"generation {generation}: this process's world (generation {self._broken.generation}) "
+                    "lost a peer; only a recovery that names the lost devices can follow"
+                )
             request, role, old, new = check_request(
                 job=self.job,
                 device=self.device,
@@ -816,6 +821,10 @@ class LiveRuntime(Generic[T]):
             while self._pending is None or not self._pending.request.lost:
                 if self._closed:
                     raise ResizeRejected("the runtime was closed while waiting for a recovery")
+                if self._pending is not None:  # a resize planned before the loss: it cannot happen now
+                    why = "the world lost a peer; only a recovery that names the lost devices can follow"
+                    self._give_up(self._pending, HandoffStage.PREPARE, why, None)
+                    continue
                 if self._no_recovery is not None:
                     self._log.error("runtime.no_live_recovery", reason=self._no_recovery)
                     raise NoLiveRecovery(abandoned.iteration, self._no_recovery)
