@@ -31,7 +31,11 @@ from liver.worker_runtime.megatron.train_config import TrainConfig
 
 DEVICES = tuple(Device("n0", i) for i in range(6))
 BUDGET = 256 * 1024  # staging budget: several rounds per layer
-ITERATION_CAP = 60  # a safety stop: no scenario here comes near it
+ITERATION_CAP = 100  # a safety stop: no scenario here comes near it
+PREPARE_STEPS = 8
+"""Steps a world trains beside a preparation before its loop waits for the groups to be built: enough to
+show that training goes on, and a bound on a generation's length however slow a busy machine makes the
+joiners' start (six processes on two cores), so that a chain stays far below ``ITERATION_CAP``."""
 CONTROL_TIMEOUT_S = 120.0
 """Generous: six Megatron processes share a (possibly busy) two-core machine, and a rank may wait that
 long for its peers' votes. A failed stream must abort far sooner (see the fault test)."""
@@ -305,9 +309,12 @@ def live_process(proc: Proc, plans: dict[int, Plan], chain: Chain) -> dict[str, 
             if nxt in chain.transitions and nxt not in published and iteration >= _cut(runtime) + chain.steps:
                 published.add(nxt)
                 proc.store.set(f"go/{nxt}", "1")
-        if chain.check_layouts and runtime.pending_generation is not None:
+        if runtime.pending_generation is not None and (
+            chain.check_layouts or iteration >= _cut(runtime) + chain.steps + PREPARE_STEPS
+        ):
             # The check of the new layout's model starts an interpreter beside six training processes on
-            # two cores: pause here until it is done rather than train on towards the iteration cap.
+            # two cores, and joiners import Megatron: pause here until the preparation is done rather
+            # than train on towards the iteration cap.
             runtime.wait_prepared(CONTROL_TIMEOUT_S)
         read_before = len(corpus.read) if corpus is not None else 0
         result = trainer.train_step()
