@@ -1062,14 +1062,53 @@ def switching(d: Driver, event: str = "evt-1", node: str = "node001") -> None:
     d.write()
 
 
-def test_losing_an_old_world_worker_after_the_switch_falls_back_instead_of_cancelling() -> None:
+def test_losing_an_old_world_worker_during_the_switch_recovers_live_around_it() -> None:
     d = started()
     switching(d)
     d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node reclaimed early"))
     d.write()
     (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery" and aborted.phase == "switch"
+    assert aborted.event_ids == () and aborted.replanned_event_ids == ("evt-1",)
+    assert [(c.command.generation, c.command.fallback) for c in d.sent(Abort)] == [(1, False)]
+    # The survivors hold the cut's state: the same event is planned again from the old world, without
+    # the lost device, as the next generation.
+    assert d.core.phase is GenerationPhase.PREPARE and d.core.pending_generation == 2
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert (request.from_generation, request.lost) == (0, (WORLD[3],))
+    assert "evt-1" in request.event_ids
+    assert d.kv.record is not None and d.kv.record.live and d.kv.record.generation == 0
+
+
+def test_losing_an_old_world_worker_after_a_participant_committed_falls_back() -> None:
+    d = started()
+    switching(d)
+    d.status(WORLD[0], 1, "switched", iteration=100)  # the commit happened: the old world is gone
+    d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node reclaimed early"))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback" and aborted.phase == "switch"
     assert d.core.phase is GenerationPhase.DOWN and not d.has(WriteRecord)
+
+
+def test_a_joiner_whose_handoff_broke_on_the_loss_has_the_old_worlds_silent_worker_found_sooner() -> None:
+    d = started()
+    d.scale("evt-1", add=SPARES)
+    d.write()
+    d.topology()
+    d.transfer()
+    d.ready()
+    d.write()
+    assert d.core.phase is GenerationPhase.SWITCH and worker(SPARES[0]) in d.participants()
+    d.status(SPARES[0], 0, "peer_lost")  # its handoff's old world (generation 0) lost a member
+    d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
+    for dev in WORLD[:3] + SPARES:
+        d.beat(dev)
+    d.tick()
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery" and str(WORLD[3]) in aborted.reason
 
 
 def test_leaving_worker_gone_after_acking_its_switch_is_harmless() -> None:
@@ -1550,7 +1589,8 @@ def test_an_event_that_changes_nothing_gets_an_outcome_of_its_own_that_names_it(
 def test_an_abort_that_settles_its_events_names_them_all() -> None:
     d = started()
     switching(d)
-    d.feed(WorkerLost(worker_id=worker(WORLD[0]), reason="died in the switch"))
+    d.commands(Switch)
+    d.status(WORLD[0], 1, "failed", error="died in the switch")
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback"
@@ -2002,7 +2042,9 @@ class RandomEvents(RuleBasedStateMachine):
         switched = {c.command.generation for d in self.drivers for c in d.sent(Switch)}
         for d in self.drivers:
             for aborted in d.published(GenerationAborted):
-                assert aborted.outcome == "checkpoint_fallback" or aborted.generation not in switched
+                assert aborted.outcome in ("checkpoint_fallback", "live_recovery") or (
+                    aborted.generation not in switched
+                )
 
     @invariant()
     def committed_generations_are_recorded(self) -> None:

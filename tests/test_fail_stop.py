@@ -2,14 +2,19 @@
 
 One real Megatron job of four processes trains tiny-gpt at TP2,PP1,DP2 (replica A on p0,p1, replica B
 on p2,p3). p3 dies (``os._exit``), in one run inside its third step (in its second micro-batch's
-forward, while its TP peer waits on it in a collective), in the other right after its second step,
-before the boundary's vote (the cut). The survivors:
+forward, while its TP peer waits on it in a collective), in another right after its second step,
+before the boundary's vote (the cut), and in a third while it streams its state in a handoff whose cut
+is the end of step 2 (generation 1: TP2,PP1,DP2 on p1-p4, p0 leaving and a fifth process p4 joining;
+it never commits). The survivors:
 
 - notice within moments (in a collective with p3, or when a peer that noticed lets go of the world's
-  groups) and give the step (or the vote) up with their state as the end of step 2 left it;
+  groups) and give the step (or the vote, or the handoff) up with their state as the end of step 2
+  left it;
 - are handed the recovery request (what the coordinator sends: a plan made around the lost device,
-  here TP1,PP1,DP3 on p0-p2; replica B's half on p3 is gone, replica A has everything) and move to it
-  without the old world's groups, streaming from the survivors;
+  here TP1,PP1,DP3 on p0-p2, or on p1, p2 and the joiner p4 after the lost handoff; replica B's half on
+  p3 is gone, replica A has everything) and move to it without the old world's groups, streaming from
+  the survivors (the joiner of the lost handoff hears that the old world recovers live and waits for
+  the recovery, which takes it in);
 - train on from iteration 2 with the same global batch and data position.
 
 The state right after the recovery equals, bit for bit, the state at the end of step 2 (gathered from
@@ -60,14 +65,29 @@ CHAIN = Chain(
 )
 
 
-def recovery_plan() -> Plan:
+RECOVERY = {"mid-step": 1, "vote": 1, "stream": 2}
+"""The recovery's generation: after a lost handoff, the one after the handoff's."""
+JOINER = PROCESSES  # p4: in no world until the stream run's handoff, then in its recovery
+
+
+def recovery_plan(when: str) -> Plan:
     from liver.services.transfer.planner import plan_resize
 
     old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
     survivors = [d for i, d in enumerate(DEVICES[:PROCESSES]) if i != VICTIM]
+    if when == "stream":  # p0 leaves, the lost handoff's joiner comes in
+        survivors = [DEVICES[1], DEVICES[2], DEVICES[JOINER]]
     return plan_resize(
         CHAIN.geometry, old, NEW, survivors, budget_bytes=256 * 1024, lost=[DEVICES[VICTIM]]
     ).plan
+
+
+def handoff_plan() -> Plan:
+    """The handoff p3 dies in (stream run): TP2,PP1,DP2 on p1-p4, p0 leaving, p4 joining."""
+    from liver.services.transfer.planner import plan_resize
+
+    old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
+    return plan_resize(CHAIN.geometry, old, OLD, DEVICES[1 : JOINER + 1], budget_bytes=256 * 1024).plan
 
 
 def _die_in_second_micro_batch(trainer: Any) -> None:
@@ -86,7 +106,9 @@ def _die_in_second_micro_batch(trainer: Any) -> None:
     trainer.forward_step = dying
 
 
-def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[str, Any]:
+def fail_stop_process(
+    proc: Proc, plan: Plan, lost: Device, when: str, handoff: Plan | None
+) -> dict[str, Any]:
     from live_chain import _quiet
 
     _quiet()
@@ -107,6 +129,7 @@ def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[s
     factory = MegatronJob(CHAIN.model, CHAIN.config)
     out: dict[str, Any] = {"trace": [], "snapshots": {}, "progress": {}, "abandoned": None, "peer_lost": []}
     requested: list[int] = []
+    generation = RECOVERY[when]
 
     def on_event(event: RuntimeEvent) -> None:
         if event.phase is ReshardPhase.PEER_LOST:
@@ -114,10 +137,16 @@ def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[s
             if not requested:  # what the coordinator would send once it learns of the loss
                 requested.append(1)
                 try:  # a resize planned with every old device first: it cannot happen any more
-                    runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address)
+                    if proc.rank != JOINER:  # (to a process in no world, it would be a join)
+                        runtime.request_resize(generation, plan.new.layout, plan.new.placement, plan, address)
                 except ResizeRejected as refused:
                     out["plain_request_refused"] = str(refused)
-                runtime.request_resize(1, plan.new.layout, plan.new.placement, plan, address, lost=(lost,))
+                runtime.request_resize(
+                    generation, plan.new.layout, plan.new.placement, plan, address, lost=(lost,)
+                )
+
+    def die_streaming(generation: int, layer: int, rnd: int) -> None:
+        os._exit(17)
 
     runtime = LiveRuntime(
         factory,
@@ -127,8 +156,17 @@ def fail_stop_process(proc: Proc, plan: Plan, lost: Device, when: str) -> dict[s
         initial=WorldSpec(job=CHAIN.job, generation=0, layout=OLD, placement=Placement(DEVICES[:PROCESSES])),
         options=RuntimeOptions(control_timeout_s=120, build_timeout_s=180, recover_timeout_s=200),
         on_event=on_event,
+        on_stream_step=die_streaming if proc.rank == VICTIM and when == "stream" else None,
     )
+    if handoff is not None and proc.rank == JOINER:  # before it waits to be taken in
+        runtime.request_resize(1, handoff.new.layout, handoff.new.placement, handoff, address)
     trainer = runtime.step()
+    if trainer is not None and runtime.generation:  # the joiner, taken in by the recovery
+        out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
+    if handoff is not None and proc.rank != JOINER:
+        # Built now; the vote after step 1 builds the new trainer, the cut is the end of step 2.
+        runtime.request_resize(1, handoff.new.layout, handoff.new.placement, handoff, address)
+        assert runtime.wait_prepared(120), "the handoff's groups were not built"
     while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
         if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when == "mid-step":
             _die_in_second_micro_batch(trainer)
@@ -181,13 +219,14 @@ def _raises_again(trainer: Any) -> bool:
     return False
 
 
-@pytest.fixture(scope="module", params=["mid-step", "vote"])
+@pytest.fixture(scope="module", params=["mid-step", "vote", "stream"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    plan = recovery_plan()
+    plan = recovery_plan(request.param)
+    handoff = handoff_plan() if request.param == "stream" else None
     outcomes = run_world(
         fail_stop_process,
-        PROCESSES,
-        args=(plan, DEVICES[VICTIM], request.param),
+        PROCESSES + (handoff is not None),
+        args=(plan, DEVICES[VICTIM], request.param, handoff),
         timeout_s=300,
         group_timeout_s=120,
     )
@@ -195,7 +234,11 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     survivors = {o.rank: o.unwrap() for o in outcomes if o.rank != VICTIM}
     before = gather({r: survivors[r]["snapshots"][KILLED_IN - 1] for r in (0, 1)}, OLD, CHAIN.geometry)
     new_rank = plan.new.placement.rank_on()
-    after = gather({new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items()}, NEW, CHAIN.geometry)
+    after = gather(
+        {new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items() if DEVICES[p] in new_rank},
+        NEW,
+        CHAIN.geometry,
+    )
     reload = Reload(1, OLD, NEW, before, survivors[0]["progress"][KILLED_IN - 1], STEPS_AFTER)
     baseline = run_world(
         baseline_process,
@@ -207,6 +250,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     traces = baseline[0].unwrap()
     return {
         "when": request.param,
+        "plan": plan,
         "victim": victim,
         "survivors": survivors,
         "before": before,
@@ -223,13 +267,14 @@ def test_the_lost_process_is_gone_and_every_survivor_keeps_the_last_completed_it
 
 
 def test_a_broken_world_takes_only_a_recovery_that_names_the_lost_devices(runs: dict) -> None:
-    for s in runs["survivors"].values():
-        assert "only a recovery that names the lost devices" in s["plain_request_refused"]
+    for rank, s in runs["survivors"].items():
+        if rank != JOINER:
+            assert "only a recovery that names the lost devices" in s["plain_request_refused"]
 
 
 def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict) -> None:
     for s in runs["survivors"].values():
-        if runs["when"] == "vote":  # no step met it: the vote did
+        if runs["when"] != "mid-step":  # no step met it: the vote or the handoff did
             assert s["abandoned"] is None
             continue
         assert s["abandoned"]["iteration"] == KILLED_IN - 1
@@ -237,13 +282,13 @@ def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict)
 
 
 def test_a_broken_trainer_refuses_every_later_step(runs: dict) -> None:
-    if runs["when"] == "vote":
+    if runs["when"] != "mid-step":
         pytest.skip("no step met the loss")
     assert all(s["abandoned"]["again"] for s in runs["survivors"].values())
 
 
 def test_survivors_notice_the_loss_within_moments_not_at_a_timeout(runs: dict) -> None:
-    if runs["when"] == "vote":
+    if runs["when"] != "mid-step":
         pytest.skip("timed in the mid-step run")
     # The groups' timeout is 120 s here; noticing takes a failed connection, or a peer letting go of the
     # world's groups (a survivor that kept its trainer alive would leave the others waiting for 120 s).
@@ -252,21 +297,35 @@ def test_survivors_notice_the_loss_within_moments_not_at_a_timeout(runs: dict) -
 
 
 def test_the_survivors_move_live_to_the_recovery_layout_without_a_checkpoint(runs: dict) -> None:
+    generation = RECOVERY[runs["when"]]
+    placed = runs["plan"].new.placement.devices
     for rank, s in runs["survivors"].items():
-        assert s["generation"] == 1, rank
+        stays = DEVICES[rank] in placed
+        assert s["left"] == (not stays), rank
+        assert s["generation"] == (generation if stays else None), rank
+        # A handoff that lost its peer ends in the recovery: no abort, no fallback of its own.
         assert s["history"] == ["SwitchReport"], (rank, s["history"])
-        assert s["live_generations"] == (1,), rank
+        assert s["live_generations"] == ((generation,) if stays else ()), rank
         assert s["report"]["iteration"] == KILLED_IN - 1
 
 
 def test_the_state_after_the_recovery_equals_the_last_completed_step_bit_for_bit(runs: dict) -> None:
     assert bit_identical(runs["before"], runs["after"])
-    for s in runs["survivors"].values():
-        assert s["after_iteration"] == KILLED_IN - 1
+    placed = runs["plan"].new.placement.devices
+    for rank, s in runs["survivors"].items():
+        if DEVICES[rank] in placed:
+            assert s["after_iteration"] == KILLED_IN - 1
+
+
+def _recovered_trace(runs: dict) -> list[tuple[int, float, float]]:
+    generation = RECOVERY[runs["when"]]
+    first = DEVICES.index(runs["plan"].new.placement.devices[0])  # the new world's rank 0
+    trace = runs["survivors"][first]["trace"]
+    return [(it, loss, norm) for gen, it, loss, norm in trace if gen == generation]
 
 
 def test_the_trace_after_the_recovery_equals_a_reload_of_that_state_at_the_new_layout(runs: dict) -> None:
-    live = [(it, loss, norm) for gen, it, loss, norm in runs["survivors"][0]["trace"] if gen == 1]
+    live = _recovered_trace(runs)
     assert [it for it, _, _ in live] == [KILLED_IN + i for i in range(STEPS_AFTER)]
     assert live == runs["reload"]
 
@@ -274,8 +333,7 @@ def test_the_trace_after_the_recovery_equals_a_reload_of_that_state_at_the_new_l
 def test_the_trace_after_the_recovery_equals_a_checkpoint_of_that_state_loaded_at_the_new_layout(
     runs: dict,
 ) -> None:
-    live = [(it, loss, norm) for gen, it, loss, norm in runs["survivors"][0]["trace"] if gen == 1]
-    assert live == runs["checkpoint"]
+    assert _recovered_trace(runs) == runs["checkpoint"]
 
 
 # -- a DP=1 job: the lost process's state survives nowhere -----------------------------------------------

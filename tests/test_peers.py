@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+from typing import Any
 
 import torch.distributed as dist
 
 from liver.worker_runtime.peers import StepAbandoned, is_peer_failure
-from liver.worker_runtime.world import WorldError
+from liver.worker_runtime.world import (
+    NCCL_CLEAN_UP_ONLY,
+    NCCL_ERROR_HANDLING_ENV,
+    WorldError,
+    keep_process_on_nccl_errors,
+)
 
 GLOO_RESET = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
@@ -55,3 +62,15 @@ def test_an_abandoned_step_names_the_kept_iteration_and_survives_pickling() -> N
     assert (copy.iteration, copy.reason, copy.torn) == (7, "connection reset by peer", True)
     assert "step 8 abandoned" in str(copy) and "iteration 7 torn" in str(copy)
     assert is_peer_failure(copy)
+
+
+def test_nccl_groups_raise_on_a_lost_peer_instead_of_ending_the_process(monkeypatch: Any) -> None:
+    monkeypatch.delenv(NCCL_ERROR_HANDLING_ENV, raising=False)
+    keep_process_on_nccl_errors()
+    assert os.environ[NCCL_ERROR_HANDLING_ENV] == NCCL_CLEAN_UP_ONLY
+
+
+def test_the_users_own_nccl_error_handling_is_kept(monkeypatch: Any) -> None:
+    monkeypatch.setenv(NCCL_ERROR_HANDLING_ENV, "1")
+    keep_process_on_nccl_errors()
+    assert os.environ[NCCL_ERROR_HANDLING_ENV] == "1"

@@ -138,6 +138,7 @@ class AbortOutcome(StrEnum):
 
     KEPT_OLD_WORLD = "kept_old_world"
     CHECKPOINT_FALLBACK = "checkpoint_fallback"
+    LIVE_RECOVERY = "live_recovery"
 
 
 class PlanningStage(StrEnum):
@@ -825,7 +826,9 @@ class GenerationAborted(Message, kw_only=True, tag="generation_aborted"):
     Published on ``generation.aborted`` by the coordinator; consumed by users, dashboards and the
     benchmarks. With ``kept_old_world`` training continues on ``active_generation`` untouched (I4);
     with ``checkpoint_fallback`` ranks of the old world were lost and the job restarts from
-    ``checkpoint``.
+    ``checkpoint``; with ``live_recovery`` a process of the old world was lost during the switch, before
+    anything committed: the survivors hold the state of the cut and the job moves live to a later
+    generation planned around the lost devices (the events are re-planned, not settled here).
     """
 
     job_id: JobId
@@ -846,7 +849,7 @@ class GenerationAborted(Message, kw_only=True, tag="generation_aborted"):
 
     def _validate(self) -> None:
         _check_unique(self.event_ids + self.replanned_event_ids, "event_ids")
-        if self.outcome == AbortOutcome.KEPT_OLD_WORLD:
+        if self.outcome in (AbortOutcome.KEPT_OLD_WORLD, AbortOutcome.LIVE_RECOVERY):
             if self.active_generation >= self.generation:
                 raise _invalid(
                     "active_generation",

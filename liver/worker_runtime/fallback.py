@@ -95,6 +95,8 @@ class OutcomeVerdict(StrEnum):
     KEPT = "kept"  # the old world was restored: it trains on; joiners keep waiting
     FALLBACK = "fallback"  # the old world is gone: the new world restarts from the checkpoint
     LOST = "lost"  # the old world is gone and there is no checkpoint: the job is down
+    RECOVER = "recover"  # the old world is gone but its survivors hold the cut's state: they move live to
+    # a world planned around the lost devices (the coordinator's next request); joiners keep waiting
 
 
 class HandoffOutcome(msgspec.Struct, frozen=True, kw_only=True):

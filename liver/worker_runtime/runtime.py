@@ -524,6 +524,7 @@ class LiveRuntime(Generic[T]):
         with self._cond:
             self._closed = True
             prep, self._pending = self._pending, None
+            self._cond.notify_all()  # a process waiting to join (or to recover) stops waiting
         if prep is not None:
             prep.discard()
         self._trainer = None
@@ -632,6 +633,7 @@ class LiveRuntime(Generic[T]):
         handoff = self._handoff(prep, new_world, iteration, self.options.control_timeout_s)
         old_trainer = self._trainer
         self._trainer = None
+        recovery: StepAbandoned | None = None
         try:
             new_trainer, report = switch(handoff, cut_at)
         except HandoffAborted as aborted:
@@ -645,14 +647,25 @@ class LiveRuntime(Generic[T]):
                 return self._trainer
             # Another survivor found the old world gone: it can no longer be trusted here either.
             failed = HandoffFailed(prep.generation, aborted.stage, aborted.reason, agreed.reason)
+            if agreed.verdict is OutcomeVerdict.RECOVER:
+                recovery = self._recoverable(old_trainer, iteration, failed)
         except HandoffFailed as error:
             # Fail-stop: the old world is gone (switch released it). Tell the joiners, and any other
-            # survivor, what became of the handoff.
+            # survivor, what became of the handoff: a live recovery when this process's state of the cut
+            # survives whole (I4: nothing of the handoff touched it), else the checkpoint.
             failed = error
-            verdict = OutcomeVerdict.LOST if self.options.checkpoint is None else OutcomeVerdict.FALLBACK
-            self._post_outcome(
+            recovery = self._recoverable(old_trainer, iteration, failed)
+            if recovery is not None:
+                verdict = OutcomeVerdict.RECOVER
+            elif self.options.checkpoint is None:
+                verdict = OutcomeVerdict.LOST
+            else:
+                verdict = OutcomeVerdict.FALLBACK
+            agreed = self._post_outcome(
                 prep, HandoffOutcome(verdict=verdict, reached_iteration=iteration, reason=str(failed))
             )
+            if agreed.verdict is not OutcomeVerdict.RECOVER:
+                recovery = None
         except BaseException:
             self._drop(prep)
             self._world = None
@@ -660,6 +673,19 @@ class LiveRuntime(Generic[T]):
         else:
             del old_trainer
             return self._committed(prep, report, new_world, new_trainer)
+        if recovery is not None:
+            # Outside the except block (see _recover). The handoff ends here without an abort of its
+            # own: the coordinator learns of the loss from PEER_LOST and plans the recovery around it.
+            self._drop(prep)
+            self._trainer = old_trainer
+            del old_trainer
+            self._log.warning(
+                "runtime.handoff_lost_a_peer",
+                generation=prep.generation,
+                iteration=iteration,
+                error=str(failed),
+            )
+            return self._recover(recovery)
         # Nothing of the old world can train any more (releasing it twice is harmless).
         assert self._world is not None
         self._world.release()
@@ -692,6 +718,19 @@ class LiveRuntime(Generic[T]):
             except HandoffAborted as aborted:
                 failed_at = time.perf_counter()
                 outcome = self._joiners_outcome(prep, aborted)
+                if outcome is not None and outcome.verdict is OutcomeVerdict.RECOVER:
+                    # The old world lost a peer and recovers live: say so (the coordinator finds the
+                    # lost one sooner) and wait for the next request, which may take this process in.
+                    self._drop(prep)
+                    self._log.warning("runtime.join_lost_a_peer", generation=prep.generation)
+                    self._emit(
+                        RuntimeEvent(
+                            generation=prep.request.from_generation,
+                            phase=ReshardPhase.PEER_LOST,
+                            iteration=outcome.reached_iteration,
+                        )
+                    )
+                    continue
                 if outcome is not None and outcome.verdict is OutcomeVerdict.FALLBACK:
                     failed = HandoffFailed(prep.generation, aborted.stage, aborted.reason, outcome.reason)
                     trainer = self._fail_stop(prep, failed, outcome.reached_iteration, failed_at)
@@ -713,6 +752,21 @@ class LiveRuntime(Generic[T]):
             return trainer
 
     # -- a peer lost outside a handoff: live recovery ------------------------------------------------------
+    def _recoverable(self, trainer: T | None, iteration: int, failed: HandoffFailed) -> StepAbandoned | None:
+        """After a handoff that lost an old-world peer: the trainer marked broken at the cut, when the
+        factory can keep its state, that state is whole and the old layout keeps a copy of everything
+        on a second process (the factory's ``survives_one_loss``); else None: the checkpoint, as
+        before. Which peer is gone is the coordinator's to find; a loss the replicas do not cover after
+        all ends the recovery's wait with its ``Abort(fallback=True)``."""
+        mark = getattr(self.factory, "abandon", None)
+        survives = getattr(self.factory, "survives_one_loss", None)
+        if trainer is None or mark is None or survives is None or self._world is None:
+            return None
+        if getattr(self.factory, "keep_state", None) is None or not survives(self._world.layout):
+            return None
+        abandoned: StepAbandoned = mark(trainer, iteration, f"generation {failed.generation}: {failed}")
+        return None if abandoned.torn else abandoned
+
     def _abandoned_step(self) -> StepAbandoned | None:
         """The trainer's abandoned step, when its last step met a lost peer (the factory's optional
         ``abandoned(trainer)``; ``MegatronJob`` has it)."""

@@ -26,6 +26,7 @@ processes of both worlds, since leaving ranks are only in the old world and join
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Collection, Iterator, Mapping
@@ -47,6 +48,11 @@ log = structlog.get_logger(__name__)
 
 Backend = Literal["gloo", "nccl"]
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
+"""NCCL's watchdog on a collective past its timeout (a lost peer): abort the communicator and raise
+in the waiting thread, instead of torch's default of ending the process (3), so that a survivor keeps
+its state and recovers (``peers.is_peer_failure`` reads the raised ``DistBackendError``)."""
 
 
 class WorldError(HandoffError):
@@ -316,6 +322,7 @@ def _new_pg(
     # NCCL: the communicator is connected now (eagerly), on this background thread, instead of lazily
     # inside the first collective, which would put its setup back on the training path.
     cuda = torch.device("cuda", device.index)
+    keep_process_on_nccl_errors()
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     options.is_high_priority_stream = False
@@ -327,6 +334,13 @@ def _new_pg(
     pg.bound_device_id = cuda
     nccl.eager_connect_single_device(cuda)
     return pg
+
+
+def keep_process_on_nccl_errors() -> None:
+    """Have NCCL groups made from now on raise on a lost peer rather than end this process (see
+    :data:`NCCL_CLEAN_UP_ONLY`); a value the user set in the environment is kept. Read by each
+    ``ProcessGroupNCCL`` when it is made, Megatron's own ``new_group`` calls included."""
+    os.environ.setdefault(NCCL_ERROR_HANDLING_ENV, NCCL_CLEAN_UP_ONLY)
 
 
 def _register_in_world(

@@ -211,10 +211,16 @@ class _Stop:
     reason: str
     replan: bool
     settle: SettleOutcome = SettleOutcome.ABORTED
+    recover: bool = False
+    """A member of the old world was lost during the switch, before anything committed: its survivors
+    hold the cut's state, and the re-planned generation moves them live around the loss."""
 
     def merge(self, other: _Stop) -> _Stop:
-        """The stronger decision wins: an abort without re-planning beats a cancel that re-plans."""
+        """The stronger decision wins: an abort without re-planning beats a cancel that re-plans, and
+        a live recovery beats a plain re-plan (the old world is broken whichever came first)."""
         if self.replan and not other.replan:
+            return other
+        if self.replan and other.recover and not self.recover:
             return other
         return self
 
@@ -241,6 +247,9 @@ class _Handoff:
     """The Prepare broadcast (sent again after the bus was away)."""
     stop: _Stop | None = None
     stopped_in: GenerationPhase | None = None
+    resumed: bool = False
+    """Taken over from the record after a restart: acks sent meanwhile are lost, so whether a
+    participant committed is unknown (a loss then falls back rather than recover from the old world)."""
     outcome: GenerationAborted | None = None
 
     @property
@@ -1197,6 +1206,7 @@ class Coordinator:
             placement=pending.placement,
             bytes_planned=pending.bytes_planned,
             participants={p.worker_id: p.device for p in pending.participants},
+            resumed=True,
         )
         for p in pending.participants:
             self.membership.expect(p.device, self.now)
@@ -1315,9 +1325,9 @@ class Coordinator:
         """Record the abort of the pending handoff; what follows happens once the record says so."""
         h = self._handoff
         assert h is not None and self._record is not None
-        if h.switch_sent:
+        if h.switch_sent and not stop.recover:
             stop = _Stop(stop.reason, replan=False)
-        fallback = h.switch_sent or (self._old_world_broken() and not stop.replan)
+        fallback = (h.switch_sent and not stop.recover) or (self._old_world_broken() and not stop.replan)
         stopped_in = phase or self._phase
         reason = (
             stop.reason if not stop.replan else f"{stop.reason} (cancelled; re-planned as a new generation)"
@@ -1333,7 +1343,13 @@ class Coordinator:
             active_generation=self._record.generation,
             phase=_ABORT_PHASE_NAME[stopped_in],
             reason=reason[:2000],
-            outcome=AbortOutcome.CHECKPOINT_FALLBACK if fallback else AbortOutcome.KEPT_OLD_WORLD,
+            outcome=(
+                AbortOutcome.CHECKPOINT_FALLBACK
+                if fallback
+                else AbortOutcome.LIVE_RECOVERY
+                if stop.recover
+                else AbortOutcome.KEPT_OLD_WORLD
+            ),
             aborted_at=self.now,
         )
         h.stop, h.stopped_in, h.outcome = stop, stopped_in, aborted
@@ -1377,7 +1393,10 @@ class Coordinator:
             self._queue = h.triggers + self._queue
         else:
             self._settle(h.triggers, stop.settle, aborted.generation)
-        self._move(GenerationPhase.STABLE, "kept the old world")
+        if aborted.outcome == AbortOutcome.LIVE_RECOVERY:
+            self._move(GenerationPhase.STABLE, "the old world's survivors keep the cut's state to move live")
+        else:
+            self._move(GenerationPhase.STABLE, "kept the old world")
         self._begin()
 
     # -- deadlines and liveness ------------------------------------------------------------------------
@@ -1524,7 +1543,11 @@ class Coordinator:
                 "debug", "stale_peer_lost_ignored", worker_id=event.worker_id, generation=event.generation
             )
             return
-        if member is None or member.device not in self._world():
+        h = self._handoff
+        joining = (
+            h is not None and event.worker_id in h.participants and h.from_generation == event.generation
+        )  # a joiner whose handoff broke on the loss
+        if member is None or (member.device not in self._world() and not joining):
             self._note("warning", "peer_lost_from_outsider_ignored", worker_id=event.worker_id)
             return
         marked = self.membership.suspect(self._world(), self.config.suspect_timeout_s)
@@ -1569,7 +1592,14 @@ class Coordinator:
                 self._note("info", "leaving_worker_done", device=str(device))
                 return
             self._queue.append(trigger)
-            self._request_stop(_Stop(f"{why} after the switch began", replan=False))
+            if in_world and not h.switched and not h.resumed:
+                # Nothing committed (every commit is acked): the old world's survivors still hold the
+                # cut's state (I4), so the generation is planned again around the loss and moves live.
+                self._request_stop(
+                    _Stop(f"{why} during the switch; recovering live", replan=True, recover=True)
+                )
+            else:
+                self._request_stop(_Stop(f"{why} after the switch began", replan=False))
         elif self._phase in (GenerationPhase.PREPARE, GenerationPhase.READY) and h is not None:
             self._queue.append(trigger)
             self._request_stop(_Stop(f"{why}; re-planning without it", replan=True))

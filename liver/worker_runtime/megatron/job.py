@@ -177,6 +177,16 @@ class MegatronJob:
         gc.collect()  # Megatron's modules hold reference cycles: the groups go only with a collection
         return kept
 
+    def survives_one_loss(self, layout: ParallelLayout) -> bool:
+        """Whether every piece of this job's state at ``layout`` has a copy on a second process, so that
+        the survivors of any one lost process still hold all of it (else only the checkpoint restores
+        it): the dense state needs a DP (or CP) replica, the experts an expert-DP one, and the optimizer
+        state must be replicated with the parameters (the distributed optimizer gives each DP rank a
+        shard of its own)."""
+        if self.config.use_distributed_optimizer or layout.dp * layout.cp < 2:
+            return False
+        return self._model.num_experts == 0 or layout.edp >= 2
+
     def abandon(self, trainer: MegatronTrainer, iteration: int, reason: str) -> StepAbandoned:
         """Mark the trainer's world broken between two steps (the vote or a checkpoint met a lost peer):
         its state is that of ``iteration``, torn only if parameters were waiting for a deferred
