@@ -2,10 +2,12 @@
 
 One real Megatron job of four processes trains tiny-gpt at TP2,PP1,DP2 (replica A on p0,p1, replica B
 on p2,p3). p3 dies (``os._exit``), in one run inside its third step (in its second micro-batch's
-forward, while its TP peer waits on it in a collective), in another right after its second step,
-before the boundary's vote (the cut), and in a third while it streams its state in a handoff whose cut
-is the end of step 2 (generation 1: TP2,PP1,DP2 on p1-p4, p0 leaving and a fifth process p4 joining;
-it never commits). The survivors:
+forward, while its TP peer waits on it in a collective), in another as that step's optimizer step
+begins (after every collective with replica A: only the trainer's commit vote keeps replica A from
+updating while replica B cannot), in another right after its second step, before the boundary's vote
+(the cut), and in the last while it streams its state in a handoff whose cut is the end of step 2
+(generation 1: TP2,PP1,DP2 on p1-p4, p0 leaving and a fifth process p4 joining; it never commits).
+The survivors:
 
 - notice within moments (in a collective with p3, or when a peer that noticed lets go of the world's
   groups) and give the step (or the vote, or the handoff) up with their state as the end of step 2
@@ -65,7 +67,7 @@ CHAIN = Chain(
 )
 
 
-RECOVERY = {"mid-step": 1, "vote": 1, "stream": 2}
+RECOVERY = {"mid-step": 1, "update": 1, "vote": 1, "stream": 2}
 """The recovery's generation: after a lost handoff, the one after the handoff's."""
 JOINER = PROCESSES  # p4: in no world until the stream run's handoff, then in its recovery
 
@@ -106,6 +108,17 @@ def _die_in_second_micro_batch(trainer: Any) -> None:
     trainer.forward_step = dying
 
 
+def _die_at_the_update(trainer: Any) -> None:
+    """Make this process exit as its next step's ``optimizer.step()`` begins: after the step's loss and
+    gradient collectives, before the grad norm its TP peer then waits for. Its peer's replica has no
+    collective with it left but the commit vote."""
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        os._exit(17)
+
+    trainer.optimizer.step = dying
+
+
 def fail_stop_process(
     proc: Proc, plan: Plan, lost: Device, when: str, handoff: Plan | None
 ) -> dict[str, Any]:
@@ -134,6 +147,7 @@ def fail_stop_process(
     def on_event(event: RuntimeEvent) -> None:
         if event.phase is ReshardPhase.PEER_LOST:
             out["peer_lost"].append(event.iteration)
+            out["peer_lost_at"] = time.time()  # one clock: the processes share the machine
             if not requested:  # what the coordinator would send once it learns of the loss
                 requested.append(1)
                 try:  # a resize planned with every old device first: it cannot happen any more
@@ -170,6 +184,8 @@ def fail_stop_process(
     while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
         if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when == "mid-step":
             _die_in_second_micro_batch(trainer)
+        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when == "update":
+            _die_at_the_update(trainer)
         started = time.perf_counter()
         try:
             result = trainer.train_step()
@@ -219,7 +235,7 @@ def _raises_again(trainer: Any) -> bool:
     return False
 
 
-@pytest.fixture(scope="module", params=["mid-step", "vote", "stream"])
+@pytest.fixture(scope="module", params=["mid-step", "update", "vote", "stream"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     plan = recovery_plan(request.param)
     handoff = handoff_plan() if request.param == "stream" else None
@@ -274,7 +290,7 @@ def test_a_broken_world_takes_only_a_recovery_that_names_the_lost_devices(runs: 
 
 def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict) -> None:
     for s in runs["survivors"].values():
-        if runs["when"] != "mid-step":  # no step met it: the vote or the handoff did
+        if runs["when"] in ("vote", "stream"):  # no step met it: the vote or the handoff did
             assert s["abandoned"] is None
             continue
         assert s["abandoned"]["iteration"] == KILLED_IN - 1
@@ -282,7 +298,7 @@ def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict)
 
 
 def test_a_broken_trainer_refuses_every_later_step(runs: dict) -> None:
-    if runs["when"] != "mid-step":
+    if runs["when"] in ("vote", "stream"):
         pytest.skip("no step met the loss")
     assert all(s["abandoned"]["again"] for s in runs["survivors"].values())
 
@@ -294,6 +310,13 @@ def test_survivors_notice_the_loss_within_moments_not_at_a_timeout(runs: dict) -
     # world's groups (a survivor that kept its trainer alive would leave the others waiting for 120 s).
     slowest = max(s["abandoned"]["noticed_s"] for s in runs["survivors"].values())
     assert slowest < 60, slowest
+
+
+def test_every_survivor_learns_of_the_loss_within_moments_of_the_first(runs: dict) -> None:
+    # The groups' timeout is 120 s: a survivor that kept a reference to the broken world's groups (a
+    # failure's traceback, the trainer) would leave its peers waiting in them that long.
+    heard = [s["peer_lost_at"] for s in runs["survivors"].values()]
+    assert max(heard) - min(heard) < 60, heard
 
 
 def test_the_survivors_move_live_to_the_recovery_layout_without_a_checkpoint(runs: dict) -> None:

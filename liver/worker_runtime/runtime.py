@@ -50,6 +50,7 @@ The runtime never imports the services: plans come in from outside.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -678,19 +679,24 @@ class LiveRuntime(Generic[T]):
             # own: the coordinator learns of the loss from PEER_LOST and plans the recovery around it.
             self._drop(prep)
             self._trainer = old_trainer
-            del old_trainer
             self._log.warning(
                 "runtime.handoff_lost_a_peer",
                 generation=prep.generation,
                 iteration=iteration,
                 error=str(failed),
             )
+            # The failure's traceback (the restore's all-reduce frames) and the handoff hold the old
+            # world's groups: the peers still waiting in its collectives fail only once they go.
+            del old_trainer, failed, handoff
             return self._recover(recovery)
-        # Nothing of the old world can train any more (releasing it twice is harmless).
+        # Nothing of the old world can train any more (releasing it twice is harmless). Only the
+        # failure's words go on: its traceback holds the old world's groups, as the handoff does.
         assert self._world is not None
         self._world.release()
         self._world = None
-        del old_trainer
+        failed.__traceback__ = failed.__cause__ = failed.__context__ = None
+        del old_trainer, handoff
+        gc.collect()  # Megatron's modules hold the groups in reference cycles
         return self._fail_stop(prep, failed, iteration, cut_at)
 
     def _join(self) -> T:

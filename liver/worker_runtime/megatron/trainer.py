@@ -126,6 +126,10 @@ class MegatronTrainer:
         # be left as allocated (the runtime zeroes it beside training), not zeroed on the training thread.
         self.filled_by_stream = False
         self.abandoned: StepAbandoned | None = None  # set when a step met a lost peer: the world is broken
+        self.commit_votes = 0  # iterations whose update every rank of the world agreed to begin
+        self._voted = False
+        for inner in self._inner_optimizers():
+            inner.register_step_pre_hook(self._commit_vote)
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
         self._collection = groups.collection()
         self._forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
@@ -157,8 +161,10 @@ class MegatronTrainer:
         """One iteration over the next global batch: forward/backward, grad sync, optimizer, LR.
 
         The optimizer step is the iteration's commit point: the loss is reduced before it, so that no
-        collective follows the update (the distributed optimizer's parameter all-gather aside). A step
-        whose collective finds a peer lost (:func:`~liver.worker_runtime.peers.is_peer_failure`) raises
+        collective follows the update (the distributed optimizer's parameter all-gather aside), and
+        right before the first update every rank of the world agrees to begin it (a one-element
+        all-reduce, see :meth:`_commit_vote`). A step whose collective finds a peer lost
+        (:func:`~liver.worker_runtime.peers.is_peer_failure`) raises
         :class:`~liver.worker_runtime.peers.StepAbandoned`: nothing of it reached the parameters or the
         optimizer state, the iteration and data position are the last completed ones, and every later
         call raises the same (the world is broken; the runtime's next ``step`` recovers).
@@ -171,6 +177,7 @@ class MegatronTrainer:
         stale = self.params_stale
         marks: tuple[float, ...] | None = None
         abandoned: StepAbandoned | None = None
+        self._voted = False
         try:
             with parallel_state_of(self.groups):
                 self.model.zero_grad_buffer()
@@ -214,6 +221,28 @@ class MegatronTrainer:
         )
         self._log.debug("megatron_train.step", **result._asdict())
         return result
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers that update the state (one per chained Megatron optimizer)."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        inner = (getattr(optimizer, "optimizer", None) for optimizer in chained)
+        return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
+
+    def _commit_vote(self, *_: object) -> None:
+        """Before the iteration's first update (a pre-hook of each inner optimizer's step; the later
+        ones of a chain follow without a collective between): every rank of the world says it got
+        here. Without it a lost peer splits the survivors: a replica whose last collectives of the
+        step (the grad norm over its model-parallel group) did not involve the lost process updates,
+        one that waited on it does not, and their states are iterations apart, which no recovery can
+        join. With it, a peer lost before the vote fails every survivor's vote, so all keep the last
+        completed iteration; only a loss inside this one small all-reduce can still split them (the
+        recovery then refuses and the job falls back to its checkpoint). A CPU tensor: gloo's
+        connections fail at once on a lost peer, also beside NCCL."""
+        if self._voted:
+            return
+        self._voted = True
+        dist.all_reduce(torch.ones(1), group=self.groups.world)
+        self.commit_votes += 1
 
     def _update_marks(self) -> tuple[float, ...]:
         """Each inner optimizer's Adam step as it stands (-1: no state yet): what tells, after a failed
