@@ -1024,13 +1024,18 @@ def test_losing_an_old_world_worker_before_the_switch_replans_from_the_survivors
     assert request.generation == 2 and request.lost == (WORLD[0],)
 
 
-def test_impossible_target_during_the_switch_intent_write_aborts_without_switching() -> None:
-    d = started()
+def spares_ready(d: Driver) -> None:
+    """Run a scale-out onto both spares up to the point where every participant is ready."""
     d.scale("evt-1", add=SPARES)
     d.write()
     d.topology()
     d.transfer()
     d.ready()
+
+
+def test_impossible_target_during_the_switch_intent_write_aborts_without_switching() -> None:
+    d = started()
+    spares_ready(d)
     assert d.core.wait is Wait.SWITCH_WRITE
     d.warn("evt-2", "node000")
     assert d.core.phase is GenerationPhase.READY and d.notes("stop_deferred")
@@ -1094,11 +1099,7 @@ def test_losing_an_old_world_worker_after_a_participant_committed_falls_back() -
 
 def test_a_joiner_whose_handoff_broke_on_the_loss_has_the_old_worlds_silent_worker_found_sooner() -> None:
     d = started()
-    d.scale("evt-1", add=SPARES)
-    d.write()
-    d.topology()
-    d.transfer()
-    d.ready()
+    spares_ready(d)
     d.write()
     assert d.core.phase is GenerationPhase.SWITCH and worker(SPARES[0]) in d.participants()
     d.status(SPARES[0], 0, "peer_lost")  # its handoff's old world (generation 0) lost a member
