@@ -316,6 +316,7 @@ def test_a_checkpoint_directory_gives_the_runtime_its_checkpoints_and_fallback()
     checkpoint = settings.runtime_options().checkpoint
     assert checkpoint is not None
     assert (checkpoint.root, checkpoint.every, checkpoint.keep_last) == ("/shared/ckpt", 50, 3)
+    assert checkpoint.resume  # a restarted job goes on from its latest checkpoint
     assert WorkerSettings(job_id=JOB, node="n0", device=0).runtime_options().checkpoint is None
 
 
@@ -416,6 +417,9 @@ def test_liver_worker_checkpoint_arguments_become_the_settings() -> None:
         50,
         3,
     )
+    assert settings.checkpoint_resume
+    fresh = parser.parse_args(["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--fresh-start"])
+    assert not worker_cmd.settings_from(fresh).checkpoint_resume
 
 
 def test_liver_worker_checkpoint_interval_without_a_directory_is_refused(capsys: Any) -> None:

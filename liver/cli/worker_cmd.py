@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port", type=int, help="serve the companion's Prometheus metrics on this port (0: any free)"
     )
-    ckpt = p.add_argument_group("checkpoints (the fallback when a handoff cannot complete)")
+    ckpt = p.add_argument_group("checkpoints (where a restart starts, and a lost handoff's fallback)")
     ckpt.add_argument(
         "--checkpoint-dir", metavar="DIR", help="shared directory of the job's checkpoints (default: none)"
     )
@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     ckpt.add_argument(
         "--checkpoint-keep", type=int, default=2, metavar="K", help="checkpoints kept (default 2)"
+    )
+    ckpt.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="start the first world from scratch even if the directory holds a checkpoint "
+        "(default: a restarted job goes on from the latest one)",
     )
 
 
@@ -140,6 +146,7 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_keep=args.checkpoint_keep,
+        checkpoint_resume=not args.fresh_start,
         metrics_port=args.metrics_port,
     )
 

@@ -65,6 +65,9 @@ class CheckpointOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     root: str
     every: int | None = None
     keep_last: int = 2
+    resume: bool = True
+    """At the start of the first world, load the latest checkpoint under ``root`` when there is one (the
+    job was restarted, as Megatron's ``--load``); False starts from scratch whatever is there."""
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -81,6 +84,12 @@ class CheckpointingFactory(Protocol[T]):
 
     def save_checkpoint(self, trainer: T, root: str, keep_last: int) -> str:
         """Save ``trainer`` durably under ``root`` (a collective over its world); the checkpoint's path."""
+        ...
+
+    def resume_latest(self, world: World, root: str) -> tuple[T, str] | None:
+        """A trainer for this rank of ``world`` (already torch's default world) from the latest
+        checkpoint under ``root``, and its path; None when no rank finds one. A collective over
+        ``world``."""
         ...
 
     def fall_back(self, world: World, root: str, reached_iteration: int | None) -> tuple[T, str]:

@@ -252,12 +252,13 @@ class LiveRuntime(Generic[T]):
                     f"({torch.cuda.device_count()} visible) for the NCCL backend"
                 )
             torch.cuda.set_device(device.index)
+        needs = ("save_checkpoint", "fall_back", "resume_latest")
         if options.checkpoint is not None and not all(
-            callable(getattr(factory, name, None)) for name in ("save_checkpoint", "fall_back")
+            callable(getattr(factory, name, None)) for name in needs
         ):
             raise ValueError(
                 f"`options.checkpoint`: the factory {type(factory).__name__} cannot save or load "
-                "checkpoints (it needs save_checkpoint and fall_back)"
+                "checkpoints (it needs save_checkpoint, fall_back and resume_latest)"
             )
         self.factory = factory
         self.job = job
@@ -549,10 +550,36 @@ class LiveRuntime(Generic[T]):
         world = build_world(
             self._initial, self.device, self._initial_store, backend=self.options.backend, timeout=timeout
         )
-        world.adopt_as_default(timedelta(seconds=self.options.control_timeout_s))
-        trainer = self.factory.build(world)
+        try:
+            world.adopt_as_default(timedelta(seconds=self.options.control_timeout_s))
+            trainer = self._resumed(world) or self.factory.build(world)
+        except BaseException:
+            world.release()
+            raise
         self._world, self._trainer = world, trainer
-        self._log.info("runtime.started", generation=world.generation, rank=world.rank)
+        self._log.info(
+            "runtime.started",
+            generation=world.generation,
+            rank=world.rank,
+            iteration=self.factory.iteration(trainer),
+        )
+        return trainer
+
+    def _resumed(self, world: World) -> T | None:
+        """The first world's trainer from the latest checkpoint, when checkpoints are configured with
+        ``resume`` and one exists: a restarted job goes on from there instead of starting over."""
+        checkpoint = self.options.checkpoint
+        if checkpoint is None or not checkpoint.resume:
+            return None
+        factory: CheckpointingFactory[T] = self.factory  # type: ignore[assignment]
+        resumed = factory.resume_latest(world, checkpoint.root)
+        if resumed is None:
+            return None
+        trainer, path = resumed
+        self._saved_at = self.factory.iteration(trainer)
+        self._log.warning(
+            "runtime.resumed_from_checkpoint", checkpoint=path, iteration=self._saved_at, rank=world.rank
+        )
         return trainer
 
     def _prebuild(self, prep: Preparation, iteration: int | None) -> None:

@@ -23,7 +23,11 @@ and, when a handoff fails because processes of the old world are gone, restarts 
 latest one (:mod:`.fallback`): this worker acks the generation "failed" at once (the coordinator records
 a checkpoint fallback), and once the restarted world (the failed generation + 1) has loaded, its rank 0
 announces it with ``WorldStarted`` and every member's heartbeats speak for it. Without a directory such
-a failure ends the worker (exit 1) with an error that says no checkpoint was configured.
+a failure ends the worker (exit 1) with an error that says no checkpoint was configured. A worker whose
+first world finds a checkpoint there starts from the latest one (the job was restarted, for instance
+after ``NoLiveRecovery``: its launcher starts every process again, with a ``generation`` above the
+job's last issued one so that the coordinator records the new world); ``checkpoint_resume=False``
+(``--fresh-start``) starts from scratch instead.
 
 How a worker ends. All ranks of a world must stop at the same boundary, or the ones still training wait
 in a collective for the ones gone; so a worker stops only on a rule every rank evaluates alike: after
@@ -121,6 +125,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     checkpoint_every: Annotated[int, Meta(ge=1)] | None = None
     """Save every N iterations (None: never save here; a fallback still loads what is in the directory)."""
     checkpoint_keep: Annotated[int, Meta(ge=1)] = 2
+    checkpoint_resume: bool = True
+    """A first world that finds a checkpoint in ``checkpoint_dir`` starts from the latest one (the job
+    was restarted); False: from scratch."""
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     """Serve the companion's Prometheus metrics on this port (0: a free one); None: none."""
 
@@ -167,7 +174,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         checkpoint = None
         if self.checkpoint_dir is not None:
             checkpoint = CheckpointOptions(
-                root=self.checkpoint_dir, every=self.checkpoint_every, keep_last=self.checkpoint_keep
+                root=self.checkpoint_dir,
+                every=self.checkpoint_every,
+                keep_last=self.checkpoint_keep,
+                resume=self.checkpoint_resume,
             )
         return RuntimeOptions(
             control_timeout_s=self.control_timeout_s,

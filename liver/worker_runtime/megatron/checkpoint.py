@@ -683,6 +683,14 @@ def _agree_on_checkpoint(root: str | os.PathLike[str]) -> tuple[Path, Checkpoint
     (a root that is not shared, a marker that moved) makes every rank raise, instead of some ranks
     loading while the others wait in a collective forever.
     """
+    checkpoint, manifest = _agree_on_latest(root)
+    if checkpoint is None or manifest is None:
+        raise CheckpointError(f"{root}: no committed checkpoint; the job can only start over")
+    return checkpoint, manifest
+
+
+def _agree_on_latest(root: str | os.PathLike[str]) -> tuple[Path | None, CheckpointManifest | None]:
+    """:func:`_agree_on_checkpoint`, where no checkpoint on every rank is an answer too (None)."""
     problem = ""
     checkpoint, manifest, iteration = None, None, _NO_CHECKPOINT
     try:
@@ -699,9 +707,33 @@ def _agree_on_checkpoint(root: str | os.PathLike[str]) -> tuple[Path, Checkpoint
             f"{lowest} to {highest}; -1: none, -2: unreadable{', here: ' + problem if problem else ''}); "
             "the checkpoint root must be shared and no save may run"
         )
-    if checkpoint is None or manifest is None:
-        raise CheckpointError(problem or f"{root}: no committed checkpoint; the job can only start over")
+    if problem:
+        raise CheckpointError(problem)
     return checkpoint, manifest
+
+
+def resume_from_checkpoint(
+    root: str | os.PathLike[str],
+    spec: ModelSpec | ModelSource,
+    layout: ParallelLayout,
+    config: TrainConfig,
+    *,
+    groups: ParallelGroups,
+    corpus: Corpus | None = None,
+    hooks: TrainerHooks | None = None,
+) -> Fallback | None:
+    """A restart of the job (its launcher started every process again, as Megatron's ``--load``):
+    the trainer on ``layout`` from the latest checkpoint under ``root``, or None when no rank finds
+    one (a first start). A collective over the default world; ranks that disagree raise."""
+    from liver.worker_runtime.megatron.build import check_default_world
+
+    check_default_world(groups)
+    checkpoint, _manifest = _agree_on_latest(root)
+    if checkpoint is None:
+        return None
+    return fall_back_to_checkpoint(
+        root, spec, layout, config, groups=groups, corpus=corpus, reached_iteration=None, hooks=hooks
+    )
 
 
 def fall_back_to_checkpoint(

@@ -231,6 +231,23 @@ class MegatronJob:
 
         return str(save_checkpoint(trainer, root, keep_last=keep_last))
 
+    def resume_latest(self, world: World, root: str) -> tuple[MegatronTrainer, str] | None:
+        """The first world's trainer from the latest checkpoint under ``root`` (the job was restarted),
+        with that checkpoint's path; None when there is none (a first start). A collective over
+        ``world``."""
+        from liver.worker_runtime.megatron.checkpoint import resume_from_checkpoint
+
+        resumed = resume_from_checkpoint(
+            root,
+            self.source,
+            world.layout,
+            self.config,
+            groups=groups_from_world(world),
+            corpus=self.corpus,
+            hooks=self.hooks,
+        )
+        return None if resumed is None else (resumed.trainer, str(resumed.checkpoint))
+
     def fall_back(
         self, world: World, root: str, reached_iteration: int | None
     ) -> tuple[MegatronTrainer, str]:
