@@ -1086,15 +1086,54 @@ def test_losing_an_old_world_worker_during_the_switch_recovers_live_around_it() 
     assert d.kv.record is not None and d.kv.record.live and d.kv.record.generation == 0
 
 
-def test_losing_an_old_world_worker_after_a_participant_committed_falls_back() -> None:
+def test_a_participant_lost_after_another_acked_its_switch_commits_then_recovers_live() -> None:
     d = started()
     switching(d)
-    d.status(WORLD[0], 1, "switched", iteration=100)  # the commit happened: the old world is gone
-    d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node reclaimed early"))
+    (prepare,) = d.sent(Prepare)
+    lost = prepare.command.placement.devices[-1]  # a member of the new world
+    # Every other participant acked: the commit, a collective of all of them, is done.
+    d.switched(skip=(worker(lost),))
+    assert d.core.phase is GenerationPhase.SWITCH
+    d.feed(WorkerLost(worker_id=worker(lost), reason="died in its first step on the new world"))
     d.write()
-    (aborted,) = d.published(GenerationAborted)
-    assert aborted.outcome == "checkpoint_fallback" and aborted.phase == "switch"
-    assert d.core.phase is GenerationPhase.DOWN and not d.has(WriteRecord)
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.generation == 1 and lost in committed.placement.devices
+    assert not d.published(GenerationAborted)
+    # The loss is one in the new world: its survivors move live around it.
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert (request.from_generation, request.generation, request.lost) == (1, 2, (lost,))
+
+
+def test_a_leaver_lost_after_a_participant_acked_its_switch_changes_nothing() -> None:
+    d = started()
+    switching(d)
+    d.status(WORLD[0], 1, "switched", iteration=100)  # the commit happened: WORLD[3] took part
+    d.feed(WorkerLost(worker_id=worker(WORLD[3]), reason="node reclaimed early"))
+    d.switched(skip=(worker(WORLD[0]), worker(WORLD[3])))
+    d.write()
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.generation == 1 and not d.published(GenerationAborted)
+
+
+def test_a_new_world_that_lost_a_peer_before_its_commit_was_recorded_finds_it_sooner() -> None:
+    d = started()
+    switching(d)
+    (prepare,) = d.sent(Prepare)
+    target = prepare.command.placement.devices
+    lost = target[-1]
+    d.switched(skip=(worker(lost),))
+    d.status(target[0], 1, "peer_lost")  # its first step on the new world failed
+    d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
+    for dev in WORLD + SPARES:
+        if dev != lost:
+            d.beat(dev)
+    d.tick()
+    d.write()
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.generation == 1
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (lost,)
 
 
 def test_a_joiner_whose_handoff_broke_on_the_loss_has_the_old_worlds_silent_worker_found_sooner() -> None:
@@ -1460,8 +1499,8 @@ def test_restore_after_the_switch_with_a_silent_participant_falls_back() -> None
     switching(d)
     d.restart()
     d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
-    for dev in WORLD[:3]:
-        d.beat(dev)
+    for rank, dev in enumerate(WORLD[:3]):
+        d.beat(dev, generation=0, rank=rank)  # nobody is known to have switched: no commit is certain
     d.tick()
     d.write()
     (aborted,) = d.published(GenerationAborted)

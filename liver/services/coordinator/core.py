@@ -1538,12 +1538,18 @@ class Coordinator:
         which one; whoever it was stops beating, so every member of that world unheard for
         ``suspect_timeout_s`` is lost now instead of after the full heartbeat timeout."""
         member = self.membership.get(event.worker_id)
+        h = self._handoff
+        target = None if h is None else h.target
+        if h is not None and target and event.generation == h.generation and event.worker_id in h.switched:
+            # The new world lost a peer right after its commit, before this coordinator recorded it.
+            marked = self.membership.suspect(target, self.config.suspect_timeout_s)
+            self._note("warning", "new_world_lost_a_peer", worker_id=event.worker_id, suspects=marked)
+            return
         if self._record is None or not self._record.live or event.generation != self._record.generation:
             self._note(
                 "debug", "stale_peer_lost_ignored", worker_id=event.worker_id, generation=event.generation
             )
             return
-        h = self._handoff
         joining = (
             h is not None and event.worker_id in h.participants and h.from_generation == event.generation
         )  # a joiner whose handoff broke on the loss
@@ -1592,6 +1598,17 @@ class Coordinator:
                 self._note("info", "leaving_worker_done", device=str(device))
                 return
             self._queue.append(trigger)
+            if h.switched and worker is not None:
+                # A participant acked its switch: the commit, a collective of every participant, is done
+                # (the lost one took part), so the new world is the job's and this is a loss in it. The
+                # switch completes without the lost one's ack; the queued loss then plans the recovery
+                # from the new world, whose survivors are already waiting for it.
+                self._note("warning", "participant_lost_after_the_commit", device=str(device))
+                if worker not in h.switched:
+                    del h.participants[worker]
+                if len(h.switched) == len(h.participants):
+                    self._all_switched()
+                return
             if in_world and not h.switched and not h.resumed:
                 # Nothing committed (every commit is acked): the old world's survivors still hold the
                 # cut's state (I4), so the generation is planned again around the loss and moves live.
