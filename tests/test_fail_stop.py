@@ -5,9 +5,10 @@ on p2,p3). p3 dies (``os._exit``), in one run inside its third step (in its seco
 forward, while its TP peer waits on it in a collective), in another as that step's optimizer step
 begins (after every collective with replica A: only the trainer's commit vote keeps replica A from
 updating while replica B cannot), in another right after its second step, before the boundary's vote
-(the cut), and in the last while it streams its state in a handoff whose cut is the end of step 2
-(generation 1: TP2,PP1,DP2 on p1-p4, p0 leaving and a fifth process p4 joining; it never commits).
-The survivors:
+(the cut), in another at that moment while a handoff to TP1,PP1,DP3 on p1-p3 is prepared (its new
+trainer built, its switch not yet allowed: generation 1, dropped), and in the last while it streams its
+state in a handoff whose cut is the end of step 2 (generation 1: TP2,PP1,DP2 on p1-p4, p0 leaving and a
+fifth process p4 joining; it never commits). The survivors:
 
 - notice within moments (in a collective with p3, or when a peer that noticed lets go of the world's
   groups) and give the step (or the vote, or the handoff) up with their state as the end of step 2
@@ -67,7 +68,7 @@ CHAIN = Chain(
 )
 
 
-RECOVERY = {"mid-step": 1, "update": 1, "vote": 1, "stream": 2}
+RECOVERY = {"mid-step": 1, "update": 1, "vote": 1, "prepared": 2, "stream": 2}
 """The recovery's generation: after a lost handoff, the one after the handoff's."""
 JOINER = PROCESSES  # p4: in no world until the stream run's handoff, then in its recovery
 
@@ -84,11 +85,14 @@ def recovery_plan(when: str) -> Plan:
     ).plan
 
 
-def handoff_plan() -> Plan:
-    """The handoff p3 dies in (stream run): TP2,PP1,DP2 on p1-p4, p0 leaving, p4 joining."""
+def handoff_plan(when: str) -> Plan:
+    """The handoff p3 dies in (stream run: TP2,PP1,DP2 on p1-p4, p0 leaving, p4 joining), or dies before
+    (prepared run: TP1,PP1,DP3 on p1-p3, p0 leaving, its new trainer built, its switch not allowed)."""
     from liver.services.transfer.planner import plan_resize
 
     old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
+    if when == "prepared":
+        return plan_resize(CHAIN.geometry, old, NEW, DEVICES[1:PROCESSES], budget_bytes=256 * 1024).plan
     return plan_resize(CHAIN.geometry, old, OLD, DEVICES[1 : JOINER + 1], budget_bytes=256 * 1024).plan
 
 
@@ -178,8 +182,12 @@ def fail_stop_process(
     if trainer is not None and runtime.generation:  # the joiner, taken in by the recovery
         out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
     if handoff is not None and proc.rank != JOINER:
-        # Built now; the vote after step 1 builds the new trainer, the cut is the end of step 2.
-        runtime.request_resize(1, handoff.new.layout, handoff.new.placement, handoff, address)
+        # Built now; the vote after step 1 builds the new trainer, the cut is the end of step 2 (in the
+        # prepared run never: the coordinator's SWITCH does not come before the loss).
+        gated = when == "prepared"
+        runtime.request_resize(
+            1, handoff.new.layout, handoff.new.placement, handoff, address, switch_when_ready=not gated
+        )
         assert runtime.wait_prepared(120), "the handoff's groups were not built"
     while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
         if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when == "mid-step":
@@ -202,7 +210,7 @@ def fail_stop_process(
         out["trace"].append((runtime.generation, result.iteration, result.loss, result.grad_norm))
         out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
         out["progress"][result.iteration] = factory.progress(trainer)
-        if proc.rank == VICTIM and result.iteration == KILLED_IN - 1 and when == "vote":
+        if proc.rank == VICTIM and result.iteration == KILLED_IN - 1 and when in ("vote", "prepared"):
             os._exit(17)  # after its step, before the boundary's vote
         trainer = _next(runtime, out, snapshot)
     out["history"] = [type(h).__name__ for h in runtime.history]
@@ -235,13 +243,13 @@ def _raises_again(trainer: Any) -> bool:
     return False
 
 
-@pytest.fixture(scope="module", params=["mid-step", "update", "vote", "stream"])
+@pytest.fixture(scope="module", params=["mid-step", "update", "vote", "prepared", "stream"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     plan = recovery_plan(request.param)
-    handoff = handoff_plan() if request.param == "stream" else None
+    handoff = handoff_plan(request.param) if request.param in ("prepared", "stream") else None
     outcomes = run_world(
         fail_stop_process,
-        PROCESSES + (handoff is not None),
+        PROCESSES + (request.param == "stream"),
         args=(plan, DEVICES[VICTIM], request.param, handoff),
         timeout_s=300,
         group_timeout_s=120,
@@ -290,7 +298,7 @@ def test_a_broken_world_takes_only_a_recovery_that_names_the_lost_devices(runs: 
 
 def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict) -> None:
     for s in runs["survivors"].values():
-        if runs["when"] in ("vote", "stream"):  # no step met it: the vote or the handoff did
+        if runs["when"] in ("vote", "prepared", "stream"):  # no step met it: the vote or the handoff did
             assert s["abandoned"] is None
             continue
         assert s["abandoned"]["iteration"] == KILLED_IN - 1
@@ -298,7 +306,7 @@ def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict)
 
 
 def test_a_broken_trainer_refuses_every_later_step(runs: dict) -> None:
-    if runs["when"] in ("vote", "stream"):
+    if runs["when"] in ("vote", "prepared", "stream"):
         pytest.skip("no step met the loss")
     assert all(s["abandoned"]["again"] for s in runs["survivors"].values())
 
@@ -330,6 +338,15 @@ def test_the_survivors_move_live_to_the_recovery_layout_without_a_checkpoint(run
         assert s["history"] == ["SwitchReport"], (rank, s["history"])
         assert s["live_generations"] == ((generation,) if stays else ()), rank
         assert s["report"]["iteration"] == KILLED_IN - 1
+
+
+def test_a_handoff_prepared_before_the_loss_is_dropped_without_an_abort(runs: dict) -> None:
+    if runs["when"] != "prepared":
+        pytest.skip("no handoff was prepared")
+    # An abort would be acked as this worker failing the handoff (the coordinator would then give it
+    # up, or fall back once its switch was sent); the loss the coordinator learns instead re-plans it.
+    for rank, s in runs["survivors"].items():
+        assert s["history"] == ["SwitchReport"] and s["generation"] in (None, 2), rank
 
 
 def test_the_state_after_the_recovery_equals_the_last_completed_step_bit_for_bit(runs: dict) -> None:

@@ -834,6 +834,19 @@ class LiveRuntime(Generic[T]):
         )
         self._world.release()
         self._world = None
+        # A handoff prepared before the loss cannot happen any more. It ends here without an abort of
+        # its own (an abort would read as this worker failing it): the coordinator, told of the loss by
+        # PEER_LOST, plans it again around the lost devices. Its groups and prebuilt trainer go with the
+        # collection below, so that its joiners, waiting to enter its world, fail at once.
+        with self._cond:
+            self._broken = broken
+            stale = self._pending if self._pending is not None and not self._pending.request.lost else None
+        if stale is not None:
+            self._drop(stale)
+            self._log.warning(
+                "runtime.handoff_dropped", generation=stale.generation, why="the world lost a peer"
+            )
+            del stale
         # Keep only the state: the trainer's objects hold the broken world's groups, whose connections
         # close (and wake the peers waiting in them) only once nothing refers to them. For the same
         # reason this runs outside any except block: a caught failure's frames hold them too.
@@ -841,11 +854,8 @@ class LiveRuntime(Generic[T]):
         kept: KeptState | None = None
         if keep is not None and not abandoned.torn:
             kept = keep(self._trainer)
-        with self._cond:
-            self._broken = broken
-            stale = self._pending if self._pending is not None and not self._pending.request.lost else None
-        if stale is not None:
-            self._give_up(stale, HandoffStage.PREPARE, f"the world lost a peer: {abandoned.reason}", None)
+        else:
+            gc.collect()
         self._emit(
             RuntimeEvent(
                 generation=broken.generation, phase=ReshardPhase.PEER_LOST, iteration=abandoned.iteration
