@@ -228,3 +228,29 @@ def test_fail_stop_to_more_devices_than_survive_is_refused_naming_the_flag() -> 
 def test_fail_stop_of_a_process_whose_state_no_replica_holds_is_refused() -> None:
     rc, _, err = _run("--fail-stop", "--quick", "--from", "2,1,1", "--to", "1,1,1")
     assert rc == 2 and "lost" in err
+
+
+# -- --fail-stop-at stream: the process lost in a handoff's stream ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fail_stop_in_stream() -> dict[str, Any]:
+    rc, out, err = _run("--fail-stop", "--fail-stop-at", "stream", "--quick", "--steps-before", "2", "--json")
+    assert rc == 0, err[-3000:]
+    return json.loads(out)
+
+
+@pytest.mark.slow
+def test_fail_stop_in_a_handoffs_stream_recovers_live_from_its_cut(
+    fail_stop_in_stream: dict[str, Any],
+) -> None:
+    report, live = fail_stop_in_stream, fail_stop_in_stream["live"]
+    assert report["at"] == "stream" and live["iteration"] == report["steps_before"] == 2
+    assert (live["processes"], live["survivors"]) == (4, 3)
+    assert 0 < live["noticed_s"] < live["pause_s"] <= live["downtime_s"]
+    assert all(c["passed"] for c in report["checks"] if c["level"] == "must")
+
+
+def test_fail_stop_in_a_stream_needs_two_steps_before_naming_the_flag() -> None:
+    rc, _, err = _run("--fail-stop", "--fail-stop-at", "stream", "--quick", "--steps-before", "1")
+    assert rc == 2 and "--steps-before" in err

@@ -1,5 +1,5 @@
-"""``liver bench reconfig --fail-stop``: a process lost mid-step, recovered live, against a checkpoint
-restart of the same job in the same run.
+"""``liver bench reconfig --fail-stop``: a process lost mid-step (or in a handoff's stream), recovered
+live, against a checkpoint restart of the same job in the same run.
 
 **Live** (:func:`measure_fail_stop`): ``old.world_size`` warm worker processes train through
 :class:`~liver.worker_runtime.runtime.LiveRuntime`. In step ``steps_before + 1`` the last process
@@ -11,6 +11,11 @@ moves to ``new`` on the first ``new.world_size`` survivors. Downtime, as a user 
 to the new world ready to step (the latest survivor's hand-out), plus the first step's excess over the
 new world's steady step. Without the bus, finding *which* process died costs nothing here; with it,
 the coordinator needs up to its ``suspect_timeout_s`` (5 s by default) after the survivors' report.
+With ``at=LossMoment.STREAM`` the job is instead handing its state over to the same layout on its
+devices in reverse order (every byte moves) when the last process dies at its first streaming step:
+the handoff can neither commit nor go back (the old world lost a member), and the survivors recover
+from the cut to ``new`` as the next generation but one. ``noticed`` then runs to the last survivor's
+``peer_lost`` (its handoff rolled back, its state kept).
 
 **Checkpoint restart** (:func:`~liver.bench.restart.measure_restart`, the same model, layouts, config
 and iteration): what a job without live recovery pays after a fail-stop, less the checkpoint save,
@@ -21,6 +26,7 @@ initialise, build, load with reshape, first step. The steps since that checkpoin
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 import time
@@ -35,10 +41,17 @@ from liver.shared.model import ModelRef, ModelSpec
 from liver.shared.plan import Plan, WorldConfig
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
-__all__ = ["FailStopLive", "measure_fail_stop"]
+__all__ = ["FailStopLive", "LossMoment", "measure_fail_stop"]
 
 JOB = "bench-fail-stop"
 KILLED_AT_KEY = "bench/fail-stop/killed_at"
+
+
+class LossMoment(enum.StrEnum):
+    """When the last process dies."""
+
+    MID_STEP = "mid-step"  # in its first micro-batch's forward of step ``steps_before + 1``
+    STREAM = "stream"  # at its first streaming step of a handoff whose cut is ``steps_before``
 
 
 class FailStopLive(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -67,6 +80,7 @@ class _Setup(msgspec.Struct, frozen=True, kw_only=True):
     steps_before: int
     steady_steps: int
     timeout_s: float
+    handoff: Plan | None = None  # the handoff the process dies in (LossMoment.STREAM)
 
 
 class _Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,15 +112,29 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.source import source_of
     from liver.worker_runtime.peers import StepAbandoned
-    from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
+    from liver.worker_runtime.runtime import LiveRuntime, ReshardPhase, RuntimeEvent, RuntimeOptions
     from liver.worker_runtime.world import StoreAddress, WorldSpec, connect_store
 
     configure_logging(level="ERROR", stream=sys.stderr)
-    plan = setup.plan
+    plan, handoff = setup.plan, setup.handoff
     devices = plan.old.placement.devices
     device, victim = devices[rank], devices[-1]
     address = StoreAddress("127.0.0.1", setup.store_port)
     store = connect_store(address, timedelta(seconds=setup.timeout_s))
+    recovery = 1 if handoff is None else 2  # the generation the survivors recover to
+    lost_at: list[float] = []
+
+    def on_event(event: RuntimeEvent) -> None:
+        if event.phase is ReshardPhase.PEER_LOST and not lost_at:  # the handoff lost its peer
+            lost_at.append(time.time())
+            runtime.request_resize(
+                recovery, plan.new.layout, plan.new.placement, plan, address, lost=(victim,)
+            )
+
+    def die_streaming(generation: int, layer: int, rnd: int) -> None:
+        store.set(KILLED_AT_KEY, repr(time.time()))
+        os._exit(17)
+
     runtime = LiveRuntime(
         MegatronJob(source_of(setup.model), setup.config),
         job=JOB,
@@ -118,13 +146,20 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
             build_timeout_s=setup.timeout_s,
             recover_timeout_s=setup.timeout_s,
         ),
+        on_event=on_event if handoff is not None else None,
+        on_stream_step=die_streaming if handoff is not None and device == victim else None,
     )
     trainer = runtime.step()
     noticed: float | None = None
     handed_out = first_end = first_loss = None
     while trainer is not None and first_end is None:
-        if device == victim and trainer.iteration == setup.steps_before:
+        if handoff is None and device == victim and trainer.iteration == setup.steps_before:
             _die_in_next_forward(trainer, store)
+        if handoff is not None and trainer.iteration == setup.steps_before - 2:
+            # Built now: the next boundary's vote builds the new trainer, the cut is steps_before.
+            runtime.request_resize(1, handoff.new.layout, handoff.new.placement, handoff, address)
+            if not runtime.wait_prepared(setup.timeout_s):
+                raise RuntimeError("the handoff's groups were not built")
         try:
             result = trainer.train_step()
         except StepAbandoned:
@@ -133,10 +168,13 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
             trainer = runtime.step()
             handed_out = time.time() if trainer is not None else None
             continue
-        if runtime.generation == 1:
+        if runtime.generation == recovery:
             first_end, first_loss = time.time(), result.loss
             break
+        generation = runtime.generation
         trainer = runtime.step()
+        if lost_at and generation != runtime.generation:  # the handoff lost its peer: recovered
+            noticed, handed_out = lost_at[0], time.time() if trainer is not None else None
     if noticed is None:
         raise RuntimeError("the process never met the lost peer")
     step_ends: list[float] = []
@@ -184,6 +222,19 @@ def recovery_plan(model: ModelRef, old: ParallelLayout, new: ParallelLayout, con
     ).plan
 
 
+def reversal_plan(model: ModelRef, old: ParallelLayout, config: TrainConfig) -> Plan:
+    """A handoff that moves every byte: ``old`` on the same devices in reverse order."""
+    from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, build_plan
+
+    devices = grid_devices(1, old.world_size)
+    return build_plan(
+        model.model_geometry().with_ddp(config.ddp),
+        WorldConfig(old, Placement(devices)),
+        WorldConfig(old, Placement(devices[::-1])),
+        DEFAULT_BUDGET_BYTES,
+    )
+
+
 def measure_fail_stop(
     model: ModelSpec | ModelRef,
     old: ParallelLayout,
@@ -194,13 +245,20 @@ def measure_fail_stop(
     steady_steps: int = 3,
     threads: int = 1,
     timeout_s: float = 600.0,
+    at: LossMoment = LossMoment.MID_STEP,
 ) -> FailStopLive:
-    """Run the job at ``old``, kill its last process mid-step, recover live to ``new``, and time it.
-    Raises the planner's ``NoSurvivingSource`` when the lost process held state no replica has."""
+    """Run the job at ``old``, kill its last process mid-step (or in a handoff's stream), recover live
+    to ``new``, and time it. Raises the planner's ``NoSurvivingSource`` when the lost process held
+    state no replica has, and ``ValueError`` for a loss in a stream with fewer than 2 steps before."""
     from liver.worker_runtime.world import host_store
 
     spec = ModelRef.of(model)
     plan = recovery_plan(spec, old, new, config)
+    handoff = None
+    if at is LossMoment.STREAM:
+        if steps_before < 2:
+            raise ValueError("--steps-before: a loss in a handoff's stream needs at least 2 (build, cut)")
+        handoff = reversal_plan(spec, old, config)
     store = host_store()
     setup = _Setup(
         model=spec,
@@ -210,6 +268,7 @@ def measure_fail_stop(
         steps_before=steps_before,
         steady_steps=steady_steps,
         timeout_s=timeout_s,
+        handoff=handoff,
     )
     size = old.world_size
     try:

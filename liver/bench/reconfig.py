@@ -43,7 +43,7 @@ from typing import Any
 
 import msgspec
 
-from liver.bench.fail_stop import FailStopLive, measure_fail_stop
+from liver.bench.fail_stop import FailStopLive, LossMoment, measure_fail_stop
 from liver.bench.procs import ProcsError, run_procs
 from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
 from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart, steady_step
@@ -366,6 +366,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "against a checkpoint restart of the same job",
     )
     parser.add_argument(
+        "--fail-stop-at",
+        type=LossMoment,
+        choices=list(LossMoment),
+        default=LossMoment.MID_STEP,
+        help="with --fail-stop: when the last process dies (default mid-step; stream: in the stream of a "
+        "handoff to the same layout on the devices in reverse order, whose cut is --steps-before)",
+    )
+    parser.add_argument(
         "--steps-before", type=int, default=None, help="training steps before the cut (default 2, quick 1)"
     )
     parser.add_argument(
@@ -551,6 +559,7 @@ class FailStopReport(msgspec.Struct, frozen=True, kw_only=True):
     new_layout: str
     config: TrainConfig
     steps_before: int
+    at: LossMoment
     threads: int
     backend: str
     live: FailStopLive
@@ -576,11 +585,8 @@ def _run_fail_stop(
     from liver.services.transfer.planner import NoSurvivingSource
 
     load_before = load_average()
-    progress(
-        "reconfig",
-        f"{spec.name}: {old.describe()}, the last process dies in step {steps_before + 1}; "
-        f"the survivors recover to {new.describe()}",
-    )
+    at: LossMoment = args.fail_stop_at
+    progress("reconfig", f"{spec.name}: {old.describe()}, the last process dies {_moment(at, steps_before)}")
     try:
         live = measure_fail_stop(
             spec,
@@ -591,6 +597,7 @@ def _run_fail_stop(
             steady_steps=steady,
             threads=args.threads,
             timeout_s=args.timeout,
+            at=at,
         )
         progress("reconfig", f"live: downtime {live.downtime_s:.3f} s; checkpoint restart: fresh processes")
         restart = measure_restart(
@@ -620,6 +627,7 @@ def _run_fail_stop(
         new_layout=new.describe(),
         config=config,
         steps_before=steps_before,
+        at=at,
         threads=args.threads,
         backend="gloo",
         live=live,
@@ -631,7 +639,8 @@ def _run_fail_stop(
                 level="must",
                 what="the survivors recover live, from the last completed step",
                 passed=live.iteration == steps_before,
-                detail=f"resumed after iteration {live.iteration}, the victim died in {steps_before + 1}",
+                detail=f"resumed after iteration {live.iteration}; the victim died "
+                + _moment(at, steps_before),
             )
         ],
         cpus=os.cpu_count() or 0,
@@ -642,18 +651,28 @@ def _run_fail_stop(
     return 0 if all(c.passed for c in report.checks if c.level == "must") else 1
 
 
+def _moment(at: LossMoment, steps_before: int) -> str:
+    if at is LossMoment.STREAM:
+        return f"in the stream of a handoff cut after step {steps_before}"
+    return f"in step {steps_before + 1}"
+
+
 def _print_fail_stop(r: FailStopReport) -> None:
     live, restart = r.live, r.restart
+    stream = r.at is LossMoment.STREAM
     out = [
         f"liver bench reconfig --fail-stop{' (quick)' if r.quick else ''}: {r.model} "
-        f"({r.parameters:,} parameters), {r.old_layout}: the last of {live.processes} processes dies in "
-        f"step {r.steps_before + 1}; {live.survivors} survivors -> {r.new_layout}",
+        f"({r.parameters:,} parameters), {r.old_layout}: the last of {live.processes} processes dies "
+        f"{_moment(r.at, r.steps_before)}; {live.survivors} survivors -> {r.new_layout}",
         "",
         "live recovery (warm survivors; the kill -> the new world ready to step)",
-        f"  {'noticed':<22}{live.noticed_s:9.3f} s   (the kill -> the last survivor gave its step up)",
+        f"  {'noticed':<22}{live.noticed_s:9.3f} s   (the kill -> the last survivor "
+        + ("rolled its handoff back, state kept)" if stream else "gave its step up)"),
         f"  {'new trainer':<22}{live.build_s:9.3f} s   (built, its groups warmed)",
         f"  {'transfer':<22}{live.transfer_s:9.3f} s   ({live.bytes_moved / 1e6:.2f} MB moved)",
-        f"  {'other':<22}{live.other_s:9.3f} s   (state kept, groups' rendezvous, enter, commit)",
+        f"  {'other':<22}{live.other_s:9.3f} s   ("
+        + ("" if stream else "state kept, ")
+        + "groups' rendezvous, enter, commit)",
         f"  {'pause':<22}{live.pause_s:9.3f} s",
         f"  {'first-step excess':<22}{live.first_step_excess_s:9.3f} s   "
         f"(over the steady step, {live.steady_step_s:.3f} s)",
