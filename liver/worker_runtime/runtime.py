@@ -701,28 +701,29 @@ class LiveRuntime(Generic[T]):
         else:
             del old_trainer
             return self._committed(prep, report, new_world, new_trainer)
+        # Only the failure's words go on: its traceback (the restore's all-reduce frames) and the handoff
+        # hold the old world's groups, and the peers still waiting in its collectives fail only once
+        # they go.
+        failed.__traceback__ = failed.__cause__ = failed.__context__ = None
+        del handoff
         if recovery is not None:
             # Outside the except block (see _recover). The handoff ends here without an abort of its
             # own: the coordinator learns of the loss from PEER_LOST and plans the recovery around it.
             self._drop(prep)
             self._trainer = old_trainer
+            del old_trainer
             self._log.warning(
                 "runtime.handoff_lost_a_peer",
                 generation=prep.generation,
                 iteration=iteration,
                 error=str(failed),
             )
-            # The failure's traceback (the restore's all-reduce frames) and the handoff hold the old
-            # world's groups: the peers still waiting in its collectives fail only once they go.
-            del old_trainer, failed, handoff
             return self._recover(recovery)
-        # Nothing of the old world can train any more (releasing it twice is harmless). Only the
-        # failure's words go on: its traceback holds the old world's groups, as the handoff does.
+        # Nothing of the old world can train any more (releasing it twice is harmless).
         assert self._world is not None
         self._world.release()
         self._world = None
-        failed.__traceback__ = failed.__cause__ = failed.__context__ = None
-        del old_trainer, handoff
+        del old_trainer
         gc.collect()  # Megatron's modules hold the groups in reference cycles
         return self._fail_stop(prep, failed, iteration, cut_at)
 

@@ -1325,9 +1325,10 @@ class Coordinator:
         """Record the abort of the pending handoff; what follows happens once the record says so."""
         h = self._handoff
         assert h is not None and self._record is not None
-        if h.switch_sent and not stop.recover:
+        past_the_switch = h.switch_sent and not stop.recover  # a recovery re-plans from the old world
+        if past_the_switch:
             stop = _Stop(stop.reason, replan=False)
-        fallback = (h.switch_sent and not stop.recover) or (self._old_world_broken() and not stop.replan)
+        fallback = past_the_switch or (self._old_world_broken() and not stop.replan)
         stopped_in = phase or self._phase
         reason = (
             stop.reason if not stop.replan else f"{stop.reason} (cancelled; re-planned as a new generation)"

@@ -113,6 +113,7 @@ __all__ = [
     "load_checkpoint",
     "prune_checkpoints",
     "read_manifest",
+    "restart_from_checkpoint",
     "rng_streams_for",
     "save_checkpoint",
 ]
@@ -712,30 +713,6 @@ def _agree_on_latest(root: str | os.PathLike[str]) -> tuple[Path | None, Checkpo
     return checkpoint, manifest
 
 
-def resume_from_checkpoint(
-    root: str | os.PathLike[str],
-    spec: ModelSpec | ModelSource,
-    layout: ParallelLayout,
-    config: TrainConfig,
-    *,
-    groups: ParallelGroups,
-    corpus: Corpus | None = None,
-    hooks: TrainerHooks | None = None,
-) -> Fallback | None:
-    """A restart of the job (its launcher started every process again, as Megatron's ``--load``):
-    the trainer on ``layout`` from the latest checkpoint under ``root``, or None when no rank finds
-    one (a first start). A collective over the default world; ranks that disagree raise."""
-    from liver.worker_runtime.megatron.build import check_default_world
-
-    check_default_world(groups)
-    checkpoint, _manifest = _agree_on_latest(root)
-    if checkpoint is None:
-        return None
-    return fall_back_to_checkpoint(
-        root, spec, layout, config, groups=groups, corpus=corpus, reached_iteration=None, hooks=hooks
-    )
-
-
 def fall_back_to_checkpoint(
     root: str | os.PathLike[str],
     spec: ModelSpec | ModelSource,
@@ -756,12 +733,43 @@ def fall_back_to_checkpoint(
     ``steps_lost``); the result trains exactly as a live switch into ``layout`` at the checkpoint's
     iteration would (the random streams are reseeded as after a move, even at the saved layout).
     """
+    fallback = restart_from_checkpoint(
+        root,
+        spec,
+        layout,
+        config,
+        groups=groups,
+        corpus=corpus,
+        reached_iteration=reached_iteration,
+        hooks=hooks,
+    )
+    assert fallback is not None  # required: no checkpoint raised
+    return fallback
+
+
+def restart_from_checkpoint(
+    root: str | os.PathLike[str],
+    spec: ModelSpec | ModelSource,
+    layout: ParallelLayout,
+    config: TrainConfig,
+    *,
+    groups: ParallelGroups,
+    corpus: Corpus | None = None,
+    reached_iteration: int | None = None,
+    hooks: TrainerHooks | None = None,
+    required: bool = True,
+) -> Fallback | None:
+    """:func:`fall_back_to_checkpoint`; with ``required=False`` None when no rank finds a checkpoint
+    (a restarted job's first start, as Megatron's ``--load`` of an empty directory). A collective over
+    the default world; ranks that find different checkpoints raise."""
     from liver.worker_runtime.megatron.build import check_default_world
     from liver.worker_runtime.megatron.train import build_trainer
 
     started = time.perf_counter()
     check_default_world(groups)
-    checkpoint, manifest = _agree_on_checkpoint(root)
+    checkpoint, manifest = _agree_on_checkpoint(root) if required else _agree_on_latest(root)
+    if checkpoint is None or manifest is None:
+        return None
     steps_lost = None if reached_iteration is None else reached_iteration - manifest.iteration
     if steps_lost is not None and steps_lost < 0:
         raise CheckpointError(
@@ -771,7 +779,7 @@ def fall_back_to_checkpoint(
     load_checkpoint(trainer, checkpoint, moved=True)
     seconds = time.perf_counter() - started
     log.warning(
-        "checkpoint.fallback",
+        "checkpoint.fallback" if required else "checkpoint.resumed",
         rank=groups.rank,
         checkpoint=checkpoint.name,
         iteration=manifest.iteration,

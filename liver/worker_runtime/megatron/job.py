@@ -235,27 +235,23 @@ class MegatronJob:
         """The first world's trainer from the latest checkpoint under ``root`` (the job was restarted),
         with that checkpoint's path; None when there is none (a first start). A collective over
         ``world``."""
-        from liver.worker_runtime.megatron.checkpoint import resume_from_checkpoint
-
-        resumed = resume_from_checkpoint(
-            root,
-            self.source,
-            world.layout,
-            self.config,
-            groups=groups_from_world(world),
-            corpus=self.corpus,
-            hooks=self.hooks,
-        )
-        return None if resumed is None else (resumed.trainer, str(resumed.checkpoint))
+        return self._restarted(world, root, None, required=False)
 
     def fall_back(
         self, world: World, root: str, reached_iteration: int | None
     ) -> tuple[MegatronTrainer, str]:
         """A trainer for ``world`` restarted from the latest checkpoint under ``root`` (I4's fail-stop
         branch); its random streams follow the move rule, as after a live switch."""
-        from liver.worker_runtime.megatron.checkpoint import fall_back_to_checkpoint
+        restarted = self._restarted(world, root, reached_iteration, required=True)
+        assert restarted is not None  # required: no checkpoint raised
+        return restarted
 
-        fallback = fall_back_to_checkpoint(
+    def _restarted(
+        self, world: World, root: str, reached_iteration: int | None, *, required: bool
+    ) -> tuple[MegatronTrainer, str] | None:
+        from liver.worker_runtime.megatron.checkpoint import restart_from_checkpoint
+
+        restarted = restart_from_checkpoint(
             root,
             self.source,
             world.layout,
@@ -264,8 +260,9 @@ class MegatronJob:
             corpus=self.corpus,
             reached_iteration=reached_iteration,
             hooks=self.hooks,
+            required=required,
         )
-        return fallback.trainer, str(fallback.checkpoint)
+        return None if restarted is None else (restarted.trainer, str(restarted.checkpoint))
 
     def dispose(self, trainer: MegatronTrainer) -> None:
         """Free the storage of the parameters, master weights, Adam moments and DDP gradient buffers.

@@ -247,12 +247,10 @@ class MegatronTrainer:
     def _update_marks(self) -> tuple[float, ...]:
         """Each inner optimizer's Adam step as it stands (-1: no state yet): what tells, after a failed
         ``optimizer.step()``, whether any update began."""
-        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
         marks = []
-        for optimizer in chained:
-            state = getattr(getattr(optimizer, "optimizer", None), "state", None) or {}
+        for optimizer in self._inner_optimizers():
             mark = -1.0
-            for entry in state.values():
+            for entry in optimizer.state.values():
                 if isinstance(entry, dict) and "step" in entry:
                     mark = float(entry["step"])
                     break
