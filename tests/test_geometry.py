@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from liver.services.transfer.planner import build_plan
+from liver.services.transfer.planner import build_plan, plan_stats
 from liver.shared.geometry import (
     GEOMETRY_SCHEMA_VERSION,
     MAX_EXPERTS,
@@ -199,7 +199,7 @@ def test_a_model_no_modelspec_describes_is_planned_and_verified() -> None:
     assert decode_plan(encode_plan(plan)) == plan
 
 
-def test_a_version_2_plan_file_written_before_experts_is_still_read_as_the_same_plan() -> None:
+def test_a_version_2_plan_file_written_before_experts_is_still_read_and_planned_alike_again() -> None:
     # Written by `liver plan --model tiny-llama --from 2,2,2 --to 1,2,4 --per-node 4
     # --distributed-optimizer --budget-mib 0.05 --out` at 689f531 (schema 2, before experts and CP).
     data = (Path(__file__).parent / "data" / "plan-v2-tiny-llama-dist-opt.json").read_bytes()
@@ -208,7 +208,15 @@ def test_a_version_2_plan_file_written_before_experts_is_still_read_as_the_same_
     assert plan.schema_version == PLAN_SCHEMA_VERSION and plan.model.distributed
     assert verify_plan(plan).ok
     again = build_plan(plan.model, plan.old, plan.new, plan.budget_bytes)
-    assert again.tasks == plan.tasks
+    # The planner has changed since (sources chosen per class of layers, fewer messages): what it moves,
+    # and from where to where, has not.
+    before, now = plan_stats(plan), plan_stats(again)
+    assert (now.bytes_local, now.bytes_moved, now.bytes_inter_node) == (
+        before.bytes_local,
+        before.bytes_moved,
+        before.bytes_inter_node,
+    )
+    assert verify_plan(again).ok
 
 
 def test_a_version_1_plan_file_written_before_the_geometry_is_still_read_and_moves_the_same_bytes() -> None:

@@ -206,7 +206,7 @@ def test_verification_catches_a_missing_slice():
     m = PRESETS["tiny-gpt"]
     old = default_world(ParallelLayout(2, 1, 1))
     plan = build_plan(m, old, WorldConfig(ParallelLayout(1, 1, 1), Placement(default_devices(1))))
-    broken = Plan(
+    broken = Plan.of_tasks(
         model=plan.model,
         old=plan.old,
         new=plan.new,
@@ -224,7 +224,7 @@ def test_verification_catches_a_source_that_does_not_hold_the_slice():
     remote = next(t for t in plan.tasks if t.src == 1 and len(t.slices) > 0)
     swapped = TransferTask(remote.layer, remote.round, 0, remote.dst, True, remote.slices, remote.nbytes)
     tasks = tuple(swapped if t is remote else t for t in plan.tasks)
-    broken = Plan(
+    broken = Plan.of_tasks(
         model=plan.model,
         old=plan.old,
         new=plan.new,
@@ -242,7 +242,7 @@ def test_verification_catches_a_round_over_budget():
     plan = build_plan(
         m, old, WorldConfig(ParallelLayout(1, 1, 1), Placement(default_devices(1))), budget_bytes=4096
     )
-    squeezed = Plan(
+    squeezed = Plan.of_tasks(
         model=plan.model,
         old=plan.old,
         new=plan.new,

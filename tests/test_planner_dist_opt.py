@@ -96,7 +96,7 @@ def test_the_checker_notices_a_missing_piece_of_sharded_state() -> None:
         for i, task in enumerate(plan.tasks)
         if any(is_dp_sharded(plan.tensors[ti], model) for ti, _ in task.slices)
     )
-    broken = msgspec.structs.replace(plan, tasks=plan.tasks[:victim] + plan.tasks[victim + 1 :])
+    broken = plan.with_tasks(plan.tasks[:victim] + plan.tasks[victim + 1 :])
     report = verify_plan(broken)
     assert not report.ok
     assert any("optimizer.state" in e for e in report.errors), report.errors
@@ -112,7 +112,7 @@ def test_the_checker_notices_sharded_state_sent_by_a_rank_that_does_not_own_it()
     )
     task = plan.tasks[victim]  # its parameters are held by the other DP replica too; its moments not
     moved = msgspec.structs.replace(task, src=1 - task.src)
-    broken = msgspec.structs.replace(plan, tasks=(*plan.tasks[:victim], moved, *plan.tasks[victim + 1 :]))
+    broken = plan.with_tasks((*plan.tasks[:victim], moved, *plan.tasks[victim + 1 :]))
     report = verify_plan(broken)
     wrong = [e for e in report.errors if "does not hold" in e]
     assert wrong and all("optimizer.state" in e for e in wrong), report.errors

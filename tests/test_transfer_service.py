@@ -203,7 +203,7 @@ class DropsATask:
         lost: Collection[Device] = (),
     ) -> Plan:
         plan = build_plan(model, old, new, budget, opt, lost=lost)
-        return msgspec.structs.replace(plan, tasks=plan.tasks[:-1])
+        return plan.with_tasks(plan.tasks[:-1])
 
 
 async def test_a_plan_that_fails_verification_is_reported_and_never_published(conn: Conn) -> None:

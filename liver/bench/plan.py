@@ -41,6 +41,8 @@ from liver.shared.model import PRESETS
 from liver.shared.plan import WorldConfig
 from liver.shared.plan_check import verify_plan
 
+WORKER_SAMPLES = 16
+"""Devices whose own part of the plan is expanded and timed (evenly spread over the new ranks)."""
 MUST_PLAN_SECONDS = 1.0
 AIM_PLAN_SECONDS = 0.1
 AIM_DCP_RATIO = 10.0
@@ -226,6 +228,10 @@ class ScenarioReport(msgspec.Struct, kw_only=True):
     plan_seconds_best: float  # the fastest run: closest to an idle machine
     plan_seconds_runs: list[float]
     placement_seconds: float  # median over runs
+    classes: int  # classes of layers that move alike: the plan stores one set of tasks for each
+    layers: int
+    expand_seconds: float  # listing every task from the classes (the verification and the plan file do)
+    worker_part_seconds: float  # one device's own tasks from the classes (median over sampled devices)
     slices: int  # tasks before coalescing
     tasks: int  # after coalescing, local copies included
     messages: int  # tasks that cross devices
@@ -353,11 +359,28 @@ def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioRe
         last.plan.budget_bytes,
     )
 
+    _progress(s.name, "expanding")
+    plan = last.plan
+    classes, layers = len(plan.classes), sum(len(c.layers) for c in plan.classes)
+    old_rank_on = plan.old.placement.rank_on()
+    worker_times = []
+    for k in range(WORKER_SAMPLES):
+        rank = k * (new_layout.world_size - 1) // (WORKER_SAMPLES - 1)
+        t0 = time.perf_counter()  # what a device reads: the tasks it sends as an old rank, receives as a new
+        sends = old_rank_on.get(plan.new.placement.devices[rank])
+        mine = plan.tasks_of(rank_dst=rank) + ([] if sends is None else plan.tasks_of(rank_src=sends))
+        worker_times.append(time.perf_counter() - t0)
+        assert mine or stats.tasks == 0
+    t0 = time.perf_counter()
+    every = len(plan.tasks)
+    expand_seconds = time.perf_counter() - t0
+    assert every == stats.tasks
+
     _progress(s.name, "verifying")
     t0 = time.perf_counter()
     verdict = verify_plan(last.plan)
     verify_seconds = time.perf_counter() - t0
-    del last  # DCP is timed on a heap without the plan, as the planner was timed without DCP's
+    del last, plan  # DCP is timed on a heap without the plan, as the planner was timed without DCP's
 
     _progress(s.name, "building DCP metadata")
     t0 = time.perf_counter()
@@ -385,6 +408,10 @@ def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioRe
         plan_seconds_best=min(plan_times),
         plan_seconds_runs=plan_times,
         placement_seconds=statistics.median(placement_times),
+        classes=classes,
+        layers=layers,
+        expand_seconds=expand_seconds,
+        worker_part_seconds=statistics.median(worker_times),
         slices=stats.slices,
         tasks=stats.tasks,
         messages=stats.messages,
@@ -483,6 +510,9 @@ def _print_report(report: PlanBenchReport) -> None:
         "  slowest / fastest run",
         lambda r: f"{max(r.plan_seconds_runs) * 1000:,.0f} / {min(r.plan_seconds_runs) * 1000:,.0f} ms",
     )
+    row("classes of layers / layers", lambda r: f"{r.classes:,} / {r.layers:,}")
+    row("one device's tasks from them", lambda r: f"{r.worker_part_seconds * 1000:,.1f} ms")
+    row("every task from them", lambda r: f"{r.expand_seconds * 1000:,.0f} ms")
     row("new state", lambda r: size(r.bytes_total))
     row("copied locally", lambda r: size(r.bytes_local))
     row("bytes moved (optimized)", lambda r: size(r.bytes_moved))

@@ -8,7 +8,9 @@ It recomputes every view from the model and layouts (it trusts nothing the plann
 4. a task is ``local`` exactly when source and destination run on the same device;
 5. no new rank receives more than the staging budget over the network in one streaming round;
 6. given the devices that are lost (gone before the handoff), no task sends from one or delivers to
-   one: a plan that reads a lost device's memory would hang or fail mid-transfer.
+   one: a plan that reads a lost device's memory would hang or fail mid-transfer;
+7. one task at most per (layer, round, source, destination): the executor pairs one message per
+   source and destination in a round.
 
 The worker runtime can run it on its own part of a plan before executing it.
 """
@@ -142,11 +144,16 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
             fail(f"new rank {rank} is placed on lost device {device}")
     incoming: dict[int, list[tuple[Slice, ...]]] = defaultdict(list)
     round_bytes: dict[tuple[int, int, int], int] = defaultdict(int)
+    messages: set[tuple[int, int, int, int]] = set()
     for task in plan.tasks:
         where = f"task layer {task.layer} round {task.round} {task.src}->{task.dst}"
         if not (0 <= task.src < len(old_dev) and 0 <= task.dst < len(new_dev)):
             fail(f"{where}: rank outside the worlds")
             continue
+        message = (task.layer, task.round, task.src, task.dst)
+        if message in messages:
+            fail(f"{where}: a second task between the same ranks in the same round (one message each)")
+        messages.add(message)
         if task.local != (old_dev[task.src] == new_dev[task.dst]):
             fail(f"{where}: local={task.local} does not match the devices")
         if lost and old_dev[task.src] in lost:

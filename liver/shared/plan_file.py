@@ -178,7 +178,7 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
     tensors = f.model.tensors(optimizer=any(t.role == "step" for t in f.tensors))
     if f.tensors != tensors:
         raise PlanFileError(f"{source}: $.tensors does not match the tensors of $.model")
-    plan = Plan(
+    plan = Plan.of_tasks(
         schema_version=PLAN_SCHEMA_VERSION,  # an older file means the same under this version
         model=f.model,
         old=worlds[0],

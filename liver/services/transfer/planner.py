@@ -1,17 +1,21 @@
 """The transfer planner: old world + new world -> a verified, coalesced, layer-streamed plan.
 
-Pure computation on metadata (no I/O). The steps:
+Pure computation on metadata (no I/O). Layers that move alike (the same tensors by shape and sharding,
+held by the same stages and EP ranks in both worlds: a 96-layer model cut into 16 and then 12 stages has
+26 such classes) are planned once per class (:class:`~liver.shared.plan.LayerClass`). The steps:
 
-1. For each layer and each group of its tensors held by the same pipeline stages, and for each new TP
+1. For each class and each group of its tensors held by the same pipeline stages, and for each new TP
    rank, the pieces of the new shard with the old TP rank that holds each (``geometry``: once per
    distinct geometry, not per tensor).
-2. For each new rank that holds the group, one source per piece key: the old rank on the same device
-   if it holds the piece (locality, a copy instead of a send), else a holder on the same node, else the
-   holder that has sent the fewest bytes so far (balance across DP replicas). Holders on ``lost``
-   devices (gone before the handoff: fail-stop, or a warning that came too late) are never candidates;
-   when a shard's every holder is lost (:func:`orphaned_shards`, checked before step 1) the state
-   cannot be rebuilt and planning fails (:class:`NoSurvivingSource`).
-3. Coalescing: all slices one source sends one destination for a layer become one task.
+2. For each new rank that holds the group, the candidate senders of each piece: the old rank on the same
+   device if it holds the piece (locality, a copy instead of a send), else the holders on the same node,
+   else every holder. Holders on ``lost`` devices (gone before the handoff: fail-stop, or a warning that
+   came too late) are never candidates; when a shard's every holder is lost (:func:`orphaned_shards`,
+   checked before step 1) the state cannot be rebuilt and planning fails (:class:`NoSurvivingSource`).
+3. Coalescing into source slots: pieces with the same candidates share one, a replicated piece rides
+   with a sharded one of its group, and slots whose candidates overlap merge to the common ones. Then,
+   layer by layer, each slot takes the candidate that has sent the fewest bytes so far (balance across
+   DP replicas): one message per source, destination and layer.
 4. Streaming: per layer, a destination receives at most ``budget_bytes`` over the network per round;
    bigger layers take several rounds, and a slice bigger than the budget is cut into boxes.
 """
@@ -35,7 +39,7 @@ from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, as_geometry
-from liver.shared.plan import Plan, Slice, TransferTask, WorldConfig
+from liver.shared.plan import LayerClass, Plan, Slice, TaskTemplate, WorldConfig
 from liver.shared.views import expert_rank, grid_of, holder_ranks, holding_stages, tp_shard
 
 from .geometry import ANY, new_shard_pieces
@@ -126,9 +130,14 @@ def _build_plan(
     if orphans:
         holders = [old.placement.devices[r] for r in class_holders(old.layout, orphans[0])]
         raise NoSurvivingSource(orphans[0].tensor, holders, lost)
-    coalesced = _choose_sources(model, tensors, old, new, lost)
-    tasks = _stream(coalesced, tensors, old, new, budget_bytes)
-    return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, tasks=tasks)
+    streamer = _Streamer(tensors, budget_bytes)
+    classes = tuple(
+        LayerClass(
+            tuple(c.layers), tuple(c.bases), streamer.stream(c.pairs, c.local, c.bases[0]), tuple(c.sources)
+        )
+        for c in _choose_sources(model, tensors, old, new, lost)
+    )
+    return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, classes=classes)
 
 
 def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) -> frozenset[Device]:
@@ -240,50 +249,54 @@ class _Sources:
                 self.on_node[d.node].append(r)
         self.sent = [0] * n
         # Candidate lists, by what decides them (the same few recur for every layer of a model).
-        self._on_node: dict[tuple[str, bool, int, int, tuple[int, ...]], list[int]] = {}
-        self._anywhere: dict[tuple[bool, int, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        self._on_node: dict[tuple[str, bool, int, int, tuple[int, ...]], tuple[int, ...]] = {}
+        self._anywhere: dict[tuple[bool, int, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] = {}
 
-    def choose(
+    def candidates(
         self, expert: bool, ep: int, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int
-    ) -> int:
-        """The source rank for a piece held by old TP rank ``key`` (or any) of the ``expert`` grid, EP
-        rank ``ep``, on ``stages``; one survives (:func:`build_plan` refused orphaned state before).
-        Among several candidates the one that has sent the fewest bytes, the first of them on a tie."""
+    ) -> tuple[int, ...]:
+        """The ranks that may send ``dev`` a piece held by old TP rank ``key`` (or any) of the ``expert``
+        grid, EP rank ``ep``, on ``stages``: the rank on ``dev`` itself when it holds it (a copy), else
+        the holders on its node, else all holders; one survives (:func:`build_plan` refused orphaned
+        state before)."""
         place = self.place[expert]
         r = self.rank_on.get(dev)
         if r is not None:
             tp, e, _replica, pp = place[r]
             if pp in stages and e == ep and (key == ANY or tp == key):
-                return r
-        sent = self.sent.__getitem__
+                return (r,)
         near_key = (dev.node, expert, ep, key, stages)
         near = self._on_node.get(near_key)
         if near is None:
-            near = self._on_node[near_key] = [
+            near = self._on_node[near_key] = tuple(
                 r
                 for r in self.on_node.get(dev.node, ())
                 if (p := place[r])[3] in stages and p[1] == ep and (key == ANY or p[0] == key)
-            ]
+            )
         if near:
-            return min(near, key=sent)
+            return near
         far = self._holders(expert, ep, (fallback_tp if key == ANY else key,), stages)
         if not far and key == ANY:
             # A replicated piece whose usual TP rank is lost: every TP rank of the stages holds it.
             far = self._holders(expert, ep, tuple(range(self.layout.grid(expert).tp)), stages)
-        return min(far, key=sent) if far else -1
+        if not far:
+            raise PlanningError(f"no surviving holder of a piece on stages {stages}")  # refused before
+        return far
 
-    def _holders(self, expert: bool, ep: int, tps: tuple[int, ...], stages: tuple[int, ...]) -> list[int]:
+    def _holders(
+        self, expert: bool, ep: int, tps: tuple[int, ...], stages: tuple[int, ...]
+    ) -> tuple[int, ...]:
         """The surviving ranks with TP rank in ``tps`` on ``stages``, in (TP, stage, replica) order."""
         found = self._anywhere.get((expert, ep, tps, stages))
         if found is None:
             grid, alive = self.layout.grid(expert), self.alive
-            found = self._anywhere[(expert, ep, tps, stages)] = [
+            found = self._anywhere[(expert, ep, tps, stages)] = tuple(
                 r
                 for tp in tps
                 for pp in stages
                 for replica in range(grid.replicas)
                 if alive[r := grid.rank(tp, ep, replica, pp)]
-            ]
+            )
         return found
 
 
@@ -314,68 +327,184 @@ def _relative_templates(
     return out
 
 
+class _ClassWork(NamedTuple):
+    """A class of layers being planned. ``pairs`` maps ``(slot, dst)`` to the chunks a source slot sends
+    (tensor indices relative to each layer's base); ``sources[i][slot]`` is the slot's old rank in the
+    class's ``i``-th layer; ``local`` slots are copies on the destination's device."""
+
+    layers: list[int]
+    bases: list[int]
+    pairs: dict[tuple[int, int], list[_Chunk]]
+    local: frozenset[int]
+    sources: list[tuple[int, ...]]
+
+
+def _layer_classes(
+    model: ModelGeometry, tensors: tuple[TensorSpec, ...], old: ParallelLayout, new: ParallelLayout
+) -> list[tuple[list[int], list[int], list[tuple[int, list[int]]], list[int]]]:
+    """Layers grouped into classes that move alike: ``(layers, bases, groups, owned)`` where ``groups``
+    are the representative layer's ``(expert, [tensor offsets])`` groups (one per home and expert) of
+    replicated-over-DP state and ``owned`` its DP-sharded tensors' absolute indices.
+
+    Layers move alike when their groups have the same tensor offsets, shapes and sharding rules and the
+    same holding stages and EP ranks in both layouts. A layer with distributed-optimizer state is a class
+    of its own (its owned pieces depend on where its buckets fall) with base 0."""
+    by_layer: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_layer.setdefault(t.layer, []).append(i)
+    classes: dict[tuple, tuple[list[int], list[int], list, list[int]]] = {}
+    for layer, idxs in by_layer.items():
+        owned = [i for i in idxs if is_dp_sharded(tensors[i], model)]
+        base = 0 if owned else idxs[0]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i in idxs:
+            t = tensors[i]
+            if not owned or not is_dp_sharded(t, model):
+                groups.setdefault((t.home, t.expert), []).append(i - base)
+        if owned:
+            key: tuple = ("layer", layer)
+        else:
+            parts = []
+            for (home, expert), offs in groups.items():
+                t0 = tensors[base + offs[0]]
+                parts.append(
+                    (
+                        home,
+                        expert,
+                        tuple(offs),
+                        tuple(
+                            (tensors[base + o].rule, tensors[base + o].shape, tensors[base + o].itemsize)
+                            for o in offs
+                        ),
+                        holding_stages(t0, model, old),
+                        holding_stages(t0, model, new),
+                        expert_rank(t0, model, old),
+                        expert_rank(t0, model, new),
+                    )
+                )
+            key = tuple(parts)
+        found = classes.get(key)
+        if found is None:
+            grouped = [(expert, offs) for (_home, expert), offs in groups.items()]
+            classes[key] = ([layer], [base], grouped, owned)
+        else:
+            found[0].append(layer)
+            found[1].append(base)
+    return list(classes.values())
+
+
 def _choose_sources(
     model: ModelGeometry,
     tensors: tuple[TensorSpec, ...],
     old: WorldConfig,
     new: WorldConfig,
     lost: frozenset[Device],
-) -> dict[tuple[int, int, int], list[_Chunk]]:
-    """``(layer, src, dst) -> chunks``: steps 1-3 of the module docstring."""
+) -> list[_ClassWork]:
+    """Steps 1-3 of the module docstring, once per class of layers (:func:`_layer_classes`).
+
+    The pieces a new rank needs are gathered into source slots once per class: pieces with the same
+    candidate senders (:meth:`_Sources.candidates`) share one, a replicated piece rides along with a
+    sharded one of its group (any holder of the stage has it), and slots whose candidates overlap are
+    merged to the common ones, so one source never sends one destination two messages. Only then, layer
+    by layer, each slot takes the candidate that has sent the fewest bytes so far: DP replicas still take
+    turns across the layers of a class."""
     ol, nl = old.layout, new.layout
-    groups: dict[tuple[int, str, int], list[int]] = {}
-    owned: dict[int, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if is_dp_sharded(t, model):
-            owned.setdefault(t.layer, []).append(i)
-        else:
-            groups.setdefault((t.layer, t.home, t.expert), []).append(i)
     sources = _Sources(old, lost)
     old_dev, new_dev = old.placement.devices, new.placement.devices
     templates: dict[tuple, list] = {}
-    out: dict[tuple[int, int, int], list[_Chunk]] = defaultdict(list)
-    for (layer, _home, expert_index), idxs in groups.items():
-        t0 = tensors[idxs[0]]
-        expert = expert_index >= 0
-        og, ng = ol.grid(expert), nl.grid(expert)
-        ep_old, ep_new = expert_rank(t0, model, ol), expert_rank(t0, model, nl)
-        s_old = holding_stages(t0, model, ol)
-        s_new = holding_stages(t0, model, nl)
-        signature = (expert, *((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in idxs))
-        rel = templates.get(signature)
-        if rel is None:
-            rel = templates[signature] = _relative_templates(model, tensors, idxs, og.tp, ng.tp)
-        base = idxs[0]
-        contiguous = idxs[-1] - base == len(idxs) - 1
-        for q in range(ng.tp):
-            chunks = [
-                (
-                    key,
-                    _Chunk(
-                        tuple((base + off, box) for off, box in sl)
-                        if contiguous
-                        else tuple((idxs[off], box) for off, box in sl),
-                        sizes,
-                        sum(sizes),
-                    ),
-                )
-                for key, sl, sizes in rel[q]
-            ]
-            fallback_tp = q % og.tp
-            for sp in s_new:
-                for replica in range(ng.replicas):
-                    dst = ng.rank(q, ep_new, replica, sp)
-                    dev = new_dev[dst]
-                    for key, chunk in chunks:
-                        src = sources.choose(expert, ep_old, key, s_old, dev, fallback_tp)
-                        if old_dev[src] != dev:
-                            sources.sent[src] += chunk.nbytes
-                        out[(layer, src, dst)].append(chunk)
-    for layer, idxs in owned.items():
-        chunks = _owned_chunks(model, tensors, idxs, old, new, lost)
-        for (src, dst), chunk in chunks.items():
-            out[(layer, src, dst)].append(chunk)
+    chunk_cache: dict[tuple, list[tuple[int, _Chunk]]] = {}
+    sent = sources.sent
+    out = []
+    for layers, bases, groups, owned in _layer_classes(model, tensors, ol, nl):
+        base = bases[0]
+        wanted: dict[int, dict[tuple[int, ...], list[_Chunk]]] = {}  # dst -> candidates -> chunks
+        for expert_index, offs in groups:
+            t0 = tensors[base + offs[0]]
+            expert = expert_index >= 0
+            og, ng = ol.grid(expert), nl.grid(expert)
+            ep_old, ep_new = expert_rank(t0, model, ol), expert_rank(t0, model, nl)
+            s_old = holding_stages(t0, model, ol)
+            s_new = holding_stages(t0, model, nl)
+            idxs = [base + o for o in offs]
+            signature = (expert, *((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in idxs))
+            rel = templates.get(signature)
+            if rel is None:
+                rel = templates[signature] = _relative_templates(model, tensors, idxs, og.tp, ng.tp)
+            for q in range(ng.tp):
+                # Chunks name tensors relative to the layer's base: the same objects serve every class
+                # with these tensors at these offsets, so the streaming step's caches see them again.
+                ckey = (signature, tuple(offs), q)
+                chunks = chunk_cache.get(ckey)
+                if chunks is None:
+                    chunks = chunk_cache[ckey] = [
+                        (key, _Chunk(tuple((offs[off], box) for off, box in sl), sizes, sum(sizes)))
+                        for key, sl, sizes in rel[q]
+                    ]
+                fallback_tp = q % og.tp
+                for sp in s_new:
+                    for replica in range(ng.replicas):
+                        dst = ng.rank(q, ep_new, replica, sp)
+                        dev = new_dev[dst]
+                        mine = wanted.setdefault(dst, {})
+                        first: tuple[int, ...] | None = None  # this group's first remote sharded slot
+                        riders: list[_Chunk] = []
+                        for key, chunk in chunks:
+                            cands = sources.candidates(expert, ep_old, key, s_old, dev, fallback_tp)
+                            remote = len(cands) > 1 or old_dev[cands[0]] != dev
+                            if key == ANY and remote:
+                                riders.append(chunk)
+                                continue
+                            if first is None and remote:
+                                first = cands
+                            mine.setdefault(cands, []).append(chunk)
+                        if riders:
+                            if first is None:
+                                first = sources.candidates(expert, ep_old, ANY, s_old, dev, fallback_tp)
+                            mine.setdefault(first, []).extend(riders)
+        if owned:
+            for (src, dst), chunk in _owned_chunks(model, tensors, owned, old, new, lost).items():
+                wanted.setdefault(dst, {}).setdefault((src,), []).append(chunk)
+        pairs: dict[tuple[int, int], list[_Chunk]] = {}
+        specs: list[tuple[tuple[int, ...], int, bool]] = []  # per slot: candidates, bytes, remote
+        local: set[int] = set()
+        for dst, by_cands in wanted.items():
+            for cands, chunks in _disjoint(by_cands):
+                slot = len(specs)
+                remote = len(cands) > 1 or old_dev[cands[0]] != new_dev[dst]
+                if not remote:
+                    local.add(slot)
+                pairs[(slot, dst)] = chunks
+                specs.append((cands, sum(c.nbytes for c in chunks), remote))
+        table = []
+        by_sent = sent.__getitem__
+        for _ in layers:
+            row = []
+            for cands, nbytes, remote in specs:
+                src = cands[0] if len(cands) == 1 else min(cands, key=by_sent)
+                if remote:
+                    sent[src] += nbytes
+                row.append(src)
+            table.append(tuple(row))
+        out.append(_ClassWork(layers, bases, pairs, frozenset(local), table))
     return out
+
+
+def _disjoint(
+    by_cands: dict[tuple[int, ...], list[_Chunk]],
+) -> list[tuple[tuple[int, ...], list[_Chunk]]]:
+    """Slots whose candidate senders overlap merged to the common ones (which hold the pieces of both):
+    afterwards no two slots of a destination can pick the same sender."""
+    merged: list[tuple[tuple[int, ...], list[_Chunk], set[int]]] = []
+    for cands, chunks in by_cands.items():
+        here = set(cands)
+        for k, (other, theirs, their_set) in enumerate(merged):
+            if not here.isdisjoint(their_set):
+                common = their_set & here
+                merged[k] = (tuple(r for r in other if r in common), theirs + chunks, common)
+                break
+        else:
+            merged.append((cands, list(chunks), here))
+    return [(cands, chunks) for cands, chunks, _ in merged]
 
 
 def _owner_ranks(
@@ -540,110 +669,118 @@ def _materialise(
     return out
 
 
-def _stream(
-    coalesced: dict[tuple[int, int, int], list[_Chunk]],
-    tensors: tuple[TensorSpec, ...],
-    old: WorldConfig,
-    new: WorldConfig,
-    budget: int,
-) -> tuple[TransferTask, ...]:
-    """Step 4: split each layer into rounds so no destination receives more than ``budget`` per round.
+class _Streamer:
+    """Step 4: split each class's layer into rounds so no destination receives more than the budget per
+    round, as :class:`~liver.shared.plan.TaskTemplate` s.
 
     Destinations whose incoming chunks are the same objects in the same order (DP replicas of one new
-    stage) share one split; layers of the same shape share one split pattern.
-    """
-    old_dev, new_dev = old.placement.devices, new.placement.devices
-    keys = sorted(coalesced)  # (layer, src, dst): walked in this order, tasks come out sorted
-    remote: dict[tuple[int, int], list[tuple[int, list[_Chunk]]]] = defaultdict(list)
-    for key in keys:
-        layer, src, dst = key
-        if old_dev[src] != new_dev[dst]:
-            remote[(layer, dst)].append((src, coalesced[key]))  # in src order
-    patterns: dict[tuple, list[list[list[Segment]]]] = {}
-    splits: dict[tuple, list[list[tuple[tuple[Slice, ...], int]]]] = {}
-    # (layer, src, dst) -> [(slices, bytes)] per round, in the order of ``remote``'s entries
-    rounds_of: dict[tuple[int, int, int], list[tuple[tuple[Slice, ...], int]]] = {}
-    for (layer, dst), entries in remote.items():
-        sizes = [_nbytes(ch) for _src, ch in entries]
-        if sum(sizes) <= budget:
-            for (src, ch), nbytes in zip(entries, sizes):
-                rounds_of[(layer, src, dst)] = [(_flatten(ch), nbytes)]
-            continue
-        chunk_lists = [ch for _src, ch in entries]
-        key = tuple(tuple(map(id, ch)) for ch in chunk_lists)
-        rounds = splits.get(key)
-        if rounds is None:
-            # Chunks of equal shape share their sizes tuple (it comes from the layer-independent template).
-            shape_key = tuple(tuple(id(c.sizes) for c in ch) for ch in chunk_lists)
-            pattern = patterns.get(shape_key)
-            if pattern is None:
-                pattern = patterns[shape_key] = _split_pattern(chunk_lists, budget, tensors)
-            rounds = splits[key] = _materialise(pattern, chunk_lists, tensors, budget)
-        for e, (src, _ch) in enumerate(entries):
-            rounds_of[(layer, src, dst)] = [per_entry[e] for per_entry in rounds]
-    # TransferTask orders by (layer, round, src, dst): per layer, one list per round, each filled in
-    # (src, dst) order by walking the sorted keys; no sort of the tasks themselves.
-    tasks: list[TransferTask] = []
-    by_round: list[list[TransferTask]] = []
-    current = None
-    for key in keys:
-        layer, src, dst = key
-        if layer != current:
-            for bucket in by_round:
-                tasks.extend(bucket)
-            by_round, current = [], layer
-        split = rounds_of.get(key)
-        if split is None:
-            chunks = coalesced[key]
-            split = [(_flatten(chunks), _nbytes(chunks))]
-            is_local = True
-        else:
-            is_local = False
-        for r, (sl, nb) in enumerate(split):
-            if not sl:
+    stage, and the same stage's place in other classes) share one split; layers of the same shape share
+    one split pattern."""
+
+    def __init__(self, tensors: tuple[TensorSpec, ...], budget: int) -> None:
+        self.tensors, self.budget = tensors, budget
+        self.patterns: dict[tuple, list[list[list[Segment]]]] = {}
+        self.splits: dict[tuple, list[list[tuple[tuple[Slice, ...], int]]]] = {}
+
+    def stream(
+        self, pairs: dict[tuple[int, int], list[_Chunk]], local: frozenset[int], base: int
+    ) -> tuple[TaskTemplate, ...]:
+        """The class's templates from its ``(slot, dst)`` pairs; ``local`` slots are copies, ``base``
+        is its first layer's (slices are relative to it)."""
+        budget = self.budget
+        # Relative indices: the class's tensors from its first layer's base on (the same item sizes at
+        # the same offsets in each of its layers, and in any class whose chunks are the same objects).
+        tensors = self.tensors[base:] if base else self.tensors
+        keys = sorted(pairs)  # (slot, dst): walked in this order, templates come out sorted
+        remote: dict[int, list[tuple[int, list[_Chunk]]]] = defaultdict(list)
+        for key in keys:
+            src, dst = key
+            if src not in local:
+                remote[dst].append((src, pairs[key]))  # in slot order
+        # (src, dst) -> [(slices, bytes)] per round, in the order of ``remote``'s entries
+        rounds_of: dict[tuple[int, int], list[tuple[tuple[Slice, ...], int]]] = {}
+        for dst, entries in remote.items():
+            sizes = [_nbytes(ch) for _src, ch in entries]
+            if sum(sizes) <= budget:
+                for (src, ch), nbytes in zip(entries, sizes):
+                    rounds_of[(src, dst)] = [(_flatten(ch), nbytes)]
                 continue
-            while len(by_round) <= r:
-                by_round.append([])
-            by_round[r].append(TransferTask(layer, r, src, dst, is_local, sl, nb))
-    for bucket in by_round:
-        tasks.extend(bucket)
-    return tuple(tasks)
+            chunk_lists = [ch for _src, ch in entries]
+            key = tuple(tuple(map(id, ch)) for ch in chunk_lists)
+            rounds = self.splits.get(key)
+            if rounds is None:
+                # Chunks of equal shape share their sizes tuple (from the layer-independent template).
+                shape_key = tuple(tuple(id(c.sizes) for c in ch) for ch in chunk_lists)
+                pattern = self.patterns.get(shape_key)
+                if pattern is None:
+                    pattern = self.patterns[shape_key] = _split_pattern(chunk_lists, budget, tensors)
+                rounds = self.splits[key] = _materialise(pattern, chunk_lists, tensors, budget)
+            for e, (src, _ch) in enumerate(entries):
+                rounds_of[(src, dst)] = [per_entry[e] for per_entry in rounds]
+        # Templates order by (round, slot, dst): one list per round, each filled in (slot, dst) order.
+        by_round: list[list[TaskTemplate]] = []
+        for key in keys:
+            src, dst = key
+            split = rounds_of.get(key)
+            if split is None:
+                chunks = pairs[key]
+                split = [(_flatten(chunks), _nbytes(chunks))]
+                is_local = True
+            else:
+                is_local = False
+            for r, (sl, nb) in enumerate(split):
+                if not sl:
+                    continue
+                while len(by_round) <= r:
+                    by_round.append([])
+                by_round[r].append(TaskTemplate(r, src, dst, is_local, sl, nb))
+        return tuple(chain.from_iterable(by_round))
 
 
 def plan_stats(plan: Plan) -> PlanStats:
-    """Summary numbers of ``plan``."""
+    """Summary numbers of ``plan``, from its classes: a template counts once per layer of its class, with
+    that layer's source."""
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
+    old_node = [d.node for d in old_dev]
+    new_node = [d.node for d in new_dev]
     recv: dict[int, int] = defaultdict(int)
-    sent: dict[int, int] = defaultdict(int)
+    sent = [0] * len(old_dev)
     round_recv: dict[tuple[int, int, int], int] = defaultdict(int)
-    local = moved = inter = slices = messages = 0
-    rounds = set()
-    for t in plan.tasks:
-        slices += len(t.slices)
-        rounds.add((t.layer, t.round))
-        if t.local:
-            local += t.nbytes
-            continue
-        messages += 1
-        moved += t.nbytes
-        recv[t.dst] += t.nbytes
-        sent[t.src] += t.nbytes
-        round_recv[(t.layer, t.round, t.dst)] += t.nbytes
-        if old_dev[t.src].node != new_dev[t.dst].node:
-            inter += t.nbytes
+    local = moved = inter = slices = messages = tasks = rounds = 0
+    for k, c in enumerate(plan.classes):
+        n = len(c.layers)
+        tasks += n * len(c.tasks)
+        rounds += n * len({t.round for t in c.tasks})
+        rows = c.sources or [range(len(old_dev))] * n
+        for t in c.tasks:
+            slices += n * len(t.slices)
+            nbytes = t.nbytes
+            if t.local:
+                local += n * nbytes
+                continue
+            messages += n
+            moved += n * nbytes
+            recv[t.dst] += n * nbytes
+            round_recv[(k, t.round, t.dst)] += nbytes  # the same in each of the class's layers
+            node = new_node[t.dst]
+            for row in rows:
+                src = row[t.src]
+                sent[src] += nbytes
+                if old_node[src] != node:
+                    inter += nbytes
     return PlanStats(
         tensors=len(plan.tensors),
         slices=slices,
-        tasks=len(plan.tasks),
+        tasks=tasks,
         messages=messages,
-        rounds=len(rounds),
+        rounds=rounds,
         bytes_total=local + moved,
         bytes_local=local,
         bytes_moved=moved,
         bytes_inter_node=inter,
         max_recv_bytes=max(recv.values(), default=0),
         max_round_recv_bytes=max(round_recv.values(), default=0),
-        max_send_bytes=max(sent.values(), default=0),
+        max_send_bytes=max(sent, default=0),
     )
 
 
