@@ -9,6 +9,7 @@ placements say which device each one runs on; a task whose source and destinatio
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Collection, Iterable, Iterator
 
 import msgspec
@@ -61,7 +62,10 @@ class TransferTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True, arra
 class TaskTemplate(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """A task of every layer of a :class:`LayerClass`: its slices name tensors by their offset from the
     layer's first tensor (:attr:`LayerClass.bases`), and ``src`` is a source slot that each layer maps to
-    an old rank of its own (:attr:`LayerClass.sources`), so one template serves each of the layers."""
+    an old rank of its own (:attr:`LayerClass.sources`), so one template serves each of the layers.
+
+    :class:`TransferTask` less its ``layer``; not a base class of it, because a struct's subclass adds
+    its fields last and a task's array form (the plan file's) starts with ``layer``."""
 
     round: int
     src: int
@@ -157,13 +161,14 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
         schema_version: int = PLAN_SCHEMA_VERSION,
     ) -> Plan:
         """The plan of these tasks as they are (a plan file's, a slice's): one class per layer."""
+        listed = tuple(tasks)
         by_layer: dict[int, list[TaskTemplate]] = {}
-        for t in tasks:
+        for t in listed:
             by_layer.setdefault(t.layer, []).append(
                 TaskTemplate(t.round, t.src, t.dst, t.local, t.slices, t.nbytes)
             )
         classes = tuple(LayerClass((layer,), (0,), tuple(ts)) for layer, ts in sorted(by_layer.items()))
-        return cls(
+        plan = cls(
             schema_version=schema_version,
             model=model,
             old=old,
@@ -172,6 +177,11 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             budget_bytes=budget_bytes,
             classes=classes,
         )
+        if all(a.layer <= b.layer for a, b in itertools.pairwise(listed)):
+            # Already in the order the classes expand to (a file's and a slice's are): the executor
+            # reading :attr:`tasks` gets these instead of a copy made from the classes.
+            plan.__dict__["tasks"] = listed
+        return plan
 
     def with_tasks(self, tasks: Iterable[TransferTask]) -> Plan:
         """This plan with other tasks (a test's broken plan, a plan cut down to some ranks)."""

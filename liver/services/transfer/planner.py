@@ -132,9 +132,7 @@ def _build_plan(
         raise NoSurvivingSource(orphans[0].tensor, holders, lost)
     streamer = _Streamer(tensors, budget_bytes)
     classes = tuple(
-        LayerClass(
-            tuple(c.layers), tuple(c.bases), streamer.stream(c.pairs, c.local, c.bases[0]), tuple(c.sources)
-        )
+        LayerClass(c.layers, c.bases, streamer.stream(c.pairs, c.local, c.bases[0]), c.sources)
         for c in _choose_sources(model, tensors, old, new, lost)
     )
     return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, classes=classes)
@@ -332,65 +330,71 @@ class _ClassWork(NamedTuple):
     (tensor indices relative to each layer's base); ``sources[i][slot]`` is the slot's old rank in the
     class's ``i``-th layer; ``local`` slots are copies on the destination's device."""
 
-    layers: list[int]
-    bases: list[int]
+    layers: tuple[int, ...]
+    bases: tuple[int, ...]
     pairs: dict[tuple[int, int], list[_Chunk]]
     local: frozenset[int]
-    sources: list[tuple[int, ...]]
+    sources: tuple[tuple[int, ...], ...]
+
+
+class _Group(NamedTuple):
+    """Tensors of one layer held alike (same home and expert), as every layer of its class has them."""
+
+    expert: int  # the expert's index, -1 for dense state
+    offsets: tuple[int, ...]  # from the layer's base
+    signature: tuple  # (expert or not, (rule, shape, itemsize) per tensor): what the intersections need
+    stages_old: tuple[int, ...]
+    stages_new: tuple[int, ...]
+    ep_old: int
+    ep_new: int
 
 
 def _layer_classes(
     model: ModelGeometry, tensors: tuple[TensorSpec, ...], old: ParallelLayout, new: ParallelLayout
-) -> list[tuple[list[int], list[int], list[tuple[int, list[int]]], list[int]]]:
+) -> list[tuple[list[int], list[int], tuple[_Group, ...], list[int]]]:
     """Layers grouped into classes that move alike: ``(layers, bases, groups, owned)`` where ``groups``
-    are the representative layer's ``(expert, [tensor offsets])`` groups (one per home and expert) of
-    replicated-over-DP state and ``owned`` its DP-sharded tensors' absolute indices.
+    describe the state replicated over DP and ``owned`` lists the DP-sharded tensors' absolute indices.
 
-    Layers move alike when their groups have the same tensor offsets, shapes and sharding rules and the
-    same holding stages and EP ranks in both layouts. A layer with distributed-optimizer state is a class
-    of its own (its owned pieces depend on where its buckets fall) with base 0."""
+    Layers move alike when their groups are equal: the same tensor offsets, shapes and sharding rules,
+    the same holding stages and EP ranks in both layouts. A layer with distributed-optimizer state is a
+    class of its own (its owned pieces depend on where its buckets fall) with base 0."""
     by_layer: dict[int, list[int]] = {}
     for i, t in enumerate(tensors):
         by_layer.setdefault(t.layer, []).append(i)
-    classes: dict[tuple, tuple[list[int], list[int], list, list[int]]] = {}
+    classes: dict[tuple, tuple[list[int], list[int], tuple[_Group, ...], list[int]]] = {}
     for layer, idxs in by_layer.items():
-        owned = [i for i in idxs if is_dp_sharded(tensors[i], model)]
+        sharded = [is_dp_sharded(tensors[i], model) for i in idxs]
+        owned = [i for i, dp in zip(idxs, sharded) if dp]
         base = 0 if owned else idxs[0]
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i in idxs:
-            t = tensors[i]
-            if not owned or not is_dp_sharded(t, model):
-                groups.setdefault((t.home, t.expert), []).append(i - base)
-        if owned:
-            key: tuple = ("layer", layer)
-        else:
-            parts = []
-            for (home, expert), offs in groups.items():
-                t0 = tensors[base + offs[0]]
-                parts.append(
-                    (
-                        home,
-                        expert,
-                        tuple(offs),
-                        tuple(
-                            (tensors[base + o].rule, tensors[base + o].shape, tensors[base + o].itemsize)
-                            for o in offs
-                        ),
-                        holding_stages(t0, model, old),
-                        holding_stages(t0, model, new),
-                        expert_rank(t0, model, old),
-                        expert_rank(t0, model, new),
-                    )
-                )
-            key = tuple(parts)
+        by_home: dict[tuple[str, int], list[int]] = {}
+        for i, dp in zip(idxs, sharded):
+            if not dp:
+                by_home.setdefault((tensors[i].home, tensors[i].expert), []).append(i)
+        groups = tuple(
+            _Group(
+                expert,
+                tuple(i - base for i in members),
+                (expert >= 0, *((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in members)),
+                holding_stages(tensors[members[0]], model, old),
+                holding_stages(tensors[members[0]], model, new),
+                expert_rank(tensors[members[0]], model, old),
+                expert_rank(tensors[members[0]], model, new),
+            )
+            for (_home, expert), members in by_home.items()
+        )
+        key: tuple = ("layer", layer) if owned else groups
         found = classes.get(key)
         if found is None:
-            grouped = [(expert, offs) for (_home, expert), offs in groups.items()]
-            classes[key] = ([layer], [base], grouped, owned)
+            classes[key] = ([layer], [base], groups, owned)
         else:
             found[0].append(layer)
             found[1].append(base)
     return list(classes.values())
+
+
+def _copies(cands: tuple[int, ...], old_dev: Sequence[Device], dev: Device) -> bool:
+    """Whether a piece with these candidate senders is copied on ``dev`` (its one sender is there)."""
+    return len(cands) == 1 and old_dev[cands[0]] == dev
 
 
 def _choose_sources(
@@ -418,22 +422,18 @@ def _choose_sources(
     for layers, bases, groups, owned in _layer_classes(model, tensors, ol, nl):
         base = bases[0]
         wanted: dict[int, dict[tuple[int, ...], list[_Chunk]]] = {}  # dst -> candidates -> chunks
-        for expert_index, offs in groups:
-            t0 = tensors[base + offs[0]]
-            expert = expert_index >= 0
+        for g in groups:
+            expert = g.expert >= 0
             og, ng = ol.grid(expert), nl.grid(expert)
-            ep_old, ep_new = expert_rank(t0, model, ol), expert_rank(t0, model, nl)
-            s_old = holding_stages(t0, model, ol)
-            s_new = holding_stages(t0, model, nl)
-            idxs = [base + o for o in offs]
-            signature = (expert, *((tensors[i].rule, tensors[i].shape, tensors[i].itemsize) for i in idxs))
-            rel = templates.get(signature)
+            offs = g.offsets
+            rel = templates.get(g.signature)
             if rel is None:
-                rel = templates[signature] = _relative_templates(model, tensors, idxs, og.tp, ng.tp)
+                idxs = [base + o for o in offs]
+                rel = templates[g.signature] = _relative_templates(model, tensors, idxs, og.tp, ng.tp)
             for q in range(ng.tp):
                 # Chunks name tensors relative to the layer's base: the same objects serve every class
                 # with these tensors at these offsets, so the streaming step's caches see them again.
-                ckey = (signature, tuple(offs), q)
+                ckey = (g.signature, offs, q)
                 chunks = chunk_cache.get(ckey)
                 if chunks is None:
                     chunks = chunk_cache[ckey] = [
@@ -441,40 +441,39 @@ def _choose_sources(
                         for key, sl, sizes in rel[q]
                     ]
                 fallback_tp = q % og.tp
-                for sp in s_new:
+                for sp in g.stages_new:
                     for replica in range(ng.replicas):
-                        dst = ng.rank(q, ep_new, replica, sp)
+                        dst = ng.rank(q, g.ep_new, replica, sp)
                         dev = new_dev[dst]
                         mine = wanted.setdefault(dst, {})
-                        first: tuple[int, ...] | None = None  # this group's first remote sharded slot
+                        first: tuple[int, ...] | None = None  # this group's first sent (not copied) slot
                         riders: list[_Chunk] = []
                         for key, chunk in chunks:
-                            cands = sources.candidates(expert, ep_old, key, s_old, dev, fallback_tp)
-                            remote = len(cands) > 1 or old_dev[cands[0]] != dev
-                            if key == ANY and remote:
+                            cands = sources.candidates(expert, g.ep_old, key, g.stages_old, dev, fallback_tp)
+                            copied = _copies(cands, old_dev, dev)
+                            if key == ANY and not copied:
                                 riders.append(chunk)
+                                rider_cands = cands
                                 continue
-                            if first is None and remote:
+                            if first is None and not copied:
                                 first = cands
                             mine.setdefault(cands, []).append(chunk)
                         if riders:
-                            if first is None:
-                                first = sources.candidates(expert, ep_old, ANY, s_old, dev, fallback_tp)
-                            mine.setdefault(first, []).extend(riders)
+                            mine.setdefault(rider_cands if first is None else first, []).extend(riders)
         if owned:
             for (src, dst), chunk in _owned_chunks(model, tensors, owned, old, new, lost).items():
                 wanted.setdefault(dst, {}).setdefault((src,), []).append(chunk)
         pairs: dict[tuple[int, int], list[_Chunk]] = {}
-        specs: list[tuple[tuple[int, ...], int, bool]] = []  # per slot: candidates, bytes, remote
+        specs: list[tuple[tuple[int, ...], int, bool]] = []  # per slot: candidates, bytes, sent or copied
         local: set[int] = set()
         for dst, by_cands in wanted.items():
             for cands, chunks in _disjoint(by_cands):
                 slot = len(specs)
-                remote = len(cands) > 1 or old_dev[cands[0]] != new_dev[dst]
-                if not remote:
+                copied = _copies(cands, old_dev, new_dev[dst])
+                if copied:
                     local.add(slot)
                 pairs[(slot, dst)] = chunks
-                specs.append((cands, sum(c.nbytes for c in chunks), remote))
+                specs.append((cands, sum(c.nbytes for c in chunks), not copied))
         table = []
         by_sent = sent.__getitem__
         for _ in layers:
@@ -485,7 +484,7 @@ def _choose_sources(
                     sent[src] += nbytes
                 row.append(src)
             table.append(tuple(row))
-        out.append(_ClassWork(layers, bases, pairs, frozenset(local), table))
+        out.append(_ClassWork(tuple(layers), tuple(bases), pairs, frozenset(local), tuple(table)))
     return out
 
 
