@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import msgspec
 import pytest
 
 from liver.bench.plan import FULL
@@ -112,3 +113,74 @@ def test_verification_refuses_two_messages_between_the_same_ranks_in_one_round()
     ]
     report = verify_plan(plan.with_tasks((*parts, *plan.tasks[1:])))
     assert not report.ok and any("same ranks in the same round" in e for e in report.errors)
+
+
+def _tiny(old: tuple[int, int, int], new: tuple[int, int, int]) -> Plan:
+    """tiny-gpt (4 decoder layers) from node a to node b: every byte crosses the network."""
+    o, n = ParallelLayout(*old), ParallelLayout(*new)
+    return build_plan(
+        PRESETS["tiny-gpt"],
+        WorldConfig(o, Placement(tuple(Device("a", i) for i in range(o.world_size)))),
+        WorldConfig(n, Placement(tuple(Device("b", i) for i in range(n.world_size)))),
+    )
+
+
+def _with_class(plan: Plan, k: int, **changes: object) -> Plan:
+    classes = list(plan.classes)
+    classes[k] = msgspec.structs.replace(classes[k], **changes)
+    return msgspec.structs.replace(plan, classes=tuple(classes))
+
+
+def _class_of(plan: Plan, layer: int) -> int:
+    return next(k for k, c in enumerate(plan.classes) if layer in c.layers)
+
+
+def test_a_compact_plan_is_verified_from_its_classes_without_listing_its_tasks() -> None:
+    plan = _tiny((2, 1, 2), (1, 1, 1))
+    assert any(len(c.layers) == 4 for c in plan.classes)
+    report = verify_plan(plan)
+    assert report.ok and "tasks" not in plan.__dict__
+    assert report == verify_plan(plan, by_class=False)
+
+
+def test_verification_refuses_a_class_whose_layers_go_to_different_stages() -> None:
+    # PP1 -> PP2: layers 1-2 go to the first stage, 3-4 to the second; swap layers 2 and 3 between
+    # the two classes, each with its own tensor base: the templates now send layer 3 to the first stage.
+    plan = _tiny((1, 1, 1), (1, 2, 1))
+    a, b = _class_of(plan, 1), _class_of(plan, 3)
+    assert plan.classes[a].layers == (1, 2) and plan.classes[b].layers == (3, 4)
+    bases_a, bases_b = plan.classes[a].bases, plan.classes[b].bases
+    broken = _with_class(plan, a, layers=(1, 3), bases=(bases_a[0], bases_b[0]))
+    broken = _with_class(broken, b, layers=(2, 4), bases=(bases_a[1], bases_b[1]))
+    report = verify_plan(broken)
+    assert not report.ok and any("does not need" in e for e in report.errors)
+
+
+def test_verification_refuses_a_source_map_that_names_a_rank_without_the_layer() -> None:
+    # PP2 x DP2 -> one rank: layer 4 lives on the old second stage; rank 1 is on the first.
+    plan = _tiny((1, 2, 2), (1, 1, 1))
+    k = _class_of(plan, 4)
+    c = plan.classes[k]
+    sources = tuple((1,) if layer == 4 else m for layer, m in zip(c.layers, c.sources, strict=True))
+    report = verify_plan(_with_class(plan, k, sources=sources))
+    assert not report.ok and any("old rank 1 does not hold" in e for e in report.errors)
+
+
+def test_verification_refuses_a_source_map_that_sends_one_receiver_two_messages_in_a_round() -> None:
+    # TP2 x DP2 -> TP1: each decoder layer takes one half from each old TP rank, in the same round.
+    plan = _tiny((2, 1, 2), (1, 1, 1))
+    k = _class_of(plan, 2)
+    c = plan.classes[k]
+    sources = tuple((m[0], m[0]) if layer == 2 else m for layer, m in zip(c.layers, c.sources, strict=True))
+    report = verify_plan(_with_class(plan, k, sources=sources))
+    assert not report.ok and any("same ranks in the same round" in e for e in report.errors)
+
+
+def test_verification_refuses_a_layer_whose_turn_falls_to_a_lost_replica() -> None:
+    plan = _tiny((2, 1, 2), (1, 1, 1))
+    c = plan.classes[_class_of(plan, 1)]
+    senders = {src for m in c.sources for src in m}
+    assert len(senders) == 4  # both replicas take turns
+    gone = plan.old.placement.devices[max(senders)]
+    report = verify_plan(plan, lost=(gone,))
+    assert not report.ok and any(f"on lost device {gone}" in e for e in report.errors)

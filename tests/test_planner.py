@@ -415,3 +415,14 @@ def test_the_optimised_placement_with_losses_still_moves_the_same_bytes_as_its_p
     rp = plan_resize(m, old, ParallelLayout(1, 1, 4), devices, lost=lost)
     assert verify_plan(rp.plan, lost=lost).ok
     assert bytes_moved(m, old, rp.plan.new) == rp.stats.bytes_moved
+
+
+@PROPERTY
+@given(scenarios_with_losses())
+def test_a_plan_proved_from_its_classes_gets_the_verdict_of_a_task_by_task_check(
+    case: tuple[Scenario, frozenset[Device]],
+):
+    sc, lost = case
+    plan = plan_resize(sc.model, sc.old, sc.new_layout, sc.new_devices, budget_bytes=sc.budget).plan
+    # Without ``lost`` at planning, a plan may read a lost device: then both must refuse it.
+    assert verify_plan(plan, lost=lost) == verify_plan(plan, lost=lost, by_class=False)

@@ -54,6 +54,7 @@ def test_every_distributed_optimizer_plan_verifies(sc: Scenario, bucket_size: in
     rp = plan_resize(model, sc.old, sc.new_layout, sc.new_devices, budget_bytes=sc.budget)
     report = verify_plan(rp.plan)
     assert report.ok, report.errors
+    assert report == verify_plan(rp.plan, by_class=False)
     received = _sharded_bytes_received(rp.plan)
     for rank in range(sc.new_layout.world_size):
         assert received.get(rank, 0) == _owned_bytes(rp.plan, rank)

@@ -224,6 +224,7 @@ def test_every_move_of_a_moe_model_plans_and_verifies(
     plan = build_plan(g, world(ol), world(nl, 4), budget_bytes=16 * 1024)
     report = verify_plan(plan)
     assert report.ok, report.errors
+    assert report == verify_plan(plan, by_class=False)  # proved from the classes, as task by task
     assert decode_plan(encode_plan(plan)) == plan
 
 

@@ -11,6 +11,10 @@ data-parallel replicas (locality first, then same node, then balance), places th
 coalesces slices into one message per (source, destination, layer) and splits layers into streaming
 rounds under the staging budget. Both report the bytes their overlaps cover, which must be equal.
 
+Beside the planner, each scenario times the transfer service's whole answer to the same resize
+(``plan_transfer``: plan, verification, summary, every device's slice, the plan file): what a resize
+waits for in a deployment before the workers fetch their slices.
+
 DCP's time is the sum over all new ranks, run one after another in this process, which is the work
 DCP does. In a real load every rank plans its own part in parallel, so the busiest rank's time is also
 shown: that is DCP's wall time, while the planner's figure is the whole world's plan on one core.
@@ -35,10 +39,12 @@ import torch
 
 from liver.bench.dcp_baseline import build_workload, time_load_planning
 from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
+from liver.services.transfer.core import plan_transfer
 from liver.services.transfer.planner import ResizePlan, plan_resize
 from liver.shared.layout import ParallelLayout, Placement, grid_devices, parse_devices
+from liver.shared.messages import Candidate, TopologyPlanned
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
+from liver.shared.plan import Plan, WorldConfig
 from liver.shared.plan_check import verify_plan
 
 WORKER_SAMPLES = 16
@@ -213,6 +219,18 @@ class DcpReport(msgspec.Struct, kw_only=True):
     setup_seconds: float  # building the metadata and state dicts (not timed against the planner)
 
 
+class ServiceReport(msgspec.Struct, kw_only=True):
+    """The transfer service's whole answer to the scenario's ``TopologyPlanned``
+    (:func:`~liver.services.transfer.core.plan_transfer`): what a resize waits for between the topology
+    and the workers fetching their slices, all of it CPU work."""
+
+    seconds: float  # the whole: plan, verification, summary, device slices, plan file and slice files
+    verify_seconds: float
+    encode_seconds: float  # the plan file and every device's slice file
+    plan_file_bytes: int
+    slice_file_bytes: int  # all devices' together
+
+
 class ScenarioReport(msgspec.Struct, kw_only=True):
     """One scenario's numbers: the planner's side, its verification and DCP's side."""
 
@@ -249,6 +267,7 @@ class ScenarioReport(msgspec.Struct, kw_only=True):
     verified: bool
     verify_errors: list[str]
     verify_seconds: float
+    service: ServiceReport
     dcp: DcpReport
     dcp_over_liver: float  # DCP's summed planning time / the planner's median plan time
     same_overlaps: bool  # DCP's read items cover exactly the bytes of the planner's new state
@@ -380,6 +399,8 @@ def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioRe
     t0 = time.perf_counter()
     verdict = verify_plan(last.plan)
     verify_seconds = time.perf_counter() - t0
+    _progress(s.name, "the transfer service's whole answer")
+    service = _time_service(plan, budget)
     del last, plan  # DCP is timed on a heap without the plan, as the planner was timed without DCP's
 
     _progress(s.name, "building DCP metadata")
@@ -429,6 +450,7 @@ def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioRe
         verified=verdict.ok,
         verify_errors=list(verdict.errors),
         verify_seconds=verify_seconds,
+        service=service,
         dcp=DcpReport(
             seconds=dcp.seconds,
             busiest_rank_seconds=dcp.busiest_rank_seconds,
@@ -444,6 +466,34 @@ def _run_scenario(s: PlanScenario, repeat: int, dcp_budget: float) -> ScenarioRe
         ),
         dcp_over_liver=dcp.seconds / plan_median,
         same_overlaps=dcp.read_bytes == stats.bytes_total,
+    )
+
+
+def _time_service(plan: Plan, budget: int) -> ServiceReport:
+    """Time the transfer service's answer to the message that asks for ``plan``'s resize."""
+    msg = TopologyPlanned(
+        job_id="bench",
+        event_id="bench-plan",
+        from_generation=1,
+        generation=2,
+        model=plan.model,
+        from_layout=plan.old.layout,
+        from_placement=plan.old.placement,
+        layout=plan.new.layout,
+        placement=plan.new.placement,
+        candidates=(Candidate(layout=plan.new.layout, score=1.0, fits=True),),
+        explanation="liver bench plan",
+    )
+    gc.collect()
+    t0 = time.perf_counter()
+    out = plan_transfer(msg, budget_bytes=budget)
+    seconds = time.perf_counter() - t0
+    return ServiceReport(
+        seconds=seconds,
+        verify_seconds=out.verify_seconds,
+        encode_seconds=out.encode_seconds,
+        plan_file_bytes=len(out.plan_file),
+        slice_file_bytes=sum(map(len, out.slice_files)),
     )
 
 
@@ -484,6 +534,10 @@ def checks_for(r: ScenarioReport) -> list[Check]:
             f"busiest {r.dcp.busiest_rank_seconds * 1000:,.1f} ms)",
         ),
     ]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms" if seconds < 1 else f"{seconds:,.2f} s"
 
 
 def _print_report(report: PlanBenchReport) -> None:
@@ -532,7 +586,14 @@ def _print_report(report: PlanBenchReport) -> None:
     row("streaming rounds", lambda r: f"{r.rounds:,}")
     row("max receive per rank", lambda r: size(r.max_recv_bytes))
     row("max receive per round", lambda r: size(r.max_round_recv_bytes))
-    row("verification", lambda r: ("ok" if r.verified else "FAILED") + f" ({r.verify_seconds:,.1f} s)")
+    row("verification", lambda r: ("ok" if r.verified else "FAILED") + f" ({_duration(r.verify_seconds)})")
+    row("transfer service's answer", lambda r: _duration(r.service.seconds))
+    row("  of which verification", lambda r: _duration(r.service.verify_seconds))
+    row("  of which plan + slice files", lambda r: _duration(r.service.encode_seconds))
+    row(
+        "  plan file / slice files",
+        lambda r: f"{size(r.service.plan_file_bytes)} / {size(r.service.slice_file_bytes)}",
+    )
     row("DCP read items", lambda r: f"{r.dcp.read_items:,}")
     row("DCP covers the same bytes", lambda r: "yes" if r.same_overlaps else "NO")
     row(

@@ -12,11 +12,19 @@ It recomputes every view from the model and layouts (it trusts nothing the plann
 7. one task at most per (layer, round, source, destination): the executor pairs one message per
    source and destination in a round.
 
+A plan stores one set of task templates per class of layers that move alike
+(:class:`~liver.shared.plan.LayerClass`). The check first tries to prove the plan class by class (:func:`_prove_by_class`: it
+proves that the layers of a class are interchangeable for every view, then checks each template once
+per sender it has and each receiver's cover once per class), which costs the classes rather than the
+~40,000 tasks of a 1,024-device plan; when that proof does not go through, every task is checked on
+its own, which decides and names what is wrong.
+
 The worker runtime can run it on its own part of a plan before executing it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Collection
 
@@ -26,7 +34,7 @@ from liver.shared.boxes import Box, contains, disjoint_cover, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
-from liver.shared.plan import Plan, Slice, TransferTask
+from liver.shared.plan import LayerClass, Plan, Slice, TransferTask
 from liver.shared.views import expert_rank, grid_of, holding_stages, tp_shard
 
 
@@ -106,9 +114,12 @@ class _Enough(Exception):
     """Raised once ``max_errors`` reasons are collected: more would only repeat them."""
 
 
-def verify_plan(plan: Plan, max_errors: int = 20, lost: Collection[Device] = ()) -> VerifyReport:
+def verify_plan(
+    plan: Plan, max_errors: int = 20, lost: Collection[Device] = (), *, by_class: bool = True
+) -> VerifyReport:
     """Check ``plan`` against the views of its own model and layouts, and against the ``lost`` devices;
-    see the module docstring."""
+    see the module docstring. ``by_class=False`` checks every task on its own even when the plan's
+    classes could prove it (the verdict the shortcut must agree with)."""
     errors: list[str] = []
     counts = [0, 0]  # shards, slices checked
 
@@ -118,7 +129,7 @@ def verify_plan(plan: Plan, max_errors: int = 20, lost: Collection[Device] = ())
             raise _Enough
 
     try:
-        _check(plan, fail, counts, frozenset(lost))
+        _check(plan, fail, counts, frozenset(lost), by_class)
     except _Enough:
         pass
     except ValueError as exc:  # the plan's own model and layouts disagree
@@ -126,7 +137,9 @@ def verify_plan(plan: Plan, max_errors: int = 20, lost: Collection[Device] = ())
     return VerifyReport(not errors, tuple(errors), counts[0], counts[1])
 
 
-def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: frozenset[Device]) -> None:
+def _check(
+    plan: Plan, fail: Callable[[str], None], counts: list[int], lost: frozenset[Device], by_class: bool
+) -> None:
     model = plan.model
     model.check_layout(plan.old.layout)
     model.check_layout(plan.new.layout)
@@ -135,13 +148,33 @@ def _check(plan: Plan, fail: Callable[[str], None], counts: list[int], lost: fro
         return
     old_v = _Views(model, plan.old.layout, plan.tensors)
     new_v = _Views(model, plan.new.layout, plan.tensors)
+    new_dev = plan.new.placement.devices
+    if any(device in lost for device in new_dev):
+        for rank, device in enumerate(new_dev):
+            if device in lost:
+                fail(f"new rank {rank} is placed on lost device {device}")
+    elif by_class:
+        proved = _prove_by_class(plan, old_v, new_v, lost)
+        if proved is not None:
+            counts[:] = proved
+            return
+    _check_tasks(plan, fail, counts, lost, old_v, new_v)
+
+
+def _check_tasks(
+    plan: Plan,
+    fail: Callable[[str], None],
+    counts: list[int],
+    lost: frozenset[Device],
+    old_v: _Views,
+    new_v: _Views,
+) -> None:
+    """Every task on its own (with a memo for slice tuples that repeat): exact and complete, and the
+    path that names what is wrong."""
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
     # Plans share slice tuples between DP replicas and layers of the same shape; a check of the same
     # tuple between ranks of the same (TP rank, stage) classes gives the same answer, so it runs once.
     memo: dict[tuple[int, ...], int | None] = {}
-    for rank, device in enumerate(new_dev):
-        if device in lost:
-            fail(f"new rank {rank} is placed on lost device {device}")
     incoming: dict[int, list[tuple[Slice, ...]]] = defaultdict(list)
     round_bytes: dict[tuple[int, int, int], int] = defaultdict(int)
     messages: set[tuple[int, int, int, int]] = set()
@@ -253,3 +286,224 @@ def _cover_pieces(pieces: list[Box], got: Collection[Box]) -> str | None:
     if inside != len(got):
         return f"{len(got) - inside} slice(s) lie outside every piece the rank owns"
     return None
+
+
+class _Unproved(Exception):
+    """The shortcut through the classes cannot vouch for the plan: the per-task check decides."""
+
+
+def _refuse(_reason: str) -> None:
+    raise _Unproved
+
+
+def _prove_by_class(plan: Plan, old_v: _Views, new_v: _Views, lost: frozenset[Device]) -> list[int] | None:
+    """``[shards, slices]`` checked when the plan passes every check, proved from each class's templates
+    rather than from every layer's tasks; ``None`` when a check fails or the shortcut does not apply,
+    and then :func:`_check_tasks` decides and names what is wrong.
+
+    Why it is exact: it first proves, from the model and layouts, that the layers of a class are
+    interchangeable (their tensors agree in everything a view depends on, at the same offsets from the
+    class's bases, and the same stages and EP ranks hold them in both worlds); a slice check or a cover
+    check of the class's first layer then answers for every layer of it. What depends on which old rank
+    sends (ranks in range, ``local``, lost sources, one message per pair, a round's bytes per receiver)
+    is checked once per distinct source map of the class. A 1,024-device plan has a few dozen classes
+    and ~40,000 tasks: the verification costs the classes, not the tasks."""
+    try:
+        return _proof(plan, old_v, new_v, lost)
+    except _Unproved:
+        return None
+
+
+def _layer_spans(tensors: tuple[TensorSpec, ...]) -> dict[int, tuple[int, int]]:
+    """``layer -> (first tensor index, tensor count)``; a layer's tensors must be consecutive."""
+    spans: dict[int, tuple[int, int]] = {}
+    for ti, t in enumerate(tensors):
+        span = spans.get(t.layer)
+        if span is None:
+            spans[t.layer] = (ti, 1)
+        elif span[0] + span[1] != ti:
+            raise _Unproved
+        else:
+            spans[t.layer] = (span[0], span[1] + 1)
+    return spans
+
+
+def _check_alike(
+    layers: tuple[int, ...],
+    bases: tuple[int, ...],
+    spans: dict[int, tuple[int, int]],
+    tensors: tuple[TensorSpec, ...],
+    views: tuple[_Views, _Views],
+) -> None:
+    """Every layer of a class is its first layer again for every view: same tensors at the same offsets
+    from its base (all but name and layer equal), held by the same stages and EP ranks in both worlds,
+    and none of them sharded over DP (whose pieces differ per layer)."""
+    first0, count0 = spans[layers[0]]
+    offset = bases[0] - first0
+    for layer, base in zip(layers, bases, strict=True):
+        first, count = spans[layer]
+        if count != count0 or base - first != offset:
+            raise _Unproved
+        for j in range(count):
+            a, b = tensors[first0 + j], tensors[first + j]
+            if (a.shape, a.dtype, a.role, a.rule, a.home, a.expert) != (
+                b.shape,
+                b.dtype,
+                b.role,
+                b.rule,
+                b.home,
+                b.expert,
+            ):
+                raise _Unproved
+            for v in views:
+                ia, ib = first0 + j, first + j
+                if v.shards[ia] is None or v.stages[ia] != v.stages[ib] or v.ep[ia] != v.ep[ib]:
+                    raise _Unproved
+
+
+def _proof(plan: Plan, old_v: _Views, new_v: _Views, lost: frozenset[Device]) -> list[int]:
+    tensors = plan.tensors
+    old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
+    spans = _layer_spans(tensors)
+    # Ranks of one class_of hold the same of every tensor: a small number per rank, for memo keys.
+    old_ids = _class_ids(old_v, len(old_dev))
+    new_ids = _class_ids(new_v, len(new_dev))
+    layer_class: dict[int, int] = {}
+    received: list[dict[int, list[tuple[Slice, ...]]]] = []  # per class: new rank -> first layer's slices
+    slices_checked = 0
+    for k, c in enumerate(plan.classes):
+        count = len(c.layers)
+        if count == 0 or len(c.bases) != count or (c.sources and len(c.sources) != count):
+            raise _Unproved
+        for layer in c.layers:
+            if layer in layer_class or layer not in spans:
+                raise _Unproved
+            layer_class[layer] = k
+        if count > 1:
+            _check_alike(c.layers, c.bases, spans, tensors, (old_v, new_v))
+        base = c.bases[0]
+        mine: dict[int, list[tuple[Slice, ...]]] = defaultdict(list)
+        absolute: dict[int, tuple[Slice, ...]] = {}  # id(template slices) -> the first layer's
+        for t in c.tasks:
+            if not 0 <= t.dst < len(new_dev):
+                raise _Unproved
+            slices = absolute.get(id(t.slices))
+            if slices is None:
+                slices = absolute[id(t.slices)] = tuple([(ti + base, box) for ti, box in t.slices])
+            mine[t.dst].append(slices)
+            slices_checked += count * len(t.slices)
+        received.append(mine)
+        _prove_sources(plan, c, (old_v, new_v), absolute, (old_ids, new_ids), lost)
+    return [_prove_cover(plan, new_v, layer_class, received), slices_checked]
+
+
+def _class_ids(views: _Views, ranks: int) -> list[int]:
+    ids: dict[tuple[int, ...], int] = {}
+    return [ids.setdefault(views.class_of(r), len(ids)) for r in range(ranks)]
+
+
+def _prove_sources(
+    plan: Plan,
+    c: LayerClass,
+    views: tuple[_Views, _Views],
+    absolute: dict[int, tuple[Slice, ...]],
+    class_ids: tuple[list[int], list[int]],
+    lost: frozenset[Device],
+) -> None:
+    """The checks that depend on which old rank sends, for every layer of ``c`` through its source map.
+
+    Each (template, old rank) pair that some layer uses is checked once: ranks in range, ``local``
+    matching the devices, no lost source, slices held by the sender and needed by the receiver (once per
+    class of each). Since ``local`` is then the template's own for every layer, a round's bytes per
+    receiver are the class's, whatever the map. One message per pair: templates are unique per (round,
+    slot, destination), and two slots that reach one destination in one round never map to one rank."""
+    old_v, new_v = views
+    old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
+    old_ids, new_ids = class_ids
+    maps = tuple(dict.fromkeys(c.sources)) if c.sources else ()
+    slots = {t.src for t in c.tasks}
+    if maps and (min(slots, default=0) < 0 or any(len(m) <= max(slots, default=-1) for m in maps)):
+        raise _Unproved
+    senders = {slot: {m[slot] for m in maps} if maps else {slot} for slot in slots}
+    checked: dict[tuple[int, int, int], int | None] = {}
+    round_bytes: dict[tuple[int, int], int] = defaultdict(int)
+    together: dict[tuple[int, int], list[int]] = defaultdict(list)  # (round, dst) -> slots
+    for t in c.tasks:
+        together[(t.round, t.dst)].append(t.src)
+        if not t.local:
+            round_bytes[(t.round, t.dst)] += t.nbytes
+        for src in senders[t.src]:
+            if not 0 <= src < len(old_dev):
+                raise _Unproved
+            if t.local != (old_dev[src] == new_dev[t.dst]) or old_dev[src] in lost:
+                raise _Unproved
+            key = (id(t.slices), old_ids[src], new_ids[t.dst])
+            if key not in checked:
+                task = TransferTask(
+                    c.layers[0], t.round, src, t.dst, t.local, absolute[id(t.slices)], t.nbytes
+                )
+                checked[key] = _check_slices(plan, task, old_v, new_v, "", _refuse)
+            if checked[key] != t.nbytes:
+                raise _Unproved
+    if any(nbytes > plan.budget_bytes for nbytes in round_bytes.values()):
+        raise _Unproved
+    pairs: set[tuple[int, int]] = set()
+    for group in together.values():
+        if len(set(group)) != len(group):
+            raise _Unproved  # two templates from one slot to one destination in one round
+        pairs.update(itertools.combinations(group, 2))
+    for m in maps:
+        if any(m[a] == m[b] for a, b in pairs):
+            raise _Unproved
+
+
+def _prove_cover(
+    plan: Plan,
+    new_v: _Views,
+    layer_class: dict[int, int],
+    received: list[dict[int, list[tuple[Slice, ...]]]],
+) -> int:
+    """The shards of every new rank, each proved covered exactly once (by its class's first layer)."""
+    held: dict[tuple[int, ...], dict[int, dict[int, list[Box]]]] = {}  # rank class -> layer -> pieces
+    proved: set[tuple] = set()
+    shards = 0
+    for rank in range(len(plan.new.placement.devices)):
+        rank_class = new_v.class_of(rank)
+        mine = held.get(rank_class)
+        if mine is None:
+            mine = held[rank_class] = defaultdict(dict)
+            for ti in new_v.candidates(rank):
+                pieces = [p.box for p in new_v.of(ti, rank) or () if p.box is not None]
+                if pieces:
+                    mine[plan.tensors[ti].layer][ti] = pieces
+        shards += sum(map(len, mine.values()))
+        for layer in mine:
+            k = layer_class.get(layer)
+            if k is None:
+                raise _Unproved
+            parts = received[k].get(rank, [])
+            key = (k, rank_class, tuple(sorted(map(id, parts))))
+            if key not in proved:
+                # The class's first layer answers for this one (_check_alike): the rank holds it too.
+                first = mine.get(plan.classes[k].layers[0])
+                if first is None:
+                    raise _Unproved
+                _cover_layer(first, parts)
+                proved.add(key)
+    return shards
+
+
+def _cover_layer(pieces: dict[int, list[Box]], parts: list[tuple[Slice, ...]]) -> None:
+    """Each tensor's pieces (by index) covered exactly once by the boxes received, none received beside."""
+    got: dict[int, list[Box]] = defaultdict(list)
+    for slices in parts:
+        for ti, box in slices:
+            got[ti].append(box)
+    if not got.keys() <= pieces.keys():
+        raise _Unproved
+    for ti, mine in pieces.items():
+        boxes = got.get(ti, [])
+        if len(mine) == 1 and len(boxes) == 1 and boxes[0] == mine[0]:
+            continue
+        if _cover_pieces(mine, boxes) is not None:
+            raise _Unproved

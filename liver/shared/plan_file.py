@@ -15,7 +15,7 @@ from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
 from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, TransferTask, WorldConfig
-from liver.shared.views import view
+from liver.shared.views import world_shards
 
 
 class PlanFileError(InputError):
@@ -106,18 +106,25 @@ def _upgrade(old: _PlanFileV1, source: str) -> PlanFile:
 
 
 def _world_entry(plan: Plan, world: WorldConfig) -> WorldEntry:
-    # A shard depends on the rank's TP, expert-TP, EP and PP coordinates only (DP replicas hold the same
-    # state), so each distinct class is computed once: a 1,024-rank world at DP 512 has two, not 1,024.
-    layout = world.layout
-    by_coords: dict[tuple[int, int, int, int], tuple[ShardEntry, ...]] = {}
-    ranks = []
-    for r, dev in enumerate(world.placement.devices):
-        key = layout.shard_class(r)
-        shards = by_coords.get(key)
-        if shards is None:
-            shards = by_coords[key] = _rank_shards(plan, world, r)
-        ranks.append(RankEntry(r, dev, shards))
-    return WorldEntry(layout, tuple(ranks))
+    return WorldEntry(
+        world.layout,
+        tuple(
+            RankEntry(r, dev, shards)
+            for (r, dev), shards in zip(enumerate(world.placement.devices), _shards(plan, world))
+        ),
+    )
+
+
+def _shards(plan: Plan, world: WorldConfig) -> list[tuple[ShardEntry, ...]]:
+    """Each rank's shard entries; ranks that hold the same (DP replicas) share one tuple."""
+    entries: dict[int, tuple[ShardEntry, ...]] = {}
+    out = []
+    for pairs in world_shards(plan.tensors, plan.model, world.layout):
+        mine = entries.get(id(pairs))
+        if mine is None:
+            mine = entries[id(pairs)] = tuple(ShardEntry(ti, s.box, s.local_shape) for ti, s in pairs)
+        out.append(mine)
+    return out
 
 
 def to_file(plan: Plan) -> PlanFile:
@@ -188,23 +195,13 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
         tasks=f.tasks,
     )
     for name, entry, world in (("old", f.old, plan.old), ("new", f.new, plan.new)):
-        for r in entry.ranks:
-            expected = _rank_shards(plan, world, r.rank)
+        for r, expected in zip(entry.ranks, _shards(plan, world)):
             if r.shards != expected:
                 raise PlanFileError(
                     f"{source}: $.{name}.ranks[{r.rank}].shards disagree with the view function "
                     f"for layout {world.layout.describe()}"
                 )
     return plan
-
-
-def _rank_shards(plan: Plan, world: WorldConfig, rank: int) -> tuple[ShardEntry, ...]:
-    out = []
-    for ti, t in enumerate(plan.tensors):
-        s = view(t, plan.model, world.layout, rank)
-        if s is not None:
-            out.append(ShardEntry(ti, s.box, s.local_shape))
-    return tuple(out)
 
 
 def read_plan(path: str) -> Plan:
