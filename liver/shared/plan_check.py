@@ -13,11 +13,11 @@ It recomputes every view from the model and layouts (it trusts nothing the plann
    source and destination in a round.
 
 A plan stores one set of task templates per class of layers that move alike
-(:class:`~liver.shared.plan.LayerClass`). The check first tries to prove the plan class by class (:func:`_prove_by_class`: it
-proves that the layers of a class are interchangeable for every view, then checks each template once
-per sender it has and each receiver's cover once per class), which costs the classes rather than the
-~40,000 tasks of a 1,024-device plan; when that proof does not go through, every task is checked on
-its own, which decides and names what is wrong.
+(:class:`~liver.shared.plan.LayerClass`). The check first tries to prove the plan class by class
+(:func:`_prove_by_class`: it proves that the layers of a class are interchangeable for every view, then
+checks each template once per sender it has and each receiver's cover once per class), which costs the
+classes rather than the ~40,000 tasks of a 1,024-device plan; when that proof does not go through,
+every task is checked on its own, which decides and names what is wrong.
 
 The worker runtime can run it on its own part of a plan before executing it.
 """

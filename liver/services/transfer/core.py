@@ -23,7 +23,12 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from liver.services.transfer.placement import local_lower_bound, rank_order_placement
-from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
+from liver.services.transfer.planner import (
+    NoSurvivingSource,
+    build_plan,
+    plan_stats,
+    rank_order_bytes_moved,
+)
 from liver.shared.codec import MessageError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout
@@ -102,14 +107,12 @@ def plan_transfer(
         )
     stats = plan_stats(plan)
     devices = msg.placement.devices
-    baseline = rank_order_placement(old, devices, msg.layout)
-    if baseline == msg.placement:
+    if rank_order_placement(old, devices, msg.layout) == msg.placement:
         rank_order_bytes = stats.bytes_moved
     else:
-        baseline_plan = planner(
-            model, old, WorldConfig(msg.layout, baseline), budget_bytes, optimizer, lost=lost
+        rank_order_bytes, _ = rank_order_bytes_moved(
+            model, old, msg.layout, devices, budget_bytes, optimizer, lost=lost
         )
-        rank_order_bytes = plan_stats(baseline_plan).bytes_moved
     summary = PlanSummary(
         tasks=stats.slices,
         tasks_coalesced=stats.tasks,

@@ -829,18 +829,11 @@ def plan_resize(
     rank_order_bytes = stats.bytes_moved
     distributed = as_geometry(model).distributed
     if optimize and compare_rank_order:
-        # Which surviving replica sends a byte does not change how many bytes cross devices: ``lost``
-        # does not enter the count.
-        baseline = rank_order_placement(old, new_devices, new_layout)
-        if distributed:  # the class overlap takes optimizer state as DP replicas: count a real plan
-            baseline_plan = build_plan(
-                model, old, WorldConfig(new_layout, baseline), budget_bytes, optimizer, lost=lost
-            )
-            rank_order_bytes = plan_stats(baseline_plan).bytes_moved
-            if rank_order_bytes < stats.bytes_moved:  # the placement's estimate misjudged: keep the better
-                plan, stats = baseline_plan, plan_stats(baseline_plan)
-        else:
-            rank_order_bytes = bytes_moved(model, old, WorldConfig(new_layout, baseline), optimizer)
+        rank_order_bytes, baseline_plan = rank_order_bytes_moved(
+            model, old, new_layout, new_devices, budget_bytes, optimizer, lost=lost
+        )
+        if baseline_plan is not None and rank_order_bytes < stats.bytes_moved:
+            plan, stats = baseline_plan, plan_stats(baseline_plan)  # the placement's estimate misjudged
     # Under the distributed optimizer only the parameters' bound is certain (the class overlap takes
     # DP-sharded optimizer state for replicas): a lower, still valid, bound.
     bound_optimizer = optimizer and not distributed
@@ -852,6 +845,28 @@ def plan_resize(
         plan_seconds=t2 - t0,
         placement_seconds=t1 - t0,
     )
+
+
+def rank_order_bytes_moved(
+    model: ModelSpec | ModelGeometry,
+    old: WorldConfig,
+    new_layout: ParallelLayout,
+    new_devices: Sequence[Device],
+    budget_bytes: int,
+    optimizer: bool,
+    *,
+    lost: Collection[Device] = (),
+) -> tuple[int, Plan | None]:
+    """The bytes a rank-order placement of the new world would move (what the optimised placement is
+    compared with), and its plan when one had to be made: the class overlap counts replicated state
+    exactly and at a fraction of a plan's cost, but takes the distributed optimizer's DP-sharded state
+    for replicas, so such a job's count comes from a real plan. Which surviving replica sends a byte
+    does not change how many bytes cross devices: ``lost`` enters only that plan."""
+    baseline = WorldConfig(new_layout, rank_order_placement(old, new_devices, new_layout))
+    if as_geometry(model).distributed:
+        plan = build_plan(model, old, baseline, budget_bytes, optimizer, lost=lost)
+        return plan_stats(plan).bytes_moved, plan
+    return bytes_moved(model, old, baseline, optimizer), None
 
 
 def default_world(layout: ParallelLayout, devices_per_node: int = 8) -> WorldConfig:
