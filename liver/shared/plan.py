@@ -91,6 +91,18 @@ class LayerClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_
     tasks: tuple[TaskTemplate, ...]  # sorted by (round, slot, dst)
     sources: tuple[tuple[int, ...], ...] = ()
 
+    def __post_init__(self) -> None:
+        # A class that cannot be expanded would fail wherever its tasks are listed (an executor, the
+        # verification), far from the code that made it.
+        if len(self.bases) != len(self.layers):
+            raise ValueError(f"`bases`: {len(self.bases)} for {len(self.layers)} layers")
+        if self.sources:
+            if len(self.sources) != len(self.layers):
+                raise ValueError(f"`sources`: {len(self.sources)} source maps for {len(self.layers)} layers")
+            slots = max((t.src for t in self.tasks), default=-1) + 1
+            if any(t.src < 0 for t in self.tasks) or any(len(m) < slots for m in self.sources):
+                raise ValueError(f"`sources`: every layer's map must name a rank for each of {slots} slots")
+
     def expand(self, i: int, rank_src: int | None = None, rank_dst: int | None = None) -> list[TransferTask]:
         """The tasks of layer ``layers[i]`` (those ``rank_src`` sends and/or ``rank_dst`` receives),
         sorted by (round, src, dst)."""

@@ -191,7 +191,7 @@ def _check_tasks(
             fail(f"{where}: local={task.local} does not match the devices")
         if lost and old_dev[task.src] in lost:
             fail(f"{where}: source rank {task.src} is on lost device {old_dev[task.src]}")
-        key = (id(task.slices), *old_v.class_of(task.src), -1, *new_v.class_of(task.dst))
+        key = (task.layer, id(task.slices), *old_v.class_of(task.src), -1, *new_v.class_of(task.dst))
         nbytes = memo.get(key, -1)
         if nbytes is None or nbytes < 0:
             nbytes = memo[key] = _check_slices(plan, task, old_v, new_v, where, fail)
