@@ -163,6 +163,7 @@ _BUILTIN_BASES = {
 _NOT_FAILURES = {
     "liver.worker_runtime.worker_main.WorkerStopped": "a BaseException that unwinds a worker on a signal",
     "liver.shared.plan_check._Enough": "stops a search early; never leaves its function",
+    "liver.shared.plan_check._Unproved": "ends the class proof early; never leaves _prove_by_class",
 }
 
 

@@ -305,9 +305,10 @@ def _prove_by_class(plan: Plan, old_v: _Views, new_v: _Views, lost: frozenset[De
     interchangeable (their tensors agree in everything a view depends on, at the same offsets from the
     class's bases, and the same stages and EP ranks hold them in both worlds); a slice check or a cover
     check of the class's first layer then answers for every layer of it. What depends on which old rank
-    sends (ranks in range, ``local``, lost sources, one message per pair, a round's bytes per receiver)
-    is checked once per distinct source map of the class. A 1,024-device plan has a few dozen classes
-    and ~40,000 tasks: the verification costs the classes, not the tasks."""
+    sends (ranks in range, ``local``, lost sources, the slices held) is checked once per template and
+    sender that some layer's source map gives it, one message per pair once per distinct map. A
+    1,024-device plan has a few dozen classes and ~40,000 tasks: the verification costs the classes, not
+    the tasks."""
     try:
         return _proof(plan, old_v, new_v, lost)
     except _Unproved:
@@ -345,20 +346,17 @@ def _check_alike(
         if count != count0 or base - first != offset:
             raise _Unproved
         for j in range(count):
-            a, b = tensors[first0 + j], tensors[first + j]
-            if (a.shape, a.dtype, a.role, a.rule, a.home, a.expert) != (
-                b.shape,
-                b.dtype,
-                b.role,
-                b.rule,
-                b.home,
-                b.expert,
-            ):
+            ia, ib = first0 + j, first + j
+            if _signature(tensors[ia]) != _signature(tensors[ib]):
                 raise _Unproved
             for v in views:
-                ia, ib = first0 + j, first + j
                 if v.shards[ia] is None or v.stages[ia] != v.stages[ib] or v.ep[ia] != v.ep[ib]:
                     raise _Unproved
+
+
+def _signature(t: TensorSpec) -> tuple:
+    """What a view of ``t`` depends on, besides its layer's stage (its name and ``param`` do not)."""
+    return (t.shape, t.dtype, t.role, t.rule, t.home, t.expert)
 
 
 def _proof(plan: Plan, old_v: _Views, new_v: _Views, lost: frozenset[Device]) -> list[int]:
