@@ -70,6 +70,15 @@ def test_every_scenario_runs_in_quick_mode(report: dict) -> None:
     assert all(len(s["plan_seconds_runs"]) == 2 for s in report["scenarios"])
 
 
+def test_the_transfer_services_answer_is_timed_whole_with_its_parts_inside(report: dict) -> None:
+    per_service = {f.name for f in msgspec.structs.fields(plan_bench.ServiceReport)}
+    for s in report["scenarios"]:
+        service = s["service"]
+        assert set(service) == per_service
+        assert 0 < service["verify_seconds"] + service["encode_seconds"] <= service["seconds"]
+        assert service["plan_file_bytes"] > 0 and service["slice_file_bytes"] > 0
+
+
 def test_every_plan_verifies(report: dict) -> None:
     assert report["ok"] is True
     for s in report["scenarios"]:
