@@ -1,8 +1,10 @@
 """The view function, one Megatron-core sharding rule at a time."""
 
+import pytest
+
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.views import holding_stages, view
+from liver.shared.views import holding_stages, view, world_shards
 
 GPT = ModelSpec(
     num_layers=4,
@@ -136,3 +138,26 @@ def test_bf16_model_has_fp32_master_weights():
 def test_preset_parameter_counts_match_the_published_sizes():
     assert round(PRESETS["gpt3-175b"].parameter_count() / 1e9) == 175
     assert round(PRESETS["llama3-8b"].parameter_count() / 1e9) == 8
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        ("tiny-gpt", "2,4,2"),
+        ("tiny-llama", "4,1,3"),
+        ("tiny-gpt", "1,3,2:1/2/1"),  # an uneven pipeline
+        ("tiny-moe", "1,2,4,EP2"),  # experts beside dense tensors on each stage
+        ("tiny-moe", "2,1,4,EP4,ETP1"),
+    ],
+)
+def test_the_whole_worlds_shards_are_the_view_of_every_rank(model: str, layout: str) -> None:
+    geometry = PRESETS[model].geometry()
+    parsed = ParallelLayout.parse(layout)
+    tensors = geometry.tensors(optimizer=True)
+    shards = world_shards(tensors, geometry, parsed)
+    assert len(shards) == parsed.world_size
+    for rank, held in enumerate(shards):
+        expected = [
+            (ti, v) for ti, t in enumerate(tensors) if (v := view(t, geometry, parsed, rank)) is not None
+        ]
+        assert list(held.items()) == expected

@@ -248,7 +248,7 @@ class ScenarioReport(msgspec.Struct, kw_only=True):
     placement_seconds: float  # median over runs
     classes: int  # classes of layers that move alike: the plan stores one set of tasks for each
     layers: int
-    expand_seconds: float  # listing every task from the classes (the verification and the plan file do)
+    expand_seconds: float  # listing every task from the classes (the device slices and the plan file do)
     worker_part_seconds: float  # one device's own tasks from the classes (median over sampled devices)
     slices: int  # tasks before coalescing
     tasks: int  # after coalescing, local copies included

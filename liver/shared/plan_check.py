@@ -35,7 +35,7 @@ from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.plan import LayerClass, Plan, Slice, TransferTask
-from liver.shared.views import expert_rank, grid_of, holding_stages, tp_shard
+from liver.shared.views import expert_rank, holding_stages, world_shards
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -46,64 +46,46 @@ class VerifyReport(msgspec.Struct, frozen=True):
 
 
 class _Views:
-    """Every tensor's holding on every rank, computed as needed: tensors that share a geometry share
-    one computation (a replica per TP rank and stage, expert-TP rank for an expert's tensor), and only
-    the distributed optimizer's DP-sharded state is per rank (:mod:`liver.shared.holdings`)."""
+    """Every tensor's holding on every rank: the view function for the whole world
+    (:func:`~liver.shared.views.world_shards`, one computation per shard class), and, per rank, the
+    distributed optimizer's DP-sharded pieces (:mod:`liver.shared.holdings`)."""
 
     def __init__(self, model: ModelGeometry, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
         self.model = model
         self.layout = layout
         self.tensors = tensors
-        self.place = {
-            expert: [layout.grid(expert).place(r) for r in range(layout.world_size)]
-            for expert in (False, True)
-        }
-        geometry: dict[tuple, list[Holding | None]] = {}
-        self.stages: list[frozenset[int]] = []
-        self.ep: list[int] = []
-        self.shards: list[list[Holding | None] | None] = []
-        # Tensor indices by (stage, EP rank or -1 for dense): a rank need only look at its own.
-        self.by_home: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for ti, t in enumerate(tensors):
-            self.stages.append(frozenset(holding_stages(t, model, layout)))
-            self.ep.append(expert_rank(t, model, layout))
-            for pp in self.stages[-1]:
-                self.by_home[(pp, self.ep[-1] if t.expert >= 0 else -1)].append(ti)
-            if is_dp_sharded(t, model):
-                self.shards.append(None)
-                continue
-            tp = grid_of(t, layout).tp
-            key = (t.rule, t.shape, tp)
-            if key not in geometry:
-                geometry[key] = [(tp_shard(t, model, tp, r),) for r in range(tp)]
-            self.shards.append(geometry[key])
-        self.owned: dict[tuple[int, int], Holding | None] = {}
+        self.held = world_shards(tensors, model, layout)
+        self.stages = [frozenset(holding_stages(t, model, layout)) for t in tensors]
+        self.ep = [expert_rank(t, model, layout) for t in tensors]
+        self.sharded = [is_dp_sharded(t, model) for t in tensors]
+        self._owned: dict[tuple[int, int], Holding | None] = {}
 
     def of(self, ti: int, rank: int) -> Holding | None:
-        tp, ep, _replica, pp = self.place[self.tensors[ti].expert >= 0][rank]
-        if pp not in self.stages[ti] or ep != self.ep[ti]:
+        shard = self.held[rank].get(ti)
+        if shard is None:
             return None
-        per_tp = self.shards[ti]
-        if per_tp is not None:
-            return per_tp[tp]
+        if not self.sharded[ti]:
+            return (shard,)
         key = (ti, rank)
-        if key not in self.owned:
-            self.owned[key] = holding(self.tensors[ti], self.model, self.layout, rank)
-        return self.owned[key]
+        if key not in self._owned:
+            self._owned[key] = holding(self.tensors[ti], self.model, self.layout, rank)
+        return self._owned[key]
+
+    def boxes(self, ti: int, rank: int) -> list[Box]:
+        """The boxes ``rank`` holds of tensor ``ti`` (none for padding only)."""
+        return [p.box for p in self.of(ti, rank) or () if p.box is not None]
 
     def candidates(self, rank: int) -> list[int]:
-        """The indices of the tensors ``rank`` may hold (its stage's, its EP rank's experts), in order."""
-        _etp, ep, _r, pp = self.place[True][rank]
-        return sorted(self.by_home.get((pp, -1), []) + self.by_home.get((pp, ep), []))
+        """The indices of the tensors ``rank`` holds a shard of (its stage's, its EP rank's experts), in
+        order."""
+        return list(self.held[rank])
 
     def class_of(self, rank: int) -> tuple[int, ...]:
-        """Ranks with one class hold the same of every tensor: (TP rank, expert-TP and EP rank, stage),
-        and the rank itself when DP ranks hold different pieces."""
+        """Ranks with one class hold the same of every tensor: the layout's shard class, and the rank
+        itself when DP ranks hold different pieces."""
         if self.model.distributed:
             return (rank,)
-        tp, _ep, _r, pp = self.place[False][rank]
-        etp, ep, _r, _pp = self.place[True][rank]
-        return (tp, etp, ep, pp)
+        return self.layout.shard_class(rank)
 
 
 def _within(pieces: Holding | None, box: Box) -> bool:
@@ -254,28 +236,30 @@ def _check_cover(
     plan: Plan, new_v: _Views, rank: int, parts: list[tuple[Slice, ...]], counts: list[int]
 ) -> list[str]:
     """One entry per shard of ``rank``: ``""`` when covered exactly once, else the reason."""
+    received = _boxes_by_tensor(parts)
+    out = []
+    for ti in new_v.candidates(rank):
+        pieces = new_v.boxes(ti, rank)
+        if not pieces:
+            continue
+        counts[0] += 1
+        reason = _cover_pieces(pieces, received.get(ti, []))
+        out.append("" if reason is None else f"{plan.tensors[ti].name}: {reason}")
+    return out
+
+
+def _boxes_by_tensor(parts: list[tuple[Slice, ...]]) -> dict[int, list[Box]]:
     received: dict[int, list[Box]] = defaultdict(list)
     for slices in parts:
         for ti, box in slices:
             received[ti].append(box)
-    out = []
-    for ti in new_v.candidates(rank):
-        t = plan.tensors[ti]
-        pieces = [p.box for p in new_v.of(ti, rank) or () if p.box is not None]
-        if not pieces:
-            continue
-        counts[0] += 1
-        got = received.get(ti, ())
-        if len(pieces) == 1 and len(got) == 1 and got[0] == pieces[0]:
-            out.append("")
-            continue
-        reason = _cover_pieces(pieces, got)
-        out.append("" if reason is None else f"{t.name}: {reason}")
-    return out
+    return received
 
 
-def _cover_pieces(pieces: list[Box], got: Collection[Box]) -> str | None:
+def _cover_pieces(pieces: list[Box], got: list[Box]) -> str | None:
     """Each piece covered exactly once by the boxes received inside it, and none received elsewhere."""
+    if len(pieces) == 1 and got == pieces:  # the whole shard in one slice: the common case
+        return None
     inside = 0
     for piece in pieces:
         parts = [b for b in got if contains(piece, b)]
@@ -350,7 +334,7 @@ def _check_alike(
             if _signature(tensors[ia]) != _signature(tensors[ib]):
                 raise _Unproved
             for v in views:
-                if v.shards[ia] is None or v.stages[ia] != v.stages[ib] or v.ep[ia] != v.ep[ib]:
+                if v.sharded[ia] or v.stages[ia] != v.stages[ib] or v.ep[ia] != v.ep[ib]:
                     raise _Unproved
 
 
@@ -371,13 +355,13 @@ def _proof(plan: Plan, old_v: _Views, new_v: _Views, lost: frozenset[Device]) ->
     slices_checked = 0
     for k, c in enumerate(plan.classes):
         count = len(c.layers)
-        if count == 0 or len(c.bases) != count or (c.sources and len(c.sources) != count):
+        if count == 0:  # LayerClass itself refuses bases or source maps that do not fit its layers
             raise _Unproved
         for layer in c.layers:
             if layer in layer_class or layer not in spans:
                 raise _Unproved
             layer_class[layer] = k
-        if count > 1:
+        if count > 1:  # a class of one layer (all DP-sharded state is) needs no stand-in
             _check_alike(c.layers, c.bases, spans, tensors, (old_v, new_v))
         base = c.bases[0]
         mine: dict[int, list[tuple[Slice, ...]]] = defaultdict(list)
@@ -418,11 +402,8 @@ def _prove_sources(
     old_v, new_v = views
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
     old_ids, new_ids = class_ids
-    maps = tuple(dict.fromkeys(c.sources)) if c.sources else ()
-    slots = {t.src for t in c.tasks}
-    if maps and (min(slots, default=0) < 0 or any(len(m) <= max(slots, default=-1) for m in maps)):
-        raise _Unproved
-    senders = {slot: {m[slot] for m in maps} if maps else {slot} for slot in slots}
+    maps = tuple(dict.fromkeys(c.sources))  # LayerClass: each map names a rank for every slot
+    senders = {slot: {m[slot] for m in maps} if maps else {slot} for slot in {t.src for t in c.tasks}}
     checked: dict[tuple[int, int, int], int | None] = {}
     round_bytes: dict[tuple[int, int], int] = defaultdict(int)
     together: dict[tuple[int, int], list[int]] = defaultdict(list)  # (round, dst) -> slots
@@ -471,7 +452,7 @@ def _prove_cover(
         if mine is None:
             mine = held[rank_class] = defaultdict(dict)
             for ti in new_v.candidates(rank):
-                pieces = [p.box for p in new_v.of(ti, rank) or () if p.box is not None]
+                pieces = new_v.boxes(ti, rank)
                 if pieces:
                     mine[plan.tensors[ti].layer][ti] = pieces
         shards += sum(map(len, mine.values()))
@@ -493,15 +474,9 @@ def _prove_cover(
 
 def _cover_layer(pieces: dict[int, list[Box]], parts: list[tuple[Slice, ...]]) -> None:
     """Each tensor's pieces (by index) covered exactly once by the boxes received, none received beside."""
-    got: dict[int, list[Box]] = defaultdict(list)
-    for slices in parts:
-        for ti, box in slices:
-            got[ti].append(box)
+    got = _boxes_by_tensor(parts)
     if not got.keys() <= pieces.keys():
         raise _Unproved
     for ti, mine in pieces.items():
-        boxes = got.get(ti, [])
-        if len(mine) == 1 and len(boxes) == 1 and boxes[0] == mine[0]:
-            continue
-        if _cover_pieces(mine, boxes) is not None:
+        if _cover_pieces(mine, got.get(ti, [])) is not None:
             raise _Unproved

@@ -119,10 +119,10 @@ def _shards(plan: Plan, world: WorldConfig) -> list[tuple[ShardEntry, ...]]:
     """Each rank's shard entries; ranks that hold the same (DP replicas) share one tuple."""
     entries: dict[int, tuple[ShardEntry, ...]] = {}
     out = []
-    for pairs in world_shards(plan.tensors, plan.model, world.layout):
-        mine = entries.get(id(pairs))
+    for held in world_shards(plan.tensors, plan.model, world.layout):
+        mine = entries.get(id(held))
         if mine is None:
-            mine = entries[id(pairs)] = tuple(ShardEntry(ti, s.box, s.local_shape) for ti, s in pairs)
+            mine = entries[id(held)] = tuple(ShardEntry(ti, s.box, s.local_shape) for ti, s in held.items())
         out.append(mine)
     return out
 

@@ -116,20 +116,26 @@ def view(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank:
 
 def world_shards(
     tensors: tuple[TensorSpec, ...], model: ModelGeometry, layout: ParallelLayout
-) -> list[tuple[tuple[int, Shard], ...]]:
-    """Every rank's ``(tensor index, shard)`` pairs, in tensor order: :func:`view` for the whole world.
+) -> list[dict[int, Shard]]:
+    """Every rank's shards by tensor index, in tensor order: :func:`view` for the whole world.
 
-    Ranks of one :meth:`~liver.shared.layout.ParallelLayout.shard_class` share one tuple, and a class
+    Ranks of one :meth:`~liver.shared.layout.ParallelLayout.shard_class` share one dict, and a class
     looks only at the tensors its stage and EP rank hold: a 1,024-rank world of a model with 20,000
     tensors costs a few classes' worth of shards, not 20 million calls of :func:`view`."""
+    dense, expert = layout.grid(expert=False), layout.grid(expert=True)
     homes: dict[tuple[int, int], list[int]] = {}
+    by_tp: list[list[Shard]] = []  # each tensor's shard per TP rank of its grid (shared by equal geometries)
+    geometries: dict[tuple, list[Shard]] = {}
     for ti, t in enumerate(tensors):
         ep = expert_rank(t, model, layout) if t.expert >= 0 else -1
         for pp in holding_stages(t, model, layout):
             homes.setdefault((pp, ep), []).append(ti)
-    dense, expert = layout.grid(expert=False), layout.grid(expert=True)
-    by_class: dict[tuple[int, int, int, int], tuple[tuple[int, Shard], ...]] = {}
-    shards: dict[tuple, Shard] = {}
+        tp = (expert if t.expert >= 0 else dense).tp
+        key = (t.rule, t.shape, tp)
+        if key not in geometries:
+            geometries[key] = [tp_shard(t, model, tp, r) for r in range(tp)]
+        by_tp.append(geometries[key])
+    by_class: dict[tuple[int, int, int, int], dict[int, Shard]] = {}
     out = []
     for rank in range(layout.world_size):
         key = layout.shard_class(rank)
@@ -137,15 +143,7 @@ def world_shards(
         if held is None:
             tp, _ep, _replica, pp = dense.place(rank)
             etp, eep, _replica, _pp = expert.place(rank)
-            pairs = []
-            for ti in sorted(homes.get((pp, -1), []) + homes.get((pp, eep), [])):
-                t = tensors[ti]
-                grid, rank_tp = (expert, etp) if t.expert >= 0 else (dense, tp)
-                memo = (t.rule, t.shape, grid.tp, rank_tp)
-                shard = shards.get(memo)
-                if shard is None:
-                    shard = shards[memo] = tp_shard(t, model, grid.tp, rank_tp)
-                pairs.append((ti, shard))
-            held = by_class[key] = tuple(pairs)
+            mine = sorted(homes.get((pp, -1), []) + homes.get((pp, eep), []))
+            held = by_class[key] = {ti: by_tp[ti][etp if tensors[ti].expert >= 0 else tp] for ti in mine}
         out.append(held)
     return out
