@@ -2,7 +2,16 @@
 OptimizerConfig and LR schedule, your forward step and loss, Megatron's indexed datasets. The LiveR
 lines are marked ``# LiveR``.
 
+On the bus, as a deployment runs it (the coordinator moves the job when a spot warning or a scale
+request comes; ``make_job`` below is all LiveR needs of this file)::
+
     liver data prepare --input examples/data/corpus.txt --output-prefix /tmp/liver-data/corpus
+    liver worker --job your-job --job-factory examples/your_own_job.py:make_job \
+        --job-arg data=/tmp/liver-data/corpus --node node000 --device 0 --layout 2,1,2 \
+        --placement node000:0,node000:1,node001:0,node001:1 --port 29400    # rank 0; the others: --store
+
+Alone under torchrun, planning one move itself (no bus, no services)::
+
     torchrun --nproc-per-node 4 examples/your_own_job.py --data /tmp/liver-data/corpus --tp 2 --pp 2 \
         --reshard-at 4 --reshard-to 2,1,1
 
@@ -140,6 +149,33 @@ def lr_schedule(optimizer: Any) -> OptimizerParamScheduler:
     )
 
 
+def make_job(data: str, distributed_optimizer: str = "no", samples: str = "100000") -> MegatronJob:
+    """LiveR: your model, data, optimizer, schedule and step, for every world the job moves to.
+
+    ``liver worker --job-factory examples/your_own_job.py:make_job --job-arg data=PREFIX`` calls it in
+    every process (arguments are strings: ``--job-arg distributed_optimizer=yes``)."""
+    distributed = distributed_optimizer.lower() in ("1", "yes", "true")
+    geometry = derive_geometry(  # LiveR: the shard geometry, from sharded_state_dict() (before any world)
+        model_provider,
+        name="qk-norm-gpt",
+        num_layers=NUM_LAYERS,
+        vocab_size=VOCAB_SIZE,
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
+    )
+    train = TrainConfig(
+        global_batch_size=8, micro_batch_size=2, seq_length=32, use_distributed_optimizer=distributed
+    )
+    corpus = MegatronCorpus([data], seq_length=train.seq_length, num_samples=int(samples))
+    return MegatronJob(
+        ModelSource.from_provider(model_provider, geometry, max_sequence_length=MAX_SEQUENCE),
+        train,
+        corpus=corpus,
+        hooks=TrainerHooks(
+            optimizer_config=optimizer_config(distributed), scheduler=lr_schedule, forward_step=forward_step
+        ),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,26 +205,9 @@ def main() -> int:
     address = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     _hosted = host_store(address.host, address.port) if rank == 0 and not _agent_store() else None
 
-    geometry = derive_geometry(  # LiveR: the shard geometry, from sharded_state_dict() (before any world)
-        model_provider,
-        name="qk-norm-gpt",
-        num_layers=NUM_LAYERS,
-        vocab_size=VOCAB_SIZE,
-        make_vocab_size_divisible_by=DIVISIBLE_BY,
-    )
-    distributed = args.distributed_optimizer
-    train = TrainConfig(
-        global_batch_size=8, micro_batch_size=2, seq_length=32, use_distributed_optimizer=distributed
-    )
     # A few batches beyond --steps: a move still being prepared then is waited for and finished.
-    corpus = MegatronCorpus([args.data], seq_length=train.seq_length, num_samples=(args.steps + 6) * 8)
-    job = MegatronJob(  # LiveR: your model, data, optimizer, schedule and step, for every world
-        ModelSource.from_provider(model_provider, geometry, max_sequence_length=MAX_SEQUENCE),
-        train,
-        corpus=corpus,
-        hooks=TrainerHooks(
-            optimizer_config=optimizer_config(distributed), scheduler=lr_schedule, forward_step=forward_step
-        ),
+    job = make_job(
+        args.data, "yes" if args.distributed_optimizer else "no", samples=str((args.steps + 6) * 8)
     )
     start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
     options = RuntimeOptions(backend=args.backend)

@@ -24,6 +24,7 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.plan import Plan, PlanSlice, WorldConfig
 from liver.shared.views import view
+from liver.worker_runtime.generations import HandoffState
 from liver.worker_runtime.handoff import Handoff, Role
 from liver.worker_runtime.handoff import _stream as handoff_stream
 from liver.worker_runtime.preparation import Preparation, ScheduleBuild, check_request
@@ -242,11 +243,50 @@ def test_a_deadline_without_a_timezone_is_refused() -> None:
         member_runtime().request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, datetime.now())
 
 
-def test_a_second_request_while_one_is_prepared_is_rejected() -> None:
+def test_a_newer_request_supersedes_the_pending_one_and_waits_behind_it() -> None:
     runtime = member_runtime(1)
-    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
-    with pytest.raises(ResizeRejected, match="generation 1 is being prepared"):
+    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    runtime.request_resize(2, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    assert runtime.pending_generation == 2
+    assert runtime.handoff_state is HandoffState.PREPARING  # generation 1's, let go of at the next boundary
+
+
+def test_a_request_after_the_coordinators_switch_is_rejected_naming_the_switching_generation() -> None:
+    runtime = member_runtime(1)
+    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    runtime.allow_switch(1)
+    with pytest.raises(ResizeRejected, match="generation 2: generation 1 has the coordinator's Switch"):
         runtime.request_resize(2, TP2, NEW.placement, plan_between(OLD, NEW), STORE)
+
+
+def test_after_an_abort_a_newer_request_is_accepted_even_past_the_switch() -> None:
+    runtime = member_runtime(1)
+    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    runtime.allow_switch(1)
+    runtime.abort(1, "the coordinator restarted before the switch")
+    runtime.request_resize(2, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    assert runtime.pending_generation == 2
+
+
+def test_an_aborted_queued_request_is_let_go_of_at_once_and_acked_aborted() -> None:
+    heard: list[RuntimeEvent] = []
+    runtime = member_runtime(1, on_event=heard.append)
+    runtime.request_resize(1, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    runtime.request_resize(2, TP2, NEW.placement, plan_between(OLD, NEW), STORE, switch_when_ready=False)
+    runtime.abort(2, "given up")
+    assert runtime.pending_generation == 1
+    (aborted,) = [e for e in heard if e.phase is ReshardPhase.ABORTED]
+    assert aborted.generation == 2 and aborted.abort is not None and aborted.abort.by_request
+
+
+def test_a_request_superseded_while_queued_is_let_go_of_and_the_newest_waits() -> None:
+    heard: list[RuntimeEvent] = []
+    runtime = member_runtime(1, on_event=heard.append)
+    for generation in (1, 2, 3):
+        plan = plan_between(OLD, NEW)
+        runtime.request_resize(generation, TP2, NEW.placement, plan, STORE, switch_when_ready=False)
+    assert runtime.pending_generation == 3
+    assert [e.generation for e in heard if e.phase is ReshardPhase.ABORTED] == [2]
 
 
 def test_the_listener_hears_the_request_and_its_failures_never_reach_the_caller() -> None:

@@ -188,9 +188,19 @@ def test_a_world_that_lost_a_peer_is_acked_peer_lost_with_its_generation() -> No
 def test_a_handoff_the_coordinator_aborted_is_acked_aborted() -> None:
     b, _, acks = bridge()
     b.on_abort(Abort(job_id=JOB, generation=4, reason="deadline"))
-    abort = AbortReport(generation=4, stage="cut", reason="aborted by request: deadline", iteration=12)
+    abort = AbortReport(
+        generation=4, stage="cut", reason="aborted by request: deadline", iteration=12, by_request=True
+    )
     b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.ABORTED, iteration=12, abort=abort))
     assert [a["phase"] for a in acks.sent] == ["aborted"]
+
+
+def test_a_handoff_another_rank_failed_is_acked_failed_even_after_an_abort_arrived() -> None:
+    b, _, acks = bridge()
+    b.on_abort(Abort(job_id=JOB, generation=4, reason="deadline"))
+    abort = AbortReport(generation=4, stage="cut", reason="generation 4 failed on another rank", iteration=12)
+    b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.ABORTED, iteration=12, abort=abort))
+    assert [a["phase"] for a in acks.sent] == ["failed"]
 
 
 def test_the_open_generation_is_the_prepared_one_until_it_switches() -> None:
@@ -427,4 +437,29 @@ def test_liver_worker_checkpoint_interval_without_a_directory_is_refused(capsys:
 
     argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--checkpoint-every", "5"]
     assert worker_cmd.main(argv) == 2
-    assert "checkpoint_every" in capsys.readouterr().err
+    assert "--checkpoint-every: needs --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_liver_worker_errors_name_the_flag_not_the_settings_field(capsys: Any) -> None:
+    from liver.cli import worker_cmd
+
+    first_world = ["--layout", "1,1,2", "--placement", "n0:0,n0:1"]
+    assert worker_cmd.main(["--job", JOB, "--node", "n0", "--device", "1", *first_world]) == 2
+    err = capsys.readouterr().err
+    assert "--store: needed by every rank but 0" in err and "initial.store" not in err
+
+
+def test_liver_worker_refuses_a_preset_beside_a_job_factory(capsys: Any) -> None:
+    from liver.cli import worker_cmd
+
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby"]
+    assert worker_cmd.main([*argv, "--job-factory", "my_job.py:make_job", "--model", "tiny-gpt"]) == 2
+    assert "--model: a --job-factory job brings its own model" in capsys.readouterr().err
+
+
+def test_liver_worker_refuses_job_arguments_without_a_job_factory(capsys: Any) -> None:
+    from liver.cli import worker_cmd
+
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--job-arg", "data=/x"]
+    assert worker_cmd.main(argv) == 2
+    assert "--job-arg: arguments of a job factory, but no --job-factory is given" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from liver.shared.errors import BusError, InputError
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("liver.cli.plan_cmd", "plan the state transfer of one resize and print its summary"),
     "serve": ("liver.cli.serve_cmd", "run one control-plane service until SIGTERM (drains, exits 0)"),
-    "worker": ("liver.cli.worker_cmd", "run one training process of a LiveR job (CPU, tiny Megatron GPT)"),
+    "worker": ("liver.cli.worker_cmd", "run one training process of a LiveR job (your own job, or a preset)"),
     "workers": ("liver.cli.workers_cmd", "run a simulated job of N workers on the bus (no training)"),
     "demo": ("liver.cli.demo_cmd", "live scale-in and scale-out of a tiny Megatron GPT on CPU workers"),
     "sim": ("liver.sim.cli", "simulate a training job under volatile capacity (docs/simulator.md)"),

@@ -216,6 +216,11 @@ def _job_lines(j: JobStatus) -> list[str]:
     if m is not None:
         nodes = sorted({w.device.node for w in m.workers})
         out.append(f"workers: {len(m.workers)} in generation {m.generation}, on {len(nodes)} nodes")
+        if m.standbys:
+            devices = ", ".join(str(w.device) for w in m.standbys)
+            out.append(f"standbys: {len(m.standbys)} ({devices})")
+        else:
+            out.append("standbys: none")
     elif j.membership_error is not None:
         out.append(f"membership does not decode: {j.membership_error}")
     else:

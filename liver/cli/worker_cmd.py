@@ -1,6 +1,13 @@
-"""``liver worker``: one training process of a LiveR job (a Megatron-core GPT on CPU, gloo, synthetic data).
+"""``liver worker``: one training process of a LiveR job: your own Megatron-core job, or a preset.
 
-In the job's first world::
+Your job is a function that returns a :class:`~liver.MegatronJob` (your model provider, corpus, hooks
+and train config), named ``FILE.py:FUNCTION`` or ``MODULE:FUNCTION``; ``--job-arg KEY=VALUE`` passes it
+keyword arguments (strings)::
+
+    liver worker --job J --job-factory my_job.py:make_job --job-arg data=/data/corpus --node N ...
+
+Without ``--job-factory`` the worker trains a preset (``--model``, tiny-gpt by default) on synthetic
+data, as the demo does. In the job's first world::
 
     liver worker --job J --node N --device I --layout TP,PP,DP --placement node000:0,node000:1,... \\
         [--port P] [--store HOST:PORT]
@@ -28,11 +35,12 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.logs import configure_logging
 
 if TYPE_CHECKING:
-    from liver.worker_runtime.worker_main import WorkerSettings
+    from liver.worker_runtime.megatron.train_config import TrainConfig
+    from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="run one training process of a LiveR job (CPU, tiny Megatron GPT)")
+    p = sub.add_parser("worker", help="run one training process of a LiveR job (your own job, or a preset)")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -54,6 +62,38 @@ def _placement(text: str) -> Placement:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _job_arg(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with KEY a Python identifier")
+    return key.strip(), value
+
+
+FIELD_FLAGS: dict[str, str] = {
+    "initial.store": "--store",
+    "initial.placement": "--placement",
+    "initial.layout": "--layout",
+    "job_id": "--job",
+    "worker_id": "--worker-id",
+    "model": "--model",
+    "job_factory": "--job-factory",
+    "job_args": "--job-arg",
+    "checkpoint_dir": "--checkpoint-dir",
+    "checkpoint_every": "--checkpoint-every",
+    "metrics_port": "--metrics-port",
+}
+"""The flag that sets each of :class:`~liver.worker_runtime.worker_main.WorkerSettings`' fields, for
+errors: a user of ``liver worker`` knows the flags, not the fields."""
+
+
+def in_flags(error: ValueError) -> ValueError:
+    """``error`` with the settings' field names (`` `initial.store` ``) replaced by their flags."""
+    text = str(error)
+    for field, flag in FIELD_FLAGS.items():
+        text = text.replace(f"`{field}`", flag)
+    return ValueError(text)
+
+
 def _layout(text: str) -> ParallelLayout:
     try:
         return ParallelLayout.parse(text)
@@ -66,7 +106,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", required=True, help="the node this process runs on")
     p.add_argument("--device", type=int, required=True, metavar="I", help="device index on the node")
     p.add_argument("--worker-id", default="", help="worker id (default w-NODE-I)")
-    p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt)")
+    p.add_argument(
+        "--job-factory",
+        metavar="FILE.py:FUNCTION",
+        help="your function that returns the MegatronJob to train (default: a preset, --model)",
+    )
+    p.add_argument(
+        "--job-arg",
+        action="append",
+        default=[],
+        type=_job_arg,
+        metavar="KEY=VALUE",
+        help="a keyword argument (a string) for the job factory; repeat for more",
+    )
+    p.add_argument("--model", help="model preset on synthetic data, without --job-factory (default tiny-gpt)")
     world = p.add_mutually_exclusive_group(required=True)
     world.add_argument("--layout", type=_layout, metavar="TP,PP,DP", help="the first world's layout")
     world.add_argument("--standby", action="store_true", help="in no world: wait for a scale-out")
@@ -110,7 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> WorkerSettings:
     """The :class:`~liver.worker_runtime.worker_main.WorkerSettings` the arguments describe."""
     from liver.worker_runtime.megatron.train_config import TrainConfig
-    from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings
+    from liver.worker_runtime.worker_main import InitialWorld
 
     initial = None
     if args.layout is not None:
@@ -128,13 +181,31 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
     train = TrainConfig(
         global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seq_length=args.seq_length
     )
+    if args.job_factory is not None and args.model is not None:
+        raise ValueError("--model: a --job-factory job brings its own model")
+    job_args = dict(args.job_arg)
+    if len(job_args) != len(args.job_arg):
+        raise ValueError("--job-arg: the same KEY is given twice")
+    try:
+        return _settings(args, initial, train, job_args)
+    except ValueError as exc:
+        raise in_flags(exc) from None
+
+
+def _settings(
+    args: argparse.Namespace, initial: InitialWorld | None, train: TrainConfig, job_args: dict[str, str]
+) -> WorkerSettings:
+    from liver.worker_runtime.worker_main import WorkerSettings
+
     return WorkerSettings(
         job_id=args.job,
         node=args.node,
         device=args.device,
         worker_id=args.worker_id,
-        model=args.model,
+        model=args.model or "tiny-gpt",
         train=train,
+        job_factory=args.job_factory,
+        job_args=job_args,
         host=args.host,
         port=args.port,
         initial=initial,
@@ -164,7 +235,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{URL_ENV}: a worker needs the job's NATS server (its coordinator is there)")
     connect_options(url, environ, name="liver-worker")  # bad settings fail before anything starts
     configure_logging()
-    exit_now(run_worker(settings, url, environ))
+    try:
+        job = settings.make_job()  # the user's job fails here, naming the flag, before any connection
+    except ValueError as exc:
+        raise in_flags(exc) from None
+    exit_now(run_worker(settings, url, environ, job=job))
     return 0  # not reached: exit_now leaves the process
 
 

@@ -880,14 +880,19 @@ class JobMembership(Message, kw_only=True, tag="job_membership"):
     job_id: JobId
     generation: Generation
     workers: tuple[WorkerDevice, ...]
+    standbys: tuple[WorkerDevice, ...] = ()
+    """Live workers in no generation of the job yet (started with ``--standby``): what a scale-out
+    can take in."""
 
     def _validate(self) -> None:
         _check_devices(tuple(w.device for w in self.workers), "workers")
+        _check_devices(tuple(w.device for w in (*self.workers, *self.standbys)), "standbys")
         seen: set[str] = set()
-        for i, worker in enumerate(self.workers):
-            if worker.worker_id in seen:
-                raise _invalid(f"workers[{i}].worker_id", f"worker {worker.worker_id!r} appears twice")
-            seen.add(worker.worker_id)
+        for field, group in (("workers", self.workers), ("standbys", self.standbys)):
+            for i, worker in enumerate(group):
+                if worker.worker_id in seen:
+                    raise _invalid(f"{field}[{i}].worker_id", f"worker {worker.worker_id!r} appears twice")
+                seen.add(worker.worker_id)
 
 
 # -- internal: errors --------------------------------------------------------------------------------

@@ -65,10 +65,19 @@ class CutDecision(msgspec.Struct, frozen=True):
     iteration: int
     verdict: CutVerdict
     target: int  # the generation agreed on, NO_TARGET unless every rank named the same one
+    failed: int = 0
+    """With ABORT: the newest generation some rank failed. A rank whose own target is newer keeps it:
+    it was given up locally at the coordinator's word and a newer one is being prepared, while a rank
+    that had not heard yet failed the old one."""
+
+    def aborts(self, generation: int) -> bool:
+        """Whether this decision gives ``generation`` (this rank's target) up."""
+        return self.verdict is CutVerdict.ABORT and generation <= self.failed
 
 
 def decide(reduced: torch.Tensor | list[int]) -> CutDecision:
-    """Read the MIN-reduced vote ``[ready, -failed, target, -target, iteration, -iteration]``.
+    """Read the MIN-reduced vote ``[ready, -failed, target, -target, iteration, -iteration]``, where
+    ``failed`` is the generation a rank failed (0: none).
 
     Pure, so every rank derives the same decision from the same reduced values.
     """
@@ -78,7 +87,7 @@ def decide(reduced: torch.Tensor | list[int]) -> CutDecision:
     same_target = target_lo == -neg_target_hi and target_lo != NO_TARGET
     target = target_lo if same_target else NO_TARGET
     if not_failed < 0:
-        return CutDecision(it_lo, CutVerdict.ABORT, target)
+        return CutDecision(it_lo, CutVerdict.ABORT, target, failed=-not_failed)
     if ready == Readiness.READY and same_target:
         return CutDecision(it_lo, CutVerdict.SWITCH, target)
     if ready == Readiness.PREPARED and same_target:
@@ -106,8 +115,9 @@ def vote(
     if target < NO_TARGET:
         raise ValueError(f"`target`: a generation id or NO_TARGET, got {target}")
     readiness = Readiness.NONE if failed else Readiness.READY if ready is True else Readiness(ready)
+    failed_generation = max(target, 1) if failed else 0
     votes = torch.tensor(
-        [int(readiness), -int(failed), target, -target, iteration, -iteration], dtype=torch.int64
+        [int(readiness), -failed_generation, target, -target, iteration, -iteration], dtype=torch.int64
     )
     allreduce(active.group(GroupKind.WORLD), votes, dist.ReduceOp.MIN, timeout)
     return decide(votes)

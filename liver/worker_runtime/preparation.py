@@ -26,6 +26,7 @@ from liver.shared.layout import Device, ParallelLayout, Placement, check_placeme
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import Plan
 from liver.worker_runtime.cut import Readiness
+from liver.worker_runtime.generations import ENDED, HandoffState, check_move
 from liver.worker_runtime.handoff import Prebuilt, Role, handoff_schedule
 from liver.worker_runtime.stream.executor import PreparedSchedule, StreamOptions
 from liver.worker_runtime.world import (
@@ -40,6 +41,9 @@ from liver.worker_runtime.world import (
 )
 
 R = TypeVar("R")
+
+_POLL_S = 0.05
+"""How often a blocked wait for the builds looks for an abort."""
 
 
 class ResizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -260,31 +264,101 @@ class LayoutCheck(_Background[bool]):
 
 
 class Preparation:
-    """One request in this process: its role, its background builds, and whether it may switch yet.
+    """One request in this process: its role, its background builds, and its state in the handoff's
+    machine (:mod:`.generations`).
 
-    ``allowed`` is the coordinator's SWITCH (already true for a request that switches when ready),
-    ``abort_reason`` an ABORT. Both are plain attribute writes from any thread.
+    Other threads (the bus companion's) never move the state of a handoff that can have started: they
+    file requests (:meth:`request_abort`, :meth:`request_switch`), and the thread that runs the
+    iteration boundaries applies them there (:meth:`settle`), before it votes, so that every move the
+    vote depends on happens at a boundary, the same one on every rank where it matters.
     """
 
-    def __init__(self, request: ResizeRequest, role: Role, old: WorldSpec, new: WorldSpec) -> None:
+    def __init__(
+        self, request: ResizeRequest, role: Role, old: WorldSpec, new: WorldSpec, *, queued: bool = False
+    ) -> None:
         self.request = request
         self.role = role
         self.old = old
         self.new = new
+        self.state = HandoffState.QUEUED if queued else HandoffState.PREPARING
         self.requested_at = time.perf_counter()
         self.ready_at: float | None = None
         self.warmup_s: float | None = None
         self.allowed = request.switch_when_ready
-        self.abort_reason: str | None = None
-        self.ready_announced = False
+        """The coordinator's Switch came (or the request needs none)."""
+        self.abort_requested: str | None = None
+        """Why the coordinator gave it up (an Abort, or a newer Prepare), until :meth:`settle` applies it."""
+        self.release_reason: str | None = None
+        """Why it is RELEASING (or was let go of)."""
+        self.released_by_request = False
+        """Whether it was given up at the coordinator's word (acked ``aborted``) or failed (``failed``)."""
         self.world_build: WorldBuild | None = None
         self.stream_build: StreamBuild | None = None
         self.schedule_build: ScheduleBuild | None = None
         self.layout_check: LayoutCheck | None = None
-        self.build_agreed = False  # the vote said BUILD (every old-world rank at the same boundary)
+        self.agreed_build = False
+        """The vote said BUILD: every old-world rank built at the same boundary, so letting go of it is a
+        collective too (the vote's ABORT, where every rank agrees on the old world as default again)."""
         self.prebuilt: Prebuilt[Any] | None = None
-        self.prebuild_error: str | None = None
         self._dispose: Callable[[Any], None] | None = None
+
+    def move(self, to: HandoffState, why: str) -> None:
+        """Move through the table (:func:`~.generations.check_move` raises on a move it does not allow)."""
+        self.state = check_move(self.generation, self.state, to, why)
+
+    def request_abort(self, reason: str) -> None:
+        """The coordinator gives it up (any thread): applied at the next boundary."""
+        if self.abort_requested is None:
+            self.abort_requested = reason
+
+    def request_switch(self) -> None:
+        """The coordinator's Switch (any thread): applied at the next boundary."""
+        self.allowed = True
+
+    @property
+    def supersedable(self) -> bool:
+        """Whether a newer Prepare may end it: not once the Switch came (the coordinator's point of no
+        return), unless it is being given up anyway."""
+        if self.state in ENDED:
+            return False
+        if self.abort_requested is not None or self.state is HandoffState.RELEASING:
+            return True
+        return not (self.allowed and not self.request.switch_when_ready)
+
+    def settle(self) -> None:
+        """Apply what came in since the last boundary (the caller holds the runtime's lock): an abort, or
+        a failure of this process's preparation, makes it RELEASING; a Switch for a built one makes it
+        SWITCHING."""
+        if self.state in ENDED or self.state is HandoffState.RELEASING:
+            return
+        if self.abort_requested is not None:
+            self.release(f"aborted by request: {self.abort_requested}", by_request=True)
+            return
+        problem = self._problem()
+        if problem is not None:
+            self.release(problem, by_request=False)
+            return
+        if self.state is HandoffState.READY and self.allowed:
+            self.move(HandoffState.SWITCHING, "the coordinator's Switch")
+
+    def release(self, reason: str, *, by_request: bool) -> None:
+        """Give it up (RELEASING): let go of at this boundary, or by the vote once every rank built it."""
+        self.move(HandoffState.RELEASING, reason)
+        self.release_reason = reason
+        self.released_by_request = by_request
+
+    def built(self, prebuilt: Prebuilt[Any], dispose: Callable[[Any], None]) -> None:
+        """The new trainer is built (``dispose`` frees it if the handoff is given up): READY, or SWITCHING
+        when already allowed. Notes the time."""
+        self.prebuilt, self._dispose = prebuilt, dispose
+        if self.ready_at is None:
+            self.ready_at = time.perf_counter()
+        self.move(HandoffState.SWITCHING if self.allowed else HandoffState.READY, "the new trainer is built")
+
+    def build_failed(self, error: str) -> None:
+        """Building the new trainer failed: this process's vote is "failed" from now on."""
+        if self.state is not HandoffState.RELEASING:
+            self.release(f"building the new trainer before the cut failed: {error}", by_request=False)
 
     @property
     def generation(self) -> int:
@@ -339,29 +413,27 @@ class Preparation:
         if self.failure() is not None:
             return Readiness.NONE
         if self.prebuilt is not None:
-            return Readiness.READY if self.allowed else Readiness.BUILT
+            return Readiness.READY if self.state is HandoffState.SWITCHING else Readiness.BUILT
         return Readiness.PREPARED if self.prepared() else Readiness.NONE
 
     def ready(self) -> bool:
         """Whether this process can switch now (new trainer built, allowed, not failed)."""
         return self.readiness() is Readiness.READY
 
-    def set_prebuilt(self, prebuilt: Prebuilt[Any], dispose: Callable[[Any], None]) -> None:
-        """The new trainer is built (``dispose`` frees it if the handoff is given up); notes the time."""
-        self.prebuilt, self._dispose = prebuilt, dispose
-        if self.ready_at is None:
-            self.ready_at = time.perf_counter()
-
     def take_prebuilt(self) -> None:
         """The switch committed: the new trainer is the job's now, never to be disposed with this."""
         self.prebuilt = self._dispose = None
 
     def failure(self) -> str | None:
-        """Why this preparation cannot succeed any more, or None."""
-        if self.abort_reason is not None:
-            return self.abort_reason
-        if self.prebuild_error is not None:
-            return f"building the new trainer before the cut failed: {self.prebuild_error}"
+        """Why this preparation cannot succeed any more, or None (what this process votes ``failed`` on)."""
+        if self.release_reason is not None:
+            return self.release_reason
+        if self.abort_requested is not None:
+            return f"aborted by request: {self.abort_requested}"
+        return self._problem()
+
+    def _problem(self) -> str | None:
+        """A background build that failed, or the deadline passed."""
         builds: tuple[tuple[str, WorldBuild | _Background[Any] | None], ...] = (
             ("building the shadow world", self.world_build),
             ("building the stream group", self.stream_build),
@@ -379,11 +451,18 @@ class Preparation:
         return None
 
     def wait_built(self, timeout_s: float) -> None:
-        """Block until both builds end (a joiner has nothing else to do); raise when either failed."""
+        """Block until the builds end (a joiner has nothing else to do); raise when one failed, or as soon
+        as the handoff is given up (an Abort must not wait for a rendezvous that will never complete)."""
         end = time.monotonic() + timeout_s
         for build in (self.world_build, self.stream_build, self.schedule_build, self.layout_check):
-            if build is not None and not build.wait(max(end - time.monotonic(), 0.0)):
-                raise TimeoutError(f"generation {self.generation}: groups not built within {timeout_s:.0f} s")
+            while build is not None and not build.wait(min(_POLL_S, max(end - time.monotonic(), 0.0))):
+                problem = self.failure()
+                if problem is not None:
+                    raise WorldError(problem)
+                if time.monotonic() >= end:
+                    raise TimeoutError(
+                        f"generation {self.generation}: groups not built within {timeout_s:.0f} s"
+                    )
         problem = self.failure()
         if problem is not None:
             raise WorldError(problem)

@@ -76,6 +76,7 @@ from liver.worker_runtime.fallback import (
     await_outcome,
     post_outcome,
 )
+from liver.worker_runtime.generations import ENDED, HandoffState
 from liver.worker_runtime.handoff import (
     Handoff,
     HandoffAborted,
@@ -198,6 +199,9 @@ class AbortReport(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     iteration: int | None
     pause_s: float = 0.0  # from the cut until training went on on the old world (a handoff's rollback)
+    by_request: bool = False
+    """Given up at the coordinator's word (an Abort, or a newer request): acked ``aborted``, not
+    ``failed``."""
 
 
 class RuntimeEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -271,14 +275,18 @@ class LiveRuntime(Generic[T]):
         self._cond = threading.Condition(threading.RLock())
         self._world: World | None = None
         self._trainer: T | None = None
-        self._pending: Preparation | None = None
+        self._pending: Preparation | None = None  # the handoff being prepared, switched or released
+        self._queued: Preparation | None = None  # a newer request, QUEUED until _pending is released
         self._newest_generation = initial.generation if initial is not None else -1
         self._left = False
         self._closed = False
         self._handed_out_at: float | None = None
         self._saved_at: int | None = None  # the iteration of the last periodic checkpoint (or the loaded one)
         self._broken: WorldSpec | None = None  # the world this process trained in until it lost a peer
-        self._no_recovery: str | None = None  # the coordinator's word that no live recovery will come
+        self._no_recovery: tuple[int, str] | None = None
+        """The coordinator's word that no live recovery will come: the generation it gave up for a
+        checkpoint fallback, and why. It answers for a world older than that generation, whether this
+        process had noticed the loss yet or not."""
         self.history: list[SwitchReport | AbortReport | FallbackReport] = []
         self._log = log.bind(job=job, device=str(device))
 
@@ -319,8 +327,16 @@ class LiveRuntime(Generic[T]):
 
     @property
     def pending_generation(self) -> int | None:
+        """The newest generation requested and not yet switched to or let go of."""
         with self._cond:
-            return None if self._pending is None else self._pending.generation
+            prep = self._queued or self._pending
+            return None if prep is None else prep.generation
+
+    @property
+    def handoff_state(self) -> HandoffState | None:
+        """The state of the pending handoff (:mod:`.generations`); None when there is none."""
+        with self._cond:
+            return None if self._pending is None else self._pending.state
 
     # -- requests (any thread) ------------------------------------------------------------------------------
     def request_resize(
@@ -357,12 +373,15 @@ class LiveRuntime(Generic[T]):
             raise ValueError(f"`store`: expected a StoreAddress, got {type(store).__name__}")
         if deadline is not None and deadline.tzinfo is None:
             raise ValueError("`deadline`: must carry a timezone")
+        superseded: Preparation | None = None
         with self._cond:
             if self._left or self._closed:
                 raise ResizeRejected(f"generation {generation}: this process has left the job")
-            if self._pending is not None:
+            current = self._pending
+            if current is not None and not current.supersedable:
                 raise ResizeRejected(
-                    f"generation {generation}: generation {self._pending.generation} is being prepared"
+                    f"generation {generation}: generation {current.generation} has the coordinator's "
+                    f"Switch ({current.state.value}); only an abort can end it now"
                 )
             if self._broken is not None and not lost:
                 raise ResizeRejected(
@@ -385,15 +404,31 @@ class LiveRuntime(Generic[T]):
                 switch_when_ready=switch_when_ready,
                 lost=lost,
             )
-            prep = Preparation(request, role, old, new)
-            self._pending = prep
+            prep = Preparation(request, role, old, new, queued=current is not None)
             self._newest_generation = generation
-            if role is not Role.JOIN and (self._world is not None or self._broken is not None):
-                self._start_preparation(prep)
+            if current is None:
+                self._pending = prep
+                if role is not Role.JOIN and (self._world is not None or self._broken is not None):
+                    self._start_preparation(prep)
+            else:
+                # A newer request supersedes the pending one: it is given up at the next boundary (by the
+                # vote, where every rank built it) and this one starts then. Never two shadow worlds.
+                current.request_abort(f"superseded by generation {generation}")
+                superseded, self._queued = self._queued, prep
+                if superseded is not None:  # queued and never started: nothing to let go of
+                    why = f"superseded by generation {generation}"
+                    superseded.request_abort(why)
+                    superseded.release(f"aborted by request: {why}", by_request=True)
             self._cond.notify_all()
         self._log.info(
-            "runtime.resize_requested", generation=generation, role=str(role), layout=layout.describe()
+            "runtime.resize_requested",
+            generation=generation,
+            role=str(role),
+            layout=layout.describe(),
+            queued_behind=None if current is None else current.generation,
         )
+        if superseded is not None:
+            self._ended(superseded, HandoffStage.PREPARE, None)
         self._emit(RuntimeEvent(generation=generation, phase=ReshardPhase.PREPARING))
         return role
 
@@ -421,9 +456,10 @@ class LiveRuntime(Generic[T]):
     def allow_switch(self, generation: int) -> None:
         """The coordinator's SWITCH: ``generation`` may be switched to once every rank is ready."""
         with self._cond:
-            if self._pending is not None and self._pending.generation == generation:
-                self._pending.allowed = True
-                self._cond.notify_all()
+            for prep in (self._pending, self._queued):
+                if prep is not None and prep.generation == generation:
+                    prep.request_switch()
+                    self._cond.notify_all()
 
     def wait_prepared(self, timeout_s: float) -> bool:
         """Block until the pending generation's groups are built (True) or have failed or ``timeout_s``
@@ -440,17 +476,24 @@ class LiveRuntime(Generic[T]):
         return True
 
     def abort(self, generation: int, reason: str, *, fallback: bool = False) -> None:
-        """Give ``generation`` up: the next vote aborts it on every rank. A no-op for other generations,
-        but for a process whose world lost a peer and that waits for its recovery: ``fallback`` (the
-        coordinator restarts the job from its checkpoint instead) ends that wait with
-        :class:`NoLiveRecovery`."""
+        """Give ``generation`` up (thread-safe): it is let go of at this process's next boundary (by the
+        vote there when every rank built it), and a newer request goes ahead then. A no-op for other
+        generations, but for a process whose world lost a peer and that waits for its recovery:
+        ``fallback`` (the coordinator restarts the job from its checkpoint instead) ends that wait with
+        :class:`NoLiveRecovery`, whichever generation it names."""
+        dropped: Preparation | None = None
         with self._cond:
             if self._pending is not None and self._pending.generation == generation:
-                self._pending.abort_reason = f"aborted by request: {reason}"
-                self._cond.notify_all()
-            elif fallback and self._broken is not None and generation > self._broken.generation:
-                self._no_recovery = f"generation {generation} aborted: {reason}"
-                self._cond.notify_all()
+                self._pending.request_abort(reason)
+            elif self._queued is not None and self._queued.generation == generation:
+                dropped, self._queued = self._queued, None  # queued: never started, nothing to let go of
+                dropped.request_abort(reason)
+                dropped.release(f"aborted by request: {reason}", by_request=True)
+            if fallback and (self._no_recovery is None or generation > self._no_recovery[0]):
+                self._no_recovery = (generation, f"generation {generation} aborted: {reason}")
+            self._cond.notify_all()
+        if dropped is not None:
+            self._ended(dropped, HandoffStage.PREPARE, None)
 
     # -- the training loop's call -------------------------------------------------------------------------
     def step(self) -> T | None:
@@ -481,18 +524,13 @@ class LiveRuntime(Generic[T]):
             return self._recover(lost)
         if iteration % self.options.vote_every:
             return self._trainer
+        prep = self._settle(iteration)
         with self._cond:
-            prep = self._pending
             if prep is not None and not prep.started:
                 self._start_preparation(prep)
-        target = prep.generation if prep is not None else NO_TARGET
-        readiness = prep.readiness() if prep is not None else Readiness.NONE
-        failure = prep.failure() if prep is not None else None
-        if prep is not None and prep.ready_at is not None and not prep.ready_announced:
-            prep.ready_announced = True
-            self._emit(
-                RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY, iteration=iteration)
-            )
+            target = prep.generation if prep is not None else NO_TARGET
+            readiness = prep.readiness() if prep is not None else Readiness.NONE
+            failure = prep.failure() if prep is not None else None
         try:
             decision = vote(
                 self._world,
@@ -509,23 +547,46 @@ class LiveRuntime(Generic[T]):
         if lost is not None:
             return self._recover(lost)
         cut_at = time.perf_counter()
-        if decision.verdict is CutVerdict.WAIT or prep is None:
+        if prep is None or decision.verdict is CutVerdict.WAIT:
             return self._trainer
         if decision.verdict is CutVerdict.BUILD:
             self._prebuild(prep, iteration)
             return self._trainer
         if decision.verdict is CutVerdict.ABORT:
-            if prep.build_agreed:
+            if not decision.aborts(prep.generation):
+                return self._trainer  # another rank failed an older generation this one already let go of
+            if prep.agreed_build:
                 self._agree_on_default()
-            self._give_up(prep, HandoffStage.CUT, failure or "another rank could not prepare it", iteration)
+            why = failure or f"generation {decision.failed} failed on another rank"
+            self._give_up(prep, HandoffStage.CUT, why, iteration)
             return self._trainer
         return self._switch(prep, iteration, cut_at)
+
+    def _settle(self, iteration: int | None) -> Preparation | None:
+        """At a boundary, before the vote: apply what the coordinator sent since the last one (an abort,
+        a newer request, a Switch) and what failed here; let go of a handoff given up at the
+        coordinator's word that no vote agreed to build (no collective to undo, and every rank gets the
+        same Abort), which starts the request queued behind it. The pending handoff afterwards."""
+        with self._cond:
+            prep = self._pending
+            if prep is None:
+                return None
+            prep.settle()
+            local = prep.state is HandoffState.RELEASING and prep.released_by_request
+            if not local or prep.agreed_build:
+                return prep
+        self._give_up(prep, HandoffStage.PREPARE, prep.release_reason or "aborted by request", iteration)
+        with self._cond:
+            prep = self._pending
+            if prep is not None:
+                prep.settle()
+            return prep
 
     def close(self) -> None:
         """Release everything this runtime holds (the end of training)."""
         with self._cond:
             self._closed = True
-            prep, self._pending = self._pending, None
+            prep, self._pending, self._queued = self._pending, None, None
             self._cond.notify_all()  # a process waiting to join (or to recover) stops waiting
         if prep is not None:
             prep.discard()
@@ -588,7 +649,8 @@ class LiveRuntime(Generic[T]):
         A failure is this process's vote from now on (the next boundary aborts the handoff everywhere);
         the groups are released at once, so that peers waiting in one of their collectives fail now
         instead of at the control timeout."""
-        prep.build_agreed = True
+        if iteration is not None:
+            prep.agreed_build = True
         timeout = self.options.control_timeout_s if iteration is not None else self.options.enter_timeout_s
         try:
             assert prep.stream_build is not None
@@ -604,13 +666,14 @@ class LiveRuntime(Generic[T]):
         except Exception as error:
             text = str(error).splitlines()[0][:500] if str(error) else repr(error)
             self._log.warning("runtime.prebuild_failed", generation=prep.generation, error=text)
-            prep.prebuild_error = text
+            with self._cond:
+                prep.build_failed(text)
             prep.discard()
             if iteration is None:  # a joiner: the caller gives the handoff up
                 raise
             return
-        prep.set_prebuilt(prebuilt, self.factory.dispose)
-        prep.ready_announced = True
+        with self._cond:
+            prep.built(prebuilt, self.factory.dispose)
         self._emit(RuntimeEvent(generation=prep.generation, phase=ReshardPhase.READY, iteration=iteration))
 
     def _agree_on_default(self) -> None:
@@ -695,7 +758,7 @@ class LiveRuntime(Generic[T]):
             if agreed.verdict is not OutcomeVerdict.RECOVER:
                 recovery = None
         except BaseException:
-            self._drop(prep)
+            self._forget(prep, "the switch raised")
             self._world = None
             raise
         else:
@@ -709,7 +772,7 @@ class LiveRuntime(Generic[T]):
         if recovery is not None:
             # Outside the except block (see _recover). The handoff ends here without an abort of its
             # own: the coordinator learns of the loss from PEER_LOST and plans the recovery around it.
-            self._drop(prep)
+            self._forget(prep, "the old world lost a peer during the switch")
             self._trainer = old_trainer
             del old_trainer
             self._log.warning(
@@ -751,11 +814,14 @@ class LiveRuntime(Generic[T]):
                 new_trainer, report = switch(handoff, None)
             except HandoffAborted as aborted:
                 failed_at = time.perf_counter()
+                if prep.abort_requested is not None:  # the coordinator gave it up: nothing to learn
+                    self._give_up(prep, aborted.stage, aborted.reason, None)
+                    continue
                 outcome = self._joiners_outcome(prep, aborted)
                 if outcome is not None and outcome.verdict is OutcomeVerdict.RECOVER:
                     # The old world lost a peer and recovers live: say so (the coordinator finds the
                     # lost one sooner) and wait for the next request, which may take this process in.
-                    self._drop(prep)
+                    self._forget(prep, "the old world lost a peer")
                     self._log.warning("runtime.join_lost_a_peer", generation=prep.generation)
                     self._emit(
                         RuntimeEvent(
@@ -843,7 +909,7 @@ class LiveRuntime(Generic[T]):
             self._broken = broken
             stale = self._pending if self._pending is not None and not self._pending.request.lost else None
         if stale is not None:
-            self._drop(stale)
+            self._forget(stale, "the world lost a peer")
             self._log.warning(
                 "runtime.handoff_dropped", generation=stale.generation, why="the world lost a peer"
             )
@@ -864,22 +930,38 @@ class LiveRuntime(Generic[T]):
         )
         if abandoned.torn:
             raise abandoned
-        prep = self._wait_for_recovery(abandoned, time.monotonic() + self.options.recover_timeout_s)
-        if not prep.started:
-            self._start_preparation(prep)
-        handoff: Handoff[T] | None = None
-        try:
-            prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
-            self._prebuild(prep, None)
-            self._await_allowed(prep)
-            new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
-            handoff = self._handoff(
-                prep, new_world, abandoned.iteration, self.options.control_timeout_s, kept=kept
-            )
-            new_trainer, report = switch(handoff, lost_at)
-        except (HandoffAborted, WorldError, TimeoutError, RuntimeError) as error:
-            stage = error.stage if isinstance(error, HandoffAborted) else HandoffStage.PREPARE
-            reason = error.reason if isinstance(error, HandoffAborted) else _first_line(error)
+        give_up_at = time.monotonic() + self.options.recover_timeout_s
+        while True:
+            prep = self._wait_for_recovery(abandoned, give_up_at)
+            if not prep.started:
+                self._start_preparation(prep)
+            handoff: Handoff[T] | None = None
+            entered = False
+            try:
+                prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
+                self._prebuild(prep, None)
+                self._await_allowed(prep)
+                new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
+                handoff = self._handoff(
+                    prep, new_world, abandoned.iteration, self.options.control_timeout_s, kept=kept
+                )
+                entered = True
+                new_trainer, report = switch(handoff, lost_at)
+            except (HandoffAborted, WorldError, TimeoutError, RuntimeError) as error:
+                stage = error.stage if isinstance(error, HandoffAborted) else HandoffStage.PREPARE
+                reason = error.reason if isinstance(error, HandoffAborted) else _first_line(error)
+                if not entered and prep.abort_requested is not None and self._no_recovery_for() is None:
+                    # The coordinator gave this recovery up before its switch (it found another member
+                    # of the world lost, say): nothing touched the kept state; wait for the next one.
+                    handoff = None
+                    self._give_up(prep, stage, reason, None)
+                    continue
+                failure: tuple[HandoffStage, str] | None = (stage, reason)
+            else:
+                failure = None
+            break
+        if failure is not None:
+            stage, reason = failure
             lost_peer = f"generation {broken.generation} lost a peer ({abandoned.reason})"
             failed = HandoffFailed(prep.generation, stage, reason, lost_peer)
             verdict = OutcomeVerdict.LOST if self.options.checkpoint is None else OutcomeVerdict.FALLBACK
@@ -895,8 +977,16 @@ class LiveRuntime(Generic[T]):
                 self.factory.dispose(old_trainer)
             del old_trainer
             return self._fail_stop(prep, failed, abandoned.iteration, time.perf_counter())
+        assert handoff is not None
         self._broken = None
         return self._committed(prep, report, handoff.new_world, new_trainer)
+
+    def _no_recovery_for(self) -> str | None:
+        """Why no live recovery will come for the broken world (the caller holds the lock), or None."""
+        broken, word = self._broken, self._no_recovery
+        if broken is None or word is None or word[0] <= broken.generation:
+            return None
+        return word[1]
 
     def _await_allowed(self, prep: Preparation) -> None:
         """Wait for the coordinator's SWITCH (a request that switches when ready has it already): the
@@ -914,24 +1004,34 @@ class LiveRuntime(Generic[T]):
                 self._cond.wait(left)
 
     def _wait_for_recovery(self, abandoned: StepAbandoned, give_up_at: float) -> Preparation:
-        """The pending request that names lost devices (started or not), once it comes."""
-        with self._cond:
-            while self._pending is None or not self._pending.request.lost:
-                if self._closed:
-                    raise ResizeRejected("the runtime was closed while waiting for a recovery")
-                if self._pending is not None:  # a resize planned before the loss: it cannot happen now
-                    why = "the world lost a peer; only a recovery that names the lost devices can follow"
-                    self._give_up(self._pending, HandoffStage.PREPARE, why, None)
+        """The pending request that names lost devices (started or not), once it comes. A resize planned
+        before the loss, or a recovery given up before it started, is let go of here."""
+        while True:
+            released: Preparation | None = None
+            with self._cond:
+                prep = self._pending
+                if prep is not None:
+                    prep.settle()
+                    if prep.state is not HandoffState.RELEASING and prep.request.lost:
+                        return prep
+                    released = prep
+                else:
+                    if self._closed:
+                        raise ResizeRejected("the runtime was closed while waiting for a recovery")
+                    no_recovery = self._no_recovery_for()
+                    if no_recovery is not None:
+                        self._log.error("runtime.no_live_recovery", reason=no_recovery)
+                        raise NoLiveRecovery(abandoned.iteration, no_recovery)
+                    left = give_up_at - time.monotonic()
+                    if left <= 0:
+                        self._log.error("runtime.not_recovered", timeout_s=self.options.recover_timeout_s)
+                        raise abandoned
+                    self._cond.wait(left)
                     continue
-                if self._no_recovery is not None:
-                    self._log.error("runtime.no_live_recovery", reason=self._no_recovery)
-                    raise NoLiveRecovery(abandoned.iteration, self._no_recovery)
-                left = give_up_at - time.monotonic()
-                if left <= 0:
-                    self._log.error("runtime.not_recovered", timeout_s=self.options.recover_timeout_s)
-                    raise abandoned
-                self._cond.wait(left)
-            return self._pending
+            why = released.release_reason
+            if why is None:  # a resize planned before the loss: it cannot happen now
+                why = "the world lost a peer; only a recovery that names the lost devices can follow"
+            self._give_up(released, HandoffStage.PREPARE, why, None)
 
     # -- checkpoints and the fail-stop fallback --------------------------------------------------------------
     def _save_if_due(self, iteration: int) -> None:
@@ -988,7 +1088,7 @@ class LiveRuntime(Generic[T]):
     ) -> T | None:
         """The handoff to ``prep`` failed and the old world is gone (what became of it is already agreed
         through the store): fall back, or say why not."""
-        self._drop(prep)
+        self._forget(prep, f"failed past the cut at {failed.stage}; the old world is gone")
         checkpoint = self.options.checkpoint
         if checkpoint is None:
             self._log.error("runtime.handoff_failed", generation=prep.generation, error=str(failed))
@@ -1095,18 +1195,29 @@ class LiveRuntime(Generic[T]):
         return trainer
 
     def _wait_for_request(self, give_up_at: float | None) -> Preparation:
-        with self._cond:
-            while self._pending is None or self._pending.started:
-                if self._closed:
-                    raise ResizeRejected("the runtime was closed while waiting to join")
-                left = None if give_up_at is None else give_up_at - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(
-                        f"device {self.device} was not taken into any world within "
-                        f"{self.options.join_timeout_s} s"
-                    )
-                self._cond.wait(left)
-            return self._pending
+        """The pending request, once one comes (a request given up before it started is let go of here)."""
+        while True:
+            released: Preparation | None = None
+            with self._cond:
+                prep = self._pending
+                if prep is not None:
+                    prep.settle()
+                    if prep.state is HandoffState.RELEASING:
+                        released = prep
+                    elif not prep.started:
+                        return prep
+                if released is None:
+                    if self._closed:
+                        raise ResizeRejected("the runtime was closed while waiting to join")
+                    left = None if give_up_at is None else give_up_at - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(
+                            f"device {self.device} was not taken into any world within "
+                            f"{self.options.join_timeout_s} s"
+                        )
+                    self._cond.wait(left)
+                    continue
+            self._give_up(released, HandoffStage.PREPARE, released.release_reason or "given up", None)
 
     def _committed(
         self, prep: Preparation, report: SwitchReport, new_world: World | None, new_trainer: T | None
@@ -1116,7 +1227,10 @@ class LiveRuntime(Generic[T]):
         prep.take_prebuilt()
         self.history.append(report)
         with self._cond:
+            left = HandoffState.LEFT if prep.role is Role.LEAVE else HandoffState.SWITCHED
+            prep.move(left, "committed")
             self._pending = None
+            self._promote()
         if prep.role is Role.LEAVE:
             self._world, self._trainer, self._left = None, None, True
             self._log.info("runtime.left", generation=report.generation, iteration=report.iteration)
@@ -1144,9 +1258,36 @@ class LiveRuntime(Generic[T]):
     def _give_up(
         self, prep: Preparation, stage: HandoffStage, reason: str, iteration: int | None, pause_s: float = 0.0
     ) -> None:
+        """Let go of ``prep`` (its builds discarded; the old world trains on) and say why; the request
+        queued behind it, if any, becomes the pending one."""
+        with self._cond:
+            if prep.state is not HandoffState.RELEASING:
+                by_request = prep.abort_requested is not None
+                prep.release(reason, by_request=by_request)
         self._drop(prep)
+        self._ended(prep, stage, iteration, pause_s, reason)
+
+    def _ended(
+        self,
+        prep: Preparation,
+        stage: HandoffStage,
+        iteration: int | None,
+        pause_s: float = 0.0,
+        reason: str | None = None,
+    ) -> None:
+        """A RELEASING handoff is let go of: ABORTED (at the coordinator's word) or FAILED, recorded and
+        told to the listener (its ack)."""
+        reason = reason or prep.release_reason or "given up"
+        by_request = prep.released_by_request
+        with self._cond:
+            prep.move(HandoffState.ABORTED if by_request else HandoffState.FAILED, reason)
         abort = AbortReport(
-            generation=prep.generation, stage=stage, reason=reason, iteration=iteration, pause_s=pause_s
+            generation=prep.generation,
+            stage=stage,
+            reason=reason,
+            iteration=iteration,
+            pause_s=pause_s,
+            by_request=by_request,
         )
         self.history.append(abort)
         self._log.warning(
@@ -1155,6 +1296,7 @@ class LiveRuntime(Generic[T]):
             stage=stage,
             reason=reason,
             iteration=iteration,
+            by_request=by_request,
         )
         self._emit(
             RuntimeEvent(
@@ -1162,12 +1304,32 @@ class LiveRuntime(Generic[T]):
             )
         )
 
+    def _forget(self, prep: Preparation, why: str) -> None:
+        """Let go of ``prep`` without an abort of its own (FAILED): the old world lost a peer and the
+        coordinator, told by ``peer_lost``, plans around the loss; or it failed past the cut."""
+        with self._cond:
+            if prep.state not in ENDED:
+                prep.move(HandoffState.FAILED, why)
+        self._drop(prep)
+
     def _drop(self, prep: Preparation) -> None:
-        """Give ``prep``'s builds up and stop treating it as pending, so that a later request can come."""
+        """Give ``prep``'s builds up and stop treating it as pending; the queued request goes ahead."""
         prep.discard()
         with self._cond:
             if self._pending is prep:
                 self._pending = None
+            self._promote()
+
+    def _promote(self) -> None:
+        """With nothing pending, the queued request becomes pending (started at the next boundary, or by
+        the join or the recovery waiting for it). The caller holds the lock."""
+        if self._pending is not None or self._queued is None:
+            return
+        prep, self._queued = self._queued, None
+        prep.move(HandoffState.PREPARING, "the handoff before it was let go of")
+        self._pending = prep
+        self._log.info("runtime.queued_request_goes_ahead", generation=prep.generation)
+        self._cond.notify_all()
 
     def _note_first_step(self, now: float) -> None:
         """At the boundary after the first step on a new world: time that step."""

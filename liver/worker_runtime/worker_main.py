@@ -54,15 +54,17 @@ import msgspec
 import structlog
 from msgspec import Meta
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import WorkerPhase, WorldStarted
-from liver.shared.model import PRESETS
+from liver.shared.model import PRESETS, as_geometry
 from liver.shared.subjects import validate_token
 from liver.worker_runtime.megatron.train_config import TrainConfig
 from liver.worker_runtime.metrics import Aborted, MetricsLog, Started, Step, Stopped, Switched
 
 if TYPE_CHECKING:
     from liver.worker_runtime.companion.thread import Companion
+    from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeEvent, RuntimeOptions
 
 log = structlog.get_logger(__name__)
@@ -102,7 +104,14 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     worker_id: str = ""
     """Empty: ``w-<node>-<device>``, which is unique per device and stable across restarts."""
     model: str = "tiny-gpt"
+    """A preset on synthetic data (the demo's job), unless ``job_factory`` names the user's own job."""
     train: TrainConfig = DEMO_TRAIN
+    """The preset's training setup (a user's job brings its own)."""
+    job_factory: str | None = None
+    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION``: the user's function that returns their
+    :class:`~liver.worker_runtime.megatron.job.MegatronJob` (model provider, corpus, hooks, train config)."""
+    job_args: dict[str, str] = {}
+    """Keyword arguments (strings) the job factory is called with."""
     host: str = "127.0.0.1"
     """Where this worker's store listens and what it announces (other workers must reach it)."""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
@@ -141,8 +150,10 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"`metrics_port`: {self.metrics_port} is not a port number (0-65535)")
         if self.worker_id:
             validate_token(self.worker_id, "worker_id")
-        if self.model not in PRESETS:
+        if self.job_factory is None and self.model not in PRESETS:
             raise ValueError(f"`model`: unknown preset {self.model!r}; presets: {', '.join(sorted(PRESETS))}")
+        if self.job_factory is None and self.job_args:
+            raise ValueError("`job_args`: arguments of a job factory, but no `job_factory` is given")
         if self.initial is not None:
             rank = self.initial.placement.rank_on().get(self.device_id)
             if rank is None:
@@ -152,11 +163,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 )
             if rank != 0 and self.initial.store is None:
                 raise ValueError("`initial.store`: needed by every rank but 0 (rank 0's store address)")
-            try:
-                PRESETS[self.model].check_layout(self.initial.layout)
-                self.train.micro_batches_per_rank(self.initial.layout.dp)
-            except ValueError as exc:
-                raise ValueError(f"`initial.layout`: {exc}") from None
+            if self.job_factory is None:  # a user's job is checked once it is made (make_job)
+                try:
+                    PRESETS[self.model].check_layout(self.initial.layout)
+                    self.train.micro_batches_per_rank(self.initial.layout.dp)
+                except ValueError as exc:
+                    raise ValueError(f"`initial.layout`: {exc}") from None
 
     @property
     def device_id(self) -> Device:
@@ -184,6 +196,22 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             build_timeout_s=self.build_timeout_s,
             checkpoint=checkpoint,
         )
+
+    def make_job(self) -> MegatronJob:
+        """The job this worker trains: the preset on synthetic data, or the user's own job from its
+        factory; its first layout checked against it (``ValueError`` naming ``initial.layout``)."""
+        from liver.worker_runtime.megatron.job import MegatronJob, load_job
+
+        if self.job_factory is None:
+            return MegatronJob(PRESETS[self.model], self.train)
+        job = load_job(self.job_factory, self.job_args)
+        if self.initial is not None:
+            try:
+                job.model.check_layout(self.initial.layout)
+                job.config.micro_batches_per_rank(self.initial.layout.dp)
+            except ValueError as exc:
+                raise ValueError(f"`initial.layout`: {exc}") from None
+        return job
 
     @property
     def initial_rank(self) -> int | None:
@@ -236,21 +264,38 @@ def _signals_stop() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def run(settings: WorkerSettings, url: str, environ: Mapping[str, str] | None = None) -> int:
-    """Run the worker until it stops (see the module docstring); returns the exit code."""
+def run(
+    settings: WorkerSettings,
+    url: str,
+    environ: Mapping[str, str] | None = None,
+    *,
+    job: MegatronJob | None = None,
+) -> int:
+    """Run the worker until it stops (see the module docstring); returns the exit code.
+
+    ``job`` is the job to train (a user's own :class:`~liver.worker_runtime.megatron.job.MegatronJob`,
+    made in their script); None: the one ``settings`` names (:meth:`WorkerSettings.make_job`)."""
     with _signals_stop():
         try:
-            return _Worker(settings, url, environ).run()
+            return _Worker(settings, url, environ, job).run()
         except WorkerStopped as stopped:
             log.info("worker.stopped_by_signal", signal=str(stopped))
             return EXIT_OK
 
 
 class _Worker:
-    def __init__(self, settings: WorkerSettings, url: str, environ: Mapping[str, str] | None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        url: str,
+        environ: Mapping[str, str] | None,
+        job: MegatronJob | None = None,
+    ) -> None:
         self.settings = settings
         self.url = url
         self.environ = environ
+        self.job = job
+        self.geometry: ModelGeometry | None = None
         self.metrics = MetricsLog(settings.metrics, settings.name) if settings.metrics else None
         self.log = log.bind(job_id=settings.job_id, worker_id=settings.name, device=str(settings.device_id))
         self.iteration: int | None = None
@@ -265,12 +310,13 @@ class _Worker:
         from liver.worker_runtime.companion.agent import AgentSettings, GenerationRank, WorkerIdentity
         from liver.worker_runtime.companion.bridge import RuntimeBridge, store_address
         from liver.worker_runtime.companion.thread import Companion
-        from liver.worker_runtime.megatron.job import MegatronJob
         from liver.worker_runtime.runtime import LiveRuntime
         from liver.worker_runtime.world import WorldSpec, host_store
 
         s = self.settings
         torch.set_num_threads(s.threads)
+        job = self.job if self.job is not None else s.make_job()
+        self.geometry = as_geometry(job.model)  # what every plan for this job must move
         timeout = timedelta(seconds=s.build_timeout_s)
         store = host_store(s.host, s.port, timeout=timeout)  # kept alive for the whole process
         address = f"{s.host}:{store.port}"
@@ -299,7 +345,7 @@ class _Worker:
             self._record_event(event)
 
         runtime = LiveRuntime(
-            MegatronJob(PRESETS[s.model], s.train),
+            job,
             job=s.job_id,
             device=s.device_id,
             store=initial_store,
@@ -453,7 +499,7 @@ class _Worker:
             generation=generation,
             layout=layout,
             placement=placement,
-            geometry=PRESETS[s.model].geometry(),  # what every plan for this job must move
+            geometry=self.geometry,
         )
         asyncio.run(publish_world_started(message, self.url, self.environ, timeout_s=s.announce_timeout_s))
 

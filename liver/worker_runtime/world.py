@@ -258,6 +258,10 @@ class WorldGroup(NamedTuple):
 _LOCK = threading.RLock()
 _LIVE: dict[str, dict[int, World | None]] = {}  # job -> generation -> world (None while building)
 _OWNED: set[str] = set()  # c10d names of groups that some live World built
+_WITHERING: dict[str, set[int]] = {}
+"""job -> generations given up while still building: their thread may wait at the rendezvous until its
+timeout, for peers that will never come, and releases what it built when it ends. They do not count
+toward the two live generations: a handoff given up must not block the one that replaces it."""
 
 
 def live_generations(job: str) -> tuple[int, ...]:
@@ -275,7 +279,7 @@ def is_world_group(pg: dist.ProcessGroup) -> bool:
 def _reserve(spec: WorldSpec) -> None:
     with _LOCK:
         live = _LIVE.setdefault(spec.job, {})
-        if spec.generation in live:
+        if spec.generation in live or spec.generation in _WITHERING.get(spec.job, ()):
             raise WorldError(f"job {spec.job}: generation {spec.generation} already exists here")
         if live and spec.generation < max(live):
             raise WorldError(
@@ -295,6 +299,22 @@ def _unreserve(spec: WorldSpec) -> None:
         live.pop(spec.generation, None)
         if not live:
             _LIVE.pop(spec.job, None)
+        withering = _WITHERING.get(spec.job)
+        if withering is not None:
+            withering.discard(spec.generation)
+            if not withering:
+                _WITHERING.pop(spec.job, None)
+
+
+def _wither(spec: WorldSpec) -> None:
+    """A build in progress was given up: its slot no longer counts (see ``_WITHERING``)."""
+    with _LOCK:
+        live = _LIVE.get(spec.job, {})
+        if live.get(spec.generation, 0) is None:  # still building
+            del live[spec.generation]
+            if not live:
+                _LIVE.pop(spec.job, None)
+            _WITHERING.setdefault(spec.job, set()).add(spec.generation)
 
 
 def _destroy(pg: dist.ProcessGroup) -> None:
@@ -645,7 +665,8 @@ def _build_reserved(
         seconds,
     )
     with _LOCK:
-        _LIVE[spec.job][spec.generation] = world
+        if spec.generation not in _WITHERING.get(spec.job, ()):
+            _LIVE[spec.job][spec.generation] = world
     bound.info("world.built", layout=spec.layout.describe(), groups=len(built), seconds=round(seconds, 4))
     return world
 
@@ -741,10 +762,13 @@ class WorldBuild:
             return self._world
 
     def discard(self) -> None:
-        """Give the world up (an aborted handoff): released now if built, else as soon as it is."""
+        """Give the world up (an aborted handoff): released now if built, else as soon as it is (and
+        until then it does not count as a live generation: see ``_WITHERING``)."""
         with self._lock:
             self._discarded = True
             world = self._world
+            if world is None and self._error is None:
+                _wither(self.spec)
         if world is not None:
             world.release()
 

@@ -478,7 +478,21 @@ class Coordinator:
             member = self.membership.on_device(device)
             if member is not None:
                 workers.append(WorkerDevice(worker_id=member.worker_id, device=device))
-        current = JobMembership(job_id=self.job_id, generation=record.generation, workers=tuple(workers))
+        in_world = set(record.placement.devices)
+        standbys = sorted(
+            (
+                WorkerDevice(worker_id=m.worker_id, device=m.device)
+                for m in self.membership
+                if m.device not in in_world and m.generation is None
+            ),
+            key=lambda w: w.device,
+        )
+        current = JobMembership(
+            job_id=self.job_id,
+            generation=record.generation,
+            workers=tuple(workers),
+            standbys=tuple(standbys),
+        )
         if current != self._world_members:
             self._world_members = current
             self._emit(WriteMembership(record=current))

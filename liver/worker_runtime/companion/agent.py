@@ -12,8 +12,10 @@ The rules it keeps, because the coordinator relies on them:
 * **A repeated command is answered, not redone.** A coordinator that restarted mid-switch sends the
   switch again; a worker that already switched re-publishes its "switched" ack (same cut, pause and
   bytes) without calling the runtime a second time. A repeated Prepare re-publishes the last ack too.
-* **Abort of a generation the runtime never saw is a no-op**: no hook, no ack. One that arrives before
-  its Prepare (the two travel on different subjects) also stops that Prepare from starting later.
+* **Abort of a generation the runtime never saw is a no-op**: no ack, and no hook unless it carries
+  the checkpoint fallback (``Abort.fallback``): a process whose world lost a peer waits for a recovery
+  that will never come otherwise, and must end at once. One that arrives before its Prepare (the two
+  travel on different subjects) also stops that Prepare from starting later.
 * **Only one shadow world at a time (I2).** A Prepare of a newer generation ends an older one that has
   not switched: the runtime gets ``on_abort`` for it first. A Prepare older than one already seen is
   stale and ignored.
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import zlib
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from liver.worker_runtime.companion.slices import (
     fetch_context,
     view_of,
 )
+from liver.worker_runtime.generations import HandoffState, can_move, check_move
 
 log = structlog.get_logger(__name__)
 
@@ -153,37 +155,29 @@ class RuntimeHooks(Protocol):
     def on_abort(self, abort: Abort) -> None: ...
 
 
-class Stage(enum.StrEnum):
-    FETCHING = "fetching"
-    """Reading the plan slice; the runtime has not been told."""
-    PREPARING = "preparing"
-    READY = "ready"
-    SWITCHING = "switching"
-    SWITCHED = "switched"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
+Stage = HandoffState
+"""The agent's view of a handoff moves through the worker's one table (:mod:`..generations`): FETCHING,
+PREPARING, READY, SWITCHING, then SWITCHED, ABORTED or FAILED."""
 
 _RUNTIME_KNOWS: Final = frozenset({Stage.PREPARING, Stage.READY, Stage.SWITCHING, Stage.SWITCHED})
 _ENDED: Final = frozenset({Stage.SWITCHED, Stage.ABORTED, Stage.FAILED})
 _RESENT: Final = frozenset({Stage.READY, Stage.SWITCHED, Stage.FAILED})
 """Acks the coordinator may be waiting for (or must hear of), sent again after a reconnect."""
 _PHASE_STAGE: Final[dict[WorkerPhase, Stage]] = {
-    "ready": Stage.READY,
-    "switched": Stage.SWITCHED,
-    "aborted": Stage.ABORTED,
-    "failed": Stage.FAILED,
+    WorkerPhase.READY: Stage.READY,
+    WorkerPhase.SWITCHED: Stage.SWITCHED,
+    WorkerPhase.ABORTED: Stage.ABORTED,
+    WorkerPhase.FAILED: Stage.FAILED,
 }
-_ALLOWED: Final[dict[Stage, frozenset[Stage]]] = {
-    Stage.READY: frozenset({Stage.PREPARING}),
-    Stage.SWITCHED: frozenset({Stage.PREPARING, Stage.READY, Stage.SWITCHING}),
-    # An abort or a failure is often reported after the companion already marked it (on an Abort, or a
-    # plan that did not read): the runtime's ack then becomes the one to repeat.
-    Stage.ABORTED: frozenset(_RUNTIME_KNOWS | {Stage.FETCHING, Stage.ABORTED}),
-    Stage.FAILED: frozenset(_RUNTIME_KNOWS | {Stage.FETCHING, Stage.FAILED}),
-}
-"""Which stage an ack may move a handoff from; an ack from any other stage is still published (the
-coordinator ignores what does not apply) but does not become the handoff's ack to repeat."""
+"""The state an ack moves the handoff to: the ack's phase is the state's name."""
+
+
+def _ack_moves(frm: Stage, to: Stage) -> bool:
+    """Whether an ack moves the handoff from ``frm`` to ``to``: a move of the table, or the runtime's
+    own abort or failure acked after the companion already marked it (on an Abort, or a plan that did
+    not read), which then becomes the ack to repeat. Any other ack is still published (the coordinator
+    ignores what does not apply) but does not become the handoff's ack to repeat."""
+    return can_move(frm, to) or (frm is to and to in (Stage.ABORTED, Stage.FAILED))
 
 
 @dataclass
@@ -355,7 +349,7 @@ class WorkerAgent:
         h = self._handoffs.get(ack.generation)
         target = _PHASE_STAGE.get(ack.phase)
         if h is not None and target is not None:
-            if h.stage in _ALLOWED[target]:
+            if _ack_moves(h.stage, target):
                 h.stage, h.ack = target, ack
                 if target is Stage.SWITCHED:
                     self._enter(h)
@@ -475,7 +469,7 @@ class WorkerAgent:
         if h.stage is not Stage.FETCHING:
             self._log.info("plan_read_after_end", generation=prepare.generation, stage=h.stage.value)
             return
-        h.plan, h.stage = plan, Stage.PREPARING
+        h.plan, h.stage = plan, check_move(prepare.generation, h.stage, Stage.PREPARING, "plan read")
         self._log.info(
             "plan_slice_read", generation=prepare.generation, tasks=len(plan.tasks), bytes=len(data)
         )
@@ -494,7 +488,7 @@ class WorkerAgent:
             case Stage.FETCHING:
                 h.early_switch = switch
             case Stage.PREPARING | Stage.READY:
-                h.stage = Stage.SWITCHING
+                h.stage = check_move(switch.generation, h.stage, Stage.SWITCHING, "the Switch")
                 self._call(h, "on_switch", switch)
             case Stage.SWITCHING:
                 self._log.debug("switch_repeated_while_switching")
@@ -510,17 +504,34 @@ class WorkerAgent:
             self._aborted_unseen.add(abort.generation)
             while len(self._aborted_unseen) > KEEP_GENERATIONS:
                 self._aborted_unseen.discard(min(self._aborted_unseen))
-            self._log.debug("abort_of_unknown_generation")
+            if abort.fallback:
+                self._tell_fallback(abort)
+            else:
+                self._log.debug("abort_of_unknown_generation")
             return
-        if h.stage in (Stage.ABORTED, Stage.FAILED):
-            self._log.debug("abort_repeated", stage=h.stage.value)
+        if h.stage in _ENDED:
+            if h.stage is Stage.SWITCHED and abort.fallback:
+                self._tell_fallback(abort)
+            else:
+                self._log.debug("abort_repeated", stage=h.stage.value)
             return
         self._end(h, abort)
+
+    def _tell_fallback(self, abort: Abort) -> None:
+        """The job falls back to its checkpoint: a process whose world lost a peer, waiting for a
+        recovery it was never sent, must hear it now, not at its recovery timeout."""
+        self._log.warning("fallback_abort_of_unknown_generation", reason=abort.reason)
+        try:
+            self.hooks.on_abort(abort)
+        except Exception:
+            self.counts.hooks_failed += 1
+            self._log.exception("hook_failed", hook="on_abort", generation=abort.generation)
 
     def _end(self, h: HandoffView, abort: Abort) -> None:
         """Stop a handoff: the runtime is told only if it knew of it."""
         knew = h.stage in _RUNTIME_KNOWS
-        h.stage, h.early_switch = Stage.ABORTED, None
+        h.stage = check_move(abort.generation, h.stage, Stage.ABORTED, abort.reason)
+        h.early_switch = None
         if knew:
             self._call(h, "on_abort", abort)
 

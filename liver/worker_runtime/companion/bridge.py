@@ -40,9 +40,8 @@ coordinator that vanished; the coordinator enforces the real ones and sends ``Ab
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
-from typing import Protocol
+from typing import Final, Protocol
 
 import structlog
 
@@ -128,8 +127,6 @@ class RuntimeBridge:
         self.switch_grace_s = switch_grace_s
         self._runtime: ResizeTarget | None = None
         self._report: Reporter | None = None
-        self._lock = threading.Lock()
-        self._aborted_by_coordinator: set[int] = set()
         self._open: int | None = None
         self._log = log
 
@@ -179,10 +176,13 @@ class RuntimeBridge:
         self._log.info("bridge.switch_allowed", generation=switch.generation)
 
     def on_abort(self, abort: Abort) -> None:
-        with self._lock:
-            self._aborted_by_coordinator.add(abort.generation)
         self._target().abort(abort.generation, abort.reason, fallback=abort.fallback)
-        self._log.info("bridge.abort_requested", generation=abort.generation, reason=abort.reason)
+        self._log.info(
+            "bridge.abort_requested",
+            generation=abort.generation,
+            reason=abort.reason,
+            fallback=abort.fallback,
+        )
 
     # -- runtime listener (the thread that caused the event) -------------------------------------------
 
@@ -192,49 +192,64 @@ class RuntimeBridge:
             self._log.warning("bridge.event_before_attach", phase=str(event.phase))
             return
         g = event.generation
-        if (
-            event.phase
-            in (ReshardPhase.SWITCHED, ReshardPhase.LEFT, ReshardPhase.ABORTED, ReshardPhase.FALLING_BACK)
-            and self._open == g
-        ):
+        if event.phase in _ENDS_HANDOFF and self._open == g:
             self._open = None
-        if event.phase is ReshardPhase.READY:
-            report(WorkerPhase.READY, generation=g)
-        elif event.phase in (ReshardPhase.SWITCHED, ReshardPhase.LEFT):
+        phase = ack_of(event)
+        if phase is None:
+            if event.phase is ReshardPhase.FELL_BACK and event.fallback is not None:
+                f = event.fallback
+                self._log.warning(
+                    "bridge.fell_back",
+                    generation=f.generation,
+                    failed_generation=f.failed_generation,
+                    checkpoint=f.checkpoint,
+                    iteration=f.iteration,
+                )
+            return
+        if phase is WorkerPhase.SWITCHED:
             r = event.report
             if r is None:  # the runtime always attaches its report to these; refuse to ack without it
                 report(WorkerPhase.FAILED, generation=g, error=f"{event.phase} without a switch report")
                 return
             report(
-                WorkerPhase.SWITCHED,
+                phase,
                 generation=g,
                 iteration=r.iteration,
                 pause_s=r.pause_s,
                 bytes_sent=r.bytes_sent,
                 bytes_received=r.bytes_received,
             )
-        elif event.phase is ReshardPhase.FALLING_BACK:
-            abort = event.abort
-            why = "the old world is gone" if abort is None else f"{abort.stage}: {abort.reason}"
-            report(WorkerPhase.FAILED, generation=g, error=f"{why}; falling back to the last checkpoint")
-        elif event.phase is ReshardPhase.PEER_LOST:
-            # The world is broken: the coordinator finds the lost worker sooner (see its suspect timeout).
-            report(WorkerPhase.PEER_LOST, generation=g)
-        elif event.phase is ReshardPhase.FELL_BACK and event.fallback is not None:
-            f = event.fallback
-            self._log.warning(
-                "bridge.fell_back",
-                generation=f.generation,
-                failed_generation=f.failed_generation,
-                checkpoint=f.checkpoint,
-                iteration=f.iteration,
-            )
-        elif event.phase is ReshardPhase.ABORTED:
-            with self._lock:
-                requested = g in self._aborted_by_coordinator
+        elif phase in (WorkerPhase.ABORTED, WorkerPhase.FAILED):
             abort = event.abort
             why = "no reason given" if abort is None else f"{abort.stage}: {abort.reason}"
-            if requested:
-                report(WorkerPhase.ABORTED, generation=g, error=why)
-            else:
-                report(WorkerPhase.FAILED, generation=g, error=why)
+            if event.phase is ReshardPhase.FALLING_BACK:
+                why = "the old world is gone" if abort is None else why
+                why = f"{why}; falling back to the last checkpoint"
+            report(phase, generation=g, error=why)
+        else:
+            report(phase, generation=g)
+
+
+_ENDS_HANDOFF: Final = frozenset(
+    {ReshardPhase.SWITCHED, ReshardPhase.LEFT, ReshardPhase.ABORTED, ReshardPhase.FALLING_BACK}
+)
+
+_ACK: Final[dict[ReshardPhase, WorkerPhase | None]] = {
+    ReshardPhase.PREPARING: None,  # the coordinator knows: it sent the Prepare
+    ReshardPhase.READY: WorkerPhase.READY,
+    ReshardPhase.SWITCHED: WorkerPhase.SWITCHED,
+    ReshardPhase.LEFT: WorkerPhase.SWITCHED,  # the coordinator waits for leavers too
+    ReshardPhase.ABORTED: WorkerPhase.FAILED,  # "aborted" when given up at the coordinator's word
+    ReshardPhase.FALLING_BACK: WorkerPhase.FAILED,  # past the switch, the old world gone
+    ReshardPhase.FELL_BACK: None,  # no generation of the coordinator's is open: WorldStarted says it
+    ReshardPhase.PEER_LOST: WorkerPhase.PEER_LOST,
+}
+"""The ack each runtime event becomes: the phases are one vocabulary, so this is a lookup."""
+
+
+def ack_of(event: RuntimeEvent) -> WorkerPhase | None:
+    """The ack phase for ``event`` (None: no ack): an abort is ``aborted`` when the coordinator asked
+    for it (an Abort, or a newer Prepare), ``failed`` when this process or another gave it up."""
+    if event.phase is ReshardPhase.ABORTED and event.abort is not None and event.abort.by_request:
+        return WorkerPhase.ABORTED
+    return _ACK[event.phase]

@@ -301,3 +301,36 @@ def _layout_problem(
     except GeometryMismatch as exc:
         return str(exc)
     return None
+
+
+def load_job(reference: str, arguments: Mapping[str, str] | None = None) -> MegatronJob:
+    """The user's job: ``make_job(**arguments)`` for the function ``FILE.py:FUNCTION`` (or
+    ``MODULE:FUNCTION``) names, which returns a :class:`MegatronJob` (their provider, corpus, hooks and
+    train config), as ``liver worker --job-factory`` runs it. :class:`InputError` names the flag:
+    ``--job-factory`` for what cannot be loaded, called or returned, ``--job-arg`` for arguments the
+    function does not take. A provider defined at the top of the same file gets its reference, so that
+    the layout check before each cut can build it in another interpreter."""
+    import dataclasses
+    import inspect
+
+    from liver.shared.errors import InputError
+    from liver.worker_runtime.megatron.source import load_callable, reference_of
+
+    arguments = dict(arguments or {})
+    make = load_callable(reference, "--job-factory")
+    try:
+        inspect.signature(make).bind(**arguments)
+    except TypeError as exc:
+        raise InputError(f"--job-arg: {reference} does not take {sorted(arguments)}: {exc}") from None
+    try:
+        job = make(**arguments)
+    except Exception as exc:
+        raise InputError(f"--job-factory {reference}: raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(job, MegatronJob):
+        raise InputError(f"--job-factory {reference}: returned {type(job).__name__}, not a liver.MegatronJob")
+    source = job.source
+    if source.provider is not None and source.provider_ref is None:
+        found = reference_of(source.provider, reference)
+        if found is not None:
+            job.source = dataclasses.replace(source, provider_ref=found)
+    return job

@@ -43,7 +43,15 @@ from liver.worker_runtime.megatron.build import (
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
 from liver.worker_runtime.megatron.pinned_state import parallel_state_of
 
-__all__ = ["ModelSource", "UserProvider", "as_source", "load_provider", "source_of"]
+__all__ = [
+    "ModelSource",
+    "UserProvider",
+    "as_source",
+    "load_callable",
+    "load_provider",
+    "reference_of",
+    "source_of",
+]
 
 UserProvider = Callable[[ParallelLayout, ProcessGroupCollection], torch.nn.Module]
 """The user's model provider: this rank's part of the model at ``layout`` on the given groups (pass
@@ -144,17 +152,23 @@ def as_source(model: ModelSpec | ModelSource) -> ModelSource:
 
 def load_provider(reference: str) -> UserProvider:
     """The provider ``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` names; errors name what is missing."""
+    return load_callable(reference, "provider")
+
+
+def load_callable(reference: str, what: str) -> Callable[..., Any]:
+    """The function ``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` names (a file is loaded as a module of
+    its own); :class:`InputError` names ``what`` and the part that is missing or fails to import."""
     where, _, name = reference.rpartition(":")
     if not where or not name:
-        raise InputError(f"provider {reference!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+        raise InputError(f"{what} {reference!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
     try:
         if where.endswith(".py"):
             path = Path(where)
             if not path.is_file():
-                raise InputError(f"provider {reference!r}: no such file {where}")
+                raise InputError(f"{what} {reference!r}: no such file {where}")
             spec = importlib.util.spec_from_file_location(f"liver_provider_{path.stem}", path)
             if spec is None or spec.loader is None:
-                raise InputError(f"provider {reference!r}: {where} is not a Python file")
+                raise InputError(f"{what} {reference!r}: {where} is not a Python file")
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
@@ -164,12 +178,29 @@ def load_provider(reference: str) -> UserProvider:
         raise
     except Exception as exc:  # the user's file: a syntax error, an import that fails, ...
         raise InputError(
-            f"provider {reference!r}: cannot import {where}: {type(exc).__name__}: {exc}"
+            f"{what} {reference!r}: cannot import {where}: {type(exc).__name__}: {exc}"
         ) from None
-    provider = getattr(module, name, None)
-    if not callable(provider):
-        raise InputError(f"provider {reference!r}: {where} has no function {name!r}")
-    return provider
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise InputError(f"{what} {reference!r}: {where} has no function {name!r}")
+    return found
+
+
+def reference_of(function: Callable[..., Any], loaded_from: str) -> str | None:
+    """``FILE.py:NAME`` (or ``MODULE:NAME``) for a module-level ``function`` of the module that
+    ``loaded_from`` (a :func:`load_callable` reference) loaded, so that another interpreter can find it
+    too; None for anything else (a closure, a function of another module)."""
+    where, _, _ = loaded_from.rpartition(":")
+    name = getattr(function, "__name__", None)
+    module = sys.modules.get(getattr(function, "__module__", "") or "")
+    if name is None or module is None or getattr(module, name, None) is not function:
+        return None
+    if where.endswith(".py"):
+        path = getattr(module, "__file__", None)
+        if path is None or Path(path).resolve() != Path(where).resolve():
+            return None
+        return f"{Path(where).resolve()}:{name}"
+    return f"{module.__name__}:{name}" if module.__name__ == where else None
 
 
 def source_of(ref: ModelRef) -> ModelSource:
