@@ -26,10 +26,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.shared.plan import Plan, WorldConfig
     from liver.worker_runtime.companion.bridge import RuntimeBridge
     from liver.worker_runtime.companion.thread import Companion
+    from liver.worker_runtime.generations import HandoffState
     from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
     from liver.worker_runtime.megatron.datasets import MegatronCorpus, prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry, derive_geometry_in_subprocess
-    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.job import MegatronJob, load_job
     from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.train import TrainerHooks
     from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
         RuntimeOptions,
         TrainerFactory,
     )
+    from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings, run_worker
     from liver.worker_runtime.world import StoreAddress, WorldSpec, host_store
 
 _LAZY: dict[str, str] = {
@@ -62,6 +64,12 @@ _LAZY: dict[str, str] = {
     "HandoffAborted": "liver.worker_runtime.handoff",
     "HandoffFailed": "liver.worker_runtime.handoff",
     "StepAbandoned": "liver.worker_runtime.peers",
+    "HandoffState": "liver.worker_runtime.generations",
+    # one training process on the bus (what `liver worker` runs)
+    "WorkerSettings": "liver.worker_runtime.worker_main",
+    "InitialWorld": "liver.worker_runtime.worker_main",
+    "run_worker": "liver.worker_runtime.worker_main",
+    "load_job": "liver.worker_runtime.megatron.job",
     # the Megatron-core job
     "MegatronJob": "liver.worker_runtime.megatron.job",
     "ModelSource": "liver.worker_runtime.megatron.source",
@@ -104,6 +112,8 @@ __all__ = [
     "HandoffAborted",
     "HandoffError",
     "HandoffFailed",
+    "HandoffState",
+    "InitialWorld",
     "InputError",
     "LayoutError",
     "LiveRuntime",
@@ -129,6 +139,7 @@ __all__ = [
     "TrainConfig",
     "TrainerFactory",
     "TrainerHooks",
+    "WorkerSettings",
     "WorldConfig",
     "WorldSpec",
     "configure_logging",
@@ -136,9 +147,11 @@ __all__ = [
     "derive_geometry_in_subprocess",
     "grid_devices",
     "host_store",
+    "load_job",
     "load_model",
     "plan_resize",
     "prepare_corpus",
+    "run_worker",
 ]
 
 

@@ -35,7 +35,7 @@ from nats.aio.client import Client
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.layout import Device
-from liver.shared.messages import ErrorEvent, Heartbeat, Hello, Message, WorkerStatus
+from liver.shared.messages import Abort, ErrorEvent, Heartbeat, Hello, Message, WorkerStatus
 from liver.shared.nats_server import NatsServer
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import AgentSettings, GenerationRank, WorkerIdentity
@@ -259,6 +259,20 @@ async def test_abort_of_an_unknown_generation_is_a_no_op(nats_server: NatsServer
     assert (first.phase, marker.phase) == ("ready", "ready")
     assert all(decode(m.data, WorkerStatus).generation == 1 for m in acks.messages)
     assert hooks.named("abort") == []
+
+
+async def test_a_fallback_abort_of_a_generation_never_prepared_still_reaches_the_runtime(
+    nats_server: NatsServer, job: str
+) -> None:
+    """A survivor of a DP=1 world waits for a recovery no replica allows: the coordinator's checkpoint
+    fallback names a generation this worker never saw, and must end that wait at once."""
+    hooks = RecordingHooks()
+    async with prepared_companion(nats_server.url, job, hooks) as (nc, _, _):
+        fallback = Abort(job_id=job, generation=9, reason="no replica holds the state", fallback=True)
+        await publish(nc, s.worker_commands(job), fallback)
+        await eventually(lambda: _true(len(hooks.named("abort")) == 1), what="on_abort called")
+    (heard,) = hooks.named("abort")
+    assert heard == fallback
 
 
 async def test_a_prepare_overtaken_by_its_abort_never_starts(nats_server: NatsServer, job: str) -> None:

@@ -29,6 +29,7 @@ from liver.services.coordinator import (
     IllegalTransition,
     Note,
     PlanningFailed,
+    ProbeWorkers,
     Publish,
     RecordConflict,
     RecordObserved,
@@ -43,6 +44,7 @@ from liver.services.coordinator import (
     TopologyRequest,
     Wait,
     WorkerLost,
+    WorkersProbed,
     WorldStarted,
     WriteMembership,
     WriteRecord,
@@ -212,7 +214,9 @@ class Driver:
     def _keep(self, out: list[Action]) -> list[Action]:
         self.log.extend(out)
         self.pending.extend(
-            a for a in out if isinstance(a, WriteRecord | RequestTopology | RequestTransfer | SendCommand)
+            a
+            for a in out
+            if isinstance(a, WriteRecord | RequestTopology | RequestTransfer | SendCommand | ProbeWorkers)
         )
         return out
 
@@ -357,6 +361,24 @@ class Driver:
         self.pending = [a for a in self.pending if a not in found]
         return found
 
+    def probe(self, gone: tuple[Device, ...] = (), silent: tuple[Device, ...] = ()) -> list[Action]:
+        """Answer the pending probe: the workers on ``gone`` have no subscriber, those on ``silent``
+        do not answer in time, the others answer."""
+        probes = [a for a in self.pending if isinstance(a, ProbeWorkers)]
+        assert probes, "no probe pending"
+        action = probes[-1]  # the latest: the core waits for no other
+        self.pending = [a for a in self.pending if not isinstance(a, ProbeWorkers)]
+        gone_ids, silent_ids = {worker(d) for d in gone}, {worker(d) for d in silent}
+        return self.feed(
+            WorkersProbed(
+                probe=action.probe,
+                generation=action.generation,
+                gone=tuple(w for w in action.worker_ids if w in gone_ids),
+                silent=tuple(w for w in action.worker_ids if w in silent_ids),
+                answered=tuple(w for w in action.worker_ids if w not in gone_ids | silent_ids),
+            )
+        )
+
     def ready(self, skip: tuple[str, ...] = ()) -> None:
         for cmd in self.commands(Prepare):
             for w in self.takers(cmd):
@@ -386,7 +408,9 @@ class Driver:
 
     def answer_next(self) -> bool:
         """Answer the first thing waiting, as a healthy system would; ``False`` when nothing waits."""
-        if self.has(WriteRecord):
+        if self.has(ProbeWorkers):
+            self.probe()
+        elif self.has(WriteRecord):
             self.write()
         elif self.has(RequestTopology):
             self.topology()
@@ -1124,11 +1148,14 @@ def test_a_new_world_that_lost_a_peer_before_its_commit_was_recorded_finds_it_so
     lost = target[-1]
     d.switched(skip=(worker(lost),))
     d.status(target[0], 1, "peer_lost")  # its first step on the new world failed
+    d.probe(silent=(lost,))
     d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
     for dev in WORLD + SPARES:
         if dev != lost:
             d.beat(dev)
     d.tick()
+    if d.has(ProbeWorkers):
+        d.probe()
     d.write()
     (committed,) = d.published(GenerationCommitted)
     assert committed.generation == 1
@@ -1646,6 +1673,7 @@ def test_world_worker_gone_silent_starts_a_handoff_without_it() -> None:
     for dev in WORLD[:3] + SPARES:
         d.beat(dev)
     d.tick()
+    d.probe()  # its node's other workers are asked first: they answer
     assert d.core.phase is GenerationPhase.PREPARE
     d.write()
     assert d.pop(RequestTopology).request.lost == (WORLD[3],)
@@ -1655,10 +1683,91 @@ def test_a_world_that_reports_a_lost_peer_has_its_silent_worker_found_within_the
     d = started()
     assert CONFIG.suspect_timeout_s < CONFIG.heartbeat_timeout_s
     d.status(WORLD[0], 0, "peer_lost")  # a survivor's collective failed: some peer is gone
+    d.probe(silent=(WORLD[3],))  # the lost one's connection lingers: the probe cannot tell
     d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
     for dev in WORLD[:3] + SPARES:
         d.beat(dev)
     d.tick()
+    d.probe(silent=(WORLD[3],))
+    assert d.core.phase is GenerationPhase.PREPARE
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[3],)
+
+
+def test_a_lost_peer_report_asks_the_worlds_members_whether_they_are_there() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    (probe,) = [a for a in d.pending if isinstance(a, ProbeWorkers)]
+    assert set(probe.worker_ids) == {worker(dev) for dev in WORLD}
+    assert probe.timeout_s == CONFIG.probe_timeout_s
+
+
+def test_a_member_whose_process_is_gone_is_lost_at_the_probes_answer_not_after_the_suspect_timeout() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.probe(gone=(WORLD[3],))
+    assert d.core.phase is GenerationPhase.PREPARE  # no time passed
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[3],)
+
+
+def test_a_whole_node_found_gone_is_one_loss_planned_in_one_handoff() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.probe(gone=on_node("node001", WORLD))
+    d.write()
+    (asked,) = [a for a in d.pending if isinstance(a, RequestTopology)]
+    assert asked.request.lost == on_node("node001", WORLD)
+    d.run()
+    (committed,) = d.published(GenerationCommitted)
+    assert committed.generation == 1 and not d.published(GenerationAborted)
+
+
+def test_a_member_silent_to_the_probe_is_left_to_its_heartbeats() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.probe(silent=(WORLD[3],))
+    assert d.core.phase is GenerationPhase.STABLE and d.core.membership.on_device(WORLD[3]) is not None
+
+
+def test_a_silent_member_found_by_its_heartbeats_has_its_node_mates_asked_before_planning() -> None:
+    d = started()
+    d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
+    for dev in WORLD[:2] + SPARES:  # both workers of node001 stopped, one beat apart
+        d.beat(dev)
+    d.beat(WORLD[2])
+    d.tick()
+    assert d.core.phase is GenerationPhase.STABLE and d.has(ProbeWorkers)
+    d.probe(gone=(WORLD[2],))
+    d.write()
+    assert d.pop(RequestTopology).request.lost == on_node("node001", WORLD)
+
+
+def test_an_event_that_comes_while_a_probe_is_out_is_planned_with_the_loss_it_finds() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.scale("evt-grow", add=SPARES)
+    assert d.core.phase is GenerationPhase.STABLE
+    d.probe(gone=(WORLD[3],))
+    d.write()
+    request = d.pop(RequestTopology).request
+    assert request.lost == (WORLD[3],) and request.add == SPARES
+
+
+def test_an_unanswered_probe_is_given_up_at_its_deadline_and_planning_goes_on() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.scale("evt-grow", add=SPARES)
+    d.wait(2 * CONFIG.probe_timeout_s + 1.5)
+    assert d.core.phase is GenerationPhase.PREPARE and d.notes("probe_unanswered")
+
+
+def test_the_answer_of_a_probe_given_up_still_names_who_is_gone() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    (stale,) = [a for a in d.pending if isinstance(a, ProbeWorkers)]
+    d.wait(2 * CONFIG.probe_timeout_s + 1.5)
+    d.feed(WorkersProbed(probe=stale.probe, generation=0, gone=(worker(WORLD[3]),)))
     assert d.core.phase is GenerationPhase.PREPARE
     d.write()
     assert d.pop(RequestTopology).request.lost == (WORLD[3],)

@@ -140,6 +140,7 @@ def test_every_application_subject_the_config_names_is_one_liver_uses() -> None:
         s.WORKER_HEARTBEAT_ANY,
         s.WORKER_STATUS_ANY,
         f"{s.PREFIX}.worker.cmd.>",
+        f"{s.PREFIX}.worker.probe.>",
         *(s.errors(source) for source in (*SERVICES, "worker")),
         *(s.dead_letters(service) for service in SERVICES),
         *(status_subject(service) for service in SERVICES),
@@ -151,6 +152,7 @@ def test_every_application_subject_the_config_names_is_one_liver_uses() -> None:
         ">",
     }
     assert s.worker_command("j", "w").startswith(f"{s.PREFIX}.worker.cmd.")
+    assert s.worker_probe("j", "w").startswith(f"{s.PREFIX}.worker.probe.")
     application = [x for x in quoted_subjects() if not x.startswith(("$JS.", "$KV.", "$O."))]
     assert sorted(set(application) - known) == []
 

@@ -250,3 +250,25 @@ def test_each_worker_of_the_example_job_gets_its_own_rank_of_one_world() -> None
         assert settings.initial is not None
         ranks.append(settings.initial.placement.rank_on()[settings.device_id])
     assert ranks == list(range(job["spec"]["replicas"]))
+
+
+def test_the_example_job_runs_a_users_own_job_on_the_corpus_its_init_container_writes() -> None:
+    import inspect
+
+    from liver.worker_runtime.megatron.source import load_callable
+
+    job = find("StatefulSet", "liver-train")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    words = shlex.split(container["args"][0].replace("$POD_NAME", "liver-train-0"))
+    parser = argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    settings = worker_cmd.settings_from(parser.parse_args(words[3:]))
+    assert settings.job_factory == "/opt/liver/examples/your_own_job.py:make_job"
+    (init,) = pod["initContainers"]
+    written = init["args"][init["args"].index("--output-prefix") + 1]
+    assert settings.job_args == {"data": written}
+    image_root = Path(__file__).resolve().parent.parent  # /opt/liver in the image (infra/Dockerfile)
+    local = settings.job_factory.replace("/opt/liver", str(image_root))
+    make_job = load_callable(local, "--job-factory")
+    inspect.signature(make_job).bind(**settings.job_args)

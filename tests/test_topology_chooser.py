@@ -229,3 +229,55 @@ def test_a_lost_device_offered_as_a_target_is_refused() -> None:
     lost = current.placement.devices[3]
     with pytest.raises(TopologyError, match=f"devices: device {lost} is lost"):
         choose_topology(GPT, SETUP, CPU_SMALL, current, current.placement.devices, lost=(lost,))
+
+
+# -- redundancy: a layout whose state survives a node lost without notice ------------------------------------
+
+CHAOS_SETUP = TrainingSetup(global_batch_size=12, micro_batch_size=1, sequence_length=16)
+SIX = grid_devices(3, 2)
+"""node000:0,1 node001:0,1 node002:0,1."""
+
+
+def _shrink_to_two_nodes(redundancy: str) -> tuple[ParallelLayout, Placement]:
+    from liver.services.topology.chooser import choose_topology
+
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=3), Placement(SIX))
+    decision = choose_topology(
+        PRESETS["tiny-gpt"],
+        CHAOS_SETUP,
+        CPU_SMALL,
+        current,
+        SIX[:4],
+        redundancy=redundancy,  # type: ignore[arg-type]
+    )
+    return decision.layout, decision.placement
+
+
+def test_without_redundancy_a_shrink_may_keep_no_replica_on_another_node() -> None:
+    from liver.services.transfer.planner import orphaned_shards
+
+    layout, placement = _shrink_to_two_nodes("none")
+    world = WorldConfig(layout, placement)
+    node001 = tuple(d for d in placement.devices if d.node == "node001")
+    assert orphaned_shards(PRESETS["tiny-gpt"].geometry(), world, node001)  # TP2,PP2: pipeline halves
+
+
+def test_with_node_redundancy_the_state_survives_the_loss_of_either_node() -> None:
+    from liver.services.transfer.planner import orphaned_shards
+
+    layout, placement = _shrink_to_two_nodes("node")
+    world = WorldConfig(layout, placement)
+    assert layout.dp >= 2
+    for node in ("node000", "node001"):
+        lost = tuple(d for d in placement.devices if d.node == node)
+        assert not orphaned_shards(PRESETS["tiny-gpt"].geometry(), world, lost), node
+
+
+def test_node_redundancy_asks_for_nothing_on_a_single_node() -> None:
+    from liver.services.topology.chooser import choose_topology
+
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=1), Placement(SIX[:2]))
+    decision = choose_topology(
+        PRESETS["tiny-gpt"], CHAOS_SETUP, CPU_SMALL, current, SIX[:2], redundancy="node"
+    )
+    assert decision.placement.devices and {d.node for d in decision.placement.devices} == {"node000"}

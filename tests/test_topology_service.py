@@ -456,3 +456,12 @@ def test_the_memory_estimate_counts_the_state_of_the_jobs_own_model_tensor_for_t
     after = next(c.memory_bytes for c in planned.candidates if c.layout == layout)
     # Half the head per TP rank: fp32 weight and two Adam moments, and its fp32 gradient.
     assert after - before == (4096 * 64 // 2) * 4 * (3 + 1)
+
+
+def test_node_redundancy_comes_from_its_variable_and_a_bad_value_is_named() -> None:
+    from liver.services.topology.settings import REDUNDANCY_ENV
+
+    assert TopologySettings.from_env(ENV).redundancy == "none"
+    assert TopologySettings.from_env(ENV | {REDUNDANCY_ENV: "node"}).redundancy == "node"
+    with pytest.raises(TopologyConfigError, match=f"^{REDUNDANCY_ENV}: 'rack' is neither"):
+        TopologySettings.from_env(ENV | {REDUNDANCY_ENV: "rack"})

@@ -32,6 +32,15 @@ class Invariant(StrEnum):
     NO_ABORT = "no_abort"
     """No event is aborted: every event of the run is feasible and no worker fails, so an abort (or a
     fallback to the checkpoint) could only be caused by the kills, which must cost time and nothing else."""
+    # With real training processes (liver.chaos.real):
+    LEAVES_WARNED_NODE = "leaves_warned_node"
+    """Every spot warning ends in a commit whose world no longer uses the warned node."""
+    LIVE_RECOVERY = "live_recovery"
+    """A lost worker or node whose state a replica holds is recovered live, training again in time."""
+    ITERATIONS = "iterations"
+    """No worker's iterations ever go back."""
+    EXITS = "exits"
+    """No worker exits non-zero unless the run killed it."""
 
 
 class Violation(msgspec.Struct, frozen=True, kw_only=True):

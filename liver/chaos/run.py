@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 
 from liver.bench.bus import rig
 from liver.chaos.checker import Outcome, Violation, check
-from liver.chaos.schedule import Kill, Schedule, Stage, Step, Target
+from liver.chaos.schedule import Kill, Loss, Schedule, Stage, Step, Target
 from liver.services.coordinator.record import GenerationRecord
 from liver.services.coordinator.service import CONFIG_ENV as COORDINATOR_CONFIG_ENV
 from liver.services.coordinator.service import INSTANCE_ENV, JOB_ENV
@@ -107,6 +107,8 @@ class StepRecord(msgspec.Struct, kw_only=True):
     """From the first publish to the last outcome naming one of the step's events."""
     generations: tuple[int, ...] = ()
     outcome: str = "timeout"
+    loss: Loss | None = None
+    """The loss without notice this step was (real training processes only); no event was published."""
 
 
 class ChaosResult(msgspec.Struct, kw_only=True):

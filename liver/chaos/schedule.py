@@ -18,13 +18,23 @@ from liver.shared.errors import InputError
 
 
 class Target(StrEnum):
-    """What a kill hits: one of the four services, or the nats-server itself."""
+    """What a kill hits: one of the four services, the nats-server itself, or (with real training
+    processes) one worker of the world that stays."""
 
     INGESTER = "ingester"
     TOPOLOGY = "topology"
     TRANSFER = "transfer"
     COORDINATOR = "coordinator"
     SERVER = "nats-server"
+    WORKER = "worker"
+
+
+class Loss(StrEnum):
+    """A step whose event is a loss without notice (real training processes only): kill -9 of one
+    training process of the world, or of every process of one of its nodes."""
+
+    WORKER = "worker"
+    NODE = "node"
 
 
 SERVICES: Final = (Target.INGESTER, Target.TOPOLOGY, Target.TRANSFER, Target.COORDINATOR)
@@ -54,6 +64,7 @@ STAGES_OF: Final = {
         Stage.SWITCH,
     ),
     Target.SERVER: tuple(Stage),
+    Target.WORKER: (Stage.PREPARE, Stage.SWITCH),
 }
 """The stages at which each target holds (or is about to take) the handoff's message: a kill there
 is a kill in the middle of its work, not between two of its messages."""
@@ -80,6 +91,8 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     burst: bool
     """A spot warning is joined at once by a second one, where the world has room to lose two nodes."""
     kill: Kill | None = None
+    loss: Loss | None = None
+    """This step's event is a loss, not a published event (real training processes only)."""
 
 
 class Schedule(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,22 +104,39 @@ class Schedule(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(step.kill for step in self.steps if step.kill is not None)
 
 
-def make_schedule(seed: int, *, steps: int, kills: int, server_kills: int) -> Schedule:
-    """``steps`` events with ``kills`` of them carrying a kill, ``server_kills`` of those of the server."""
+def make_schedule(
+    seed: int,
+    *,
+    steps: int,
+    kills: int,
+    server_kills: int,
+    worker_kills: int = 0,
+    losses: int = 0,
+) -> Schedule:
+    """``steps`` events with ``kills`` of them carrying a kill, ``server_kills`` of those of the server
+    and ``worker_kills`` of a training process; ``losses`` other steps are losses without notice
+    (alternately one worker and a whole node). The last two need real training processes."""
     if steps < 1:
         raise ScheduleError(f"`steps`: at least one, got {steps}")
     if not 0 <= kills <= steps:
         raise ScheduleError(f"`kills`: between 0 and the {steps} steps, got {kills}")
-    if not 0 <= server_kills <= kills:
-        raise ScheduleError(f"`server_kills`: between 0 and the {kills} kills, got {server_kills}")
+    if not 0 <= server_kills + worker_kills <= kills:
+        special = server_kills + worker_kills
+        raise ScheduleError(
+            f"`server_kills` + `worker_kills`: between 0 and the {kills} kills, got {special}"
+        )
+    if not 0 <= losses <= steps - kills:
+        raise ScheduleError(f"`losses`: between 0 and the {steps - kills} steps without a kill, got {losses}")
     rng = random.Random(seed)
-    targets = [Target.SERVER] * server_kills
+    targets = [Target.SERVER] * server_kills + [Target.WORKER] * worker_kills
     services = list(SERVICES)
     while len(targets) < kills:
         rng.shuffle(services)
         targets.extend(services[: kills - len(targets)])
     rng.shuffle(targets)
     killed = dict(zip(sorted(rng.sample(range(steps), kills)), targets, strict=True))
+    calm = [i for i in range(steps) if i not in killed]
+    lost = {i: (Loss.WORKER, Loss.NODE)[n % 2] for n, i in enumerate(sorted(rng.sample(calm, losses)))}
     out = []
     for index in range(steps):
         draw, burst = rng.random(), rng.random() < BURST_SHARE
@@ -114,5 +144,5 @@ def make_schedule(seed: int, *, steps: int, kills: int, server_kills: int) -> Sc
         if index in killed:
             target = killed[index]
             kill = Kill(target=target, stage=rng.choice(STAGES_OF[target]), down_s=rng.uniform(*DOWN_S))
-        out.append(Step(index=index, draw=draw, burst=burst, kill=kill))
+        out.append(Step(index=index, draw=draw, burst=burst, kill=kill, loss=lost.get(index)))
     return Schedule(seed=seed, steps=tuple(out))

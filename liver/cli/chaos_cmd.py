@@ -32,6 +32,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="instead of kills: N hostile messages on every subject LiveR reads (liver.chaos.fuzz)",
     )
+    p.add_argument(
+        "--workers",
+        choices=("simulated", "real"),
+        default="simulated",
+        help="the job: simulated node processes (default), or real training processes (a tiny Megatron "
+        "GPT on CPU, one `liver worker` per device, two per node, standbys), with losses without notice",
+    )
+    p.add_argument(
+        "--worker-kills", type=int, default=0, help="real: kills of a training process inside a handoff"
+    )
+    p.add_argument(
+        "--losses",
+        type=int,
+        default=0,
+        help="real: steps that are a loss (a worker, or a node) instead of an event",
+    )
+    p.add_argument(
+        "--job-factory", metavar="FILE.py:FUNCTION", help="real: your own job (as liver worker --job-factory)"
+    )
+    p.add_argument(
+        "--job-arg", action="append", default=[], metavar="KEY=VALUE", help="real: for --job-factory"
+    )
     p.add_argument("--log-dir", type=Path, help="keep every process's log here (default: a removed temp dir)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -47,9 +69,16 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--outcome-timeout: must be > 0, got {args.outcome_timeout}")
     if args.nodes < 3:
         raise CliError(f"--nodes: at least 3 (a world of two and one to come back), got {args.nodes}")
+    if args.workers != "real" and (args.worker_kills or args.losses or args.job_factory or args.job_arg):
+        raise CliError("--worker-kills, --losses, --job-factory and --job-arg need --workers real")
     try:
         schedule = make_schedule(
-            args.seed, steps=args.steps, kills=args.kills, server_kills=args.server_kills
+            args.seed,
+            steps=args.steps,
+            kills=args.kills,
+            server_kills=args.server_kills,
+            worker_kills=args.worker_kills,
+            losses=args.losses,
         )
     except ValueError as exc:
         raise CliError(str(exc).replace("`", "--").replace("_", "-")) from None
@@ -61,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fuzz is not None:
         return _fuzz(args, progress)
 
+    if args.workers == "real":
+        return _real(args, schedule, progress)
     config = ChaosConfig(nodes=args.nodes, outcome_timeout_s=args.outcome_timeout)
     result = run_chaos(schedule, config, args.log_dir, progress)
     if args.json:
@@ -126,4 +157,56 @@ def _fuzz(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     for line in result.unanswered[:20]:
         print(f"  UNANSWERED {line}")
     print("every message answered" if result.passed else "FAILED")
+    return 0 if result.passed else 1
+
+
+def _real(args: argparse.Namespace, schedule: object, progress: Callable[[str], None]) -> int:
+    from liver.chaos.real import run_real_chaos
+    from liver.chaos.run import ChaosConfig
+    from liver.chaos.schedule import Schedule
+    from liver.cli.main import CliError
+
+    assert isinstance(schedule, Schedule)
+    job_args = {}
+    for text in args.job_arg:
+        key, sep, value = text.partition("=")
+        if not sep or not key.isidentifier():
+            raise CliError(f"--job-arg: {text!r} is not KEY=VALUE")
+        job_args[key] = value
+    config = ChaosConfig(nodes=args.nodes, outcome_timeout_s=args.outcome_timeout)
+    result = run_real_chaos(
+        schedule, config, args.log_dir, progress, job_factory=args.job_factory, job_args=job_args
+    )
+    from liver.chaos.real import real_summary
+
+    figures = real_summary(result)
+    if args.json:
+        payload = {"result": msgspec.to_builtins(result), "summary": figures, "passed": result.passed}
+        sys.stdout.write(msgspec.json.encode(payload).decode() + "\n")
+        return 0 if result.passed else 1
+    print(f"seed {result.seed}: {len(result.steps)} steps in {result.seconds:.0f} s, real training processes")
+    for step in result.steps:
+        kill = f"kill {step.kill.target.value} at {step.kill.stage.value}" if step.kill else ""
+        what = step.loss.value + " lost" if step.loss is not None else step.kind.value
+        took = "no outcome" if step.seconds is None else f"{step.seconds:6.1f} s"
+        print(
+            f"  {step.index:3d} {what:<13} {','.join(step.nodes):<15} {took:>10}  "
+            f"{step.outcome:<9} gen {','.join(map(str, step.generations)):<6} {kill}"
+        )
+    for loss in result.losses:
+        devices = ",".join(map(str, loss.devices))
+        training = "never" if loss.training_s is None else f"{loss.training_s:.2f} s"
+        print(
+            f"  loss of {devices} (step {loss.step}): generation {loss.generation}, "
+            f"training again after {training}"
+        )
+    print(f"kills {result.kills}; worker exits {result.worker_exits}")
+    for key, value in figures.items():
+        print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
+    if result.violations:
+        print("VIOLATIONS:")
+        for v in result.violations:
+            print(f"  {v.invariant.value}: {v.detail}")
+    else:
+        print("every invariant held")
     return 0 if result.passed else 1

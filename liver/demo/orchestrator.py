@@ -203,7 +203,7 @@ async def _kill_node(
         victim.signal_group(signal.SIGKILL)
     progress.phase(
         f"killed {sc.reclaimed_node}'s workers without notice: the survivors keep their state and wait "
-        f"(they report it; the coordinator finds the silent workers within {sc.suspect_timeout_s:.0f} s)"
+        "(they report it; the coordinator asks every worker of the world and finds the dead ones at once)"
     )
 
     def planned() -> str | None:

@@ -140,6 +140,13 @@ def worker_command(job_id: str, worker_id: str) -> str:
     return f"liver.worker.cmd.{validate_token(job_id, 'job_id')}.{validate_token(worker_id, 'worker_id')}"
 
 
+def worker_probe(job_id: str, worker_id: str) -> str:
+    """Coordinator -> one worker, request/reply: is this worker's process still there? Its companion
+    answers at once; a process that is gone has no subscription left, so the server answers "no
+    responders" within a round trip, long before a heartbeat deadline passes."""
+    return f"liver.worker.probe.{validate_token(job_id, 'job_id')}.{validate_token(worker_id, 'worker_id')}"
+
+
 def worker_commands_any(job_id: str) -> str:
     """Pattern matching the per-worker command subjects of one job (for permissions and monitoring)."""
     return f"liver.worker.cmd.{validate_token(job_id, 'job_id')}.*"

@@ -531,6 +531,11 @@ class _Worker:
             )
 
 
+run_worker = run
+"""``liver.run_worker(settings, url, job=...)``: what ``liver worker`` runs, for a script launched
+otherwise (torchrun, a job controller) with its own :class:`WorkerSettings` and ``MegatronJob``."""
+
+
 def exit_now(code: int) -> None:
     """Leave without interpreter teardown: process groups whose peers are gone can block a clean exit,
     and everything that must outlive the worker (acks, metrics) is already flushed."""
@@ -549,4 +554,5 @@ __all__ = [
     "WorkerStopped",
     "exit_now",
     "run",
+    "run_worker",
 ]

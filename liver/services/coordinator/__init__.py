@@ -10,6 +10,7 @@ from liver.shared.messages import PlanningFailed, TopologyRequest, WorldStarted
 from .actions import (
     Action,
     Note,
+    ProbeWorkers,
     Publish,
     ReleasePlan,
     RequestTopology,
@@ -30,6 +31,7 @@ from .events import (
     RecordWritten,
     Tick,
     WorkerLost,
+    WorkersProbed,
 )
 from .membership import Change, Expired, Member, Membership, MembershipError
 from .record import GenerationRecord, Participant, PendingHandoff, Trigger
@@ -54,6 +56,7 @@ __all__ = [
     "Participant",
     "PendingHandoff",
     "PlanningFailed",
+    "ProbeWorkers",
     "Publish",
     "RecordConflict",
     "RecordObserved",
@@ -69,6 +72,7 @@ __all__ = [
     "Trigger",
     "Wait",
     "WorkerLost",
+    "WorkersProbed",
     "WorldStarted",
     "WriteMembership",
     "WriteRecord",

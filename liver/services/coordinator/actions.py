@@ -67,6 +67,17 @@ class Publish(Action):
     """When the handoff began, for the metrics; None for a restored outcome."""
 
 
+class ProbeWorkers(Action):
+    """Ask each worker directly whether its process is still there (a survivor said its world lost a
+    peer, or a member went silent): the adapter answers with :class:`~.events.WorkersProbed`."""
+
+    probe: int
+    """Names the probe: its answer carries it back."""
+    generation: Generation
+    worker_ids: tuple[str, ...]
+    timeout_s: float
+
+
 class WriteMembership(Action):
     """Put the job's membership record (who runs the live world, on which device) for the ingester.
 

@@ -38,6 +38,11 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     for this long is lost: two to three beats. The loss is certain then, only not whose it is, and the
     survivors stand still until it is found."""
 
+    probe_timeout_s: float = 1.0
+    """How long the coordinator waits for a worker's answer when it asks the members of a world that
+    lost a peer whether they are still there. A process that is gone is known at once (the bus has no
+    subscriber for it); one that does not answer in time is left to the heartbeats."""
+
     margin_s: float = 5.0
     """A handoff must finish this long before its node is reclaimed. Providers' notices are
     approximate; finishing early keeps the source ranks alive for the whole transfer."""
@@ -72,6 +77,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         for field in (
             "heartbeat_timeout_s",
             "suspect_timeout_s",
+            "probe_timeout_s",
             "default_handoff_s",
             "min_switch_s",
             "bandwidth_bytes_per_s",

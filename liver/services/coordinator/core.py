@@ -92,6 +92,7 @@ from .actions import (
     Action,
     Note,
     NoteLevel,
+    ProbeWorkers,
     Publish,
     ReleasePlan,
     RequestTopology,
@@ -114,6 +115,7 @@ from .events import (
     RecordWritten,
     Tick,
     WorkerLost,
+    WorkersProbed,
     WorldStarted,
 )
 from .membership import HelloPending, Membership, MembershipError
@@ -301,6 +303,10 @@ class Coordinator:
         self._restored_at: datetime | None = None
         self._world_members: JobMembership | None = None
         self._world_members_key: tuple[int, int] | None = None
+        self._probing: tuple[int, datetime] | None = None
+        """A probe of a world's members in flight: its number, and when to stop waiting for it. No
+        handoff begins meanwhile, so that every member found gone is planned around at once."""
+        self._probes = 0
 
     # -- what tests and the adapter may look at ---------------------------------------------------
 
@@ -346,6 +352,8 @@ class Coordinator:
     def next_deadline(self) -> datetime | None:
         """The next moment a :class:`Tick` could change something: when the adapter should tick."""
         times = [t for t in (self.membership.next_deadline(),) if t is not None]
+        if self._probing is not None:
+            times.append(self._probing[1])
         h = self._handoff
         if h is not None and self._phase in (GenerationPhase.PREPARE, GenerationPhase.READY):
             times.append(self._prepare_deadline(h))
@@ -373,6 +381,8 @@ class Coordinator:
                 self._on_presence(event)
             case WorkerLost():
                 self._on_worker_lost(event)
+            case WorkersProbed():
+                self._on_probed(event)
             case WorldStarted():
                 self._on_world_started(event)
             case Tick():
@@ -831,8 +841,11 @@ class Coordinator:
     # -- starting a handoff --------------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        """Start a handoff for every waiting trigger that still changes the live world."""
+        """Start a handoff for every waiting trigger that still changes the live world (not while a
+        probe is finding out who else is gone: those are planned around in the same handoff)."""
         if self._phase is not GenerationPhase.STABLE or self._inflight is not None or not self._queue:
+            return
+        if self._probing is not None:
             return
         assert self._record is not None
         world = self._record.devices
@@ -1446,6 +1459,10 @@ class Coordinator:
             )
 
     def _on_tick(self) -> None:
+        if self._probing is not None and self.now >= self._probing[1]:
+            self._note("warning", "probe_unanswered", probe=self._probing[0])
+            self._probing = None
+            self._begin()
         expired = self.membership.expire(self.now)
         timeout = self.config.heartbeat_timeout_s
         self.silent_workers += len(expired.lost)
@@ -1454,9 +1471,15 @@ class Coordinator:
             self._on_lost(
                 member.device,
                 f"worker {member.worker_id} on {member.device} silent for {member.timeout(timeout)} s{after}",
+                begin=False,
             )
         for device in expired.missing:
-            self._on_lost(device, f"no worker on {device} reported within {timeout} s of the restart")
+            self._on_lost(
+                device, f"no worker on {device} reported within {timeout} s of the restart", begin=False
+            )
+        if any(m.device in self._world() for m in expired.lost):
+            self._probe(self._world())  # its node's other workers may be gone too: one loss, one plan
+        self._begin()
         if self._wait is Wait.WORKERS and self._handoff is not None and self._handoff.stop is None:
             self._send_prepares()
 
@@ -1559,6 +1582,7 @@ class Coordinator:
             # The new world lost a peer right after its commit, before this coordinator recorded it.
             marked = self.membership.suspect(target, self.config.suspect_timeout_s)
             self._note("warning", "new_world_lost_a_peer", worker_id=event.worker_id, suspects=marked)
+            self._probe(target, generation=h.generation)
             return
         if self._record is None or not self._record.live or event.generation != self._record.generation:
             self._note(
@@ -1580,6 +1604,58 @@ class Coordinator:
             suspects=marked,
             within_s=self.config.suspect_timeout_s,
         )
+        devices = set(self._world())
+        if h is not None and h.target is not None:
+            devices |= h.target  # a handoff in flight: its joiners may be the ones gone
+        self._probe(devices)
+
+    def _probe(self, devices: Iterable[Device], generation: int | None = None) -> None:
+        """Ask the workers on ``devices`` whether they are still there (one probe at a time): a process
+        that is gone is known within a round trip instead of after the suspicion window, and every
+        member found gone at once is one loss, planned around in one handoff."""
+        if self._probing is not None:
+            return
+        wanted = set(devices)
+        workers = tuple(sorted(m.worker_id for m in self.membership if m.device in wanted))
+        if not workers:
+            return
+        if generation is None:
+            generation = self._record.generation if self._record is not None else 0
+        give_up = self.now + timedelta(seconds=2 * self.config.probe_timeout_s + 1.0)
+        self._probes += 1
+        self._probing = (self._probes, give_up)
+        self._emit(
+            ProbeWorkers(
+                probe=self._probes,
+                generation=generation,
+                worker_ids=workers,
+                timeout_s=self.config.probe_timeout_s,
+            )
+        )
+
+    def _on_probed(self, event: WorkersProbed) -> None:
+        """The members found gone are lost now, all of them before any handoff begins (an answer to a
+        probe given up on still says who is gone)."""
+        if self._probing is not None and self._probing[0] == event.probe:
+            self._probing = None
+        self._note(
+            "info",
+            "workers_probed",
+            probed_generation=event.generation,
+            gone=list(event.gone),
+            answered=len(event.answered),
+            silent=list(event.silent),
+        )
+        for worker_id in event.gone:
+            member = self.membership.remove(worker_id)
+            if member is None:
+                continue  # already lost by its heartbeats
+            self._on_lost(
+                member.device,
+                f"worker {worker_id} on {member.device} has no connection to the bus (its process is gone)",
+                begin=False,
+            )
+        self._begin()
 
     def _on_worker_lost(self, event: WorkerLost) -> None:
         member = self.membership.remove(event.worker_id)
@@ -1591,8 +1667,9 @@ class Coordinator:
             return
         self._on_lost(device, f"worker {event.worker_id} on {device} lost: {event.reason}")
 
-    def _on_lost(self, device: Device, why: str) -> None:
-        """A device's worker is gone: what that means depends on the phase and the device's role."""
+    def _on_lost(self, device: Device, why: str, *, begin: bool = True) -> None:
+        """A device's worker is gone: what that means depends on the phase and the device's role.
+        ``begin=False``: the caller begins the handoff once every loss it knows of is queued."""
         h = self._handoff
         in_world = device in self._world()
         in_target = h is not None and h.target is not None and device in h.target
@@ -1637,4 +1714,5 @@ class Coordinator:
             self._request_stop(_Stop(f"{why}; re-planning without it", replan=True))
         else:
             self._queue.append(trigger)
-            self._begin()
+            if begin:
+                self._begin()

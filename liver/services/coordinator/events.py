@@ -31,6 +31,18 @@ class WorkerLost(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class WorkersProbed(msgspec.Struct, frozen=True, kw_only=True):
+    """What :class:`~.actions.ProbeWorkers` found. ``gone``: the bus has no subscriber for the worker
+    (its process, or its connection, is gone), twice in a row; ``answered``: its companion replied;
+    ``silent``: no answer in time (left to the heartbeats)."""
+
+    probe: int
+    generation: int
+    gone: tuple[str, ...] = ()
+    answered: tuple[str, ...] = ()
+    silent: tuple[str, ...] = ()
+
+
 class Tick(msgspec.Struct, frozen=True):
     """Time passed: check heartbeats and phase deadlines."""
 
@@ -78,6 +90,7 @@ Event = (
     | Hello
     | Heartbeat
     | WorkerLost
+    | WorkersProbed
     | WorldStarted
     | Tick
     | BusReconnected

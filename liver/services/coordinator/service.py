@@ -68,6 +68,7 @@ from liver.shared.messages import (
 from .actions import (
     Action,
     Note,
+    ProbeWorkers,
     Publish,
     ReleasePlan,
     RequestTopology,
@@ -81,7 +82,7 @@ from .actions import (
 from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
 from .core import Coordinator, GenerationPhase
-from .events import BusReconnected, Event, RecordConflict, RecordWriteFailed, Tick
+from .events import BusReconnected, Event, RecordConflict, RecordWriteFailed, Tick, WorkersProbed
 from .kv import BUS_FAILURES, RecordStore
 
 log = structlog.get_logger(__name__)
@@ -102,6 +103,8 @@ not spin the loop."""
 TICK_SLACK_S: Final = 0.005
 """The core acts when ``now`` is *past* a deadline."""
 PUBLISH_ATTEMPTS: Final = 3
+PROBE_RECHECK_S: Final = 0.2
+"""Before a worker with no subscriber on the bus counts as gone, it is asked once more after this long."""
 RELEASE_CONCURRENCY: Final = 32
 """Object deletions in flight at once when a plan is released (each is three round trips)."""
 
@@ -207,6 +210,7 @@ class CoordinatorService(ConsumingService):
             "record_conflicts",
             "settled",
             "ticks",
+            "probes",
         )
         self.settings = settings
         self.job_id = settings.job_id
@@ -555,8 +559,42 @@ class CoordinatorService(ConsumingService):
                 )
             case ReleasePlan():
                 self._spawn(self._release_plan(action), f"release-{action.generation}")
+            case ProbeWorkers():
+                self._spawn(self._probe(action), f"probe-{action.generation}")
             case _:
                 raise TypeError(f"not a coordinator action: {type(action).__name__}")
+
+    async def _probe(self, action: ProbeWorkers) -> None:
+        """Ask every worker at once; one with no subscriber on the bus is asked once more after a
+        moment (a companion that is reconnecting has none for that long) before it counts as gone.
+        The answer goes back into the core, off the core's lock while the requests are out."""
+        assert self._nc is not None
+        nc = self._nc
+
+        async def ask(worker_id: str) -> str:
+            try:
+                await nc.request(s.worker_probe(self.job_id, worker_id), b"", timeout=action.timeout_s)
+            except nats.errors.NoRespondersError:
+                return "gone"
+            except Exception:  # a timeout, or the bus itself away: not evidence that the worker is gone
+                return "silent"
+            return "answered"
+
+        first = dict(zip(action.worker_ids, await asyncio.gather(*map(ask, action.worker_ids)), strict=True))
+        doubtful = [w for w, found in first.items() if found == "gone"]
+        if doubtful:
+            await asyncio.sleep(PROBE_RECHECK_S)
+            first.update(zip(doubtful, await asyncio.gather(*map(ask, doubtful)), strict=True))
+        self.counts["probes"] += len(action.worker_ids)
+        result = WorkersProbed(
+            probe=action.probe,
+            generation=action.generation,
+            gone=tuple(w for w, f in first.items() if f == "gone"),
+            answered=tuple(w for w, f in first.items() if f == "answered"),
+            silent=tuple(w for w, f in first.items() if f == "silent"),
+        )
+        with bind_message(job_id=self.job_id):
+            await self._feed(result)
 
     async def _publish(self, subject: str, data: bytes, msg_id: str) -> bool:
         """Publish to JetStream with a dedup id, retrying a failed attempt (the id makes that safe);

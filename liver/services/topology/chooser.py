@@ -46,7 +46,7 @@ from liver.services.transfer.placement import (
     local_lower_bound,
     optimized_placement,
 )
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
+from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, orphaned_shards
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, balanced_split
@@ -57,6 +57,10 @@ from liver.shared.plan import WorldConfig
 from .cost import StepCost, step_cost
 from .memory import HardwareProfile, SetupError, TrainingSetup, memory_estimate
 from .placement import node_local_placement
+
+Redundancy = Literal["none", "node"]
+"""What the state must survive: nothing in particular, or the loss of any one node (see
+:func:`choose_topology`)."""
 
 Rule = Literal["ok", "tp_divisibility", "pp_layers", "batch", "sequence", "tp_across_nodes", "memory"]
 
@@ -343,6 +347,18 @@ class _Chooser:
         # The class overlap behind both counts is computed once per layout (class_overlap's cache).
         return placement, bytes_moved(self.model, self.current, world)
 
+    def survives_node_loss(self, layout: ParallelLayout, placement: Placement) -> bool:
+        """Whether the state on ``placement`` keeps a holder outside every one of its nodes (the
+        transfer planner's own rule): the loss of any one node then recovers live."""
+        model = self.geometry if self.geometry is not None else self.model.geometry()
+        nodes: dict[str, list[Device]] = {}
+        for device in placement.devices:
+            nodes.setdefault(device.node, []).append(device)
+        if len(nodes) < 2:
+            return False
+        world = WorldConfig(layout, placement)
+        return all(not orphaned_shards(model, world, lost) for lost in nodes.values())
+
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout
         return local_lower_bound(self.model, self.current, scored.devices, layout)
@@ -362,12 +378,16 @@ def choose_topology(
     inter_node_weight: float = DEFAULT_INTER_NODE_WEIGHT,
     lost: Collection[Device] = (),
     geometry: ModelGeometry | None = None,
+    redundancy: Redundancy = "none",
 ) -> TopologyDecision:
     """The target layout and placement for ``model`` on ``devices`` (surviving and added devices),
     coming from ``current`` of which the ``lost`` devices are gone (see the module docstring). Raises
     :class:`TopologyError` naming the reason when no layout of any number of the devices is valid and
     fits, or when ``devices`` names a lost device. ``geometry``, the job's own model as Megatron
-    describes it, must suit every layout chosen too (``model`` then only sizes memory and cost)."""
+    describes it, must suit every layout chosen too (``model`` then only sizes memory and cost).
+    ``redundancy="node"``: only layouts (with their placements) whose state survives the loss of any
+    one node compete, when some feasible layout does (a node lost without notice then recovers live
+    instead of from the checkpoint), at whatever cost in throughput; the others otherwise."""
     started = time.perf_counter()
     devices = tuple(devices)
     _validate(model, setup, current, devices, tolerance, top, staging_bytes)
@@ -399,15 +419,21 @@ def choose_topology(
         (s for s in scored if s.score.feasible),
         key=lambda s: (-s.score.tokens_per_s, s.score.layout.tp, s.score.layout.pp),
     )
+    placed: dict[int, tuple[Placement, int]] = {}
+    if redundancy == "node":
+        for s in feasible:
+            placed[id(s)] = chooser.place(s)
+        surviving = [s for s in feasible if chooser.survives_node_loss(s.score.layout, placed[id(s)][0])]
+        feasible = surviving or feasible
     best = feasible[0].score.tokens_per_s
     near = [s for s in feasible if s.score.tokens_per_s >= best * (1 - tolerance)]
-    placed: dict[int, tuple[Placement, int]] = {}
     bounded = sorted(((chooser.lower_bound(s), i) for i, s in enumerate(near)))
     fewest = math.inf
     for bound, i in bounded:
         if bound > fewest:
             break  # sorted by bound: no later candidate can move fewer bytes
-        placed[id(near[i])] = chooser.place(near[i])
+        if id(near[i]) not in placed:
+            placed[id(near[i])] = chooser.place(near[i])
         fewest = min(fewest, placed[id(near[i])][1])
 
     def preference(s: _Scored) -> tuple:

@@ -126,6 +126,7 @@ def answer(
             staging_bytes=settings.staging_bytes,
             lost=request.lost,
             geometry=request.geometry,
+            redundancy=settings.redundancy,
         )
     except (TopologyError, SetupError) as exc:
         return Answer(failed(request, str(exc)), None)

@@ -35,6 +35,7 @@ from liver.shared.errors import InputError
 from liver.shared.model import PRESETS, ModelError, ModelSpec, load_model
 from liver.shared.subjects import SubjectError, validate_token
 
+from .chooser import Redundancy
 from .memory import PROFILES, HardwareProfile, SetupError, TrainingSetup
 
 CONFIG_ENV: Final = "LIVER_TOPOLOGY_CONFIG"
@@ -46,6 +47,8 @@ HARDWARE_ENV: Final = "LIVER_TOPOLOGY_HARDWARE"
 GLOBAL_BATCH_ENV: Final = "LIVER_TOPOLOGY_GLOBAL_BATCH"
 MICRO_BATCH_ENV: Final = "LIVER_TOPOLOGY_MICRO_BATCH"
 SEQUENCE_LENGTH_ENV: Final = "LIVER_TOPOLOGY_SEQUENCE_LENGTH"
+REDUNDANCY_ENV: Final = "LIVER_TOPOLOGY_REDUNDANCY"
+"""``node``: prefer layouts whose state survives the loss of any one node (``none`` by default)."""
 """The default profile's training setup (batch sizes in sequences, length in tokens)."""
 
 
@@ -74,6 +77,7 @@ class _ConfigFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     top: Annotated[int, Meta(ge=1)] = 5
     tp_across_nodes: bool = False
     staging_bytes: Annotated[int, Meta(ge=0)] = DEFAULT_BUDGET_BYTES
+    redundancy: Redundancy = "none"
 
 
 class TopologySettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +94,9 @@ class TopologySettings(msgspec.Struct, frozen=True, kw_only=True):
     tp_across_nodes: bool = False
     staging_bytes: int = DEFAULT_BUDGET_BYTES
     """The workers' transfer staging buffer: memory training cannot use (I2)."""
+    redundancy: Redundancy = "none"
+    """``node``: only layouts whose state survives the loss of any one node compete when one does, so
+    that a node lost without notice recovers live (:func:`~.chooser.choose_topology`)."""
     durable: str = "topology"
     max_deliver: int = 3
     ack_wait_s: float = DEFAULT_ACK_WAIT_S
@@ -154,12 +161,22 @@ class TopologySettings(msgspec.Struct, frozen=True, kw_only=True):
             "top": file.top,
             "tp_across_nodes": file.tp_across_nodes,
             "staging_bytes": file.staging_bytes,
+            "redundancy": _redundancy(env) or file.redundancy,
         }
         fields.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**fields)  # type: ignore[arg-type]
         except TopologyConfigError as exc:
             raise TopologyConfigError(f"{where}: {exc}") from None
+
+
+def _redundancy(env: Mapping[str, str]) -> Redundancy | None:
+    value = env.get(REDUNDANCY_ENV, "").strip()
+    if not value:
+        return None
+    if value not in ("none", "node"):
+        raise TopologyConfigError(f"{REDUNDANCY_ENV}: {value!r} is neither 'none' nor 'node'")
+    return value  # type: ignore[return-value]
 
 
 def _read_file(path: str) -> _ConfigFile:

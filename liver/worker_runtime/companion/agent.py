@@ -266,6 +266,7 @@ class WorkerAgent:
             subjects.append(s.worker_commands(job))
         for subject in subjects:
             self._subs.append(await self.nc.subscribe(subject, cb=self._on_command))
+        self._subs.append(await self.nc.subscribe(s.worker_probe(job, worker), cb=self._on_probe))
         # Round trip: once start returns, the server has the subscriptions and no command can be missed.
         await self.nc.flush()
         self._running = True
@@ -368,6 +369,13 @@ class WorkerAgent:
         self.presence.world = None if rank is None else GenerationRank(h.prepare.generation, rank)
 
     # -- commands ---------------------------------------------------------------------------------------
+
+    async def _on_probe(self, msg: Msg) -> None:
+        """The coordinator asks whether this process is still there: yes (its world lost a peer, and a
+        process that is gone cannot answer)."""
+        if msg.reply:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(b"")
 
     async def _on_command(self, msg: Msg) -> None:
         with bind_message(subject=msg.subject):
