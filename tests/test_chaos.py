@@ -157,7 +157,7 @@ def test_kills_of_every_service_and_the_server_mid_handoff_leave_every_invariant
     result = run_chaos(schedule, ChaosConfig(outcome_timeout_s=240.0))
     assert result.violations == []
     assert [step.outcome for step in result.steps] == ["committed"] * 6
-    assert set(result.kills) == {target.value for target in Target}
+    assert set(result.kills) == {target.value for target in (*SERVICES, Target.SERVER)}
     assert (result.dead_letters, result.error_events) == (0, 0)
     assert summary(result)["committed"] >= 6
 
@@ -171,6 +171,17 @@ def test_the_command_names_a_bad_number_before_starting_anything() -> None:
     )
     assert done.returncode == 2
     assert "--kills" in done.stderr
+
+
+def test_the_command_refuses_a_real_workers_flag_without_real_workers() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "liver.cli.main", "chaos", "--unreplicated-loss"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--workers real" in done.stderr
 
 
 # -- the fuzz run -------------------------------------------------------------------------------------

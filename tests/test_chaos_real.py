@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from liver.chaos.real import RECOVERY_LIMIT_S, RealResult, run_real_chaos
+from liver.chaos.real import (
+    RECOVERY_LIMIT_S,
+    RealResult,
+    UnreplicatedLoss,
+    run_real_chaos,
+    run_unreplicated_loss,
+)
 from liver.chaos.run import ChaosConfig
 from liver.chaos.schedule import Kill, Loss, Schedule, Stage, Step, Target
 
@@ -68,3 +74,24 @@ def test_every_loss_is_recovered_live_within_the_limit(result: RealResult) -> No
 
 def test_no_worker_exits_non_zero_unless_killed(result: RealResult) -> None:
     assert result.worker_exits and set(result.worker_exits.values()) == {0}
+
+
+# -- a loss no replica covers: the survivor ends at once, it does not wait for nothing ---------------------
+
+
+@pytest.fixture(scope="module")
+def dp1_loss(tmp_path_factory: pytest.TempPathFactory) -> UnreplicatedLoss:
+    """A TP2 job on one node (DP=1, no checkpoint): one of its two processes is killed."""
+    log_dir = Path(tmp_path_factory.mktemp("chaos-real-dp1"))
+    return run_unreplicated_loss(ChaosConfig(nodes=3), log_dir, print, keep_fork_server=True)
+
+
+def test_a_loss_no_replica_covers_ends_the_survivor_with_no_live_recovery_within_seconds(
+    dp1_loss: UnreplicatedLoss,
+) -> None:
+    assert dp1_loss.exitcode == 1 and dp1_loss.no_live_recovery
+    assert dp1_loss.seconds < RECOVERY_LIMIT_S  # was 600 s (its recovery timeout)
+
+
+def test_the_coordinator_records_the_checkpoint_fallback_for_that_loss(dp1_loss: UnreplicatedLoss) -> None:
+    assert dp1_loss.fallbacks == 1

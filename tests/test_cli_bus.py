@@ -255,15 +255,18 @@ def rejection(job: str) -> ErrorEvent:
     )
 
 
-async def watched(url: str, sends: list[tuple[str, bytes]], **options: Any) -> tuple[bool, str, str]:
-    """Run :func:`watch` until its subscriptions are live, publish ``sends``, return what it printed."""
+async def watched(
+    url: str, sends: list[tuple[str, bytes]] | list[tuple[str, bytes, dict[str, str]]], **options: Any
+) -> tuple[bool, str, str]:
+    """Run :func:`watch` until its subscriptions are live, publish ``sends`` (with headers, if given),
+    return what it printed."""
     out, err = io.StringIO(), io.StringIO()
     ready = asyncio.Event()
     async with client(url) as (nc, _):
         task = asyncio.create_task(watch(nc, out=out, err=err, ready=ready, **options))
         await asyncio.wait_for(ready.wait(), WAIT_S)
-        for subject, data in sends:
-            await nc.publish(subject, data)
+        for subject, data, *headers in sends:
+            await nc.publish(subject, data, headers=headers[0] if headers else None)
         await nc.flush()
         reached = await asyncio.wait_for(task, WAIT_S)
     return reached, out.getvalue(), err.getvalue()
@@ -281,6 +284,21 @@ async def test_watch_prints_one_line_per_outcome_of_the_job_it_follows(nats_serv
     assert "committed  job watched  generation 1 (from 0)  TP1,PP1,DP2 on 2 devices" in first
     assert "downtime 0.250 s  moved 200.0 MB" in first
     assert "aborted    job watched  generation 2 (active 1)  in prepare: kept_old_world" in second
+
+
+async def test_watch_prints_an_outcome_published_again_under_its_message_id_once(
+    nats_server: NatsServer,
+) -> None:
+    first = committed("again", generation=4)
+    msg_id = {s.HEADER_MSG_ID: s.generation_msg_id("again", 4)}
+    sends = [
+        (s.GENERATION_COMMITTED, encode(first), msg_id),  # the coordinator publishes the commit,
+        (s.GENERATION_COMMITTED, encode(first), msg_id),  # restarts, and publishes it again
+        (s.GENERATION_COMMITTED, encode(committed("again", generation=5)), {}),
+    ]
+    reached, out, _ = await watched(nats_server.url, sends, job="again", count=2)
+    assert reached
+    assert [line.split("generation ")[1][:1] for line in out.splitlines()] == ["4", "5"]
 
 
 async def test_watch_in_json_prints_decodable_messages(nats_server: NatsServer) -> None:

@@ -131,14 +131,19 @@ class RealChaosRun(ChaosRun):
         *,
         job_factory: str | None = None,
         job_args: dict[str, str] | None = None,
+        first: ParallelLayout = FIRST_WORLD,
     ) -> None:
+        """``first``: the first world's layout, on as many nodes as its ranks fill."""
         super().__init__(schedule, config, log_dir, progress)
         from liver.demo.procs import MARK_ENV, ProcessBook
 
         self.job_factory = job_factory
         self.job_args = dict(job_args or {})
-        self.world = self.all_nodes[:2]
-        self.world_devices = len(self.world) * DEVICES_PER_NODE
+        if first.world_size % DEVICES_PER_NODE or not 0 < first.world_size <= config.nodes * DEVICES_PER_NODE:
+            raise ChaosError(f"`first`: {first.describe()} does not fill whole nodes of {DEVICES_PER_NODE}")
+        self.first = first
+        self.world = self.all_nodes[: first.world_size // DEVICES_PER_NODE]
+        self.world_devices = first.world_size
         self.metrics_dir = log_dir / "metrics"
         self.metrics_dir.mkdir(parents=True, exist_ok=True)
         self.stop_file = log_dir / "stop"
@@ -153,9 +158,7 @@ class RealChaosRun(ChaosRun):
         self._step_index = 0
         self._leaving: str | None = None
         self.keep_fork_server = False
-        self.current = WorldConfig(
-            FIRST_WORLD, Placement(tuple(d for n in self.world for d in self._devices(n)))
-        )
+        self.current = WorldConfig(first, Placement(tuple(d for n in self.world for d in self._devices(n))))
         """The world that trains now (the last commit's)."""
         self.geometry: ModelGeometry = PRESETS["tiny-gpt"].geometry()
         """What the job's plans move (the user's job's own with --job-factory)."""
@@ -245,7 +248,7 @@ class RealChaosRun(ChaosRun):
         port = free_port()
         for rank, device in enumerate(devices):
             initial = InitialWorld(
-                layout=FIRST_WORLD,
+                layout=self.first,
                 placement=placement,
                 store=None if rank == 0 else f"{self._host(devices[0].node)}:{port}",
             )
@@ -520,6 +523,77 @@ class RealChaosRun(ChaosRun):
             seconds=time.monotonic() - started,
             log_dir=str(self.procs.log_dir),
         )
+
+
+class UnreplicatedLoss(msgspec.Struct, kw_only=True):
+    """A loss no replica covers (:func:`run_unreplicated_loss`): what the survivor did about it."""
+
+    seconds: float
+    """From the kill to the survivor's exit (or to giving up on it)."""
+    exitcode: int | None
+    """The survivor's (1 expected: it cannot go on without the lost shard)."""
+    no_live_recovery: bool
+    """The survivor logged ``runtime.no_live_recovery`` (the coordinator's fallback reached it)."""
+    fallbacks: int
+    """Checkpoint-fallback aborts the coordinator published (1 expected)."""
+    log_dir: str
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.exitcode == 1
+            and self.no_live_recovery
+            and self.fallbacks == 1
+            and self.seconds < RECOVERY_LIMIT_S
+        )
+
+
+UNREPLICATED: Final = ParallelLayout(tp=2, pp=1, dp=1)
+
+
+async def _lose_unreplicated(run: RealChaosRun) -> UnreplicatedLoss:
+    await run.start()
+    survivor, victim = run.workers[Device(run.world[0], 0)], Device(run.world[0], 1)
+    run.progress(f"kill -9 {victim} of a {UNREPLICATED.describe()} world with no checkpoint")
+    killed_at = time.monotonic()
+    run._kill_devices((victim,))
+    await asyncio.to_thread(survivor.wait, 120.0)
+    seconds = time.monotonic() - killed_at
+    outcomes = await run.outcomes()
+    return UnreplicatedLoss(
+        seconds=seconds,
+        exitcode=None if survivor.alive() else survivor.exitcode,
+        no_live_recovery='"event":"runtime.no_live_recovery"' in survivor.log_path.read_text(),
+        fallbacks=sum(isinstance(o, GenerationAborted) and o.outcome == FALLBACK for o in outcomes),
+        log_dir=str(run.procs.log_dir),
+    )
+
+
+def run_unreplicated_loss(
+    config: ChaosConfig | None = None,
+    log_dir: Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+    *,
+    keep_fork_server: bool = False,
+) -> UnreplicatedLoss:
+    """A TP2 job on one node (DP=1, no checkpoint) loses one of its two processes: the coordinator
+    decides the checkpoint fallback and the survivor must end with ``NoLiveRecovery`` at once, not
+    after its recovery timeout (600 s before the fallback Abort reached a runtime that never prepared
+    the generation)."""
+    from liver.bench.bus import rig
+
+    config = config or ChaosConfig(nodes=3)
+    with rig.log_directory(log_dir, "liver-chaos-dp1-") as where:
+        run = RealChaosRun(Schedule(seed=0, steps=()), config, where, progress, first=UNREPLICATED)
+
+        async def scenario() -> UnreplicatedLoss:
+            try:
+                return await _lose_unreplicated(run)
+            finally:
+                await run.close()
+                run.book.stop_all(grace_s=5.0, fork_server=not keep_fork_server)
+
+        return asyncio.run(scenario())
 
 
 def _without(commit: GenerationCommitted, devices: tuple[Device, ...]) -> bool:

@@ -54,6 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--job-arg", action="append", default=[], metavar="KEY=VALUE", help="real: for --job-factory"
     )
+    p.add_argument(
+        "--unreplicated-loss",
+        action="store_true",
+        help="real: instead of a schedule, kill one process of a TP2 job with no replica and no checkpoint; "
+        "its survivor must end with NoLiveRecovery within seconds",
+    )
     p.add_argument("--log-dir", type=Path, help="keep every process's log here (default: a removed temp dir)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
@@ -69,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--outcome-timeout: must be > 0, got {args.outcome_timeout}")
     if args.nodes < 3:
         raise CliError(f"--nodes: at least 3 (a world of two and one to come back), got {args.nodes}")
-    if args.workers != "real" and (args.worker_kills or args.losses or args.job_factory or args.job_arg):
-        raise CliError("--worker-kills, --losses, --job-factory and --job-arg need --workers real")
+    if args.workers != "real" and (
+        args.worker_kills or args.losses or args.job_factory or args.job_arg or args.unreplicated_loss
+    ):
+        raise CliError(
+            "--worker-kills, --losses, --job-factory, --job-arg and --unreplicated-loss need --workers real"
+        )
     try:
         schedule = make_schedule(
             args.seed,
@@ -90,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fuzz is not None:
         return _fuzz(args, progress)
 
+    if args.unreplicated_loss:
+        return _unreplicated(args, progress)
     if args.workers == "real":
         return _real(args, schedule, progress)
     config = ChaosConfig(nodes=args.nodes, outcome_timeout_s=args.outcome_timeout)
@@ -157,6 +169,25 @@ def _fuzz(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     for line in result.unanswered[:20]:
         print(f"  UNANSWERED {line}")
     print("every message answered" if result.passed else "FAILED")
+    return 0 if result.passed else 1
+
+
+def _unreplicated(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from liver.chaos.real import run_unreplicated_loss
+    from liver.chaos.run import ChaosConfig
+
+    config = ChaosConfig(nodes=args.nodes, outcome_timeout_s=args.outcome_timeout)
+    result = run_unreplicated_loss(config, args.log_dir, progress)
+    if args.json:
+        payload = {"unreplicated_loss": msgspec.to_builtins(result), "passed": result.passed}
+        sys.stdout.write(msgspec.json.encode(payload).decode() + "\n")
+        return 0 if result.passed else 1
+    print(
+        f"the survivor of a TP2 job with no replica exited {result.exitcode} "
+        f"{result.seconds:.2f} s after the kill; NoLiveRecovery logged: {result.no_live_recovery}; "
+        f"checkpoint-fallback aborts: {result.fallbacks}"
+    )
+    print("as expected" if result.passed else "FAILED")
     return 0 if result.passed else 1
 
 

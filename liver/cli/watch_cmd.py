@@ -5,6 +5,11 @@ service's rejected input, ``liver.errors.*``), optionally for one job, and print
 A payload that does not decode is reported on stderr and skipped: a watcher never stops on someone
 else's bad message. ``--count N`` returns after N lines and ``--timeout S`` after S seconds, so a
 script can wait for the next commit (exit 1 when the timeout comes first).
+
+An outcome is stored once in the generations stream, but a plain subscription can receive it twice: a
+coordinator that restarts, or whose publish timed out when the server failed, publishes it again under
+the same ``Nats-Msg-Id``. The watcher prints the first copy and drops the others by that header, so a
+script counting commits counts each once.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import os
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Final, TextIO
 
@@ -28,6 +34,8 @@ from liver.shared.errors import InputError
 from liver.shared.messages import ErrorEvent, GenerationAborted, GenerationCommitted
 
 OUTCOMES: Final = GenerationCommitted | GenerationAborted
+_REMEMBERED: Final = 4096
+"""Outcome ids the watcher remembers to drop a copy by (a copy comes seconds after the first)."""
 
 
 class WatchError(InputError):
@@ -108,6 +116,7 @@ async def watch(
         ready.set()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     shown = 0
+    printed: OrderedDict[str, None] = OrderedDict()  # Nats-Msg-Ids of the outcomes shown (bounded)
     try:
         while count is None or shown < count:
             left = None if deadline is None else deadline - time.monotonic()
@@ -125,6 +134,13 @@ async def watch(
                 continue
             if job is not None and getattr(message, "job_id", None) != job:
                 continue
+            msg_id = (msg.headers or {}).get(s.HEADER_MSG_ID)
+            if msg_id is not None:
+                if msg_id in printed:
+                    continue  # the same outcome published again (see the module docstring)
+                printed[msg_id] = None
+                while len(printed) > _REMEMBERED:
+                    printed.popitem(last=False)
             print(render(msg.subject, message, as_json), file=out, flush=True)
             shown += 1
         return True
