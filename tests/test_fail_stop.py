@@ -28,6 +28,7 @@ state, and one that loads a ``dist_checkpointing`` checkpoint of it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -159,9 +160,18 @@ def fail_stop_process(
                         runtime.request_resize(generation, plan.new.layout, plan.new.placement, plan, address)
                 except ResizeRejected as refused:
                     out["plain_request_refused"] = str(refused)
+                # As the coordinator does: the Switch only once this process reported READY.
                 runtime.request_resize(
-                    generation, plan.new.layout, plan.new.placement, plan, address, lost=(lost,)
+                    generation,
+                    plan.new.layout,
+                    plan.new.placement,
+                    plan,
+                    address,
+                    lost=(lost,),
+                    switch_when_ready=False,
                 )
+        if event.phase is ReshardPhase.READY and event.generation == generation:
+            threading.Thread(target=runtime.allow_switch, args=(generation,), daemon=True).start()
 
     def die_streaming(generation: int, layer: int, rnd: int) -> None:
         os._exit(17)

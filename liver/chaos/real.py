@@ -503,6 +503,11 @@ class RealChaosRun(ChaosRun):
                 self.progress(f"step {step.index + 1}/{len(self.schedule.steps)}: {what} {where} -> {took}")
                 if record.seconds is None:
                     break
+                if record.loss is not None and record.outcome == "aborted":
+                    # The job fell back to its checkpoint (it has none here): nothing trains any more.
+                    failure = f"step {step.index}: the {record.loss.value} loss fell back to the checkpoint"
+                    self.progress(failure)
+                    break
             exits = await self._stop_workers()
             outcomes = await self.outcomes()
             violations = check(self.published, outcomes, await self.record(), self.watch.outcomes)

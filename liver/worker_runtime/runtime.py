@@ -1002,6 +1002,8 @@ class LiveRuntime(Generic[T]):
                 if left <= 0:
                     raise WorldError(f"no switch for generation {prep.generation} in time")
                 self._cond.wait(left)
+            if prep.state is HandoffState.READY:  # built before the Switch came (the coordinator's order)
+                prep.move(HandoffState.SWITCHING, "the coordinator's Switch")
 
     def _wait_for_recovery(self, abandoned: StepAbandoned, give_up_at: float) -> Preparation:
         """The pending request that names lost devices (started or not), once it comes. A resize planned
