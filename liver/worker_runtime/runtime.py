@@ -1266,7 +1266,13 @@ class LiveRuntime(Generic[T]):
             if prep.state is not HandoffState.RELEASING:
                 by_request = prep.abort_requested is not None
                 prep.release(reason, by_request=by_request)
+            prebuilt = prep.prebuilt is not None and prep.prebuilt.trainer is not None
         self._drop(prep)
+        if prebuilt:
+            # The new trainer's modules hold the new world's groups in reference cycles (Megatron's do):
+            # only a collection closes their connections, and until then a joiner waiting in the new
+            # world's first collective waits there for its enter timeout (found by the real chaos run).
+            gc.collect()
         self._ended(prep, stage, iteration, pause_s, reason)
 
     def _ended(
