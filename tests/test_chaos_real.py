@@ -1,6 +1,7 @@
 """``liver chaos --workers real``, CI-sized: real training processes (the tiny Megatron GPT on CPU, one
 ``liver worker`` per device, two per node on three loopback nodes) under a coordinator killed in the
-middle of a handoff, a training process killed without notice, and a whole node killed without notice.
+middle of a handoff, a training process killed without notice (once at a switch, once outside any
+handoff), and a whole node killed without notice.
 
 Specification, read back from the bus and the workers' own metrics: every event ends in exactly one
 outcome, every spot warning in a commit that leaves the warned node, every loss in a live recovery
@@ -27,6 +28,7 @@ from liver.chaos.schedule import Kill, Loss, Schedule, Stage, Step, Target
 pytestmark = pytest.mark.slow
 
 RESTART_AT_PREPARE = Kill(target=Target.COORDINATOR, stage=Stage.PREPARE, down_s=0.5)
+KILL_AT_SWITCH = Kill(target=Target.WORKER, stage=Stage.SWITCH, down_s=0.5)
 SCHEDULE = Schedule(
     seed=0,
     steps=(
@@ -35,7 +37,9 @@ SCHEDULE = Schedule(
         Step(index=0, draw=0.2, burst=False, kill=RESTART_AT_PREPARE),
         Step(index=1, draw=0.9, burst=False),  # a scale request onto a node's standbys
         Step(index=2, draw=0.7, burst=False, loss=Loss.WORKER),  # kill -9 of one training process
-        Step(index=3, draw=0.9, burst=False),  # the third node comes back
+        # The third node comes back; a training process of the staying world is killed as the Switch
+        # goes out (the joiners' enter breaks on it: the survivors recover live around it).
+        Step(index=3, draw=0.9, burst=False, kill=KILL_AT_SWITCH),
         Step(index=4, draw=0.7, burst=False, loss=Loss.NODE),  # kill -9 of every process of a node
     ),
 )
@@ -66,7 +70,8 @@ def test_the_coordinator_killed_mid_handoff_costs_no_event(result: RealResult) -
 
 
 def test_every_loss_is_recovered_live_within_the_limit(result: RealResult) -> None:
-    assert [loss.kind for loss in result.losses] == [Loss.WORKER, Loss.NODE]
+    assert [loss.kind for loss in result.losses] == [Loss.WORKER, Loss.WORKER, Loss.NODE]
+    assert result.kills.get(Target.WORKER.value) == 1  # the one at the switch
     for loss in result.losses:
         assert loss.generation is not None and loss.training_s is not None
         assert loss.training_s < RECOVERY_LIMIT_S

@@ -775,6 +775,8 @@ def test_worker_failing_during_the_switch_falls_back_to_the_checkpoint() -> None
     d.write()
     d.commands(Switch)
     d.status(WORLD[1], 1, "failed", error="NCCL timeout")
+    assert d.core.phase is GenerationPhase.SWITCH  # first: is a member gone?
+    d.probe()  # every member answers
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback" and "NCCL timeout" in aborted.reason
@@ -789,7 +791,9 @@ def test_a_fallback_world_reported_before_the_abort_is_recorded_is_adopted_after
     d.ready()
     d.write()
     d.commands(Switch)
-    d.status(WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint")
+    d.status(
+        WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint", falling_back=True
+    )
     assert d.core.phase is GenerationPhase.ABORTED
     d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
     assert d.notes("world_started_deferred") and not d.notes("world_started_ignored")
@@ -1537,7 +1541,7 @@ def test_restore_after_the_switch_with_a_silent_participant_falls_back() -> None
 def test_restore_after_a_fallback_waits_for_a_newer_world() -> None:
     d = started()
     switching(d)
-    d.status(WORLD[0], 1, "failed", error="boom")
+    d.status(WORLD[0], 1, "failed", error="boom", falling_back=True)
     d.write()
     d.restart()
     assert d.core.phase is GenerationPhase.DOWN
@@ -1657,11 +1661,58 @@ def test_an_abort_that_settles_its_events_names_them_all() -> None:
     d = started()
     switching(d)
     d.commands(Switch)
-    d.status(WORLD[0], 1, "failed", error="died in the switch")
+    d.status(WORLD[0], 1, "failed", error="died in the switch", falling_back=True)
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "checkpoint_fallback"
     assert aborted.event_ids == ("evt-1",) and aborted.replanned_event_ids == ()
+
+
+def test_a_participant_failing_in_the_switch_because_a_member_died_turns_into_a_live_recovery() -> None:
+    d = started()
+    switching(d)
+    d.commands(Switch)
+    # A joiner's enter broke on the member killed at the cut, before the survivors said peer_lost.
+    d.status(WORLD[0], 1, "failed", error="enter: Connection closed by peer")
+    (probe,) = [a for a in d.pending if isinstance(a, ProbeWorkers)]
+    assert worker(WORLD[1]) in probe.worker_ids
+    d.probe(gone=(WORLD[1],))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery"
+    assert aborted.event_ids == () and aborted.replanned_event_ids == ("evt-1",)
+    assert [c.command.fallback for c in d.sent(Abort)] == [False]
+    assert d.core.phase is GenerationPhase.PREPARE  # re-planned around the loss
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[1],)
+
+
+def test_a_participant_failing_in_the_switch_waits_for_a_probe_already_asking() -> None:
+    d = started()
+    switching(d)
+    d.commands(Switch)
+    d.status(WORLD[2], 0, "peer_lost")  # the survivors' step broke: a probe is asking
+    d.status(WORLD[0], 1, "failed", error="enter: Connection closed by peer")
+    assert len([a for a in d.pending if isinstance(a, ProbeWorkers)]) == 1
+    assert d.core.phase is GenerationPhase.SWITCH
+    d.probe(gone=(WORLD[1],))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery"
+
+
+def test_a_participant_failing_in_the_switch_falls_back_when_the_probe_goes_unanswered() -> None:
+    d = started()
+    switching(d)
+    d.commands(Switch)
+    d.status(WORLD[0], 1, "failed", error="enter: timed out")
+    d.now += timedelta(seconds=2 * CONFIG.probe_timeout_s + 2)
+    for dev in WORLD + SPARES:
+        d.beat(dev)
+    d.tick()
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "checkpoint_fallback" and "enter: timed out" in aborted.reason
 
 
 # -- liveness through the machine ---------------------------------------------------------------------
@@ -1969,7 +2020,7 @@ def test_every_declared_transition_is_reachable() -> None:
             d.ready()
             d.write()
         if restart_in == "down":
-            d.status(WORLD[0], 1, "failed", error="boom")
+            d.status(WORLD[0], 1, "failed", error="boom", falling_back=True)
             d.write()
         d.restart()
         keep(d)
@@ -1980,7 +2031,7 @@ def test_every_declared_transition_is_reachable() -> None:
         keep(d)
     d = started()
     switching(d)
-    d.status(WORLD[0], 1, "failed", error="boom")
+    d.status(WORLD[0], 1, "failed", error="boom", falling_back=True)
     d.write()
     keep(d)
     d = started()
@@ -2238,7 +2289,9 @@ def test_a_world_restarted_without_a_geometry_keeps_the_recorded_one() -> None:
     d.ready()
     d.write()
     d.commands(Switch)
-    d.status(WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint")
+    d.status(
+        WORLD[1], 1, "failed", error="old rank gone; falling back to the last checkpoint", falling_back=True
+    )
     d.feed(WorldStarted(job_id=JOB, generation=2, layout=LAYOUT, placement=Placement(WORLD)))
     d.write()
     d.write()

@@ -346,6 +346,11 @@ def test_a_failed_worker_must_say_what_failed() -> None:
     assert rejected(data, m.WorkerStatus).path == "$.error"
 
 
+def test_only_a_failed_worker_can_say_it_falls_back() -> None:
+    data = payload(samples()[m.WorkerStatus], falling_back=True)
+    assert rejected(data, m.WorkerStatus).path == "$.falling_back"
+
+
 def test_keeping_the_old_world_names_no_checkpoint() -> None:
     data = payload(samples()[m.GenerationAborted], checkpoint="/ckpt/step-1000")
     assert rejected(data, m.GenerationAborted).path == "$.checkpoint"

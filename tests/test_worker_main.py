@@ -176,7 +176,9 @@ def test_a_handoff_the_runtime_gave_up_on_its_own_is_acked_failed_with_stage_and
     b, _, acks = bridge()
     abort = AbortReport(generation=4, stage="prepare", reason="store unreachable", iteration=None)
     b.on_event(RuntimeEvent(generation=4, phase=ReshardPhase.ABORTED, abort=abort))
-    assert acks.sent == [{"phase": "failed", "generation": 4, "error": "prepare: store unreachable"}]
+    assert acks.sent == [
+        {"phase": "failed", "generation": 4, "error": "prepare: store unreachable", "falling_back": False}
+    ]
 
 
 def test_a_world_that_lost_a_peer_is_acked_peer_lost_with_its_generation() -> None:
@@ -224,6 +226,7 @@ def test_a_fallback_to_the_checkpoint_is_acked_failed_at_once_saying_so() -> Non
             "phase": "failed",
             "generation": 4,
             "error": "commit: old rank 1 is gone; falling back to the last checkpoint",
+            "falling_back": True,
         }
     ]
     assert b.open_generation is None

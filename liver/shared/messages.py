@@ -775,10 +775,17 @@ class WorkerStatus(Message, kw_only=True, tag="worker_status"):
     bytes_sent: Bytes | None = None
     bytes_received: Bytes | None = None
     pause_s: Seconds | None = None
+    falling_back: bool = False
+    """With ``failed``: this process's old world is gone and it restarts from its checkpoint (the
+    handoff's processes agreed on it). A ``failed`` without it kept what it held (its old world, the
+    state a live recovery moves, or nothing: a joiner), so a coordinator past the switch first asks
+    whether a member is gone, whose loss the survivors recover from live."""
 
     def _validate(self) -> None:
         if self.phase == WorkerPhase.FAILED and self.error is None:
             raise _invalid("error", "a failed phase must say what failed")
+        if self.falling_back and self.phase != WorkerPhase.FAILED:
+            raise _invalid("falling_back", f"phase {self.phase!r} is not a failure")
         if self.error is not None and self.phase not in ("failed", "aborted"):
             raise _invalid("error", f"phase {self.phase!r} cannot carry an error")
 

@@ -253,6 +253,10 @@ class _Handoff:
     """Taken over from the record after a restart: acks sent meanwhile are lost, so whether a
     participant committed is unknown (a loss then falls back rather than recover from the old world)."""
     outcome: GenerationAborted | None = None
+    failure: str | None = None
+    """A participant's failure past the switch, held while a probe finds out whether a member is gone
+    (a joiner whose enter broke on a peer killed at the cut fails before the survivors' peer_lost
+    arrives): a loss makes it a live recovery, none the checkpoint."""
 
     @property
     def event_id(self) -> str:
@@ -1173,11 +1177,43 @@ class Coordinator:
                 else:
                     self._note("debug", "ack_repeated", worker_id=event.worker_id, ack_phase=event.phase)
             case "failed":
-                self._request_stop(
-                    _Stop(f"worker {event.worker_id} on {device} failed: {event.error}", replan=False)
-                )
+                why = f"worker {event.worker_id} on {device} failed: {event.error}"
+                if self._may_be_a_loss(h, event):
+                    self._hold_failure(h, why)
+                else:
+                    self._request_stop(_Stop(why, replan=False))
             case _:
                 self._note("debug", "worker_progress", worker_id=event.worker_id, ack_phase=event.phase)
+
+    def _may_be_a_loss(self, h: _Handoff, event: WorkerStatus) -> bool:
+        """Whether a participant's failure may come from a member gone at the switch, before anything
+        committed: the survivors then hold the cut's state (I4) and recover live, so the checkpoint
+        waits for a probe. A process that says it falls back, or a switch taken over after a restart
+        (its acks lost), falls back at once."""
+        return (
+            self._phase is GenerationPhase.SWITCH
+            and h.switch_sent
+            and not h.switched
+            and not h.resumed
+            and not event.falling_back
+        )
+
+    def _hold_failure(self, h: _Handoff, why: str) -> None:
+        if h.failure is None:
+            h.failure = why
+            self._note("warning", "participant_failed_probing", generation=h.generation, why=why)
+            self._probe(set(self._world()) | set(h.target or ()))
+        self._decide_failure()
+
+    def _decide_failure(self) -> None:
+        """The probe held for a participant's failure has answered (or was given up on): a member found
+        gone has already turned the handoff into a live recovery; else the failure stops it."""
+        h = self._handoff
+        if h is None or h.failure is None or self._probing is not None:
+            return
+        why, h.failure = h.failure, None
+        if h.stop is None and self._deferred is None:
+            self._request_stop(_Stop(why, replan=False))
 
     def _all_prepared(self) -> None:
         h = self._handoff
@@ -1462,6 +1498,7 @@ class Coordinator:
         if self._probing is not None and self.now >= self._probing[1]:
             self._note("warning", "probe_unanswered", probe=self._probing[0])
             self._probing = None
+            self._decide_failure()
             self._begin()
         expired = self.membership.expire(self.now)
         timeout = self.config.heartbeat_timeout_s
@@ -1655,6 +1692,7 @@ class Coordinator:
                 f"worker {worker_id} on {member.device} has no connection to the bus (its process is gone)",
                 begin=False,
             )
+        self._decide_failure()
         self._begin()
 
     def _on_worker_lost(self, event: WorkerLost) -> None:

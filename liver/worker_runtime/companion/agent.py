@@ -327,6 +327,7 @@ class WorkerAgent:
         bytes_sent: int | None = None,
         bytes_received: int | None = None,
         pause_s: float | None = None,
+        falling_back: bool = False,
     ) -> WorkerStatus:
         """Build an ack (safe from any thread); ``generation`` defaults to the newest prepared one."""
         if generation is None:
@@ -343,6 +344,7 @@ class WorkerAgent:
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
             pause_s=pause_s,
+            falling_back=falling_back,
         )
 
     def report(self, ack: WorkerStatus) -> None:

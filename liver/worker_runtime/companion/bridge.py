@@ -93,6 +93,7 @@ class Reporter(Protocol):
         bytes_sent: int | None = None,
         bytes_received: int | None = None,
         pause_s: float | None = None,
+        falling_back: bool = False,
     ) -> None: ...
 
 
@@ -222,10 +223,11 @@ class RuntimeBridge:
         elif phase in (WorkerPhase.ABORTED, WorkerPhase.FAILED):
             abort = event.abort
             why = "no reason given" if abort is None else f"{abort.stage}: {abort.reason}"
-            if event.phase is ReshardPhase.FALLING_BACK:
+            falling_back = event.phase is ReshardPhase.FALLING_BACK
+            if falling_back:
                 why = "the old world is gone" if abort is None else why
                 why = f"{why}; falling back to the last checkpoint"
-            report(phase, generation=g, error=why)
+            report(phase, generation=g, error=why, falling_back=falling_back)
         else:
             report(phase, generation=g)
 

@@ -228,6 +228,7 @@ class Companion:
         bytes_sent: int | None = None,
         bytes_received: int | None = None,
         pause_s: float | None = None,
+        falling_back: bool = False,
     ) -> None:
         """Ack a phase of a handoff (``generation`` defaults to the newest prepared); never blocks.
 
@@ -246,6 +247,7 @@ class Companion:
             bytes_sent=bytes_sent,
             bytes_received=bytes_received,
             pause_s=pause_s,
+            falling_back=falling_back,
         )
         try:
             self._loop.call_soon_threadsafe(self._deliver, status)
