@@ -71,6 +71,16 @@ EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a p
 
 MOE_LAYOUTS = ("TP2,PP2,DP2,EP2,ETP1", "TP1,PP1,DP4,EP2,ETP2", "TP2,PP1,DP2,EP4,ETP1")
 
+SHALLOW = {"moe-200b": 4}
+"""Presets checked at fewer decoder layers (every layer alike, so the layer count changes nothing a
+probe reads): building 40 layers of 64 experts eight times takes half a minute on this machine."""
+
+
+def _as_checked(name: str) -> Any:
+    spec = PRESETS[name]
+    layers = SHALLOW.get(name)
+    return spec if layers is None else msgspec.structs.replace(spec, num_layers=layers)
+
 
 def child_main(results: Any) -> None:
     try:
@@ -81,7 +91,7 @@ def child_main(results: Any) -> None:
 
         torch.set_num_threads(1)
         out: dict[str, Any] = {"presets": {}, "users": {}, "checked": {}, "wrong": None}
-        for name, spec in {**PRESETS, **EXTRA}.items():
+        for name, spec in {**{n: _as_checked(n) for n in PRESETS}, **EXTRA}.items():
             out["presets"][name] = derive_geometry(
                 SpecProvider(spec),
                 name=spec.name,
@@ -187,7 +197,7 @@ def found() -> dict[str, Any]:
 def test_a_presets_geometry_is_exactly_what_megatron_says_of_the_model_it_describes(
     found: dict[str, Any], name: str
 ) -> None:
-    assert found["presets"][name] == PRESETS[name].geometry()
+    assert found["presets"][name] == _as_checked(name).geometry()
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
