@@ -263,6 +263,12 @@ class _Handoff:
         return self.triggers[0].event_id
 
     @property
+    def uncommitted(self) -> bool:
+        """No participant acked its switch, and no ack was lost to a restart: the commit (a collective
+        of every participant) has not happened, so the old world's survivors hold the cut's state (I4)."""
+        return not self.switched and not self.resumed
+
+    @property
     def target(self) -> frozenset[Device] | None:
         return None if self.placement is None else frozenset(self.placement.devices)
 
@@ -1190,13 +1196,7 @@ class Coordinator:
         committed: the survivors then hold the cut's state (I4) and recover live, so the checkpoint
         waits for a probe. A process that says it falls back, or a switch taken over after a restart
         (its acks lost), falls back at once."""
-        return (
-            self._phase is GenerationPhase.SWITCH
-            and h.switch_sent
-            and not h.switched
-            and not h.resumed
-            and not event.falling_back
-        )
+        return self._phase is GenerationPhase.SWITCH and h.uncommitted and not event.falling_back
 
     def _hold_failure(self, h: _Handoff, why: str) -> None:
         if h.failure is None:
@@ -1212,7 +1212,7 @@ class Coordinator:
         if h is None or h.failure is None or self._probing is not None:
             return
         why, h.failure = h.failure, None
-        if h.stop is None and self._deferred is None:
+        if self._deferred is None or not self._deferred.recover:  # a loss found: recovering already
             self._request_stop(_Stop(why, replan=False))
 
     def _all_prepared(self) -> None:
@@ -1739,7 +1739,7 @@ class Coordinator:
                 if len(h.switched) == len(h.participants):
                     self._all_switched()
                 return
-            if in_world and not h.switched and not h.resumed:
+            if in_world and h.uncommitted:
                 # Nothing committed (every commit is acked): the old world's survivors still hold the
                 # cut's state (I4), so the generation is planned again around the loss and moves live.
                 self._request_stop(
