@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.worker_runtime.megatron.datasets import MegatronCorpus, prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry, derive_geometry_in_subprocess
     from liver.worker_runtime.megatron.job import MegatronJob, load_job
+    from liver.worker_runtime.megatron.layer_spec import SequenceParallelTorchNorm, local_block_spec
     from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.train import TrainerHooks
     from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -77,6 +78,8 @@ _LAZY: dict[str, str] = {
     "MegatronCorpus": "liver.worker_runtime.megatron.datasets",
     "prepare_corpus": "liver.worker_runtime.megatron.datasets",
     "derive_geometry": "liver.worker_runtime.megatron.geometry",
+    "local_block_spec": "liver.worker_runtime.megatron.layer_spec",
+    "SequenceParallelTorchNorm": "liver.worker_runtime.megatron.layer_spec",
     "derive_geometry_in_subprocess": "liver.worker_runtime.megatron.geometry",
     "TrainConfig": "liver.worker_runtime.megatron.train_config",
     # worlds and where they meet
@@ -133,6 +136,7 @@ __all__ = [
     "RuntimeBridge",
     "RuntimeEvent",
     "RuntimeOptions",
+    "SequenceParallelTorchNorm",
     "StepAbandoned",
     "StoreAddress",
     "SwitchReport",
@@ -149,6 +153,7 @@ __all__ = [
     "host_store",
     "load_job",
     "load_model",
+    "local_block_spec",
     "plan_resize",
     "prepare_corpus",
     "run_worker",

@@ -158,3 +158,69 @@ def user_loss_func(loss_mask: Any, losses: Any) -> tuple[Any, Any, dict[str, Any
     loss = torch.sum(losses.view(-1) * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     return loss, num_tokens, {"loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+@dataclass(frozen=True)
+class MixedMoE:
+    """A user's MoE model whose decoder layers differ, built as Megatron's own block spec builds one
+    (``moe_layer_freq``: a list of 0/1 per layer, or every ``N``-th layer), through LiveR's
+    ``local_block_spec`` (Megatron's local spec with norms that take sequence parallelism)."""
+
+    moe_layer_freq: int | tuple[int, ...]
+    num_layers: int = NUM_LAYERS
+    num_experts: int = 4
+    swiglu: bool = False
+    shared_expert: int | None = None
+
+    def config(self, layout: ParallelLayout) -> Any:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from liver.worker_runtime.megatron.build import pipeline_split
+
+        freq = self.moe_layer_freq
+        return TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            normalization="RMSNorm",
+            gated_linear_unit=self.swiglu,
+            activation_func=F.silu if self.swiglu else F.gelu,
+            add_bias_linear=False,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            sequence_parallel=layout.tp > 1,
+            use_cpu_initialization=True,
+            num_moe_experts=self.num_experts,
+            moe_ffn_hidden_size=32,
+            moe_router_topk=2,
+            moe_shared_expert_intermediate_size=self.shared_expert,
+            moe_layer_freq=freq if isinstance(freq, int) else list(freq),
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
+            **pipeline_split(self.num_layers, layout),
+        )
+
+    def __call__(self, layout: ParallelLayout, pg_collection: Any) -> Any:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
+        from liver.worker_runtime.megatron.layer_spec import local_block_spec
+
+        apply_cpu_shim()
+        config = self.config(layout)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=local_block_spec(config, pg_collection.pp.rank()),
+            vocab_size=padded_vocab(layout.tp),
+            max_sequence_length=32,
+            pre_process=pg_collection.pp.rank() == 0,
+            post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            pg_collection=pg_collection,
+        )

@@ -112,6 +112,9 @@ CASES = [
     ("tiny-llama", "float32", ParallelLayout(tp=2, pp=1, dp=3), ONE_BUCKET),
     ("qkv-bias", "bfloat16", ParallelLayout(tp=2, pp=2, dp=2), SMALL_BUCKETS),
     ("qk-layernorm", "float32", ParallelLayout(tp=1, pp=2, dp=4), SMALL_BUCKETS),
+    # a dense first layer, then MoE layers: the dense layer alone on stage 0, then beside experts
+    ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
+    ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP1,DP2,EP2,ETP1"), ONE_BUCKET),
     (
         "tiny-gpt",
         "float32",

@@ -12,6 +12,7 @@ from liver.services.transfer.planner import build_plan, plan_stats
 from liver.shared.geometry import (
     GEOMETRY_SCHEMA_VERSION,
     MAX_EXPERTS,
+    DdpSettings,
     GeometryError,
     ModelGeometry,
     ParamGeometry,
@@ -302,3 +303,73 @@ def test_a_model_description_with_an_impossible_size_is_refused_naming_it(field:
     spec = msgspec.structs.asdict(PRESETS["tiny-gpt"]) | {field: value}
     with pytest.raises(ModelError, match=field):
         ModelSpec(**spec)
+
+
+# -- layers that differ: a dense first layer, then MoE layers -------------------------------------------
+
+DENSE_FIRST = PRESETS["tiny-deepseek"]
+
+
+def test_a_dense_first_moe_model_lists_one_run_per_kind_of_layer() -> None:
+    runs = {p.layers for p in DENSE_FIRST.geometry().parameters if p.layers is not None}
+    assert runs == {(0, 1), (1, 4)}
+    dense = {p.name for p in DENSE_FIRST.geometry().parameters if p.layers == (0, 1)}
+    assert "decoder.layers.{layer}.mlp.linear_fc1.weight" in dense
+    assert not any("router" in n or "experts" in n for n in dense)
+
+
+def test_each_layer_lists_its_own_parameters_in_megatrons_module_order() -> None:
+    names = [t.name for t in DENSE_FIRST.tensors(optimizer=False) if t.layer in (1, 2)]
+    layer0 = [n for n in names if n.startswith("decoder.layers.0.")]
+    layer1 = [n for n in names if n.startswith("decoder.layers.1.")]
+    assert layer0[-3:] == [
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+    ]
+    assert layer1[layer1.index("decoder.layers.1.pre_mlp_layernorm.weight") + 1 :][:4] == [
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.router.expert_bias",
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight",
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight",
+    ]
+
+
+def test_a_kind_of_layer_that_comes_back_after_another_is_a_run_of_its_own() -> None:
+    spec = msgspec.structs.replace(DENSE_FIRST, num_layers=5, moe_layer_freq=2)  # MoE at 0, 2, 4
+    assert spec.moe_layers == (True, False, True, False, True)
+    runs = sorted({p.layers for p in spec.geometry().parameters if p.layers is not None})
+    assert runs == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_a_dense_first_moe_model_is_planned_and_verified_across_an_uneven_pipeline_and_ep() -> None:
+    old = world(ParallelLayout.parse("TP2,PP1,DP2,EP2,ETP1"))
+    new = world(ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), first=2)
+    for ddp in (DdpSettings(), DdpSettings(distributed_optimizer=True)):
+        plan = build_plan(DENSE_FIRST.geometry().with_ddp(ddp), old, new, 64 * 1024)
+        assert verify_plan(plan).ok
+        assert plan_stats(plan).bytes_moved > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"moe_layer_freq": (0, 1, 1)}, "moe_layer_freq: 3 entries for 4 layers"),
+        ({"moe_layer_freq": (0, 2, 1, 1)}, "moe_layer_freq[1]"),
+        ({"moe_layer_freq": (0, 0, 0, 0)}, "no decoder layer is an MoE layer"),
+        ({"moe_layer_freq": 0}, "moe_layer_freq must be between 1"),
+        ({"num_experts": 0, "moe_shared_expert_intermediate_size": None}, "a dense model"),
+    ],
+)
+def test_a_moe_layer_pattern_megatron_could_not_build_is_refused_naming_it(change: dict, field: str) -> None:
+    fields = msgspec.structs.asdict(DENSE_FIRST) | change
+    if change.get("num_experts") == 0:
+        fields |= {"moe_router_enable_expert_bias": False, "moe_token_dispatcher": "allgather"}
+    with pytest.raises(ModelError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        ModelSpec(**fields)
+
+
+def test_a_moe_layer_pattern_reads_from_json_as_megatron_writes_it() -> None:
+    text = msgspec.json.encode(DENSE_FIRST)
+    assert b'"moe_layer_freq":[0,1,1,1]' in text
+    assert msgspec.json.decode(text, type=ModelSpec) == DENSE_FIRST

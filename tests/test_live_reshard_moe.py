@@ -1,8 +1,9 @@
 """A Megatron GPT with mixture-of-experts layers reshards live through expert-parallel layouts, and
 continues exactly as a reload of its state (or a ``dist_checkpointing`` save and load) at the new layout.
 
-The model is ``tiny-moe`` (four layers, each a router and four ``SequentialMLP`` experts; top-2 routing,
-Megatron's default all-gather token dispatcher and aux-loss settings). One job of six processes runs:
+The first job's model is ``tiny-moe`` (four layers, each a router and four ``SequentialMLP`` experts;
+top-2 routing, Megatron's default all-gather token dispatcher and aux-loss settings). One job of six
+processes runs:
 
     gen 0  TP1,PP1,DP2,EP2 on p0,p1              two experts per rank
     gen 1  TP1,PP1,DP4,EP4 on p0-p3              scale-out and an EP change: experts move whole
@@ -12,14 +13,16 @@ Megatron's default all-gather token dispatcher and aux-loss settings). One job o
     gen 5  TP1,PP2,DP1 [1/3] on p0,p1            scale-in, EP 2 -> 1
 
 with the plain optimizer and with Megatron's distributed optimizer (dense state sharded over DP, the
-experts' over expert-DP); the second job also balances its experts without an aux loss (each router's
-``expert_bias`` buffer, updated every step from the tokens each expert got, is state that moves too).
+experts' over expert-DP). The second job runs ``tiny-deepseek``, DeepSeek's shape: its first layer is
+dense and the other three MoE (Megatron checkpoints such a model per layer, not stacked), routed
+experts beside a shared expert, all-to-all dispatch, SwiGLU, GQA, and experts balanced without an aux
+loss (each router's ``expert_bias`` buffer, updated every step from the tokens each expert got, is
+state that moves too); at ``1/3`` its first stage holds the dense layer alone.
 Dropout is on. The tests read what the live job and the baseline reported.
 """
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 from live_chain import (
     Chain,
@@ -48,12 +51,7 @@ TRANSITIONS = {
 }
 SWITCHED = tuple(TRANSITIONS)
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
-MODELS = {
-    "plain": PRESETS["tiny-moe"],
-    "dist-opt": msgspec.structs.replace(
-        PRESETS["tiny-moe"], name="tiny-moe-bias", moe_router_enable_expert_bias=True
-    ),
-}
+MODELS = {"plain": PRESETS["tiny-moe"], "dist-opt": PRESETS["tiny-deepseek"]}
 OPTIMIZERS = {
     "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
     "dist-opt": TrainConfig(
@@ -90,12 +88,11 @@ def test_the_global_state_with_every_expert_is_the_same_right_after_the_switch(
     runs: Runs, generation: int
 ) -> None:
     before, after = runs.before[generation], runs.after[generation]
-    names = [t.name for t in PRESETS["tiny-moe"].geometry().tensors()]
-    if len(before) > len(names):  # the aux-loss-free job: its routers' expert_bias moved too
-        tensors = MODELS["dist-opt"].geometry().tensors()
-        names = [t.name for t in tensors]
-        biases = [i for i, t in enumerate(tensors) if t.role == "buffer"]
-        assert len(biases) == 4 and all(i in before and before[i].any() for i in biases)
+    tensors = runs.plans[generation].model.tensors()
+    names = [t.name for t in tensors]
+    biases = [i for i, t in enumerate(tensors) if t.role == "buffer"]
+    if biases:  # the aux-loss-free job: its routers' expert_bias moved too
+        assert all(i in before and before[i].any() for i in biases)
     assert {e for e in range(4) if any(f"local_experts.{e}." in names[i] for i in before)} == {0, 1, 2, 3}
     assert max_deviation(before, after) == 0.0
     assert bit_identical(before, after)

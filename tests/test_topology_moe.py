@@ -4,6 +4,9 @@ layouts for a mixture of experts (and keeps a job's context parallelism)."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from liver.services.topology.chooser import choose_topology
 from liver.services.topology.cost import step_cost
 from liver.services.topology.memory import H100_80GB, TrainingSetup, stage_state_bytes
@@ -65,3 +68,22 @@ def test_a_sequence_that_does_not_split_into_two_chunks_per_cp_rank_is_refused()
         MOE, setup, H100_80GB, current, current.placement.devices, L("TP2,PP4,DP64,CP2,EP8")
     )
     assert score.rule == "sequence" and "2 * cp = 4" in score.reason
+
+
+def test_a_dense_first_layer_keeps_a_dense_layers_activations_and_costs_no_all_to_all() -> None:
+    from liver.services.topology.memory import activation_bytes_per_token, memory_estimate
+
+    model = PRESETS["tiny-deepseek"]
+    setup = TrainingSetup(global_batch_size=8, sequence_length=32)
+    layout = L("TP1,PP2,DP2,EP2:1/3")  # stage 0: the dense layer; stage 1: three MoE layers
+    stages = memory_estimate(model, setup, H100_80GB, layout).stages
+    dense = activation_bytes_per_token(model, setup, 1, 1, moe=False)
+    moe = activation_bytes_per_token(model, setup, 1, 1, moe=True)
+    assert dense != moe
+    assert stages[0].activation_bytes == stages[0].in_flight * dense * 32
+    # Three layers on the first stage: two MoE layers after the dense one against three.
+    all_moe = msgspec.structs.replace(model, moe_layer_freq=1)
+    front = L("TP1,PP2,DP2,EP2:3/1")
+    kw = {"tp_within_node": True, "single_node": True}
+    mixed = step_cost(model, setup, H100_80GB, front, **kw).ep_comm_s
+    assert mixed == pytest.approx(step_cost(all_moe, setup, H100_80GB, front, **kw).ep_comm_s * 2 / 3)

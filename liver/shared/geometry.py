@@ -26,7 +26,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Annotated, Final, Literal
+from collections.abc import Sequence
+from typing import Annotated, Final, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -280,6 +281,48 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def digest(self) -> str:
         """A short fingerprint: two processes that derived the same geometry agree on it."""
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+
+class LayerParam(NamedTuple):
+    """One parameter of one decoder layer, as :func:`layer_runs` compares layers."""
+
+    suffix: str
+    """The name after ``decoder.layers.<i>.`` (``{expert}`` where an expert's global index goes)."""
+    shape: tuple[int, ...]
+    dtype: ParamDType
+    rule: Rule
+    expert: bool = False
+    buffer: bool = False
+
+
+def layer_runs(layers: Sequence[Sequence[LayerParam]]) -> list[ParamGeometry]:
+    """The per-layer entries of a geometry: each run of consecutive layers of one kind (the same
+    parameters in the same order) once, its parameters in the layer's own order.
+
+    Runs are cut by whole layers, not parameter by parameter, although a parameter every layer has
+    (the attention's) could span several kinds: a layer's parameters must come out of
+    :meth:`ModelGeometry.tensors` in its ``named_parameters()`` order (DDP lays out the distributed
+    optimizer's buffers by it), and one kind's order need not fit another's."""
+    out: list[ParamGeometry] = []
+    start = 0
+    for stop in range(1, len(layers) + 1):
+        if stop < len(layers) and tuple(layers[stop]) == tuple(layers[start]):
+            continue
+        for p in layers[start]:
+            out.append(
+                ParamGeometry(
+                    name=f"decoder.layers.{LAYER_PLACEHOLDER}.{p.suffix}",
+                    shape=p.shape,
+                    dtype=p.dtype,
+                    rule=p.rule,
+                    home="layer",
+                    layers=(start, stop),
+                    expert=p.expert,
+                    buffer=p.buffer,
+                )
+            )
+        start = stop
+    return out
 
 
 def stream_layer(home: Home, num_layers: int) -> int:

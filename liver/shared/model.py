@@ -38,16 +38,17 @@ from liver.shared.errors import InputError
 from liver.shared.geometry import (
     DTYPE_BYTES,
     EXPERT_PLACEHOLDER,
-    LAYER_PLACEHOLDER,
     MAX_DIM,
     MAX_EXPERTS,
     Home,
+    LayerParam,
     ModelGeometry,
     ParamGeometry,
     Role,
     Rule,
     TensorSpec,
     TpDivisor,
+    layer_runs,
 )
 from liver.shared.layout import MAX_LAYERS, ParallelLayout
 
@@ -103,6 +104,10 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing: each router keeps an fp32 ``expert_bias`` buffer that every step
     updates from the tokens each expert received (state the optimizer does not hold)."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which decoder layers are MoE layers, as Megatron's ``moe_layer_freq``: every ``N``-th layer
+    (layer ``i`` when ``i % N == 0``), or one 0 (dense, ``ffn_hidden_size``) or 1 (MoE) per layer;
+    DeepSeek-V3's first three dense layers are ``(0, 0, 0, 1, ...)``."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -151,11 +156,40 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
                     f"moe_router_topk must be between 1 and num_experts ({self.num_experts}), "
                     f"got {self.moe_router_topk}"
                 )
+        self._check_moe_layer_freq()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ModelError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                 f"({self.num_attention_heads}) unless kv_channels is given"
             )
+
+    def _check_moe_layer_freq(self) -> None:
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if not 1 <= freq <= MAX_LAYERS:
+                raise ModelError(f"moe_layer_freq must be between 1 and {MAX_LAYERS}, got {freq}")
+        else:
+            if len(freq) != self.num_layers:
+                raise ModelError(
+                    f"moe_layer_freq: {len(freq)} entries for {self.num_layers} layers (one 0 or 1 per layer)"
+                )
+            bad = next((i for i, v in enumerate(freq) if v not in (0, 1)), None)
+            if bad is not None:
+                raise ModelError(f"moe_layer_freq[{bad}]: {freq[bad]} is neither 0 (dense) nor 1 (MoE)")
+        if not self.num_experts and freq != 1:
+            raise ModelError("moe_layer_freq: a dense model (num_experts 0) has no MoE layers to place")
+        if self.num_experts and not any(self.moe_layers):
+            raise ModelError("moe_layer_freq: no decoder layer is an MoE layer; use num_experts 0")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each decoder layer is an MoE layer (all ``False`` for a dense model)."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return tuple(i % freq == 0 for i in range(self.num_layers))
+        return tuple(bool(v) for v in freq)
 
     @property
     def query_groups(self) -> int:
@@ -199,6 +233,7 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
     qkv_rows = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim
     attn_out = m.num_attention_heads * m.head_dim
     norm_has_bias = m.normalization == "LayerNorm"
+    moe_layers = m.moe_layers
     out: list[tuple[str, int, tuple[int, ...], Rule, Home]] = []
     emb_home: Home = "first+last" if m.tied_embeddings else "first"
     out.append(("embedding.word_embeddings.weight", 0, (m.vocab_size, h), "vocab", emb_home))
@@ -226,7 +261,7 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
         add("pre_mlp_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("pre_mlp_layernorm.bias", (h,), "replicated")
-        if m.num_experts:
+        if moe_layers[i]:
             add("mlp.router.weight", (m.num_experts, h), "replicated")
             if m.moe_router_enable_expert_bias:
                 add("mlp.router.expert_bias", (m.num_experts,), "replicated")
@@ -274,30 +309,28 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
 
 @functools.lru_cache(maxsize=64)
 def _geometry(m: ModelSpec) -> ModelGeometry:
-    # Every decoder layer of a ModelSpec is the same, so each per-layer parameter is one run of all.
-    params: list[ParamGeometry] = []
-    seen: set[str] = set()
+    head: list[ParamGeometry] = []
+    tail: list[ParamGeometry] = []
+    layers: list[list[LayerParam]] = [[] for _ in range(m.num_layers)]
     for name, layer, shape, rule, home in _param_list(m):
         if home == "layer":
-            template = name.replace(f"decoder.layers.{layer - 1}.", f"decoder.layers.{LAYER_PLACEHOLDER}.", 1)
-            if template in seen:
-                continue
-            seen.add(template)
-            buffer = template.endswith(".router.expert_bias")  # kept in fp32 by Megatron
-            params.append(
-                ParamGeometry(
-                    name=template,
+            suffix = name.removeprefix(f"decoder.layers.{layer - 1}.")
+            buffer = suffix.endswith(".router.expert_bias")  # kept in fp32 by Megatron
+            layers[layer - 1].append(
+                LayerParam(
+                    suffix=suffix,
                     shape=shape,
                     dtype="float32" if buffer else m.params_dtype,
                     rule=rule,
-                    home=home,
-                    layers=(0, m.num_layers),
-                    expert=EXPERT_PLACEHOLDER in template,
+                    expert=EXPERT_PLACEHOLDER in suffix,
                     buffer=buffer,
                 )
             )
         else:
-            params.append(ParamGeometry(name=name, shape=shape, dtype=m.params_dtype, rule=rule, home=home))
+            (head if layer == 0 else tail).append(
+                ParamGeometry(name=name, shape=shape, dtype=m.params_dtype, rule=rule, home=home)
+            )
+    params = [*head, *layer_runs(layers), *tail]
     return ModelGeometry(
         name=m.name,
         num_layers=m.num_layers,
@@ -413,6 +446,32 @@ PRESETS: dict[str, ModelSpec] = {
         params_dtype="float32",
         num_experts=4,
         moe_router_topk=2,
+    ),
+    "tiny-deepseek": ModelSpec(
+        # DeepSeek's shape at CI size: a dense first layer, then MoE layers of routed experts (sigmoid
+        # routing, aux-loss-free balancing) beside a shared expert, all-to-all dispatch.
+        name="tiny-deepseek",
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=1000,
+        make_vocab_size_divisible_by=16,
+        tied_embeddings=False,
+        swiglu=True,
+        bias=False,
+        normalization="RMSNorm",
+        position_embedding="rope",
+        max_sequence_length=64,
+        params_dtype="float32",
+        num_experts=4,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=32,
+        moe_token_dispatcher="alltoall",
+        moe_router_enable_expert_bias=True,
+        moe_layer_freq=(0, 1, 1, 1),
     ),
     "tiny-llama": ModelSpec(
         name="tiny-llama",

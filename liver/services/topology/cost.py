@@ -27,13 +27,14 @@ to rank layouts of one job against each other, not predict wall-clock time.
 from __future__ import annotations
 
 import functools
+import math
 
 import msgspec
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
 
-from .memory import HardwareProfile, TrainingSetup, grad_bytes_per_rank
+from .memory import HardwareProfile, TrainingSetup, grad_bytes_per_rank, stage_layer_kinds
 
 
 class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -81,6 +82,33 @@ def _parameter_count(model: ModelSpec) -> int:
     return total - experts + experts * model.moe_router_topk // model.num_experts
 
 
+@functools.lru_cache(maxsize=64)
+def _layer_weights(model: ModelSpec) -> tuple[int, ...]:
+    """Parameters a token passes through in each decoder layer (a dense layer's FFN, an MoE layer's
+    top-k experts): what one layer costs to compute, relative to the others."""
+    g = model.geometry()
+    out = [0] * model.num_layers
+    for p in g.parameters:
+        if p.layers is None:
+            continue
+        size = math.prod(p.shape)
+        if p.expert:
+            size = size * model.moe_router_topk
+        for layer in range(*p.layers):
+            out[layer] += size
+    return tuple(out)
+
+
+def stage_imbalance(model: ModelSpec, layout: ParallelLayout) -> float:
+    """The busiest stage's share of the decoder's compute, times ``pp``: 1 when the stages are even."""
+    weights = _layer_weights(model)
+    busiest = start = 0
+    for n in layout.layers_per_stage(model.num_layers):
+        busiest = max(busiest, sum(weights[start : start + n]))
+        start += n
+    return busiest * layout.pp / sum(weights)
+
+
 def bubble_fraction(pp: int, micro_batches: int) -> float:
     """The share of 1F1B's pipelined time spent idle: ``(pp - 1) / (m + pp - 1)``."""
     return (pp - 1) / (micro_batches + pp - 1)
@@ -115,7 +143,8 @@ def step_cost(
     tokens = setup.tokens_per_step
     flops_per_token = (8 if setup.recompute == "full" else 6) * _parameter_count(model)
     stage_layers = layout.layers_per_stage(model.num_layers)
-    imbalance = max(stage_layers) * pp / model.num_layers
+    imbalance = stage_imbalance(model, layout)
+    moe_layers = max(moe for _dense, moe in stage_layer_kinds(model, layout))
     rate = hardware.peak_flops * hardware.achievable_fraction
     compute = flops_per_token * tokens / layout.world_size / rate * imbalance
 
@@ -138,13 +167,13 @@ def step_cost(
             hardware.intra_node_bandwidth if ep_within_node or single_node else hardware.inter_node_bandwidth
         )
         leaving = act_bytes * model.moe_router_topk * (layout.ep - 1) / layout.ep
-        ep_comm = max(stage_layers) * micro_batches * 4 * leaving / ep_bw
+        ep_comm = moe_layers * micro_batches * 4 * leaving / ep_bw
     etp = layout.expert_tp
     if model.num_experts and etp > 1:
         # Expert-TP gathers the dispatched tokens over its group and reduce-scatters the experts'
         # outputs, forward and backward.
         routed = act_bytes * model.moe_router_topk * (etp - 1) / etp
-        ep_comm += max(stage_layers) * micro_batches * 4 * routed / tp_bw
+        ep_comm += moe_layers * micro_batches * 4 * routed / tp_bw
 
     cp_comm = 0.0
     if cp > 1:

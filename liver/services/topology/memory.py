@@ -282,9 +282,10 @@ def stage_state_bytes(
 
 
 def activation_bytes_per_token(
-    model: ModelSpec, setup: TrainingSetup, tp: int, etp: int | None = None
+    model: ModelSpec, setup: TrainingSetup, tp: int, etp: int | None = None, moe: bool | None = None
 ) -> int:
-    """Saved activations of one decoder layer for one token of one micro-batch, on one TP rank.
+    """Saved activations of one decoder layer for one token of one micro-batch, on one TP rank: an MoE
+    layer's when ``moe`` (by default: whether the model has experts), a dense one's otherwise.
 
     Elements kept for the backward pass (Korthikanti et al. 2022, generalised to GQA and SwiGLU, without
     dropout masks): the inputs of the two norms and of the QKV and fc1 matmuls (``4h``, split over TP
@@ -300,7 +301,9 @@ def activation_bytes_per_token(
         return h * e // sp_div
     elems_split = (nq + 2 * nkv) * d + nq * d
     expert_elems = 0
-    if model.num_experts:
+    if moe is None:
+        moe = bool(model.num_experts)
+    if moe:
         # Each token visits top-k experts: its dispatched copies (k x h, as many arrive as leave a rank
         # on average) and each expert's fc1 output and activation output, split by expert-TP; the
         # router's logits and probabilities (2 x experts, fp32).
@@ -319,8 +322,24 @@ def activation_bytes_per_token(
     return per_token
 
 
-def _selective_bytes_per_token(model: ModelSpec, setup: TrainingSetup, tp: int, etp: int | None) -> int:
-    return activation_bytes_per_token(model, msgspec.structs.replace(setup, recompute="selective"), tp, etp)
+def _selective_bytes_per_token(
+    model: ModelSpec, setup: TrainingSetup, tp: int, etp: int | None, moe: bool
+) -> int:
+    selective = msgspec.structs.replace(setup, recompute="selective")
+    return activation_bytes_per_token(model, selective, tp, etp, moe)
+
+
+def stage_layer_kinds(model: ModelSpec, layout: ParallelLayout) -> list[tuple[int, int]]:
+    """``(dense layers, MoE layers)`` each pipeline stage of ``layout`` holds (``ModelSpec.moe_layers``:
+    a dense first layer costs and keeps what a dense model's does)."""
+    kinds = model.moe_layers
+    out = []
+    start = 0
+    for n in layout.layers_per_stage(model.num_layers):
+        moe = sum(kinds[start : start + n])
+        out.append((n - moe, moe))
+        start += n
+    return out
 
 
 def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:
@@ -342,20 +361,26 @@ def memory_estimate(
     tp, pp = layout.tp, layout.pp
     micro_batches = setup.global_batch_size // (layout.dp * setup.micro_batch_size)
     tokens = setup.tokens_per_micro_batch // layout.cp  # context parallelism splits the sequence
-    per_layer_act = activation_bytes_per_token(model, setup, tp, layout.expert_tp) * tokens
+    etp = layout.expert_tp
+    per_layer_act = {
+        moe: activation_bytes_per_token(model, setup, tp, etp, moe) * tokens for moe in (False, True)
+    }
     # Full recomputation rebuilds one layer's activations at a time during the backward pass.
-    recompute_work = (
-        _selective_bytes_per_token(model, setup, tp, layout.expert_tp) * tokens
+    recompute_work = {
+        moe: _selective_bytes_per_token(model, setup, tp, etp, moe) * tokens
         if setup.recompute == "full"
         else 0
-    )
+        for moe in (False, True)
+    }
     e = DTYPE_BYTES[model.params_dtype]
     logits = tokens * (model.padded_vocab(tp) // tp) * (e + 4)
     stages: list[StageMemory] = []
     per_stage = stage_state_bytes(geometry if geometry is not None else model, setup, layout)
-    for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
+    for s, (dense, moe) in enumerate(stage_layer_kinds(model, layout)):
+        n = dense + moe
         in_flight = in_flight_micro_batches(s, pp, micro_batches)
-        act = in_flight * n * per_layer_act + (recompute_work if n else 0)
+        act = in_flight * (dense * per_layer_act[False] + moe * per_layer_act[True])
+        act += max(recompute_work[False] if dense else 0, recompute_work[True] if moe else 0)
         if s == pp - 1:
             act += logits
         stages.append(

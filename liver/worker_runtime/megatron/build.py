@@ -85,6 +85,7 @@ _DERIVED_FIELDS = frozenset(
         "moe_token_dispatcher_type",
         "moe_shared_expert_intermediate_size",
         "moe_shared_expert_gate",
+        "moe_layer_freq",
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
         "moe_grouped_gemm",
@@ -344,6 +345,9 @@ def transformer_config(
             "moe_token_dispatcher_type": spec.moe_token_dispatcher,
             "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
             "moe_shared_expert_gate": spec.moe_shared_expert_gate,
+            "moe_layer_freq": (
+                spec.moe_layer_freq if isinstance(spec.moe_layer_freq, int) else list(spec.moe_layer_freq)
+            ),
             # Megatron's aux-loss-free balancing (the expert bias) routes with sigmoid scores only.
             **({"moe_router_score_function": "sigmoid"} if spec.moe_router_enable_expert_bias else {}),
             "expert_model_parallel_size": layout.ep,

@@ -47,11 +47,13 @@ from liver.shared.geometry import (
     EXPERT_PLACEHOLDER,
     LAYER_PLACEHOLDER,
     Home,
+    LayerParam,
     ModelGeometry,
     ParamGeometry,
     Rule,
     TensorSpec,
     TpDivisor,
+    layer_runs,
 )
 from liver.shared.layout import ParallelLayout
 
@@ -63,6 +65,7 @@ Provider = Callable[[ParallelLayout, Any], torch.nn.Module]
 ``parallel_state`` is initialised for the layout too, and the collection holds its groups."""
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_KEY_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -180,10 +183,7 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                 )
             built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
             first = built[0]
-            # One prepended axis: the decoder layer; two: the layer and the expert (Megatron's experts).
-            skip = first.prepend_axis_num
-            if skip > 2:
-                raise GeometryDerivationError(f"{value.key}: {skip} prepended axes")
+            layer, expert, skip = _stacking(first)
             dtype = _DTYPES.get(param.dtype)
             if dtype is None:
                 raise GeometryDerivationError(f"{names[id(param)]}: dtype {param.dtype} is not supported")
@@ -192,11 +192,11 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
                 _Param(
                     name=names[id(param)],
                     key=value.key,
-                    layer=first.global_offset[0] if skip else None,
+                    layer=layer,
                     shape=tuple(param.shape),
                     dtype=dtype,
                     factory=isinstance(value, ShardedTensorFactory),
-                    expert=first.global_offset[1] if skip == 2 else None,
+                    expert=expert,
                     buffer=id(param) not in param_ids,
                 ),
             )
@@ -221,6 +221,24 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
         order = _module_order(model)
         params = sorted(out.values(), key=lambda p: order[p.name])
         return _Probe(layout, rank, params, config, vocab if isinstance(vocab, int) else None)
+
+
+def _stacking(sh: Any) -> tuple[int | None, int | None, int]:
+    """``(decoder layer, expert, prepended axes)`` of one ``ShardedTensor``.
+
+    Megatron files a block of identical layers under one key per parameter with the layer as a
+    prepended axis (and the expert as a second, for experts); a block whose layers differ (a list or
+    an ``N > 1`` ``moe_layer_freq``, ``linear_attention_freq``, heterogeneous block specs) under one key
+    per layer, ``decoder.layers.<n>.<...>``, with only the experts' axis prepended."""
+    skip = sh.prepend_axis_num
+    per_layer = _KEY_LAYER.match(sh.key)
+    if per_layer is not None:
+        if skip > 1:
+            raise GeometryDerivationError(f"{sh.key}: {skip} prepended axes on a per-layer key")
+        return int(per_layer.group(1)), (sh.global_offset[0] if skip else None), skip
+    if skip > 2:
+        raise GeometryDerivationError(f"{sh.key}: {skip} prepended axes")
+    return (sh.global_offset[0] if skip else None), (sh.global_offset[1] if skip == 2 else None), skip
 
 
 def _module_order(model: torch.nn.Module) -> dict[str, int]:
@@ -475,8 +493,9 @@ def derive_geometry(
             stages.append({p.ident for p in probe.params if p.layer is None})
     vocab = None if vocab_size is None else (vocab_size, padded(1) or 0, padded(2) or 0)
 
-    runs: list[dict[str, Any]] = []
-    params: list[ParamGeometry | int] = []  # an int: the index of a run, placed where it first appears
+    head: list[ParamGeometry] = []  # outside the decoder layers, before them in module order
+    tail: list[ParamGeometry] = []
+    layers: list[list[LayerParam]] = [[] for _ in range(num_layers)]
     for p in base.params:
         if tp2 is None:
             rule, shape = _tp1_rule(p, vocab)
@@ -489,46 +508,18 @@ def derive_geometry(
             match = _LAYER_NAME.match(p.name)
             if match is None or int(match.group(1)) != p.layer:
                 raise GeometryDerivationError(
-                    f"{p.name}: Megatron stacks it as decoder layer {p.layer}; LiveR expects the name "
+                    f"{p.name}: Megatron checkpoints it as decoder layer {p.layer}; LiveR expects the name "
                     f"decoder.layers.{p.layer}.<...>"
                 )
             suffix = match.group(2) if p.expert is None else _expert_suffix(p, match.group(2))
-            signature = (suffix, shape, p.dtype, rule, p.expert is not None, p.buffer)
-            if any(r["sig"] == signature and r["stop"] == p.layer + 1 for r in runs):
-                continue  # another expert of a layer already counted
-            run = next(
-                (i for i, r in enumerate(runs) if r["sig"] == signature and r["stop"] == p.layer), None
-            )
-            if run is None:
-                runs.append({"sig": signature, "first": p.layer, "stop": p.layer + 1})
-                params.append(len(runs) - 1)
-            else:
-                runs[run]["stop"] = p.layer + 1
+            entry = LayerParam(suffix, shape, p.dtype, rule, p.expert is not None, p.buffer)  # type: ignore[arg-type]
+            if entry not in layers[p.layer]:  # another expert of a layer already counted
+                layers[p.layer].append(entry)
             continue
         home: Home = _homes(stages, p.ident) if stages else "first+last" if rule == "vocab" else "first"
-        params.append(
-            ParamGeometry(name=p.name, shape=shape, dtype=p.dtype, rule=rule, home=home, buffer=p.buffer)  # type: ignore[arg-type]
-        )
-
-    out: list[ParamGeometry] = []
-    for entry in params:
-        if isinstance(entry, ParamGeometry):
-            out.append(entry)
-            continue
-        r = runs[entry]
-        suffix, shape, dtype, rule, expert, buffer = r["sig"]
-        out.append(
-            ParamGeometry(
-                name=f"decoder.layers.{LAYER_PLACEHOLDER}.{suffix}",
-                shape=shape,
-                dtype=dtype,
-                rule=rule,
-                home="layer",
-                layers=(r["first"], r["stop"]),
-                expert=expert,
-                buffer=buffer,
-            )
-        )
+        param = ParamGeometry(name=p.name, shape=shape, dtype=p.dtype, rule=rule, home=home, buffer=p.buffer)  # type: ignore[arg-type]
+        (tail if any(layers) else head).append(param)
+    out = [*head, *layer_runs(layers), *tail]
     geometry = ModelGeometry(
         name=name,
         num_layers=num_layers,
@@ -649,13 +640,13 @@ def model_geometry_mismatches(
             continue
         local = names[id(value.data)]
         built = [value] if isinstance(value, ShardedTensor) else list(nested_values({"x": value.build()}))
-        skip = built[0].prepend_axis_num  # stacked by layer (1), and by expert too (2)
+        layer, expert, skip = _stacking(built[0])
         match = _LAYER_NAME.match(local)
-        if skip and match is not None:
+        if layer is not None and match is not None:
             rest = match.group(2)
-            if skip == 2:  # the local expert's name, with its global index (.state.logical_name)
-                rest = _global_expert_name(rest, local, built[0].global_offset[1], geometry)
-            name = f"decoder.layers.{built[0].global_offset[0]}.{rest}"
+            if expert is not None:  # the local expert's name, with its global index
+                rest = _global_expert_name(rest, expert, geometry)
+            name = f"decoder.layers.{layer}.{rest}"
         elif local in tensors:
             name = local
         else:
@@ -685,7 +676,7 @@ def model_geometry_mismatches(
     return problems
 
 
-def _global_expert_name(rest: str, local: str, expert: int, geometry: ModelGeometry) -> str:
+def _global_expert_name(rest: str, expert: int, geometry: ModelGeometry) -> str:
     """``rest`` (a layer's parameter name) with its local expert index replaced by ``expert``: the
     component that the geometry's template has as ``{expert}``."""
     for p in geometry.parameters:

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from liver.shared.model import ModelSpec
 
-__all__ = ["SequenceParallelTorchNorm", "gpt_layer_spec"]
+__all__ = ["SequenceParallelTorchNorm", "gpt_layer_spec", "local_block_spec"]
 
 
 class SequenceParallelTorchNorm:
@@ -50,17 +52,31 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> TransformerBlockSubmodules:
+    """Megatron's own decoder block spec without Transformer Engine (``get_gpt_decoder_block_spec``:
+    dense and MoE layers as ``config.moe_layer_freq`` says, ``SequentialMLP`` experts) for the layers
+    pipeline stage ``pp_rank`` builds, with the fixes it needs on CPU: its torch norms accept sequence
+    parallelism (:class:`SequenceParallelTorchNorm`; an MoE model with TP > 1 needs it).
+
+    For a user's own provider: ``GPTModel(config, transformer_layer_spec=local_block_spec(config,
+    pg_collection.pp.rank()), ...)`` builds the model Megatron's local spec describes."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, pp_rank=pp_rank
+    )
+    for layer in {id(spec): spec for spec in block.layer_specs}.values():
+        layer.submodules.input_layernorm = SequenceParallelTorchNorm
+        layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    block.layer_norm = SequenceParallelTorchNorm
+    return block
+
+
 def gpt_layer_spec(
     spec: ModelSpec, config: TransformerConfig, pp_rank: int
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """The local layer spec for ``spec``: dense, or with ``SequentialMLP`` experts whose norms (and the
-    final norm) accept sequence parallelism, for the layers pipeline stage ``pp_rank`` builds."""
+    """The local layer spec for ``spec``: dense, or Megatron's block of dense and MoE layers
+    (:func:`local_block_spec`) for the layers pipeline stage ``pp_rank`` builds."""
     if not spec.num_experts:
         return get_gpt_layer_local_spec(normalization=spec.normalization)
-    layer = get_gpt_layer_local_spec(
-        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization=spec.normalization
-    )
-    layer.submodules.input_layernorm = SequenceParallelTorchNorm
-    layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    layers = get_num_layers_to_build(config, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelTorchNorm)
+    return local_block_spec(config, pp_rank)
