@@ -373,3 +373,51 @@ def test_a_moe_layer_pattern_reads_from_json_as_megatron_writes_it() -> None:
     text = msgspec.json.encode(DENSE_FIRST)
     assert b'"moe_layer_freq":[0,1,1,1]' in text
     assert msgspec.json.decode(text, type=ModelSpec) == DENSE_FIRST
+
+
+# -- multi-latent attention ------------------------------------------------------------------------------
+
+
+def test_latent_attention_lists_megatrons_projections_and_latent_norms_in_module_order() -> None:
+    names = [
+        p.name.removeprefix("decoder.layers.{layer}.self_attention.")
+        for p in DENSE_FIRST.geometry().parameters
+        if p.layers == (0, 1) and ".self_attention." in p.name
+    ]
+    assert names == [
+        "linear_proj.weight",
+        "linear_q_down_proj.weight",
+        "linear_q_up_proj.weight",
+        "linear_kv_down_proj.weight",
+        "linear_kv_up_proj.weight",
+        "q_layernorm.weight",
+        "kv_layernorm.weight",
+    ]
+
+
+def test_latent_attention_without_a_query_latent_has_one_query_projection_and_no_query_norm() -> None:
+    spec = msgspec.structs.replace(DENSE_FIRST, q_lora_rank=None)
+    names = {p.name for p in spec.geometry().parameters}
+    assert "decoder.layers.{layer}.self_attention.linear_q_proj.weight" in names
+    assert not any("q_down_proj" in n or "q_layernorm" in n for n in names)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"bias": True, "moe_shared_expert_intermediate_size": None}, "MLA projections have no bias"),
+        ({"position_embedding": "learned_absolute"}, "use rope"),
+        ({"num_query_groups": 2}, "num_query_groups: does not apply"),
+        ({"kv_lora_rank": 0}, "kv_lora_rank must be between 1"),
+        ({"multi_latent_attention": False}, "q_lora_rank: only multi-latent attention"),
+    ],
+)
+def test_a_latent_attention_megatron_could_not_build_is_refused_naming_it(change: dict, field: str) -> None:
+    with pytest.raises(ModelError, match=field):
+        ModelSpec(**(msgspec.structs.asdict(DENSE_FIRST) | change))
+
+
+def test_latent_attention_is_split_over_heads_and_refuses_a_tp_its_latent_cannot_take() -> None:
+    DENSE_FIRST.check_layout(ParallelLayout.parse("TP4,PP1,DP1"))
+    with pytest.raises(LayoutError, match="linear_q_down_proj"):
+        msgspec.structs.replace(DENSE_FIRST, q_lora_rank=30).check_layout(ParallelLayout.parse("TP4,PP1,DP1"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -104,6 +105,16 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free load balancing: each router keeps an fp32 ``expert_bias`` buffer that every step
     updates from the tokens each expert received (state the optimizer does not hold)."""
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (Megatron's ``MLASelfAttention``, with its latent norms as
+    DeepSeek trains it: ``qk_layernorm``): queries through a low-rank latent (``q_lora_rank``; ``None``:
+    one projection), keys and values from a shared ``kv_lora_rank`` latent plus a rotary part. No
+    biases; ``kv_channels`` and ``num_query_groups`` do not apply."""
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     moe_layer_freq: int | tuple[int, ...] = 1
     """Which decoder layers are MoE layers, as Megatron's ``moe_layer_freq``: every ``N``-th layer
     (layer ``i`` when ``i % N == 0``), or one 0 (dense, ``ffn_hidden_size``) or 1 (MoE) per layer;
@@ -157,6 +168,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
                     f"got {self.moe_router_topk}"
                 )
         self._check_moe_layer_freq()
+        self._check_latent_attention()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ModelError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -180,6 +192,28 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             raise ModelError("moe_layer_freq: a dense model (num_experts 0) has no MoE layers to place")
         if self.num_experts and not any(self.moe_layers):
             raise ModelError("moe_layer_freq: no decoder layer is an MoE layer; use num_experts 0")
+
+    def _check_latent_attention(self) -> None:
+        sizes = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        for field in (*sizes, "q_lora_rank"):
+            value = getattr(self, field)
+            if value is not None and not 1 <= value <= MAX_DIM:
+                raise ModelError(f"{field} must be between 1 and {MAX_DIM}, got {value}")
+        if not self.multi_latent_attention:
+            if self.q_lora_rank is not None:
+                raise ModelError("q_lora_rank: only multi-latent attention has a query latent")
+            return
+        if self.bias:
+            raise ModelError(
+                "multi_latent_attention: Megatron's MLA projections have no bias; set bias false"
+            )
+        if self.position_embedding != "rope":
+            raise ModelError("multi_latent_attention: MLA applies rotary embeddings itself; use rope")
+        for field in ("num_query_groups", "kv_channels"):
+            if getattr(self, field) is not None:
+                raise ModelError(
+                    f"{field}: does not apply to multi-latent attention (every head has its own)"
+                )
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -251,13 +285,16 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
         add("input_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("input_layernorm.bias", (h,), "replicated")
-        # Megatron's order: Attention creates linear_proj before SelfAttention adds linear_qkv.
-        add("self_attention.linear_proj.weight", (h, attn_out), "row")
-        if m.bias:
-            add("self_attention.linear_proj.bias", (h,), "replicated")
-        add("self_attention.linear_qkv.weight", (qkv_rows, h), "column")
-        if m.bias:
-            add("self_attention.linear_qkv.bias", (qkv_rows,), "column")
+        if m.multi_latent_attention:
+            _add_latent_attention(m, add, norm_has_bias)
+        else:
+            # Megatron's order: Attention creates linear_proj before SelfAttention adds linear_qkv.
+            add("self_attention.linear_proj.weight", (h, attn_out), "row")
+            if m.bias:
+                add("self_attention.linear_proj.bias", (h,), "replicated")
+            add("self_attention.linear_qkv.weight", (qkv_rows, h), "column")
+            if m.bias:
+                add("self_attention.linear_qkv.bias", (qkv_rows,), "column")
         add("pre_mlp_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("pre_mlp_layernorm.bias", (h,), "replicated")
@@ -305,6 +342,36 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
     if not m.tied_embeddings:
         out.append(("output_layer.weight", L + 1, (m.vocab_size, h), "vocab", "last"))
     return out
+
+
+def _add_latent_attention(
+    m: ModelSpec, add: Callable[[str, tuple[int, ...], Rule], None], norm_bias: bool
+) -> None:
+    """MLA's parameters in Megatron's module order: the output projection (the base attention makes
+    it), then the query path, the shared key/value latent and its up-projection, then the latent norms.
+    Every projection is column-parallel over the heads, the down-projections over their latent
+    (Megatron's local spec builds them as ``ColumnParallelLinear`` and gathers the latent after)."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    add("self_attention.linear_proj.weight", (h, heads * m.v_head_dim), "row")
+    if m.q_lora_rank is None:
+        add("self_attention.linear_q_proj.weight", (heads * q_head, h), "column")
+    else:
+        add("self_attention.linear_q_down_proj.weight", (m.q_lora_rank, h), "column")
+        add("self_attention.linear_q_up_proj.weight", (heads * q_head, m.q_lora_rank), "column")
+    add("self_attention.linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_pos_emb_head_dim, h), "column")
+    add(
+        "self_attention.linear_kv_up_proj.weight",
+        (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank),
+        "column",
+    )
+    norms = (("q_layernorm", m.q_lora_rank), ("kv_layernorm", m.kv_lora_rank))
+    for norm, size in norms:
+        if size is None:
+            continue
+        add(f"self_attention.{norm}.weight", (size,), "replicated")
+        if norm_bias:
+            add(f"self_attention.{norm}.bias", (size,), "replicated")
 
 
 @functools.lru_cache(maxsize=64)
@@ -448,14 +515,19 @@ PRESETS: dict[str, ModelSpec] = {
         moe_router_topk=2,
     ),
     "tiny-deepseek": ModelSpec(
-        # DeepSeek's shape at CI size: a dense first layer, then MoE layers of routed experts (sigmoid
-        # routing, aux-loss-free balancing) beside a shared expert, all-to-all dispatch.
+        # DeepSeek's shape at CI size: multi-latent attention, a dense first layer, then MoE layers of
+        # routed experts (sigmoid routing, aux-loss-free balancing) beside a shared expert, all-to-all.
         name="tiny-deepseek",
         num_layers=4,
         hidden_size=64,
         ffn_hidden_size=128,
         num_attention_heads=4,
-        num_query_groups=2,
+        multi_latent_attention=True,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
         vocab_size=1000,
         make_vocab_size_divisible_by=16,
         tied_embeddings=False,

@@ -300,6 +300,13 @@ def activation_bytes_per_token(
     if setup.recompute == "full":
         return h * e // sp_div
     elems_split = (nq + 2 * nkv) * d + nq * d
+    latent = 0
+    if model.multi_latent_attention:
+        # Q and K with their rotary part, V and the attention output per head; the latents (whole on
+        # every TP rank, split by sequence parallelism) feed their norms and up-projections.
+        q_head = model.qk_head_dim + model.qk_pos_emb_head_dim
+        elems_split = 2 * nq * q_head + 2 * nq * model.v_head_dim
+        latent = (model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_pos_emb_head_dim
     expert_elems = 0
     if moe is None:
         moe = bool(model.num_experts)
@@ -316,7 +323,7 @@ def activation_bytes_per_token(
             elems_split += (2 if model.swiglu else 1) * fs + fs
     else:
         elems_split += (2 if model.swiglu else 1) * model.ffn_hidden_size + model.ffn_hidden_size
-    per_token = (4 * h // sp_div + elems_split // tp + expert_elems) * e
+    per_token = ((4 * h + latent) // sp_div + elems_split // tp + expert_elems) * e
     if setup.recompute == "none":
         per_token += (nq // tp) * setup.sequence_length * (2 * e + 1)
     return per_token

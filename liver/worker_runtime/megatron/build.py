@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from liver.shared.errors import HandoffError
 from liver.shared.layout import LayoutError, ParallelLayout
@@ -89,6 +89,14 @@ _DERIVED_FIELDS = frozenset(
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
         "moe_grouped_gemm",
+        "multi_latent_attention",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "qk_layernorm",
+        "rope_type",
     }
 )
 
@@ -354,7 +362,22 @@ def transformer_config(
             "expert_tensor_parallel_size": layout.expert_tp,
             "moe_grouped_gemm": False,
         }
-    return TransformerConfig(
+    config_class: type[TransformerConfig] = TransformerConfig
+    mla: dict[str, Any] = {}
+    if spec.multi_latent_attention:
+        # DeepSeek trains MLA with its latent norms (qk_layernorm) and YaRN; LiveR builds it with plain
+        # rope, which changes no state (YaRN's scaling only rescales the rotary frequencies).
+        config_class = MLATransformerConfig
+        mla = {
+            "q_lora_rank": spec.q_lora_rank,
+            "kv_lora_rank": spec.kv_lora_rank,
+            "qk_head_dim": spec.qk_head_dim,
+            "qk_pos_emb_head_dim": spec.qk_pos_emb_head_dim,
+            "v_head_dim": spec.v_head_dim,
+            "qk_layernorm": True,
+            "rope_type": "rope",
+        }
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -377,6 +400,7 @@ def transformer_config(
         use_cpu_initialization=True,
         **pipeline_split(spec.num_layers, layout),
         **moe,
+        **mla,
         **overrides,
     )
 

@@ -7,14 +7,22 @@ sequence-parallel config. Torch's own ``LayerNorm``/``RMSNorm`` compute the same
 as on the whole sequence; what sequence parallelism needs of a norm is that Megatron all-reduces its
 gradients over TP, which it does for every parameter tagged ``sequence_parallel`` (as its Transformer
 Engine and apex norms are). :class:`SequenceParallelTorchNorm` is that norm.
+
+Multi-latent attention (DeepSeek's MLA) needs two more without Transformer Engine: a local core
+attention that takes its query/key and value head sizes (:class:`LocalMLAAttention`), and Megatron's
+MLA module told that Transformer Engine is absent (it decides so from imports that succeed without it).
+:func:`local_block_spec` carries all three for a user's own provider.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -23,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from liver.shared.model import ModelSpec
 
-__all__ = ["SequenceParallelTorchNorm", "gpt_layer_spec", "local_block_spec"]
+__all__ = ["LocalMLAAttention", "SequenceParallelTorchNorm", "gpt_layer_spec", "local_block_spec"]
 
 
 class SequenceParallelTorchNorm:
@@ -52,11 +60,61 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+class LocalMLAAttention(DotProductAttention):
+    """Megatron's local ``DotProductAttention`` with multi-latent attention's head sizes.
+
+    MLA builds its core attention with ``k_channels`` (the query/key head: ``qk_head_dim +
+    qk_pos_emb_head_dim``) and ``v_channels`` (``v_head_dim``), which only Transformer Engine's
+    attention takes; the local one refuses them. The computation is the same for any head size: the
+    scores use the query/key heads as given (MLA passes its own ``softmax_scale``), and only the
+    context's width, heads times the value head, differs from ``kv_channels`` times heads."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+
+def _without_transformer_engine() -> None:
+    """``multi_latent_attention`` decides that Transformer Engine is present when its Megatron
+    wrappers import, which they do without it (as ``None``), and then asks ``isinstance(...,
+    TELinear)`` (``isinstance() arg 2 must be a type``): told the truth when it is absent."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
 def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> TransformerBlockSubmodules:
     """Megatron's own decoder block spec without Transformer Engine (``get_gpt_decoder_block_spec``:
     dense and MoE layers as ``config.moe_layer_freq`` says, ``SequentialMLP`` experts) for the layers
-    pipeline stage ``pp_rank`` builds, with the fixes it needs on CPU: its torch norms accept sequence
-    parallelism (:class:`SequenceParallelTorchNorm`; an MoE model with TP > 1 needs it).
+    pipeline stage ``pp_rank`` builds, with the fixes it needs without Transformer Engine: its torch
+    norms accept sequence parallelism (:class:`SequenceParallelTorchNorm`; an MoE model with TP > 1
+    needs it), and multi-latent attention (``config.multi_latent_attention``, an
+    ``MLATransformerConfig``) gets a core attention that takes its head sizes
+    (:class:`LocalMLAAttention`) and a correct answer to whether Transformer Engine is present.
 
     For a user's own provider: ``GPTModel(config, transformer_layer_spec=local_block_spec(config,
     pg_collection.pp.rank()), ...)`` builds the model Megatron's local spec describes."""
@@ -65,9 +123,18 @@ def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> T
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization=config.normalization, pp_rank=pp_rank
     )
+    if config.multi_latent_attention:
+        _without_transformer_engine()
     for layer in {id(spec): spec for spec in block.layer_specs}.values():
         layer.submodules.input_layernorm = SequenceParallelTorchNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        if config.multi_latent_attention:
+            attention = layer.submodules.self_attention.submodules
+            attention.core_attention = LocalMLAAttention
+            # The latent norms run on a sequence shard too under sequence parallelism.
+            for norm in ("q_layernorm", "kv_layernorm"):
+                if getattr(attention, norm) is not IdentityOp:
+                    setattr(attention, norm, SequenceParallelTorchNorm)
     block.layer_norm = SequenceParallelTorchNorm
     return block
 
@@ -75,8 +142,9 @@ def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> T
 def gpt_layer_spec(
     spec: ModelSpec, config: TransformerConfig, pp_rank: int
 ) -> ModuleSpec | TransformerBlockSubmodules:
-    """The local layer spec for ``spec``: dense, or Megatron's block of dense and MoE layers
-    (:func:`local_block_spec`) for the layers pipeline stage ``pp_rank`` builds."""
-    if not spec.num_experts:
+    """The local layer spec for ``spec``: a plain dense GPT's, or Megatron's block of dense and MoE
+    layers, with multi-latent attention where ``spec`` has it (:func:`local_block_spec`), for the layers
+    pipeline stage ``pp_rank`` builds."""
+    if not spec.num_experts and not spec.multi_latent_attention:
         return get_gpt_layer_local_spec(normalization=spec.normalization)
     return local_block_spec(config, pp_rank)
