@@ -86,9 +86,16 @@ def _megatron(source: Any, layout: ParallelLayout, ddp: DdpSettings, dtype: str)
     return out
 
 
+SPECS = {
+    **PRESETS,
+    # a multi-token prediction layer on the last stage, which then builds the embedding first
+    "tiny-deepseek-mtp": msgspec.structs.replace(PRESETS["tiny-deepseek"], mtp_num_layers=1),
+}
+
+
 def _source(model: str, dtype: str) -> Any:
-    if model in PRESETS:
-        return msgspec.structs.replace(PRESETS[model], params_dtype=dtype)
+    if model in SPECS:
+        return msgspec.structs.replace(SPECS[model], params_dtype=dtype)
     from liver.worker_runtime.megatron.geometry import derive_geometry
     from liver.worker_runtime.megatron.source import ModelSource
 
@@ -115,6 +122,8 @@ CASES = [
     # a dense first layer, then MoE layers: the dense layer alone on stage 0, then beside experts
     ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
     ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP1,DP2,EP2,ETP1"), ONE_BUCKET),
+    ("tiny-deepseek-mtp", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
+    ("tiny-deepseek-mtp", "bfloat16", ParallelLayout.parse("TP2,PP2,DP1"), ONE_BUCKET),
     (
         "tiny-gpt",
         "float32",

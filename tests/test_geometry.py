@@ -275,16 +275,21 @@ def test_ddp_settings_compare_in_the_form_that_decides_the_state() -> None:
     assert decoded == sharded
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_an_older_geometry_is_read_as_version_3_with_the_plain_optimizer_and_no_experts(version: int) -> None:
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_an_older_geometry_is_read_as_version_4_with_the_plain_optimizer_no_experts_and_no_mtp(
+    version: int,
+) -> None:
     geometry = PRESETS["tiny-gpt"].geometry()
     fields = msgspec.to_builtins(geometry)
     fields["schema_version"] = version
-    del fields["num_experts"]
+    del fields["mtp_num_layers"]
+    if version < 3:
+        del fields["num_experts"]
     if version == 1:
         del fields["ddp"]
     old = msgspec.convert(fields, type=type(geometry))
-    assert old == geometry and old.schema_version == 3 and not old.distributed and old.num_experts == 0
+    assert old == geometry and old.schema_version == 4 and not old.distributed and old.num_experts == 0
+    assert old.mtp_num_layers == 0
 
 
 def test_names_that_expand_past_the_character_bound_are_refused() -> None:
@@ -421,3 +426,45 @@ def test_latent_attention_is_split_over_heads_and_refuses_a_tp_its_latent_cannot
     DENSE_FIRST.check_layout(ParallelLayout.parse("TP4,PP1,DP1"))
     with pytest.raises(LayoutError, match="linear_q_down_proj"):
         msgspec.structs.replace(DENSE_FIRST, q_lora_rank=30).check_layout(ParallelLayout.parse("TP4,PP1,DP1"))
+
+
+# -- multi-token prediction ------------------------------------------------------------------------------
+
+WITH_MTP = msgspec.structs.replace(DENSE_FIRST, name="tiny-deepseek-mtp", mtp_num_layers=1)
+
+
+def test_a_multi_token_prediction_layer_lives_on_the_last_stage_with_a_replica_of_the_embedding() -> None:
+    geometry = WITH_MTP.geometry()
+    homes = {p.name: p.home for p in geometry.parameters}
+    assert homes["embedding.word_embeddings.weight"] == "first+last"
+    mtp = [p for p in geometry.parameters if p.name.startswith("mtp.layers.0.")]
+    assert mtp and {p.home for p in mtp} == {"last"} and all(p.layers is None for p in mtp)
+    experts = [p.name for p in mtp if p.expert]
+    assert experts == [
+        "mtp.layers.0.transformer_layer.mlp.experts.local_experts.{expert}.linear_fc1.weight",
+        "mtp.layers.0.transformer_layer.mlp.experts.local_experts.{expert}.linear_fc2.weight",
+    ]
+    last = {t.name for t in geometry.tensors(optimizer=False) if t.layer == WITH_MTP.num_layers + 1}
+    assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight" in last
+
+
+def test_a_multi_token_prediction_model_is_planned_and_verified_across_pp_and_ep_changes() -> None:
+    old = world(ParallelLayout.parse("TP2,PP2,DP1,EP2,ETP1"))
+    new = world(ParallelLayout.parse("TP1,PP3,DP1:0/2/2"), first=4)
+    for ddp in (DdpSettings(), DdpSettings(distributed_optimizer=True)):
+        plan = build_plan(WITH_MTP.geometry().with_ddp(ddp), old, new, 64 * 1024)
+        assert verify_plan(plan).ok
+        assert decode_plan(encode_plan(plan)) == plan
+
+
+def test_an_expert_entry_outside_the_decoder_layers_must_live_on_the_last_stage() -> None:
+    expert = param("mtp.layers.0.experts.{expert}.weight", (4, 4), "column", "first", expert=True)
+    with pytest.raises(GeometryError, match=r"parameters\[1\]\.home: an expert parameter outside"):
+        ModelGeometry(
+            name="x",
+            num_layers=3,
+            parameters=(*ODD.parameters[:1], expert, *ODD.parameters[1:]),
+            vocab_size=100,
+            make_vocab_size_divisible_by=8,
+            num_experts=2,
+        )

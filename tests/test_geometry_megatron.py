@@ -48,15 +48,21 @@ def _emulated_mismatches(
     out = {}
     for rank in range(layout.world_size):
         with _fake_world(layout, rank), torch.device("meta"):
-            collection = groups_from_parallel_state(layout).collection()
-            out[rank] = model_geometry_mismatches(provider(layout, collection), geometry, layout, rank)
+            groups = groups_from_parallel_state(layout)
+            model = provider(layout, groups.collection())
+            metadata = {"dp_cp_group": groups.dp_cp}
+            out[rank] = model_geometry_mismatches(model, geometry, layout, rank, metadata=metadata)
     return out
 
+
+MTP = msgspec.structs.replace(PRESETS["tiny-deepseek"], name="tiny-deepseek-mtp", mtp_num_layers=1)
+"""DeepSeek's shape with a multi-token prediction layer (an MoE layer of its own on the last stage)."""
 
 EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a persistent router buffer)
     "tiny-moe-bias": msgspec.structs.replace(
         PRESETS["tiny-moe"], name="tiny-moe-bias", moe_router_enable_expert_bias=True
     ),
+    "tiny-deepseek-mtp": MTP,
     # shared experts with their gate, SwiGLU experts, bf16
     "tiny-moe-shared": msgspec.structs.replace(
         PRESETS["tiny-moe"],
@@ -70,16 +76,21 @@ EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a p
 
 
 MOE_LAYOUTS = ("TP2,PP2,DP2,EP2,ETP1", "TP1,PP1,DP4,EP2,ETP2", "TP2,PP1,DP2,EP4,ETP1")
+MTP_LAYOUTS = ("TP2,PP2,DP1,EP2,ETP1", "TP1,PP3,DP1:0/2/2", "TP1,PP2,DP2,EP2:1/3")
 
-SHALLOW = {"moe-200b": 4}
-"""Presets checked at fewer decoder layers (every layer alike, so the layer count changes nothing a
-probe reads): building 40 layers of 64 experts eight times takes half a minute on this machine."""
+SHALLOW: dict[str, dict[str, Any]] = {
+    "moe-200b": {"num_layers": 4},
+    "deepseek-v3": {"num_layers": 4, "moe_layer_freq": (0, 0, 0, 1)},
+}
+"""Presets checked at fewer decoder layers, each kind of layer kept in its order (runs of alike layers,
+so the depth changes nothing a probe reads): building 40 layers of 64 experts eight times takes half
+a minute on this machine, DeepSeek-V3's 61 layers of 256 experts longer."""
 
 
 def _as_checked(name: str) -> Any:
     spec = PRESETS[name]
-    layers = SHALLOW.get(name)
-    return spec if layers is None else msgspec.structs.replace(spec, num_layers=layers)
+    fields = SHALLOW.get(name)
+    return spec if fields is None else msgspec.structs.replace(spec, **fields)
 
 
 def child_main(results: Any) -> None:
@@ -148,6 +159,10 @@ def child_main(results: Any) -> None:
             text: _emulated_mismatches(SpecProvider(moe), moe.geometry(), ParallelLayout.parse(text))
             for text in MOE_LAYOUTS
         }
+        out["mtp_checked"] = {
+            text: _emulated_mismatches(SpecProvider(MTP), MTP.geometry(), ParallelLayout.parse(text))
+            for text in MTP_LAYOUTS
+        }
         # A plan made for another model: the tied GPT's geometry against the QK-norm model.
         layout = ParallelLayout(tp=2, pp=1, dp=1)
         out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
@@ -198,6 +213,15 @@ def test_a_presets_geometry_is_exactly_what_megatron_says_of_the_model_it_descri
     found: dict[str, Any], name: str
 ) -> None:
     assert found["presets"][name] == _as_checked(name).geometry()
+
+
+@pytest.mark.parametrize("layout", MTP_LAYOUTS)
+def test_every_ranks_multi_token_prediction_layer_is_where_the_view_function_puts_it(
+    found: dict[str, Any], layout: str
+) -> None:
+    mismatches = found["mtp_checked"][layout]
+    assert len(mismatches) == ParallelLayout.parse(layout).world_size
+    assert all(problems == [] for problems in mismatches.values()), mismatches
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)

@@ -87,3 +87,18 @@ def test_a_dense_first_layer_keeps_a_dense_layers_activations_and_costs_no_all_t
     kw = {"tp_within_node": True, "single_node": True}
     mixed = step_cost(model, setup, H100_80GB, front, **kw).ep_comm_s
     assert mixed == pytest.approx(step_cost(all_moe, setup, H100_80GB, front, **kw).ep_comm_s * 2 / 3)
+
+
+def test_a_multi_token_prediction_layer_weighs_on_the_last_stage_only() -> None:
+    from liver.services.topology.cost import stage_imbalance
+    from liver.services.topology.memory import memory_estimate
+
+    plain = PRESETS["tiny-deepseek"]
+    mtp = msgspec.structs.replace(plain, mtp_num_layers=1)
+    setup = TrainingSetup(global_batch_size=8, sequence_length=32)
+    layout = L("TP1,PP2,DP2,EP2")
+    without, with_mtp = (memory_estimate(m, setup, H100_80GB, layout).stages for m in (plain, mtp))
+    assert with_mtp[0] == without[0]
+    assert with_mtp[1].state_bytes > without[1].state_bytes  # the MTP layer and the embedding replica
+    assert with_mtp[1].activation_bytes > without[1].activation_bytes
+    assert stage_imbalance(mtp, layout) > stage_imbalance(plain, layout)

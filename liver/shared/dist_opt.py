@@ -80,7 +80,8 @@ class BufferLayout(NamedTuple):
 def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int) -> tuple[TensorSpec, ...]:
     """The parameters a rank of stage ``pp_rank`` holds, in ``named_parameters()`` order: embeddings,
     the stage's decoder layers, then the last stage's own parameters and the tied embedding's replica
-    (Megatron's ``output_layer.weight`` on a last stage that is not also the first)."""
+    (Megatron's ``output_layer.weight`` on a last stage that is not also the first; with multi-token
+    prediction the last stage's own ``embedding``, which it builds first)."""
     last = layout.pp - 1
     first: list[TensorSpec] = []
     layers: list[TensorSpec] = []
@@ -104,6 +105,8 @@ def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: i
             replica.append(t)
         else:
             first.append(t)
+    if geometry.mtp_num_layers:  # the last stage builds the embedding for its MTP layers, first
+        return (*replica, *first, *layers, *final)
     return (*first, *layers, *final, *replica)
 
 

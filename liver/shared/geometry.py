@@ -35,10 +35,11 @@ from msgspec import Meta
 from liver.shared.errors import InputError
 from liver.shared.layout import MAX_LAYERS, LayoutError, ParallelLayout
 
-GEOMETRY_SCHEMA_VERSION = 3
+GEOMETRY_SCHEMA_VERSION = 4
 """The version of :class:`ModelGeometry` (``docs/geometry.md``). Version 2 added ``ddp`` (how the
-optimizer state is sharded), version 3 experts (``num_experts``, ``ParamGeometry.expert``); older
-geometries are read as version 3 (the plain optimizer, no experts)."""
+optimizer state is sharded), version 3 experts (``num_experts``, ``ParamGeometry.expert``), version 4
+multi-token prediction (``mtp_num_layers``; experts outside the decoder layers); older geometries are
+read as version 4 (the plain optimizer, no experts, no MTP)."""
 
 LAYER_PLACEHOLDER = "{layer}"
 EXPERT_PLACEHOLDER = "{expert}"
@@ -129,9 +130,7 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     def count(self, num_experts: int = 0) -> int:
         """How many parameters this entry stands for (:meth:`names` without making them)."""
-        if self.layers is None:
-            return 1
-        runs = max(self.layers[1] - self.layers[0], 0)
+        runs = 1 if self.layers is None else max(self.layers[1] - self.layers[0], 0)
         return runs * (num_experts if self.expert else 1)
 
     def names(self, num_experts: int = 0) -> list[tuple[int | None, str]]:
@@ -142,8 +141,9 @@ class ParamGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def expert_names(self, num_experts: int) -> list[tuple[int | None, int, str]]:
         """``(decoder layer, expert or -1, name)`` for every parameter this entry stands for."""
         if self.layers is None:
-            return [(None, -1, self.name)]
-        base = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
+            base: list[tuple[int | None, str]] = [(None, self.name)]
+        else:
+            base = [(i, self.name.replace(LAYER_PLACEHOLDER, str(i))) for i in range(*self.layers)]
         if not self.expert:
             return [(i, -1, n) for i, n in base]
         return [(i, e, n.replace(EXPERT_PLACEHOLDER, str(e))) for i, n in base for e in range(num_experts)]
@@ -202,9 +202,13 @@ class ModelGeometry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     the job's setting, not the model's, so a geometry derived once is given it with :meth:`with_ddp`."""
     num_experts: Annotated[int, Meta(ge=0, le=MAX_EXPERTS)] = 0
     """Experts per MoE layer (0: a dense model); every ``expert`` entry stands for this many."""
+    mtp_num_layers: Annotated[int, Meta(ge=0, le=MAX_LAYERS)] = 0
+    """Multi-token prediction layers (Megatron's ``mtp_num_layers``): their parameters (``mtp.layers.<k>.``)
+    live on the last stage, which then builds the word embeddings too (they feed the MTP layers), first
+    in its module order, kept equal to the first stage's as a tied embedding is."""
 
     def __post_init__(self) -> None:
-        if self.schema_version in (1, 2):
+        if self.schema_version in (1, 2, 3):
             msgspec.structs.force_setattr(self, "schema_version", GEOMETRY_SCHEMA_VERSION)
         msgspec.structs.force_setattr(self, "ddp", self.ddp.canonical())
         if self.schema_version != GEOMETRY_SCHEMA_VERSION:
@@ -341,8 +345,13 @@ def _check_param(p: ParamGeometry, where: str, g: ModelGeometry) -> None:
     if p.expert:
         if g.num_experts < 1:
             raise GeometryError(f"{where}.expert: an expert parameter needs the geometry's num_experts")
-        if p.layers is None or EXPERT_PLACEHOLDER not in p.name:
-            raise GeometryError(f"{where}.name: an expert parameter is per layer, with {EXPERT_PLACEHOLDER}")
+        if EXPERT_PLACEHOLDER not in p.name:
+            raise GeometryError(f"{where}.name: an expert parameter has {EXPERT_PLACEHOLDER} in its name")
+        if p.layers is None and p.home != "last":
+            raise GeometryError(
+                f"{where}.home: an expert parameter outside the decoder layers (multi-token prediction's) "
+                f"lives on the last stage, got {p.home!r}"
+            )
         if p.rule == "vocab":
             raise GeometryError(f"{where}.rule: an expert parameter cannot be vocabulary-parallel")
     elif EXPERT_PLACEHOLDER in p.name:

@@ -115,6 +115,10 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_num_layers: int = 0
+    """Multi-token prediction layers (Megatron's MTP block, DeepSeek-V3's one): each an embedding and a
+    hidden-state norm, a projection of both, a decoder layer of the last layer's kind and a norm, on the
+    last stage, which then keeps a replica of the word embeddings."""
     moe_layer_freq: int | tuple[int, ...] = 1
     """Which decoder layers are MoE layers, as Megatron's ``moe_layer_freq``: every ``N``-th layer
     (layer ``i`` when ``i % N == 0``), or one 0 (dense, ``ffn_hidden_size``) or 1 (MoE) per layer;
@@ -169,6 +173,12 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
                 )
         self._check_moe_layer_freq()
         self._check_latent_attention()
+        if not 0 <= self.mtp_num_layers <= MAX_LAYERS:
+            raise ModelError(f"mtp_num_layers must be between 0 and {MAX_LAYERS}, got {self.mtp_num_layers}")
+        if self.mtp_num_layers and self.position_embedding != "rope":
+            raise ModelError(
+                "mtp_num_layers: multi-token prediction is described with rope position embeddings"
+            )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ModelError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -269,18 +279,19 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
     norm_has_bias = m.normalization == "LayerNorm"
     moe_layers = m.moe_layers
     out: list[tuple[str, int, tuple[int, ...], Rule, Home]] = []
-    emb_home: Home = "first+last" if m.tied_embeddings else "first"
+    # MTP layers on the last stage read the word embeddings too: it keeps a replica, as of a tied one.
+    emb_home: Home = "first+last" if m.tied_embeddings or m.mtp_num_layers else "first"
     out.append(("embedding.word_embeddings.weight", 0, (m.vocab_size, h), "vocab", emb_home))
     if m.position_embedding == "learned_absolute":
         out.append(
             ("embedding.position_embeddings.weight", 0, (m.max_sequence_length, h), "replicated", "first")
         )
-    for i in range(L):
-        p = f"decoder.layers.{i}."
-        lay = i + 1
 
-        def add(name: str, shape: tuple[int, ...], rule: Rule, p: str = p, lay: int = lay) -> None:
-            out.append((p + name, lay, shape, rule, "layer"))
+    def layer(p: str, lay: int, home: Home, moe: bool) -> None:
+        """One decoder layer's parameters under ``p`` (a dense or an MoE layer)."""
+
+        def add(name: str, shape: tuple[int, ...], rule: Rule) -> None:
+            out.append((p + name, lay, shape, rule, home))
 
         add("input_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
@@ -298,7 +309,7 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
         add("pre_mlp_layernorm.weight", (h,), "replicated")
         if norm_has_bias:
             add("pre_mlp_layernorm.bias", (h,), "replicated")
-        if moe_layers[i]:
+        if moe:
             add("mlp.router.weight", (m.num_experts, h), "replicated")
             if m.moe_router_enable_expert_bias:
                 add("mlp.router.expert_bias", (m.num_experts,), "replicated")
@@ -324,7 +335,7 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
                     "swiglu" if m.swiglu else "column",
                 )
                 add("mlp.shared_experts.linear_fc2.weight", (h, fs), "row")
-            continue
+            return
         if m.swiglu:
             add("mlp.linear_fc1.weight", (2, f, h), "swiglu")
             if m.bias:
@@ -336,9 +347,23 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
         add("mlp.linear_fc2.weight", (h, f), "row")
         if m.bias:
             add("mlp.linear_fc2.bias", (h,), "replicated")
+
+    for i in range(L):
+        layer(f"decoder.layers.{i}.", i + 1, "layer", moe_layers[i])
     out.append(("decoder.final_layernorm.weight", L + 1, (h,), "replicated", "last"))
     if norm_has_bias:
         out.append(("decoder.final_layernorm.bias", L + 1, (h,), "replicated", "last"))
+    for k in range(m.mtp_num_layers):  # Megatron's MTP layers: norms, projection, the last layer's kind
+        mtp = f"mtp.layers.{k}."
+        for norm in ("enorm", "hnorm"):
+            out.append((f"{mtp}{norm}.weight", L + 1, (h,), "replicated", "last"))
+            if norm_has_bias:
+                out.append((f"{mtp}{norm}.bias", L + 1, (h,), "replicated", "last"))
+        out.append((f"{mtp}eh_proj.weight", L + 1, (h, 2 * h), "column", "last"))
+        layer(f"{mtp}transformer_layer.", L + 1, "last", moe_layers[-1])
+        out.append((f"{mtp}final_layernorm.weight", L + 1, (h,), "replicated", "last"))
+        if norm_has_bias:
+            out.append((f"{mtp}final_layernorm.bias", L + 1, (h,), "replicated", "last"))
     if not m.tied_embeddings:
         out.append(("output_layer.weight", L + 1, (m.vocab_size, h), "vocab", "last"))
     return out
@@ -394,8 +419,17 @@ def _geometry(m: ModelSpec) -> ModelGeometry:
                 )
             )
         else:
+            buffer = name.endswith(".router.expert_bias")  # an MTP layer's router
             (head if layer == 0 else tail).append(
-                ParamGeometry(name=name, shape=shape, dtype=m.params_dtype, rule=rule, home=home)
+                ParamGeometry(
+                    name=name,
+                    shape=shape,
+                    dtype="float32" if buffer else m.params_dtype,
+                    rule=rule,
+                    home=home,
+                    expert=EXPERT_PLACEHOLDER in name,
+                    buffer=buffer,
+                )
             )
     params = [*head, *layer_runs(layers), *tail]
     return ModelGeometry(
@@ -410,6 +444,7 @@ def _geometry(m: ModelSpec) -> ModelGeometry:
             *(() if m.num_experts else (TpDivisor("ffn_hidden_size", m.ffn_hidden_size),)),
         ),
         num_experts=m.num_experts,
+        mtp_num_layers=m.mtp_num_layers,
     )
 
 
@@ -499,6 +534,37 @@ PRESETS: dict[str, ModelSpec] = {
         num_experts=64,
         moe_ffn_hidden_size=5120,
         moe_router_topk=8,
+    ),
+    "deepseek-v3": ModelSpec(
+        # DeepSeek-V3 (671B): multi-latent attention, three dense layers then 58 MoE layers of 256 routed
+        # experts (top-8, sigmoid routing, aux-loss-free balancing) beside one shared expert, and one
+        # multi-token prediction layer (the 14B that make its released checkpoint 685B).
+        name="deepseek-v3",
+        num_layers=61,
+        hidden_size=7168,
+        ffn_hidden_size=18432,
+        num_attention_heads=128,
+        multi_latent_attention=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_head_dim=128,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=128,
+        vocab_size=129280,
+        tied_embeddings=False,
+        swiglu=True,
+        bias=False,
+        normalization="RMSNorm",
+        position_embedding="rope",
+        max_sequence_length=4096,
+        num_experts=256,
+        moe_ffn_hidden_size=2048,
+        moe_router_topk=8,
+        moe_shared_expert_intermediate_size=2048,
+        moe_token_dispatcher="alltoall",
+        moe_router_enable_expert_bias=True,
+        moe_layer_freq=(0, 0, 0, *(1,) * 58),
+        mtp_num_layers=1,
     ),
     "tiny-moe": ModelSpec(
         name="tiny-moe",

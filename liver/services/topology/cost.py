@@ -87,26 +87,28 @@ def _layer_weights(model: ModelSpec) -> tuple[int, ...]:
     """Parameters a token passes through in each decoder layer (a dense layer's FFN, an MoE layer's
     top-k experts): what one layer costs to compute, relative to the others."""
     g = model.geometry()
-    out = [0] * model.num_layers
+    out = [0] * (model.num_layers + 1)  # the last: the multi-token prediction layers, on the last stage
     for p in g.parameters:
-        if p.layers is None:
-            continue
-        size = math.prod(p.shape)
-        if p.expert:
-            size = size * model.moe_router_topk
-        for layer in range(*p.layers):
-            out[layer] += size
+        size = math.prod(p.shape) * (model.moe_router_topk if p.expert else 1)
+        if p.layers is not None:
+            for layer in range(*p.layers):
+                out[layer] += size
+        elif p.name.startswith("mtp."):
+            out[-1] += size
     return tuple(out)
 
 
 def stage_imbalance(model: ModelSpec, layout: ParallelLayout) -> float:
-    """The busiest stage's share of the decoder's compute, times ``pp``: 1 when the stages are even."""
+    """The busiest stage's share of the decoder's compute (multi-token prediction on the last stage),
+    times ``pp``: 1 when the stages are even."""
     weights = _layer_weights(model)
-    busiest = start = 0
+    stages = []
+    start = 0
     for n in layout.layers_per_stage(model.num_layers):
-        busiest = max(busiest, sum(weights[start : start + n]))
+        stages.append(sum(weights[start : start + n]))
         start += n
-    return busiest * layout.pp / sum(weights)
+    stages[-1] += weights[-1]
+    return max(stages) * layout.pp / sum(weights)
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:

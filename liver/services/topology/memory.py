@@ -388,8 +388,9 @@ def memory_estimate(
         in_flight = in_flight_micro_batches(s, pp, micro_batches)
         act = in_flight * (dense * per_layer_act[False] + moe * per_layer_act[True])
         act += max(recompute_work[False] if dense else 0, recompute_work[True] if moe else 0)
-        if s == pp - 1:
-            act += logits
+        if s == pp - 1:  # the logits, and each MTP layer's (a layer of the last kind) with its own
+            mtp = model.mtp_num_layers
+            act += logits * (1 + mtp) + mtp * in_flight * per_layer_act[model.moe_layers[-1]]
         stages.append(
             StageMemory(
                 stage=s,

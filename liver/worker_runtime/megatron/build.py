@@ -38,7 +38,7 @@ from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.shared.views import view
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
-from liver.worker_runtime.megatron.layer_spec import gpt_layer_spec
+from liver.worker_runtime.megatron.layer_spec import gpt_layer_spec, local_mtp_block_spec
 
 if TYPE_CHECKING:
     from liver.worker_runtime.world import World
@@ -90,6 +90,7 @@ _DERIVED_FIELDS = frozenset(
         "expert_tensor_parallel_size",
         "moe_grouped_gemm",
         "multi_latent_attention",
+        "mtp_num_layers",
         "q_lora_rank",
         "kv_lora_rank",
         "qk_head_dim",
@@ -314,11 +315,12 @@ def check_default_world(groups: ParallelGroups) -> None:
         )
 
 
-def pipeline_split(num_layers: int, layout: ParallelLayout) -> dict[str, Any]:
+def pipeline_split(num_layers: int, layout: ParallelLayout, mtp_num_layers: int = 0) -> dict[str, Any]:
     """The TransformerConfig settings that give each stage ``layout.layers_per_stage`` layers.
 
     Megatron's ``num_layers_in_first/last_pipeline_stage`` covers splits whose middle stages are equal
-    and non-empty; any other split uses its explicit ``pipeline_model_parallel_layout``.
+    and non-empty; any other split uses its explicit ``pipeline_model_parallel_layout``, which then
+    names the multi-token prediction layers too (on the last stage, where Megatron puts them).
     """
     per_stage = layout.layers_per_stage(num_layers)
     if layout.pp == 1 or len(set(per_stage)) == 1:
@@ -328,6 +330,7 @@ def pipeline_split(num_layers: int, layout: ParallelLayout) -> dict[str, Any]:
         return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last}
     stages: list[list[str]] = [["decoder"] * n for n in per_stage]
     stages[0].insert(0, "embedding")
+    stages[-1].extend(["mtp"] * mtp_num_layers)
     stages[-1].append("loss")
     return {"pipeline_model_parallel_layout": stages}
 
@@ -398,9 +401,10 @@ def transformer_config(
         context_parallel_size=layout.cp,
         sequence_parallel=bool(spec.num_experts) and layout.tp > 1,
         use_cpu_initialization=True,
-        **pipeline_split(spec.num_layers, layout),
+        **pipeline_split(spec.num_layers, layout, spec.mtp_num_layers),
         **moe,
         **mla,
+        **({"mtp_num_layers": spec.mtp_num_layers} if spec.mtp_num_layers else {}),
         **overrides,
     )
 
@@ -484,9 +488,12 @@ def build_gpt_model(
     rank = groups.rank
     config = transformer_config(spec, layout, config_overrides)
     seed_build(seed, layout, rank)
+    layers = gpt_layer_spec(spec, config, groups.pp_rank)
+    mtp = local_mtp_block_spec(config, layers, groups.pp_rank) if spec.mtp_num_layers else None
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(spec, config, groups.pp_rank),
+        transformer_layer_spec=layers,
+        mtp_block_spec=mtp,
         vocab_size=spec.padded_vocab(layout.tp),
         max_sequence_length=spec.max_sequence_length,
         pre_process=groups.is_first_stage,

@@ -66,6 +66,7 @@ Provider = Callable[[ParallelLayout, Any], torch.nn.Module]
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _KEY_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MTP_PREFIX = "mtp."
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -152,11 +153,13 @@ def _probe(provider: Provider, layout: ParallelLayout, rank: int, device: str) -
     from liver.worker_runtime.megatron.build import groups_from_parallel_state
 
     with _fake_world(layout, rank):
-        collection = groups_from_parallel_state(layout).collection()
+        groups = groups_from_parallel_state(layout)
+        collection = groups.collection()
         try:
             with torch.device(device):
                 model = provider(layout, collection)
-            state = model.sharded_state_dict()
+            # A multi-token prediction stage files its state by its DP x CP group (Megatron reads it here).
+            state = model.sharded_state_dict(metadata={"dp_cp_group": groups.dp_cp})
         except Exception as exc:  # the user's code: reported with the probe it failed at
             raise ProbeBuildError(
                 f"the provider failed to build rank {rank} of {layout.describe()}: "
@@ -231,6 +234,10 @@ def _stacking(sh: Any) -> tuple[int | None, int | None, int]:
     an ``N > 1`` ``moe_layer_freq``, ``linear_attention_freq``, heterogeneous block specs) under one key
     per layer, ``decoder.layers.<n>.<...>``, with only the experts' axis prepended."""
     skip = sh.prepend_axis_num
+    if sh.key.startswith(_MTP_PREFIX):  # multi-token prediction: outside the decoder, experts stacked
+        if skip > 1:
+            raise GeometryDerivationError(f"{sh.key}: {skip} prepended axes on a multi-token prediction key")
+        return None, (sh.global_offset[0] if skip else None), skip
     per_layer = _KEY_LAYER.match(sh.key)
     if per_layer is not None:
         if skip > 1:
@@ -380,10 +387,13 @@ def _tp_divisors(config: Any) -> tuple[TpDivisor, ...]:
 
 
 def _expert_suffix(p: _Param, suffix: str) -> str:
-    """``suffix`` with the expert's index as ``{expert}``: the one path component equal to it (at EP 1
-    an expert's local index is its global one, as Megatron's ``local_experts.<i>``)."""
+    """``suffix`` with the expert's index as ``{expert}``: the path component equal to it (at EP 1 an
+    expert's local index is its global one, as Megatron's ``local_experts.<i>``), the last such one in
+    a multi-token prediction layer's name (``mtp.layers.<k>.`` comes before it)."""
     parts = suffix.split(".")
     hits = [i for i, part in enumerate(parts) if part == str(p.expert)]
+    if hits and suffix.startswith(_MTP_PREFIX):
+        hits = hits[-1:]
     if len(hits) != 1:
         raise GeometryDerivationError(
             f"{p.name}: Megatron checkpoints it as expert {p.expert}, but its name does not name that "
@@ -517,8 +527,20 @@ def derive_geometry(
                 layers[p.layer].append(entry)
             continue
         home: Home = _homes(stages, p.ident) if stages else "first+last" if rule == "vocab" else "first"
-        param = ParamGeometry(name=p.name, shape=shape, dtype=p.dtype, rule=rule, home=home, buffer=p.buffer)  # type: ignore[arg-type]
-        (tail if any(layers) else head).append(param)
+        pname = p.name if p.expert is None else _expert_suffix(p, p.name)
+        side = tail if any(layers) else head
+        if p.expert is not None and any(q.name == pname for q in side):
+            continue  # another expert of a multi-token prediction layer already counted
+        param = ParamGeometry(
+            name=pname,
+            shape=shape,
+            dtype=p.dtype,  # type: ignore[arg-type]
+            rule=rule,
+            home=home,
+            buffer=p.buffer,
+            expert=p.expert is not None,
+        )
+        side.append(param)
     out = [*head, *layer_runs(layers), *tail]
     geometry = ModelGeometry(
         name=name,
@@ -528,6 +550,7 @@ def derive_geometry(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         tp_divisible=_tp_divisors(base.config) if tp2 is not None else (TpDivisor("tensor parallelism", 1),),
         num_experts=len(experts),
+        mtp_num_layers=getattr(base.config, "mtp_num_layers", None) or 0,
     )
     geometry = msgspec.convert(msgspec.to_builtins(geometry), ModelGeometry)  # the wire's field limits too
     log.info("geometry.derived", model=name, parameters=len(out), digest=geometry.digest())
@@ -643,14 +666,13 @@ def model_geometry_mismatches(
         layer, expert, skip = _stacking(built[0])
         match = _LAYER_NAME.match(local)
         if layer is not None and match is not None:
-            rest = match.group(2)
-            if expert is not None:  # the local expert's name, with its global index
-                rest = _global_expert_name(rest, expert, geometry)
-            name = f"decoder.layers.{layer}.{rest}"
-        elif local in tensors:
+            name = f"decoder.layers.{layer}.{match.group(2)}"
+        elif local in tensors or expert is not None:
             name = local
         else:
             name = value.key  # a replica filed under another parameter's key (tied embeddings)
+        if expert is not None:  # the local expert's name, with its global index
+            name = _global_expert_name(name, expert, geometry)
         tensor = tensors.get(name)
         if tensor is None:
             problems.append(f"{local}: no parameter of {geometry.name} is called {name}")
@@ -676,19 +698,21 @@ def model_geometry_mismatches(
     return problems
 
 
-def _global_expert_name(rest: str, expert: int, geometry: ModelGeometry) -> str:
-    """``rest`` (a layer's parameter name) with its local expert index replaced by ``expert``: the
-    component that the geometry's template has as ``{expert}``."""
+def _global_expert_name(name: str, expert: int, geometry: ModelGeometry) -> str:
+    """``name`` (with its global layer index) with its local expert index replaced by ``expert``: the
+    component that a geometry template matching it has as ``{expert}``."""
+    parts = name.split(".")
     for p in geometry.parameters:
         if not p.expert:
             continue
-        template = p.name.split(f"{LAYER_PLACEHOLDER}.", 1)[1].split(".")
-        parts = rest.split(".")
+        template = p.name.split(".")
         if len(parts) == len(template) and all(
-            a == b for a, b in zip(parts, template, strict=True) if b != EXPERT_PLACEHOLDER
+            a == b
+            for a, b in zip(parts, template, strict=True)
+            if b not in (EXPERT_PLACEHOLDER, LAYER_PLACEHOLDER)
         ):
             return ".".join(str(expert) if b == EXPERT_PLACEHOLDER else a for a, b in zip(parts, template))
-    return rest  # reported as no such parameter
+    return name  # reported as no such parameter
 
 
 def _liver_box(

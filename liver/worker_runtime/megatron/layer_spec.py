@@ -31,7 +31,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from liver.shared.model import ModelSpec
 
-__all__ = ["LocalMLAAttention", "SequenceParallelTorchNorm", "gpt_layer_spec", "local_block_spec"]
+__all__ = [
+    "LocalMLAAttention",
+    "SequenceParallelTorchNorm",
+    "gpt_layer_spec",
+    "local_block_spec",
+    "local_mtp_block_spec",
+]
 
 
 class SequenceParallelTorchNorm:
@@ -139,12 +145,30 @@ def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> T
     return block
 
 
+def local_mtp_block_spec(
+    config: TransformerConfig, block: TransformerBlockSubmodules | ModuleSpec, pp_rank: int | None = None
+) -> Any:
+    """Megatron's multi-token prediction block spec without Transformer Engine
+    (``get_gpt_mtp_block_spec``: each MTP layer a decoder layer of ``block``'s last kind) for pipeline
+    stage ``pp_rank`` (``None`` where it builds none), its norms taking sequence parallelism as
+    :func:`local_block_spec`'s do. Give it to ``GPTModel(..., mtp_block_spec=...)``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, pp_rank=pp_rank)
+    if mtp is None:
+        return None
+    for layer in {id(spec): spec for spec in mtp.layer_specs}.values():
+        for norm in ("enorm", "hnorm", "layer_norm"):
+            setattr(layer.submodules, norm, SequenceParallelTorchNorm)
+    return mtp
+
+
 def gpt_layer_spec(
     spec: ModelSpec, config: TransformerConfig, pp_rank: int
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The local layer spec for ``spec``: a plain dense GPT's, or Megatron's block of dense and MoE
     layers, with multi-latent attention where ``spec`` has it (:func:`local_block_spec`), for the layers
     pipeline stage ``pp_rank`` builds."""
-    if not spec.num_experts and not spec.multi_latent_attention:
+    if not spec.num_experts and not spec.multi_latent_attention and not spec.mtp_num_layers:
         return get_gpt_layer_local_spec(normalization=spec.normalization)
     return local_block_spec(config, pp_rank)

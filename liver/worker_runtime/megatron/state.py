@@ -59,6 +59,7 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYERS = "decoder.layers."
+_MTP_LAYERS = "mtp.layers."
 _LOCAL_EXPERTS = "mlp.experts.local_experts."
 
 
@@ -149,6 +150,14 @@ def logical_name(model: torch.nn.Module, local_name: str) -> str:
             expert = layer.mlp.local_expert_indices[int(local)]
             rest = f"{_LOCAL_EXPERTS}{expert}.{tail}"
         return f"{_LAYERS}{layer.layer_number - 1}.{rest}"
+    if local_name.startswith(_MTP_LAYERS):  # a multi-token prediction layer (all on the last stage)
+        index, _, rest = local_name.removeprefix(_MTP_LAYERS).partition(".")
+        head = f"{_MTP_LAYERS}{index}.transformer_layer."
+        if local_name.startswith(head + _LOCAL_EXPERTS):
+            local, _, tail = local_name.removeprefix(head + _LOCAL_EXPERTS).partition(".")
+            layer = model.mtp.layers[int(index)].transformer_layer
+            return f"{head}{_LOCAL_EXPERTS}{layer.mlp.local_expert_indices[int(local)]}.{tail}"
+        return local_name
     if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
         return "embedding.word_embeddings.weight"
     return local_name
