@@ -137,6 +137,16 @@ FULL: tuple[PlanScenario, ...] = (
         8,
         _every_16th_node(8),
     ),
+    PlanScenario(
+        "deepseek-v3",
+        "deepseek-v3 (MLA, 3 dense + 58 MoE layers of 256 experts, MTP) + optimizer: PP16 -> PP15 and "
+        "EP64 -> EP32, 256 nodes -> 240",
+        "deepseek-v3",
+        "1,16,128,EP64:3/4/4/4/4/4/4/4/4/4/4/4/4/4/4/2",
+        "1,15,128,EP32:4/4/4/4/4/4/4/5/4/4/4/4/4/4/4",
+        8,
+        _every_16th_node(16),
+    ),
 )
 
 QUICK: tuple[PlanScenario, ...] = (
@@ -194,6 +204,16 @@ QUICK: tuple[PlanScenario, ...] = (
         "tiny-moe",
         "1,1,8,EP2",
         "1,1,4,EP4",
+        4,
+        "drop:node001",
+    ),
+    PlanScenario(
+        "deepseek-v3",
+        "tiny-deepseek (MLA, a dense first layer, MoE) + optimizer: EP2 -> EP4, the dense layer on a stage "
+        "of its own, 3 nodes -> 2",
+        "tiny-deepseek",
+        "1,2,6,EP2:2/2",
+        "1,2,4,EP4:1/3",
         4,
         "drop:node001",
     ),
