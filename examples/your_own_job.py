@@ -149,6 +149,23 @@ def lr_schedule(optimizer: Any) -> OptimizerParamScheduler:
     )
 
 
+def at_cut(generation: int, trainer: Any) -> None:
+    """Your hook at a live move's cut: every process of the old world, with its trainer (``model``,
+    ``optimizer``, ``scheduler``, ``iteration``) before anything moves; save, log or check here."""
+    if trainer.groups.rank == 0:
+        described = trainer.layout.describe()
+        print(f"cut: generation {generation} at iteration {trainer.iteration} on {described}", flush=True)
+
+
+def after_switch(generation: int, trainer: Any) -> None:
+    """Your hook once a move has committed: the new world's trainer, before its first step."""
+    if trainer.groups.rank == 0:
+        described = trainer.layout.describe()
+        print(
+            f"switched: generation {generation} at iteration {trainer.iteration} on {described}", flush=True
+        )
+
+
 def make_job(data: str, distributed_optimizer: str = "no", samples: str = "100000") -> MegatronJob:
     """LiveR: your model, data, optimizer, schedule and step, for every world the job moves to.
 
@@ -171,7 +188,11 @@ def make_job(data: str, distributed_optimizer: str = "no", samples: str = "10000
         train,
         corpus=corpus,
         hooks=TrainerHooks(
-            optimizer_config=optimizer_config(distributed), scheduler=lr_schedule, forward_step=forward_step
+            optimizer_config=optimizer_config(distributed),
+            scheduler=lr_schedule,
+            forward_step=forward_step,
+            at_cut=at_cut,
+            after_switch=after_switch,
         ),
     )
 
@@ -212,7 +233,14 @@ def main() -> int:
     start = WorldSpec(job="your-job", generation=0, layout=layout, placement=Placement(devices))
     options = RuntimeOptions(backend=args.backend)
     runtime = LiveRuntime(  # LiveR
-        job, job="your-job", device=devices[rank], store=address, initial=start, options=options
+        job,
+        job="your-job",
+        device=devices[rank],
+        store=address,
+        initial=start,
+        options=options,
+        on_cut=at_cut,
+        on_switch=after_switch,
     )
 
     after = 0 if args.reshard_at is not None else 2  # steps on the new world, two at least

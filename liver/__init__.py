@@ -31,7 +31,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.worker_runtime.megatron.datasets import MegatronCorpus, prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry, derive_geometry_in_subprocess
     from liver.worker_runtime.megatron.job import MegatronJob, load_job
-    from liver.worker_runtime.megatron.layer_spec import SequenceParallelTorchNorm, local_block_spec
+    from liver.worker_runtime.megatron.layer_spec import (
+        SequenceParallelTorchNorm,
+        local_block_spec,
+        local_mtp_block_spec,
+    )
     from liver.worker_runtime.megatron.source import ModelSource
     from liver.worker_runtime.megatron.train import TrainerHooks
     from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -79,6 +83,7 @@ _LAZY: dict[str, str] = {
     "prepare_corpus": "liver.worker_runtime.megatron.datasets",
     "derive_geometry": "liver.worker_runtime.megatron.geometry",
     "local_block_spec": "liver.worker_runtime.megatron.layer_spec",
+    "local_mtp_block_spec": "liver.worker_runtime.megatron.layer_spec",
     "SequenceParallelTorchNorm": "liver.worker_runtime.megatron.layer_spec",
     "derive_geometry_in_subprocess": "liver.worker_runtime.megatron.geometry",
     "TrainConfig": "liver.worker_runtime.megatron.train_config",
@@ -154,6 +159,7 @@ __all__ = [
     "load_job",
     "load_model",
     "local_block_spec",
+    "local_mtp_block_spec",
     "plan_resize",
     "prepare_corpus",
     "run_worker",

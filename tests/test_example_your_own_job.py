@@ -47,6 +47,12 @@ def test_the_users_own_job_trains_on_megatron_datasets_and_reshards_live(tmp_pat
     assert 3 <= cut < len(layouts)
     assert all(layout == ("TP2,PP2,DP1" if i <= cut else "TP2,PP1,DP1") for i, layout in layouts)
     assert steps[-1]["loss"] < steps[0]["loss"]
+    # The user's hooks: the old trainer at the cut, the new one after the switch, each once (rank 0).
+    hooks = [line for line in done.stdout.splitlines() if line.startswith(("cut:", "switched:"))]
+    assert hooks == [
+        f"cut: generation 1 at iteration {cut} on TP2,PP2,DP1",
+        f"switched: generation 1 at iteration {cut} on TP2,PP1,DP1",
+    ]
 
 
 def test_liver_takes_at_most_ten_marked_statements_of_the_users_script() -> None:

@@ -474,6 +474,14 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
     configure_logging(level="ERROR")
     address = StoreAddress("127.0.0.1", proc.store.port)
     events: list[RuntimeEvent] = []
+    hooks: dict[str, list[tuple[int, int, int | None]]] = {"cut": [], "switch": []}
+
+    def at_cut(generation: int, old: ToyTrainer) -> None:  # the user's hook: the old world still trains
+        hooks["cut"].append((generation, old.iteration, runtime.generation))
+
+    def after_switch(generation: int, new: ToyTrainer) -> None:
+        hooks["switch"].append((generation, new.iteration, runtime.generation))
+
     runtime = LiveRuntime(
         FailingBuildFactory() if proc.rank == 1 else ToyFactory(),
         job=JOB,
@@ -482,8 +490,11 @@ def toy_process(proc: Proc, plans: dict[int, Plan]) -> dict[str, Any]:
         initial=WorldSpec(job=JOB, generation=0, layout=DP2, placement=world_config(DP2, 0, 1).placement),
         options=RuntimeOptions(control_timeout_s=PEER_TIMEOUT_S, build_timeout_s=PEER_TIMEOUT_S),
         on_event=events.append,
+        on_cut=at_cut,
+        on_switch=after_switch,
     )
     out: dict[str, Any] = {"generation_at": {}, "values_after_switch": {}, "allowed_at": None}
+    out["hooks"] = hooks
     out["rng_kept_across_boundaries"] = True
     trainer = runtime.step()
     pending = sorted(plans)
@@ -728,3 +739,22 @@ def test_the_layout_check_runs_once_per_handoff_in_the_process_of_new_rank_0() -
         if check is not None:
             check()
     assert checked == [TP2]
+
+
+@pytest.mark.slow
+def test_the_cut_hook_sees_the_old_trainer_at_the_cut_only_for_switches_that_reach_it(toy_runs: list) -> None:
+    for found in toy_runs:
+        cuts = {g: (iteration, current) for g, iteration, current in found["hooks"]["cut"]}
+        assert set(cuts) == {GATED, RECOVERED}  # aborted at the vote or before it: never cut
+        for generation, (iteration, current) in cuts.items():
+            assert iteration == found["generation_at"][generation]
+            assert current is not None and current < generation  # still on the old world
+
+
+@pytest.mark.slow
+def test_the_switch_hook_gets_the_new_trainer_once_committed_before_its_first_step(toy_runs: list) -> None:
+    for found in toy_runs:
+        switches = found["hooks"]["switch"]
+        assert [g for g, _, _ in switches] == [GATED, RECOVERED]
+        for generation, iteration, current in switches:
+            assert (iteration, current) == (found["generation_at"][generation], generation)

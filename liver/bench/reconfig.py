@@ -350,7 +350,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-layers", type=int, default=None, help="with --provider: decoder layers")
     parser.add_argument("--vocab-size", type=int, default=None, help="with --provider: the real vocabulary")
-    parser.add_argument("--divisible-by", type=int, default=128, help="with --provider: vocabulary padding")
+    parser.add_argument(
+        "--make-vocab-size-divisible-by",
+        "--divisible-by",  # the earlier spelling, still read
+        dest="make_vocab_size_divisible_by",
+        type=int,
+        default=128,
+        help="with --provider: Megatron pads the vocabulary to a multiple of this times TP",
+    )
     parser.add_argument("--max-seq", type=int, default=None, help="with --provider: max_sequence_length")
     parser.add_argument(
         "--from",
@@ -417,7 +424,7 @@ def _user_model(args: argparse.Namespace) -> ModelRef:
         name=args.provider.rpartition(":")[2],
         num_layers=args.num_layers,
         vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.divisible_by,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
     return ModelRef(provider=args.provider, geometry=geometry, max_sequence_length=args.max_seq)
 

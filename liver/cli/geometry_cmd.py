@@ -20,7 +20,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", required=True, help="the model's name (for messages)")
     p.add_argument("--num-layers", type=int, required=True, help="decoder layers")
     p.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's real vocabulary")
-    p.add_argument("--divisible-by", type=int, default=128, help="make_vocab_size_divisible_by (128)")
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        "--divisible-by",  # the earlier spelling, still read
+        dest="make_vocab_size_divisible_by",
+        type=int,
+        default=128,
+        help="Megatron pads the vocabulary to a multiple of this times TP (its own flag's name; 128)",
+    )
     p.add_argument("--out", default=None, help="write the geometry here (default: print it)")
     p.set_defaults(func=run)
 
@@ -39,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.name,
         num_layers=args.num_layers,
         vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.divisible_by,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
     data = msgspec.json.format(msgspec.json.encode(geometry), indent=2)
     if args.out:

@@ -287,6 +287,7 @@ class Handoff(Generic[T]):
     join_timeout: timedelta
     stream_options: StreamOptions
     on_stream_step: Callable[[int, int, int], None] | None = None
+    on_cut: Callable[[int, Any], None] | None = None  # the user's hook: (generation, old trainer)
     schedule: PreparedSchedule | None = (
         None  # made in preparation (:func:`handoff_schedule`); else built here
     )
@@ -339,6 +340,11 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
     t_enter = t_commit = t_built = t_stream = t_loaded = 0.0
     try:
         iteration = h.iteration
+        if h.on_cut is not None and h.old_trainer is not None and not h.broken:
+            # The user's hook at the cut: the old world is still the default one, nothing has moved.
+            stage = HandoffStage.CUT
+            h.on_cut(h.generation, h.old_trainer)
+            stage = HandoffStage.ENTER
         if h.new_world is not None:
             timeout = h.join_timeout if role is Role.JOIN else h.control_timeout
             iteration = enter_world(h.new_world, h.iteration, timeout=timeout)

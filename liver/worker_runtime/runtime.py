@@ -226,6 +226,13 @@ class LiveRuntime(Generic[T]):
     ``store`` is where the initial world's store listens. ``on_event`` hears every phase change (from
     the thread that caused it: keep it short). ``on_stream_step(generation, layer, round)`` is called
     before each streaming step (progress reports; raising cancels the handoff, which then rolls back).
+    ``on_cut(generation, trainer)`` is the user's hook at the cut: called on every process of the old
+    world with its trainer at the agreed iteration, before anything moves and while the old world is
+    still torch's default (so it may save, log, check or run collectives on it; its time is part of the
+    pause; raising gives the handoff up: the others notice at their next collective and the old world
+    trains on). It is not called on a joiner, nor when the old world lost a process (a recovery).
+    ``on_switch(generation, trainer)`` is called with the new world's trainer once the switch has
+    committed, before its first step, on every process of the new world (in the thread that stepped).
     ``options.checkpoint`` needs a factory that can checkpoint (:class:`~.fallback.CheckpointingFactory`).
     """
 
@@ -240,6 +247,8 @@ class LiveRuntime(Generic[T]):
         options: RuntimeOptions | None = None,
         on_event: Callable[[RuntimeEvent], None] | None = None,
         on_stream_step: Callable[[int, int, int], None] | None = None,
+        on_cut: Callable[[int, T], None] | None = None,
+        on_switch: Callable[[int, T], None] | None = None,
     ) -> None:
         if initial is not None:
             if initial.job != job:
@@ -272,6 +281,8 @@ class LiveRuntime(Generic[T]):
         self._initial_store = store
         self._on_event = on_event
         self._on_stream_step = on_stream_step
+        self._on_cut = on_cut
+        self._on_switch = on_switch
         self._cond = threading.Condition(threading.RLock())
         self._world: World | None = None
         self._trainer: T | None = None
@@ -712,6 +723,7 @@ class LiveRuntime(Generic[T]):
             join_timeout=timedelta(seconds=join_timeout),
             stream_options=self.options.stream,
             on_stream_step=self._on_stream_step,
+            on_cut=self._on_cut,
             schedule=prep.schedule(),
             prebuilt=prep.prebuilt,
             lost=prep.request.lost,
@@ -1255,6 +1267,8 @@ class LiveRuntime(Generic[T]):
                 report=report,
             )
         )
+        if self._on_switch is not None and new_trainer is not None:
+            self._on_switch(report.generation, new_trainer)  # committed: a raise is the user's to handle
         return new_trainer
 
     def _give_up(

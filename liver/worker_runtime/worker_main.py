@@ -352,6 +352,8 @@ class _Worker:
             initial=initial,
             options=s.runtime_options(),
             on_event=on_event,
+            on_cut=job.hooks.at_cut if job.hooks is not None else None,
+            on_switch=job.hooks.after_switch if job.hooks is not None else None,
         )
         companion = Companion(
             identity,

@@ -71,19 +71,27 @@ class TrainerHooks:
     the switch, so it must be the same function every time. ``forward_step``: the user's
     ``forward_step_func`` (:data:`~.trainer.ForwardStep`; otherwise Megatron's GPT forward step), run
     with ``parallel_state`` describing the world it trains in; its ``loss_func`` reports the loss under
-    ``loss_key``.
+    ``loss_key``. ``at_cut(generation, trainer)``: the user's hook at a live switch's cut, with the old
+    world's trainer, on its every process, before anything moves (the old world is still the default
+    one: save, log, check); ``after_switch(generation, trainer)``: with the new world's trainer once
+    the switch committed, before its first step (``LiveRuntime``'s ``on_cut``/``on_switch``, which
+    ``liver worker`` wires to these).
     """
 
     optimizer_config: OptimizerConfig | None = None
     scheduler: Callable[[Any], OptimizerParamScheduler] | None = None
     forward_step: ForwardStep | None = None
     loss_key: str = "lm loss"
+    at_cut: Callable[[int, Any], None] | None = None
+    after_switch: Callable[[int, Any], None] | None = None
 
     def __post_init__(self) -> None:
         if self.forward_step is not None and not callable(self.forward_step):
             raise ValueError(f"hooks.forward_step: expected a function, got {type(self.forward_step)}")
-        if self.scheduler is not None and not callable(self.scheduler):
-            raise ValueError(f"hooks.scheduler: expected a function, got {type(self.scheduler)}")
+        for field in ("scheduler", "at_cut", "after_switch"):
+            value = getattr(self, field)
+            if value is not None and not callable(value):
+                raise ValueError(f"hooks.{field}: expected a function, got {type(value)}")
         if not isinstance(self.loss_key, str) or not self.loss_key:
             raise ValueError(f"hooks.loss_key: expected the loss report's key, got {self.loss_key!r}")
         opt = self.optimizer_config
