@@ -21,7 +21,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py
 def geometry_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("geometry") / "g.json"
     command = [sys.executable, "-m", "liver.cli.main", "geometry", "--provider", f"{EXAMPLE}:model_provider"]
-    command += ["--name", "qk-norm-gpt", "--num-layers", "4", "--vocab-size", "258", "--make-vocab-size-divisible-by", "16"]
+    command += ["--name", "qk-norm-gpt", "--num-layers", "4", "--vocab-size", "258"]
+    command += ["--make-vocab-size-divisible-by", "16"]
     done = subprocess.run(
         [*command, "--out", str(out)], capture_output=True, text=True, timeout=300, check=False
     )

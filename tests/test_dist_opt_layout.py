@@ -88,8 +88,8 @@ def _megatron(source: Any, layout: ParallelLayout, ddp: DdpSettings, dtype: str)
 
 SPECS = {
     **PRESETS,
-    # a multi-token prediction layer on the last stage, which then builds the embedding first
-    "tiny-deepseek-mtp": msgspec.structs.replace(PRESETS["tiny-deepseek"], mtp_num_layers=1),
+    # DeepSeek's shape without its multi-token prediction layer (whose stage builds the embedding first)
+    "tiny-deepseek-no-mtp": msgspec.structs.replace(PRESETS["tiny-deepseek"], mtp_num_layers=0),
 }
 
 
@@ -120,10 +120,10 @@ CASES = [
     ("qkv-bias", "bfloat16", ParallelLayout(tp=2, pp=2, dp=2), SMALL_BUCKETS),
     ("qk-layernorm", "float32", ParallelLayout(tp=1, pp=2, dp=4), SMALL_BUCKETS),
     # a dense first layer, then MoE layers: the dense layer alone on stage 0, then beside experts
-    ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
+    ("tiny-deepseek-no-mtp", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
     ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP1,DP2,EP2,ETP1"), ONE_BUCKET),
-    ("tiny-deepseek-mtp", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
-    ("tiny-deepseek-mtp", "bfloat16", ParallelLayout.parse("TP2,PP2,DP1"), ONE_BUCKET),
+    ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
+    ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP2,DP1"), ONE_BUCKET),
     (
         "tiny-gpt",
         "float32",

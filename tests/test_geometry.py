@@ -430,7 +430,7 @@ def test_latent_attention_is_split_over_heads_and_refuses_a_tp_its_latent_cannot
 
 # -- multi-token prediction ------------------------------------------------------------------------------
 
-WITH_MTP = msgspec.structs.replace(DENSE_FIRST, name="tiny-deepseek-mtp", mtp_num_layers=1)
+WITH_MTP = DENSE_FIRST  # tiny-deepseek has DeepSeek's multi-token prediction layer
 
 
 def test_a_multi_token_prediction_layer_lives_on_the_last_stage_with_a_replica_of_the_embedding() -> None:

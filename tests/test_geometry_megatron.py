@@ -55,14 +55,13 @@ def _emulated_mismatches(
     return out
 
 
-MTP = msgspec.structs.replace(PRESETS["tiny-deepseek"], name="tiny-deepseek-mtp", mtp_num_layers=1)
-"""DeepSeek's shape with a multi-token prediction layer (an MoE layer of its own on the last stage)."""
+MTP = PRESETS["tiny-deepseek"]
+"""DeepSeek's shape, with a multi-token prediction layer (an MoE layer of its own on the last stage)."""
 
 EXTRA = {  # a ModelSpec beyond the presets: aux-loss-free expert balancing (a persistent router buffer)
     "tiny-moe-bias": msgspec.structs.replace(
         PRESETS["tiny-moe"], name="tiny-moe-bias", moe_router_enable_expert_bias=True
     ),
-    "tiny-deepseek-mtp": MTP,
     # shared experts with their gate, SwiGLU experts, bf16
     "tiny-moe-shared": msgspec.structs.replace(
         PRESETS["tiny-moe"],

@@ -16,9 +16,10 @@ with the plain optimizer and with Megatron's distributed optimizer (dense state 
 experts' over expert-DP). The second job runs ``tiny-deepseek``, DeepSeek's shape: multi-latent
 attention (queries and keys/values through low-rank latents with their norms), its first layer dense and
 the other three MoE (Megatron checkpoints such a model per layer, not stacked), routed experts beside a
-shared expert, all-to-all dispatch, SwiGLU, and experts balanced without an aux loss (each router's
-``expert_bias`` buffer, updated every step from the tokens each expert got, is state that moves too);
-at ``1/3`` its first stage holds the dense layer alone.
+shared expert, all-to-all dispatch, SwiGLU, experts balanced without an aux loss (each router's
+``expert_bias`` buffer, updated every step from the tokens each expert got, is state that moves too),
+and a multi-token prediction layer (an MoE layer of its own on the last stage, which then keeps a replica
+of the embedding); at ``1/3`` its first stage holds the dense layer alone.
 Dropout is on. The tests read what the live job and the baseline reported.
 """
 

@@ -93,8 +93,8 @@ def test_a_multi_token_prediction_layer_weighs_on_the_last_stage_only() -> None:
     from liver.services.topology.cost import stage_imbalance
     from liver.services.topology.memory import memory_estimate
 
-    plain = PRESETS["tiny-deepseek"]
-    mtp = msgspec.structs.replace(plain, mtp_num_layers=1)
+    mtp = PRESETS["tiny-deepseek"]
+    plain = msgspec.structs.replace(mtp, mtp_num_layers=0)
     setup = TrainingSetup(global_batch_size=8, sequence_length=32)
     layout = L("TP1,PP2,DP2,EP2")
     without, with_mtp = (memory_estimate(m, setup, H100_80GB, layout).stages for m in (plain, mtp))

@@ -582,7 +582,8 @@ PRESETS: dict[str, ModelSpec] = {
     ),
     "tiny-deepseek": ModelSpec(
         # DeepSeek's shape at CI size: multi-latent attention, a dense first layer, then MoE layers of
-        # routed experts (sigmoid routing, aux-loss-free balancing) beside a shared expert, all-to-all.
+        # routed experts (sigmoid routing, aux-loss-free balancing) beside a shared expert, all-to-all,
+        # and a multi-token prediction layer.
         name="tiny-deepseek",
         num_layers=4,
         hidden_size=64,
@@ -610,6 +611,7 @@ PRESETS: dict[str, ModelSpec] = {
         moe_token_dispatcher="alltoall",
         moe_router_enable_expert_bias=True,
         moe_layer_freq=(0, 1, 1, 1),
+        mtp_num_layers=1,
     ),
     "tiny-llama": ModelSpec(
         name="tiny-llama",

@@ -481,6 +481,19 @@ _REGISTRY += (
     ),
 )
 
+_REGISTRY += (
+    (
+        ShimPatch(
+            target="megatron.core.transformer.multi_token_prediction (module view of torch: "
+            "current_device is the CPU, device='cuda' factories allocate on the CPU)",
+            why="Multi-token prediction: the MTP loss tracker (MTPLossLoggingHelper.save_loss_to_tracker) "
+            "allocates its per-layer losses on torch.cuda.current_device(), as does the roll of labels "
+            "across context-parallel ranks.",
+        ),
+        lambda: _give_module_cpu_device("megatron.core.transformer.multi_token_prediction"),
+    ),
+)
+
 PATCHES: tuple[ShimPatch, ...] = tuple(patch for patch, _ in _REGISTRY)
 
 _lock = threading.Lock()
