@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.worker_runtime.companion.thread import Companion
     from liver.worker_runtime.generations import HandoffState
     from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
+    from liver.worker_runtime.megatron.build import pipeline_split
     from liver.worker_runtime.megatron.datasets import MegatronCorpus, prepare_corpus
     from liver.worker_runtime.megatron.geometry import derive_geometry, derive_geometry_in_subprocess
     from liver.worker_runtime.megatron.job import MegatronJob, load_job
@@ -84,6 +85,7 @@ _LAZY: dict[str, str] = {
     "derive_geometry": "liver.worker_runtime.megatron.geometry",
     "local_block_spec": "liver.worker_runtime.megatron.layer_spec",
     "local_mtp_block_spec": "liver.worker_runtime.megatron.layer_spec",
+    "pipeline_split": "liver.worker_runtime.megatron.build",
     "SequenceParallelTorchNorm": "liver.worker_runtime.megatron.layer_spec",
     "derive_geometry_in_subprocess": "liver.worker_runtime.megatron.geometry",
     "TrainConfig": "liver.worker_runtime.megatron.train_config",
@@ -160,6 +162,7 @@ __all__ = [
     "load_model",
     "local_block_spec",
     "local_mtp_block_spec",
+    "pipeline_split",
     "plan_resize",
     "prepare_corpus",
     "run_worker",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue as queue_mod
 import traceback
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -55,6 +56,8 @@ def _emulated_mismatches(
     return out
 
 
+EXAMPLE_MOE = Path(__file__).resolve().parent.parent / "examples" / "your_own_moe.py"
+"""A user's own DeepSeek-shaped provider (MLA, a dense first layer, MoE with a shared expert, MTP)."""
 MTP = PRESETS["tiny-deepseek"]
 """DeepSeek's shape, with a multi-token prediction layer (an MoE layer of its own on the last stage)."""
 
@@ -158,6 +161,15 @@ def child_main(results: Any) -> None:
             text: _emulated_mismatches(SpecProvider(moe), moe.geometry(), ParallelLayout.parse(text))
             for text in MOE_LAYOUTS
         }
+        from liver.worker_runtime.megatron.source import load_provider
+
+        out["example_moe"] = derive_geometry(
+            load_provider(f"{EXAMPLE_MOE}:model_provider"),
+            name="tiny-deepseek",
+            num_layers=4,
+            vocab_size=1000,
+            make_vocab_size_divisible_by=16,
+        )
         out["mtp_checked"] = {
             text: _emulated_mismatches(SpecProvider(MTP), MTP.geometry(), ParallelLayout.parse(text))
             for text in MTP_LAYOUTS
@@ -212,6 +224,12 @@ def test_a_presets_geometry_is_exactly_what_megatron_says_of_the_model_it_descri
     found: dict[str, Any], name: str
 ) -> None:
     assert found["presets"][name] == _as_checked(name).geometry()
+
+
+def test_a_users_deepseek_shaped_provider_gets_the_geometry_of_the_preset_of_that_shape(
+    found: dict[str, Any],
+) -> None:
+    assert found["example_moe"] == PRESETS["tiny-deepseek"].geometry()
 
 
 @pytest.mark.parametrize("layout", MTP_LAYOUTS)
