@@ -83,7 +83,7 @@ def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
-        mtp_block_spec=local_mtp_block_spec(config, block, stage),  # LiveR
+        mtp_block_spec=local_mtp_block_spec(config, stage),  # LiveR
         vocab_size=padded_vocab_size(layout.tp),
         max_sequence_length=MAX_SEQUENCE,
         pre_process=stage == 0,

@@ -164,26 +164,46 @@ def user_loss_func(loss_mask: Any, losses: Any) -> tuple[Any, Any, dict[str, Any
 class MixedMoE:
     """A user's MoE model whose decoder layers differ, built as Megatron's own block spec builds one
     (``moe_layer_freq``: a list of 0/1 per layer, or every ``N``-th layer), through LiveR's
-    ``local_block_spec`` (Megatron's local spec with norms that take sequence parallelism)."""
+    ``local_block_spec`` (Megatron's local spec with norms that take sequence parallelism), optionally
+    with multi-latent attention (``q_lora_rank``: its query latent, 0 for none) and multi-token
+    prediction layers."""
 
     moe_layer_freq: int | tuple[int, ...]
     num_layers: int = NUM_LAYERS
     num_experts: int = 4
     swiglu: bool = False
     shared_expert: int | None = None
+    latent_attention: bool = False
+    q_lora_rank: int = 32
+    mtp_num_layers: int = 0
 
     def config(self, layout: ParallelLayout) -> Any:
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
         from liver.worker_runtime.megatron.build import pipeline_split
 
         freq = self.moe_layer_freq
-        return TransformerConfig(
+        attention: dict[str, Any] = {"num_query_groups": 2}
+        config_class = TransformerConfig
+        if self.latent_attention:
+            config_class = MLATransformerConfig
+            attention = {
+                "q_lora_rank": self.q_lora_rank or None,
+                "kv_lora_rank": 16,
+                "qk_head_dim": 16,
+                "qk_pos_emb_head_dim": 8,
+                "v_head_dim": 16,
+                "qk_layernorm": True,
+                "rope_type": "rope",
+            }
+        if self.mtp_num_layers:
+            attention["mtp_num_layers"] = self.mtp_num_layers
+        return config_class(
             num_layers=self.num_layers,
             hidden_size=64,
             ffn_hidden_size=128,
             num_attention_heads=4,
-            num_query_groups=2,
+            **attention,
             normalization="RMSNorm",
             gated_linear_unit=self.swiglu,
             activation_func=F.silu if self.swiglu else F.gelu,
@@ -202,20 +222,23 @@ class MixedMoE:
             moe_grouped_gemm=False,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
-            **pipeline_split(self.num_layers, layout),
+            **pipeline_split(self.num_layers, layout, self.mtp_num_layers),
         )
 
     def __call__(self, layout: ParallelLayout, pg_collection: Any) -> Any:
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
-        from liver.worker_runtime.megatron.layer_spec import local_block_spec
+        from liver.worker_runtime.megatron.layer_spec import local_block_spec, local_mtp_block_spec
 
         apply_cpu_shim()
         config = self.config(layout)
+        stage = pg_collection.pp.rank()
+        block = local_block_spec(config, stage)
         return GPTModel(
             config=config,
-            transformer_layer_spec=local_block_spec(config, pg_collection.pp.rank()),
+            transformer_layer_spec=block,
+            mtp_block_spec=local_mtp_block_spec(config, stage) if self.mtp_num_layers else None,
             vocab_size=padded_vocab(layout.tp),
             max_sequence_length=32,
             pre_process=pg_collection.pp.rank() == 0,

@@ -124,6 +124,8 @@ CASES = [
     ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP1,DP2,EP2,ETP1"), ONE_BUCKET),
     ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:1/3"), SMALL_BUCKETS),
     ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP2,DP1"), ONE_BUCKET),
+    # a last stage of the MTP layer and the head alone: the final norm stays with the last layer
+    ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:4/0"), SMALL_BUCKETS),
     (
         "tiny-gpt",
         "float32",

@@ -468,3 +468,17 @@ def test_an_expert_entry_outside_the_decoder_layers_must_live_on_the_last_stage(
             make_vocab_size_divisible_by=8,
             num_experts=2,
         )
+
+
+def test_with_mtp_the_final_norm_stays_with_the_last_decoder_layer_even_off_the_last_stage() -> None:
+    from liver.shared.views import holding_stages
+
+    geometry = WITH_MTP.geometry()
+    norm = next(t for t in geometry.tensors() if t.name == "decoder.final_layernorm.weight")
+    head = next(t for t in geometry.tensors() if t.name == "output_layer.weight")
+    apart = ParallelLayout.parse("TP1,PP2,DP1:4/0")  # the last stage: the MTP layer and the head only
+    assert norm.home == "last_layer"
+    assert holding_stages(norm, geometry, apart) == (0,) and holding_stages(head, geometry, apart) == (1,)
+    assert holding_stages(norm, geometry, ParallelLayout.parse("TP1,PP2,DP1:1/3")) == (1,)
+    plan = build_plan(geometry, world(ParallelLayout.parse("TP1,PP2,DP2,EP2")), world(apart, first=4))
+    assert verify_plan(plan).ok

@@ -1,6 +1,7 @@
 """Models whose decoder layers differ (dense and MoE layers in any pattern, as Megatron's
-``moe_layer_freq`` builds them) get their geometry from Megatron, and every rank of random layouts
-holds exactly what the view function gives it.
+``moe_layer_freq`` builds them; with or without multi-latent attention and a multi-token prediction
+layer) get their geometry from Megatron, and every rank of random layouts holds exactly what the view
+function gives it.
 
 Megatron files such a model's checkpoint per layer (``decoder.layers.<n>.<...>``, no layer axis), not
 stacked; the derivation reads both. One spawned interpreter derives the geometries of random small
@@ -43,6 +44,9 @@ def random_spec(seed: int) -> MixedMoE:
         num_experts=rng.choice((2, 4)),
         swiglu=rng.random() < 0.5,
         shared_expert=(None, 32)[seed % 2],  # half of them with a shared expert
+        latent_attention=seed % 3 != 0,  # two thirds with multi-latent attention,
+        q_lora_rank=(32, 0)[(seed // 2) % 2],  # with or without a query latent
+        mtp_num_layers=int(seed % 3 != 1),
     )
 
 
@@ -101,9 +105,12 @@ def child_main(results: Any) -> None:
                 ranks: dict[int, list[str]] = {}
                 for rank in range(layout.world_size):
                     with _fake_world(layout, rank), torch.device("meta"):
-                        collection = groups_from_parallel_state(layout).collection()
-                        model = spec(layout, collection)
-                        ranks[rank] = model_geometry_mismatches(model, geometry, layout, rank)
+                        groups = groups_from_parallel_state(layout)
+                        model = spec(layout, groups.collection())
+                        metadata = {"dp_cp_group": groups.dp_cp}
+                        ranks[rank] = model_geometry_mismatches(
+                            model, geometry, layout, rank, metadata=metadata
+                        )
                 checked[layout.describe()] = ranks
             out[seed] = (spec, geometry, checked)
         results.put((out, None))

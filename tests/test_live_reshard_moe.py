@@ -10,7 +10,9 @@ processes runs:
     gen 2  TP2,PP1,DP2,EP2,ETP1 on p0-p3         EP with TP (sequence parallel): experts regrouped
     gen 3  TP1,PP1,DP4,EP2,ETP2 on p0,p1,p4,p5   expert-TP 2: every expert cut in two (p2, p3 leave)
     gen 4  TP1,PP2,DP2,EP2 [1/3] on p0,p1,p4,p5  EP with an uneven pipeline of MoE layers
-    gen 5  TP1,PP2,DP1 [1/3] on p0,p1            scale-in, EP 2 -> 1
+    gen 5  TP1,PP2,DP1 [4/0] on p0,p1            scale-in, EP 2 -> 1: the last stage holds no decoder
+                                                 layer (its head; and the MTP layer, whose final norm
+                                                 stays with the last decoder layer on the first)
 
 with the plain optimizer and with Megatron's distributed optimizer (dense state sharded over DP, the
 experts' over expert-DP). The second job runs ``tiny-deepseek``, DeepSeek's shape: multi-latent
@@ -49,7 +51,7 @@ TRANSITIONS = {
     2: Transition("EP with TP", L("TP2,PP1,DP2,EP2,ETP1"), (0, 1, 2, 3)),
     3: Transition("expert-TP 2", L("TP1,PP1,DP4,EP2,ETP2"), (0, 1, 4, 5)),
     4: Transition("EP with an uneven pipeline", L("TP1,PP2,DP2,EP2:1/3"), (0, 1, 4, 5)),
-    5: Transition("scale-in to EP 1", L("TP1,PP2,DP1:1/3"), (0, 1)),
+    5: Transition("scale-in to EP 1, a last stage of no layer", L("TP1,PP2,DP1:4/0"), (0, 1)),
 }
 SWITCHED = tuple(TRANSITIONS)
 IDS = [TRANSITIONS[g].name for g in SWITCHED]

@@ -99,7 +99,7 @@ def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: i
             )
         if t.home == "layer":
             layers.append(t)
-        elif t.home == "last":
+        elif t.home in ("last", "last_layer"):  # the final norm follows the decoder's layers
             final.append(t)
         elif t.home == "first+last" and pp_rank == last and pp_rank != 0:
             replica.append(t)

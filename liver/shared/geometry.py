@@ -45,7 +45,11 @@ LAYER_PLACEHOLDER = "{layer}"
 EXPERT_PLACEHOLDER = "{expert}"
 
 Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
-Home = Literal["layer", "first", "last", "first+last", "all"]
+Home = Literal["layer", "first", "last", "first+last", "all", "last_layer"]
+"""Where a parameter lives: ``layer`` with its decoder layer, ``first``/``last`` on the first or last
+pipeline stage, ``first+last`` on both (a tied or an MTP model's embedding), ``all`` on every stage,
+``last_layer`` on the stage that holds the last decoder layer (the final norm of a model with
+multi-token prediction, which Megatron keeps there even when a last stage of MTP layers follows)."""
 Role = Literal["param", "fp32_param", "exp_avg", "exp_avg_sq", "step", "buffer"]
 ParamDType = Literal["float32", "bfloat16", "float16"]
 
@@ -331,7 +335,7 @@ def layer_runs(layers: Sequence[Sequence[LayerParam]]) -> list[ParamGeometry]:
 
 def stream_layer(home: Home, num_layers: int) -> int:
     """The streaming unit of a parameter outside the decoder layers: the last stage's come last."""
-    return num_layers + 1 if home == "last" else 0
+    return num_layers + 1 if home in ("last", "last_layer") else 0
 
 
 def _check_param(p: ParamGeometry, where: str, g: ModelGeometry) -> None:
@@ -347,7 +351,7 @@ def _check_param(p: ParamGeometry, where: str, g: ModelGeometry) -> None:
             raise GeometryError(f"{where}.expert: an expert parameter needs the geometry's num_experts")
         if EXPERT_PLACEHOLDER not in p.name:
             raise GeometryError(f"{where}.name: an expert parameter has {EXPERT_PLACEHOLDER} in its name")
-        if p.layers is None and p.home != "last":
+        if p.layers is None and p.home not in ("last", "last_layer"):
             raise GeometryError(
                 f"{where}.home: an expert parameter outside the decoder layers (multi-token prediction's) "
                 f"lives on the last stage, got {p.home!r}"

@@ -350,9 +350,11 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
 
     for i in range(L):
         layer(f"decoder.layers.{i}.", i + 1, "layer", moe_layers[i])
-    out.append(("decoder.final_layernorm.weight", L + 1, (h,), "replicated", "last"))
+    # With MTP layers Megatron keeps the final norm with the last decoder layer (their stage may differ).
+    final: Home = "last_layer" if m.mtp_num_layers else "last"
+    out.append(("decoder.final_layernorm.weight", L + 1, (h,), "replicated", final))
     if norm_has_bias:
-        out.append(("decoder.final_layernorm.bias", L + 1, (h,), "replicated", "last"))
+        out.append(("decoder.final_layernorm.bias", L + 1, (h,), "replicated", final))
     for k in range(m.mtp_num_layers):  # Megatron's MTP layers: norms, projection, the last layer's kind
         mtp = f"mtp.layers.{k}."
         for norm in ("enorm", "hnorm"):

@@ -68,6 +68,8 @@ def holding_stages(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLay
         return (0,)
     if home == "last":
         return (last,)
+    if home == "last_layer":
+        return (_stage_of_layers(layout, model.num_layers)[-1],)
     if home == "first+last":
         return (0,) if last == 0 else (0, last)
     return tuple(range(layout.pp))

@@ -214,7 +214,7 @@ def _state_by_home(
     L = model.num_layers
     layer = [[0] * L for _ in range(3)]  # state, grad, sharded
     experts = [[0] * L for _ in range(3)]  # the same for experts, before the 1/ep share
-    home = [dict.fromkeys(("first", "last", "first+last", "all"), 0) for _ in range(3)]
+    home = [dict.fromkeys(("first", "last", "first+last", "all", "last_layer"), 0) for _ in range(3)]
     for t in model.tensors(optimizer=True):
         expert = t.expert >= 0
         elems = math.prod(tp_shard(t, model, (etp or tp) if expert else tp, 0).local_shape)
@@ -225,9 +225,9 @@ def _state_by_home(
             into = experts if expert else layer
             for k, v in enumerate(values):
                 into[k][t.layer - 1] += v
-        else:
+        else:  # an MTP layer's experts: a rank holds 1/ep of them too
             for k, v in enumerate(values):
-                home[k][t.home] += v
+                home[k][t.home] += v // ep if expert else v
     for k in range(3):
         for i in range(L):
             layer[k][i] += experts[k][i] // ep
@@ -247,7 +247,7 @@ def _owned_optimizer_bytes(model: ModelGeometry, layout: ParallelLayout, stage: 
     return total
 
 
-def _homes(stage: int, pp: int) -> tuple[str, ...]:
+def _homes(stage: int, pp: int, last_layer_stage: int) -> tuple[str, ...]:
     """The non-layer homes a stage keeps (mirrors :func:`liver.shared.views.holding_stages`)."""
     homes = ["all"]
     if stage == 0:
@@ -256,6 +256,8 @@ def _homes(stage: int, pp: int) -> tuple[str, ...]:
         homes.append("last")
     if stage in (0, pp - 1):
         homes.append("first+last")
+    if stage == last_layer_stage:
+        homes.append("last_layer")
     return tuple(homes)
 
 
@@ -268,8 +270,9 @@ def stage_state_bytes(
     by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32, layout.etp, layout.ep)
     out = []
     start = 0
+    last_layer_stage = layout.stage_of_layers(model.num_layers)[-1]
     for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
-        homes = _homes(s, layout.pp)
+        homes = _homes(s, layout.pp, last_layer_stage)
         state = sum(by_home.layer_state[start : start + n]) + sum(by_home.home_state[h] for h in homes)
         sharded = sum(by_home.layer_sharded[start : start + n]) + sum(by_home.home_sharded[h] for h in homes)
         if sharded:

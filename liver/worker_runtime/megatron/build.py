@@ -489,7 +489,7 @@ def build_gpt_model(
     config = transformer_config(spec, layout, config_overrides)
     seed_build(seed, layout, rank)
     layers = gpt_layer_spec(spec, config, groups.pp_rank)
-    mtp = local_mtp_block_spec(config, layers, groups.pp_rank) if spec.mtp_num_layers else None
+    mtp = local_mtp_block_spec(config, groups.pp_rank) if spec.mtp_num_layers else None
     model = GPTModel(
         config=config,
         transformer_layer_spec=layers,

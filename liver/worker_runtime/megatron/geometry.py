@@ -501,6 +501,14 @@ def derive_geometry(
         for stage in range(homes_layout.pp):
             probe = _probe(provider, homes_layout, stage, device)
             stages.append({p.ident for p in probe.params if p.layer is None})
+    with_last_layer: set[tuple[str, int | None, int | None]] = set()
+    if getattr(base.config, "mtp_num_layers", None) and num_layers > 0:
+        # With multi-token prediction Megatron keeps some of the last stage's state (the final norm)
+        # with the last decoder layer instead: a pipeline whose last stage holds only the MTP layers
+        # shows which.
+        apart = ParallelLayout(tp=1, pp=2, dp=1, stage_layers=(num_layers, 0))
+        probe = _probe(provider, apart, 0, device)
+        with_last_layer = {p.ident for p in probe.params if p.layer is None}
     vocab = None if vocab_size is None else (vocab_size, padded(1) or 0, padded(2) or 0)
 
     head: list[ParamGeometry] = []  # outside the decoder layers, before them in module order
@@ -527,6 +535,8 @@ def derive_geometry(
                 layers[p.layer].append(entry)
             continue
         home: Home = _homes(stages, p.ident) if stages else "first+last" if rule == "vocab" else "first"
+        if home == "last" and p.ident in with_last_layer:
+            home = "last_layer"
         pname = p.name if p.expert is None else _expert_suffix(p, p.name)
         side = tail if any(layers) else head
         if p.expert is not None and any(q.name == pname for q in side):

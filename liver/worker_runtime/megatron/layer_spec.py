@@ -113,6 +113,22 @@ def _without_transformer_engine() -> None:
     multi_latent_attention.HAVE_TE = False
 
 
+def _with_local_fixes(config: TransformerConfig, layers: list[ModuleSpec]) -> None:
+    """The fixes of :func:`local_block_spec`, made in place on Megatron's local layer specs."""
+    if config.multi_latent_attention:
+        _without_transformer_engine()
+    for layer in {id(spec): spec for spec in layers}.values():
+        layer.submodules.input_layernorm = SequenceParallelTorchNorm
+        layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        if config.multi_latent_attention:
+            attention = layer.submodules.self_attention.submodules
+            attention.core_attention = LocalMLAAttention
+            # The latent norms run on a sequence shard too under sequence parallelism.
+            for norm in ("q_layernorm", "kv_layernorm"):
+                if getattr(attention, norm) is not IdentityOp:
+                    setattr(attention, norm, SequenceParallelTorchNorm)
+
+
 def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> TransformerBlockSubmodules:
     """Megatron's own decoder block spec without Transformer Engine (``get_gpt_decoder_block_spec``:
     dense and MoE layers as ``config.moe_layer_freq`` says, ``SequentialMLP`` experts) for the layers
@@ -129,32 +145,24 @@ def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> T
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization=config.normalization, pp_rank=pp_rank
     )
-    if config.multi_latent_attention:
-        _without_transformer_engine()
-    for layer in {id(spec): spec for spec in block.layer_specs}.values():
-        layer.submodules.input_layernorm = SequenceParallelTorchNorm
-        layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-        if config.multi_latent_attention:
-            attention = layer.submodules.self_attention.submodules
-            attention.core_attention = LocalMLAAttention
-            # The latent norms run on a sequence shard too under sequence parallelism.
-            for norm in ("q_layernorm", "kv_layernorm"):
-                if getattr(attention, norm) is not IdentityOp:
-                    setattr(attention, norm, SequenceParallelTorchNorm)
+    _with_local_fixes(config, block.layer_specs)
     block.layer_norm = SequenceParallelTorchNorm
     return block
 
 
-def local_mtp_block_spec(
-    config: TransformerConfig, block: TransformerBlockSubmodules | ModuleSpec, pp_rank: int | None = None
-) -> Any:
+def local_mtp_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> Any:
     """Megatron's multi-token prediction block spec without Transformer Engine
-    (``get_gpt_mtp_block_spec``: each MTP layer a decoder layer of ``block``'s last kind) for pipeline
-    stage ``pp_rank`` (``None`` where it builds none), its norms taking sequence parallelism as
-    :func:`local_block_spec`'s do. Give it to ``GPTModel(..., mtp_block_spec=...)``."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    (``get_gpt_mtp_block_spec``) for pipeline stage ``pp_rank``, ``None`` where it builds none: each MTP
+    layer a decoder layer of the model's last layer's kind (whatever layers the stage holds itself: a
+    last stage may hold none), with :func:`local_block_spec`'s fixes and norms that take sequence
+    parallelism. Give it to ``GPTModel(..., mtp_block_spec=...)``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
 
-    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False, pp_rank=pp_rank)
+    layers = get_gpt_decoder_layer_specs(
+        config, use_transformer_engine=False, normalization=config.normalization
+    )
+    _with_local_fixes(config, layers[-1:])
+    mtp = get_gpt_mtp_block_spec(config, layers[-1], use_transformer_engine=False, pp_rank=pp_rank)
     if mtp is None:
         return None
     for layer in {id(spec): spec for spec in mtp.layer_specs}.values():
