@@ -178,3 +178,35 @@ def run_world(
         c.close()
     del store
     return [outcomes[r] for r in range(size)]
+
+
+def _fresh_child(fn: Callable[[], Any], results: Any) -> None:
+    try:
+        results.put((fn(), None))
+    except BaseException:
+        results.put((None, traceback.format_exc()))
+
+
+def in_fresh_interpreter(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """``fn()`` (module-level, picklable) in a spawned interpreter that has no ``torch.distributed``
+    world of its own, as the geometry probes need: what it returned; the calling test fails with the
+    child's traceback, or when it answers nothing within ``timeout_s``."""
+    import queue
+
+    import pytest
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_fresh_child, args=(fn, results), daemon=True)
+    child.start()
+    try:
+        out, error = results.get(timeout=timeout_s)
+    except queue.Empty:
+        pytest.fail(f"the child found nothing in {timeout_s} s (exit code {child.exitcode})", pytrace=False)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    if error:
+        pytest.fail(error, pytrace=False)
+    return out

@@ -482,3 +482,28 @@ def test_with_mtp_the_final_norm_stays_with_the_last_decoder_layer_even_off_the_
     assert holding_stages(norm, geometry, ParallelLayout.parse("TP1,PP2,DP1:1/3")) == (1,)
     plan = build_plan(geometry, world(ParallelLayout.parse("TP1,PP2,DP2,EP2")), world(apart, first=4))
     assert verify_plan(plan).ok
+
+
+# -- virtual pipeline parallelism ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("TP1,PP4,VPP2,DP2", "TP1,PP2,VPP2,DP2"),  # fewer stages, still interleaved
+        ("TP1,PP2,VPP2,DP2", "TP2,PP2,DP1"),  # to no VPP (chunks become contiguous stages)
+        ("TP2,PP2,DP2", "TP1,PP2,VPP4,DP2"),  # from no VPP
+    ],
+)
+def test_changes_of_vpp_are_planned_and_verified(old: str, new: str) -> None:
+    model = msgspec.structs.replace(TINY, num_layers=8)
+    plan = build_plan(model, world(ParallelLayout.parse(old)), world(ParallelLayout.parse(new), first=8))
+    assert verify_plan(plan).ok
+    assert plan_stats(plan).bytes_moved > 0
+
+
+def test_the_distributed_optimizers_shards_with_vpp_are_refused_naming_why() -> None:
+    geometry = TINY.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
+    old, new = world(ParallelLayout.parse("TP1,PP2,DP2")), world(ParallelLayout.parse("TP1,PP2,VPP2,DP2"), 4)
+    with pytest.raises(LayoutError, match="virtual pipeline chunks are not derived yet"):
+        build_plan(geometry, old, new)

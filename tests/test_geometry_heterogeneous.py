@@ -12,14 +12,12 @@ comparing Megatron's own ``sharded_state_dict()`` boxes with the views'.
 from __future__ import annotations
 
 import itertools
-import queue as queue_mod
 import random
-import traceback
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 from megatron_user_models import DIVISIBLE_BY, VOCAB_SIZE, MixedMoE
+from mp_helpers import in_fresh_interpreter
 
 from liver.shared.layout import LayoutError, ParallelLayout
 
@@ -74,67 +72,48 @@ def random_layouts(seed: int, spec: MixedMoE, count: int) -> list[ParallelLayout
     return out
 
 
-def child_main(results: Any) -> None:
-    try:
-        import torch
+def child_main() -> dict[Any, Any]:
+    import torch
 
-        from liver.worker_runtime.megatron.build import groups_from_parallel_state
-        from liver.worker_runtime.megatron.geometry import (
-            _fake_world,
-            derive_geometry,
-            model_geometry_mismatches,
+    from liver.worker_runtime.megatron.build import groups_from_parallel_state
+    from liver.worker_runtime.megatron.geometry import (
+        _fake_world,
+        derive_geometry,
+        model_geometry_mismatches,
+    )
+
+    torch.set_num_threads(1)
+    out: dict[int, Any] = {}
+    for seed in SEEDS:
+        spec = random_spec(seed)
+        geometry = derive_geometry(
+            spec,
+            name=f"mixed-{seed}",
+            num_layers=spec.num_layers,
+            vocab_size=VOCAB_SIZE,
+            make_vocab_size_divisible_by=DIVISIBLE_BY,
         )
-
-        torch.set_num_threads(1)
-        out: dict[int, Any] = {}
-        for seed in SEEDS:
-            spec = random_spec(seed)
-            geometry = derive_geometry(
-                spec,
-                name=f"mixed-{seed}",
-                num_layers=spec.num_layers,
-                vocab_size=VOCAB_SIZE,
-                make_vocab_size_divisible_by=DIVISIBLE_BY,
-            )
-            checked: dict[str, dict[int, list[str]]] = {}
-            for layout in random_layouts(seed, spec, LAYOUTS_PER_SPEC):
-                try:
-                    geometry.check_layout(layout)
-                except LayoutError:
-                    continue
-                ranks: dict[int, list[str]] = {}
-                for rank in range(layout.world_size):
-                    with _fake_world(layout, rank), torch.device("meta"):
-                        groups = groups_from_parallel_state(layout)
-                        model = spec(layout, groups.collection())
-                        metadata = {"dp_cp_group": groups.dp_cp}
-                        ranks[rank] = model_geometry_mismatches(
-                            model, geometry, layout, rank, metadata=metadata
-                        )
-                checked[layout.describe()] = ranks
-            out[seed] = (spec, geometry, checked)
-        results.put((out, None))
-    except BaseException:
-        results.put((None, traceback.format_exc()))
+        checked: dict[str, dict[int, list[str]]] = {}
+        for layout in random_layouts(seed, spec, LAYOUTS_PER_SPEC):
+            try:
+                geometry.check_layout(layout)
+            except LayoutError:
+                continue
+            ranks: dict[int, list[str]] = {}
+            for rank in range(layout.world_size):
+                with _fake_world(layout, rank), torch.device("meta"):
+                    groups = groups_from_parallel_state(layout)
+                    model = spec(layout, groups.collection())
+                    metadata = {"dp_cp_group": groups.dp_cp}
+                    ranks[rank] = model_geometry_mismatches(model, geometry, layout, rank, metadata=metadata)
+            checked[layout.describe()] = ranks
+        out[seed] = (spec, geometry, checked)
+    return out
 
 
 @pytest.fixture(scope="module")
 def found() -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=child_main, args=(results,), daemon=True)
-    child.start()
-    try:
-        out, error = results.get(timeout=CHILD_S)
-    except queue_mod.Empty:
-        pytest.fail(f"the child found nothing in {CHILD_S} s (exit code {child.exitcode})", pytrace=False)
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    if error:
-        pytest.fail(error, pytrace=False)
-    return out
+    return in_fresh_interpreter(child_main, CHILD_S)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

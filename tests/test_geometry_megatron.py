@@ -8,15 +8,13 @@ derived geometries, torch-free, as the services do.
 
 from __future__ import annotations
 
-import queue as queue_mod
-import traceback
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import torch.multiprocessing as mp
 from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
+from mp_helpers import in_fresh_interpreter
 
 from liver.services.transfer.planner import build_plan
 from liver.shared.geometry import ModelGeometry
@@ -95,128 +93,109 @@ def _as_checked(name: str) -> Any:
     return spec if fields is None else msgspec.structs.replace(spec, **fields)
 
 
-def child_main(results: Any) -> None:
-    try:
-        import torch
+def child_main() -> dict[Any, Any]:
+    import torch
 
-        from liver.worker_runtime.megatron.build import SpecProvider
-        from liver.worker_runtime.megatron.geometry import GeometryDerivationError, derive_geometry
+    from liver.worker_runtime.megatron.build import SpecProvider
+    from liver.worker_runtime.megatron.geometry import GeometryDerivationError, derive_geometry
 
-        torch.set_num_threads(1)
-        out: dict[str, Any] = {"presets": {}, "users": {}, "checked": {}, "wrong": None}
-        for name, spec in {**{n: _as_checked(n) for n in PRESETS}, **EXTRA}.items():
-            out["presets"][name] = derive_geometry(
-                SpecProvider(spec),
-                name=spec.name,
-                num_layers=spec.num_layers,
-                vocab_size=spec.vocab_size,
-                make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
-            )
-        for kind in KINDS:
-            provider = UserModel(kind)
-            geometry = derive_geometry(
-                provider,
-                name=kind,
-                num_layers=NUM_LAYERS,
-                vocab_size=VOCAB_SIZE,
-                make_vocab_size_divisible_by=DIVISIBLE_BY,
-            )
-            out["users"][kind] = geometry
-            for layout in CHECKED:
-                try:
-                    geometry.check_layout(layout)
-                except LayoutError:
-                    continue
-                out["checked"][(kind, layout.describe())] = _emulated_mismatches(provider, geometry, layout)
-        gpu_style = UserModel("qk-layernorm", cpu_initialization=False)
-        out["gpu_init"] = derive_geometry(
-            gpu_style,
-            name="qk-layernorm",
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"presets": {}, "users": {}, "checked": {}, "wrong": None}
+    for name, spec in {**{n: _as_checked(n) for n in PRESETS}, **EXTRA}.items():
+        out["presets"][name] = derive_geometry(
+            SpecProvider(spec),
+            name=spec.name,
+            num_layers=spec.num_layers,
+            vocab_size=spec.vocab_size,
+            make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+        )
+    for kind in KINDS:
+        provider = UserModel(kind)
+        geometry = derive_geometry(
+            provider,
+            name=kind,
             num_layers=NUM_LAYERS,
             vocab_size=VOCAB_SIZE,
             make_vocab_size_divisible_by=DIVISIBLE_BY,
         )
-        out["tp1"] = derive_geometry(
-            UserModel("tp1-only"),
-            name="tp1-only",
-            num_layers=NUM_LAYERS,
-            vocab_size=VOCAB_SIZE,
-            make_vocab_size_divisible_by=DIVISIBLE_BY,
-        )
-        out["refusals"] = {}
-        for case, kwargs in {
-            "num_layers": {"provider": UserModel("qkv-bias"), "num_layers": NUM_LAYERS + 1},
-            "vocab_size": {"provider": UserModel("qkv-bias"), "num_layers": NUM_LAYERS, "vocab_size": None},
-            "provider": {"provider": UserModel("broken"), "num_layers": NUM_LAYERS},
-        }.items():
-            settings = {"name": case, "vocab_size": VOCAB_SIZE, "make_vocab_size_divisible_by": DIVISIBLE_BY}
+        out["users"][kind] = geometry
+        for layout in CHECKED:
             try:
-                derive_geometry(**(settings | kwargs))
-                out["refusals"][case] = None
-            except GeometryDerivationError as exc:
-                out["refusals"][case] = str(exc)
-        # Experts: Megatron's own shards of every rank of expert-parallel layouts against the views.
-        moe = EXTRA["tiny-moe-bias"]
-        out["moe_checked"] = {
-            text: _emulated_mismatches(SpecProvider(moe), moe.geometry(), ParallelLayout.parse(text))
-            for text in MOE_LAYOUTS
-        }
-        from liver.worker_runtime.megatron.source import load_provider
-
-        out["example_moe"] = derive_geometry(
-            load_provider(f"{EXAMPLE_MOE}:model_provider"),
-            name="tiny-deepseek",
-            num_layers=4,
-            vocab_size=1000,
-            make_vocab_size_divisible_by=16,
-        )
-        out["mtp_checked"] = {
-            text: _emulated_mismatches(SpecProvider(MTP), MTP.geometry(), ParallelLayout.parse(text))
-            for text in MTP_LAYOUTS
-        }
-        # A plan made for another model: the tied GPT's geometry against the QK-norm model.
-        layout = ParallelLayout(tp=2, pp=1, dp=1)
-        out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
-        # What a handoff's preparation runs before the cut: the library's check of one new layout.
-        from liver.worker_runtime.megatron.geometry import GeometryMismatch, check_layout_geometry
-
-        check_layout_geometry(
-            UserModel("qk-layernorm"), out["users"]["qk-layernorm"], ParallelLayout(2, 2, 2)
-        )
-        differs = derive_geometry(
-            UserModel("dp-differs"),
-            name="dp-differs",
-            num_layers=NUM_LAYERS,
-            vocab_size=VOCAB_SIZE,
-            make_vocab_size_divisible_by=DIVISIBLE_BY,
-        )
+                geometry.check_layout(layout)
+            except LayoutError:
+                continue
+            out["checked"][(kind, layout.describe())] = _emulated_mismatches(provider, geometry, layout)
+    gpu_style = UserModel("qk-layernorm", cpu_initialization=False)
+    out["gpu_init"] = derive_geometry(
+        gpu_style,
+        name="qk-layernorm",
+        num_layers=NUM_LAYERS,
+        vocab_size=VOCAB_SIZE,
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
+    )
+    out["tp1"] = derive_geometry(
+        UserModel("tp1-only"),
+        name="tp1-only",
+        num_layers=NUM_LAYERS,
+        vocab_size=VOCAB_SIZE,
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
+    )
+    out["refusals"] = {}
+    for case, kwargs in {
+        "num_layers": {"provider": UserModel("qkv-bias"), "num_layers": NUM_LAYERS + 1},
+        "vocab_size": {"provider": UserModel("qkv-bias"), "num_layers": NUM_LAYERS, "vocab_size": None},
+        "provider": {"provider": UserModel("broken"), "num_layers": NUM_LAYERS},
+    }.items():
+        settings = {"name": case, "vocab_size": VOCAB_SIZE, "make_vocab_size_divisible_by": DIVISIBLE_BY}
         try:
-            check_layout_geometry(UserModel("dp-differs"), differs, ParallelLayout(tp=1, pp=2, dp=2))
-            out["layout_check"] = None
-        except GeometryMismatch as exc:
-            out["layout_check"] = str(exc)
-        results.put((out, None))
-    except BaseException:
-        results.put((None, traceback.format_exc()))
+            derive_geometry(**(settings | kwargs))
+            out["refusals"][case] = None
+        except GeometryDerivationError as exc:
+            out["refusals"][case] = str(exc)
+    # Experts: Megatron's own shards of every rank of expert-parallel layouts against the views.
+    moe = EXTRA["tiny-moe-bias"]
+    out["moe_checked"] = {
+        text: _emulated_mismatches(SpecProvider(moe), moe.geometry(), ParallelLayout.parse(text))
+        for text in MOE_LAYOUTS
+    }
+    from liver.worker_runtime.megatron.source import load_provider
+
+    out["example_moe"] = derive_geometry(
+        load_provider(f"{EXAMPLE_MOE}:model_provider"),
+        name="tiny-deepseek",
+        num_layers=4,
+        vocab_size=1000,
+        make_vocab_size_divisible_by=16,
+    )
+    out["mtp_checked"] = {
+        text: _emulated_mismatches(SpecProvider(MTP), MTP.geometry(), ParallelLayout.parse(text))
+        for text in MTP_LAYOUTS
+    }
+    # A plan made for another model: the tied GPT's geometry against the QK-norm model.
+    layout = ParallelLayout(tp=2, pp=1, dp=1)
+    out["wrong"] = _emulated_mismatches(UserModel("qk-layernorm"), out["users"]["qkv-bias"], layout)
+    # What a handoff's preparation runs before the cut: the library's check of one new layout.
+    from liver.worker_runtime.megatron.geometry import GeometryMismatch, check_layout_geometry
+
+    check_layout_geometry(UserModel("qk-layernorm"), out["users"]["qk-layernorm"], ParallelLayout(2, 2, 2))
+    differs = derive_geometry(
+        UserModel("dp-differs"),
+        name="dp-differs",
+        num_layers=NUM_LAYERS,
+        vocab_size=VOCAB_SIZE,
+        make_vocab_size_divisible_by=DIVISIBLE_BY,
+    )
+    try:
+        check_layout_geometry(UserModel("dp-differs"), differs, ParallelLayout(tp=1, pp=2, dp=2))
+        out["layout_check"] = None
+    except GeometryMismatch as exc:
+        out["layout_check"] = str(exc)
+    return out
 
 
 @pytest.fixture(scope="module")
 def found() -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=child_main, args=(results,), daemon=True)
-    child.start()
-    try:
-        out, error = results.get(timeout=CHILD_S)
-    except queue_mod.Empty:
-        pytest.fail(f"the child found nothing in {CHILD_S} s (exit code {child.exitcode})", pytrace=False)
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    if error:
-        pytest.fail(error, pytrace=False)
-    return out
+    return in_fresh_interpreter(child_main, CHILD_S)
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

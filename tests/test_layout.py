@@ -1,5 +1,6 @@
 """Layouts: Megatron's rank order, pipeline splits, device specs."""
 
+import msgspec
 import pytest
 
 from liver.shared.layout import (
@@ -74,3 +75,39 @@ def test_add_appends_new_nodes_with_fresh_names():
 def test_unknown_node_in_drop_is_named():
     with pytest.raises(LayoutError, match="node042"):
         parse_devices("drop:node042", default_devices(8))
+
+
+# -- virtual pipeline parallelism ------------------------------------------------------------------------
+
+
+def test_a_vpp_layout_is_written_with_its_chunks_and_reads_back() -> None:
+    layout = ParallelLayout.parse("TP8,PP16,VPP8,DP8")
+    assert (layout.tp, layout.pp, layout.vpp, layout.dp) == (8, 16, 8, 8)
+    assert layout.describe() == "TP8,PP16,VPP8,DP8"
+    assert ParallelLayout.parse(layout.describe()) == layout
+    assert ParallelLayout.parse("1,4,2,VPP2,EP2") == ParallelLayout(tp=1, pp=4, dp=2, ep=2, vpp=2)
+    assert "vpp" not in msgspec.json.encode(ParallelLayout.parse("2,4,1")).decode()  # older readers
+
+
+def test_vpp_deals_chunks_of_layers_to_the_stages_in_turn() -> None:
+    layout = ParallelLayout.parse("TP1,PP2,VPP2,DP1")
+    assert layout.stage_of_layers(8) == (0, 0, 1, 1, 0, 0, 1, 1)
+    assert layout.chunk_layers(8, 1) == (range(2, 4), range(6, 8))
+    assert layout.layers_per_stage(8) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("text", "layers", "error"),
+    [
+        ("TP1,PP1,VPP2,DP2", 4, "needs pp of 2 or more"),
+        ("TP1,PP2,VPP0,DP1", 4, "vpp must be at least 1"),
+        ("TP1,PP2,VPP2,DP1:1/3", 4, "stage_layers with vpp"),
+        ("TP1,PP2,VPP2,DP1", 6, "do not split into pp x vpp = 4 equal chunks"),
+        ("TP1,PP2,VPP2,VPP3,DP1", 4, "VPPn given twice"),
+    ],
+)
+def test_a_vpp_layout_megatron_could_not_build_is_refused_naming_why(
+    text: str, layers: int, error: str
+) -> None:
+    with pytest.raises(LayoutError, match=error):
+        ParallelLayout.parse(text).layers_per_stage(layers)

@@ -151,3 +151,17 @@ def test_under_the_distributed_optimizer_a_rank_keeps_its_dp_share_of_the_optimi
         owned = buffer.buckets[-1][1] // layout.dp * 4 * 2  # fp32: two moments, the master is the param
         assert mine == params + owned + 8  # and the step
         assert grad == grad_plain and mine < theirs
+
+
+def test_interleaving_keeps_more_activations_on_the_first_stage_and_shrinks_the_bubble() -> None:
+    from liver.services.topology.cost import step_cost
+
+    model = msgspec.structs.replace(PRESETS["llama3-8b"], num_layers=32)
+    setup = TrainingSetup(global_batch_size=64, micro_batch_size=1, sequence_length=2048)
+    plain, interleaved = ParallelLayout.parse("TP8,PP4,DP1"), ParallelLayout.parse("TP8,PP4,VPP2,DP1")
+    first = [memory_estimate(model, setup, H100_80GB, layout).stages[0] for layout in (plain, interleaved)]
+    # (pp - 1) * 2 + (vpp - 1) * pp + 1 = 11 chunks of half a stage against pp = 4 micro-batches
+    assert first[1].activation_bytes * 4 == first[0].activation_bytes * 11 // 2
+    kw = {"tp_within_node": True, "single_node": True}
+    costs = [step_cost(model, setup, H100_80GB, layout, **kw) for layout in (plain, interleaved)]
+    assert costs[1].bubble_s < costs[0].bubble_s

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from liver.shared.boxes import Box, intersect
 from liver.shared.geometry import DdpSettings, GeometryError, ModelGeometry, TensorSpec
-from liver.shared.layout import ParallelLayout
+from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.views import grid_of, holding_stages, tp_shard
 
 __all__ = [
@@ -124,6 +124,12 @@ def buffer_layouts(
     Megatron lays them out with ``ddp`` (default: the geometry's own, whose canonical form drops the
     buckets of the plain optimizer's gradient buffers; module docstring): the dense buffers, then, with
     EP > 1, the expert buffers (Megatron's ``expert_parallel_buffers``, sharded over expert-DP)."""
+    if layout.vpp > 1:
+        # Each model chunk has its own DDP buffers; their layout is not restated (nor checked) yet.
+        raise LayoutError(
+            f"{layout.describe()}: DDP's buffers with virtual pipeline chunks are not derived yet "
+            "(the distributed optimizer's shards with VPP cannot be planned)"
+        )
     c = layout.coords(rank)
     return _buffer_layouts(geometry, layout, c.pp, c.tp, c.ep, c.etp, ddp or geometry.ddp)
 

@@ -89,6 +89,11 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     cp: int = 1
     ep: int = 1
     etp: int | None = None
+    vpp: int = 1
+    """Virtual pipeline parallelism (Megatron's interleaved 1F1B): each stage holds ``vpp`` model chunks,
+    non-adjacent. The layers are cut into ``pp * vpp`` equal chunks; chunk ``c`` lives on stage
+    ``c % pp`` (as its model chunk ``c // pp``), as Megatron's ``get_transformer_layer_offset`` with a
+    ``vp_stage`` places them."""
 
     def __post_init__(self) -> None:
         for field in ("tp", "pp", "dp", "cp", "ep"):
@@ -114,6 +119,15 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise LayoutError(
                 f"etp={self.expert_tp} differs from tp={self.tp} with ep=1: Megatron reduces such expert "
                 "gradients over the wrong group"
+            )
+        if self.vpp < 1:
+            raise LayoutError(f"vpp must be at least 1, got {self.vpp}")
+        if self.vpp > 1 and self.pp < 2:
+            raise LayoutError(f"vpp={self.vpp} interleaves pipeline stages: it needs pp of 2 or more")
+        if self.vpp > 1 and self.stage_layers:
+            raise LayoutError(
+                "stage_layers with vpp: the interleaved schedule cuts the layers into pp x vpp equal "
+                "chunks here (uneven chunks need a pipeline layout, which LiveR does not read yet)"
             )
         if self.stage_layers:
             if len(self.stage_layers) != self.pp:
@@ -179,7 +193,11 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
                     f"the model has {num_layers} layers"
                 )
             return self.stage_layers
-        if num_layers % self.pp:
+        if num_layers % (self.pp * self.vpp):
+            if self.vpp > 1:
+                raise LayoutError(
+                    f"{num_layers} layers do not split into pp x vpp = {self.pp * self.vpp} equal chunks"
+                )
             raise LayoutError(f"{num_layers} layers do not split evenly over pp={self.pp}; give stage_layers")
         return (num_layers // self.pp,) * self.pp
 
@@ -192,13 +210,31 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     def stage_of_layers(self, num_layers: int) -> tuple[int, ...]:
         """For each decoder layer (0-based), the pipeline stage that owns it."""
+        if self.vpp > 1:
+            self.layers_per_stage(num_layers)  # raises unless the chunks are equal
+            chunk = num_layers // (self.pp * self.vpp)
+            return tuple((layer // chunk) % self.pp for layer in range(num_layers))
         out: list[int] = []
         for stage, n in enumerate(self.layers_per_stage(num_layers)):
             out.extend([stage] * n)
         return tuple(out)
 
+    def chunk_layers(self, num_layers: int, stage: int) -> tuple[range, ...]:
+        """The decoder layers of each model chunk stage ``stage`` holds, in chunk order (one chunk
+        without virtual pipeline parallelism)."""
+        if self.vpp == 1:
+            start = sum(self.layers_per_stage(num_layers)[:stage])
+            return (range(start, start + self.layers_per_stage(num_layers)[stage]),)
+        self.layers_per_stage(num_layers)
+        size = num_layers // (self.pp * self.vpp)
+        return tuple(
+            range((v * self.pp + stage) * size, (v * self.pp + stage + 1) * size) for v in range(self.vpp)
+        )
+
     def describe(self) -> str:
         text = f"TP{self.tp},PP{self.pp},DP{self.dp}"
+        if self.vpp > 1:
+            text = f"TP{self.tp},PP{self.pp},VPP{self.vpp},DP{self.dp}"
         if self.cp > 1:
             text += f",CP{self.cp}"
         if self.ep > 1:
@@ -212,14 +248,18 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
         """Parse ``"TP,PP,DP"``, optionally followed by ``,CPn``, ``,EPn``, ``,ETPn`` (any order) and
-        ``":l0/l1/..."`` for an uneven pipeline split: ``"2,2,4,EP4,ETP1:3/5"``; what :meth:`describe`
-        writes reads back."""
+        ``":l0/l1/..."`` for an uneven pipeline split: ``"2,2,4,EP4,ETP1:3/5"``; ``VPPn`` anywhere
+        (``"TP8,PP16,VPP8,DP8"``); what :meth:`describe` writes reads back."""
         text = text.strip()
         if text.endswith("]") and "[" in text:  # the form describe() writes: "TP2,PP2,DP1[1/3]"
             head, _, stages = text[:-1].partition("[")
         else:
             head, _, stages = text.partition(":")
         parts = [p.strip().upper() for p in head.split(",")]
+        virtual = [p for p in parts if p.startswith("VPP")]
+        if len(virtual) > 1:
+            raise LayoutError(f"layout {text!r}: VPPn given twice")
+        parts = [p for p in parts if not p.startswith("VPP")]
         if len(parts) < 3:
             raise LayoutError(f"layout {text!r}: expected TP,PP,DP such as 2,2,1 (then CPn, EPn, ETPn)")
         named: dict[str, str] = {}
@@ -231,6 +271,8 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         try:
             tp, pp, dp = (int(p.removeprefix(k)) for p, k in zip(parts[:3], ("TP", "PP", "DP")))
             sizes = {k: int(v) for k, v in named.items()}
+            if virtual:
+                sizes["vpp"] = int(virtual[0].removeprefix("VPP"))
             stage_layers = tuple(int(s) for s in stages.split("/")) if stages else ()
         except ValueError:
             raise LayoutError(f"layout {text!r}: sizes and stage layer counts must be integers") from None

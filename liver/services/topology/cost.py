@@ -161,7 +161,7 @@ def step_cost(
     pp_comm = 0.0
     if pp > 1:
         boundary = act_bytes / (tp if setup.sequence_parallel else 1)
-        pp_comm = 2 * micro_batches * boundary / net_bw
+        pp_comm = 2 * micro_batches * layout.vpp * boundary / net_bw  # every chunk hands on
 
     ep_comm = 0.0
     if model.num_experts and layout.ep > 1:
@@ -186,7 +186,7 @@ def step_cost(
         cp_comm = max(stage_layers) * micro_batches * 3 * (cp - 1) * kv / cp_bw
 
     pipelined = compute + tp_comm + pp_comm + ep_comm + cp_comm
-    bubble = pipelined * (pp - 1) / micro_batches
+    bubble = pipelined * (pp - 1) / (micro_batches * layout.vpp)  # interleaving shrinks it vpp-fold
     dp_comm = ring_all_reduce_s(grad_bytes_per_rank(model, setup, layout), dp * cp, net_bw)
     return StepCost(
         compute_s=compute,

@@ -357,6 +357,14 @@ def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:
     return min(pp - stage, micro_batches)
 
 
+def in_flight_chunks(stage: int, pp: int, micro_batches: int, vpp: int) -> int:
+    """Interleaved 1F1B (Megatron's, ``vpp`` model chunks per stage): stage ``s`` runs ``(pp - s - 1) * 2
+    + (vpp - 1) * pp`` chunk forward passes before its first backward, then keeps one more alive; each
+    holds one chunk's ``1 / vpp`` of the stage's layers."""
+    total = micro_batches * vpp
+    return min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, total)
+
+
 def memory_estimate(
     model: ModelSpec,
     setup: TrainingSetup,
@@ -390,6 +398,10 @@ def memory_estimate(
         n = dense + moe
         in_flight = in_flight_micro_batches(s, pp, micro_batches)
         act = in_flight * (dense * per_layer_act[False] + moe * per_layer_act[True])
+        if layout.vpp > 1:  # chunk forward passes alive, each of a chunk's share of the layers
+            chunks = in_flight_chunks(s, pp, micro_batches, layout.vpp)
+            act = chunks * (dense * per_layer_act[False] + moe * per_layer_act[True]) // layout.vpp
+            in_flight = -(-chunks // layout.vpp)
         act += max(recompute_work[False] if dense else 0, recompute_work[True] if moe else 0)
         if s == pp - 1:  # the logits, and each MTP layer's (a layer of the last kind) with its own
             mtp = model.mtp_num_layers

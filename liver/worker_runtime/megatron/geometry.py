@@ -32,7 +32,7 @@ import re
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -642,7 +642,7 @@ class GeometryMismatch(HandoffError):
 
 
 def model_geometry_mismatches(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     geometry: ModelGeometry,
     layout: ParallelLayout,
     rank: int,
@@ -656,7 +656,8 @@ def model_geometry_mismatches(
 
     Run on every build of a user's model (:meth:`.source.ModelSource.build`): a joiner's in its mock
     warm-up, before the cut; a staying rank's when it builds the new world's model after the cut, before
-    any byte is streamed into it (a mismatch there rolls the handoff back).
+    any byte is streamed into it (a mismatch there rolls the handoff back). With virtual pipeline
+    chunks ``model`` is the rank's chunks, all of them: together they hold its part.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -665,10 +666,15 @@ def model_geometry_mismatches(
 
     problems: list[str] = []
     tensors = {t.name: t for t in geometry.tensors(optimizer=False)}
-    names = {id(p): n for n, p in model.named_parameters()}
-    names.update({id(b): n for n, b in model.named_buffers() if id(b) not in names})
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    names: dict[int, str] = {}
+    values: list[Any] = []
+    for chunk in chunks:
+        names.update({id(p): n for n, p in chunk.named_parameters()})
+        names.update({id(b): n for n, b in chunk.named_buffers() if id(b) not in names})
+        values.extend(nested_values(chunk.sharded_state_dict(metadata=metadata)))
     covered: dict[str, list[tuple[tuple[int, int], ...] | None]] = {}
-    for value in nested_values(model.sharded_state_dict(metadata=metadata)):
+    for value in values:
         if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or id(value.data) not in names:
             continue
         local = names[id(value.data)]
@@ -779,6 +785,10 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
     from liver.worker_runtime.megatron.build import groups_from_parallel_state
 
     geometry.check_layout(layout)
+    if layout.vpp > 1:  # the provider would build one chunk of several: say why instead
+        raise GeometryMismatch(
+            f"{layout.describe()}: LiveR does not build models with virtual pipeline chunks yet"
+        )
     for rank in layout.class_representatives().values():
         with _fake_world(layout, rank):
             groups = groups_from_parallel_state(layout)

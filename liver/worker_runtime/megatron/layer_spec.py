@@ -129,28 +129,37 @@ def _with_local_fixes(config: TransformerConfig, layers: list[ModuleSpec]) -> No
                     setattr(attention, norm, SequenceParallelTorchNorm)
 
 
-def local_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> TransformerBlockSubmodules:
+def local_block_spec(
+    config: TransformerConfig, pp_rank: int | None = None, vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
     """Megatron's own decoder block spec without Transformer Engine (``get_gpt_decoder_block_spec``:
     dense and MoE layers as ``config.moe_layer_freq`` says, ``SequentialMLP`` experts) for the layers
-    pipeline stage ``pp_rank`` builds, with the fixes it needs without Transformer Engine: its torch
-    norms accept sequence parallelism (:class:`SequenceParallelTorchNorm`; an MoE model with TP > 1
-    needs it), and multi-latent attention (``config.multi_latent_attention``, an
-    ``MLATransformerConfig``) gets a core attention that takes its head sizes
-    (:class:`LocalMLAAttention`) and a correct answer to whether Transformer Engine is present.
+    pipeline stage ``pp_rank`` builds (its model chunk ``vp_stage`` with virtual pipelining), with the
+    fixes it needs without Transformer Engine: its torch norms accept sequence parallelism
+    (:class:`SequenceParallelTorchNorm`; an MoE model with TP > 1 needs it), and multi-latent
+    attention (``config.multi_latent_attention``, an ``MLATransformerConfig``) gets a core attention
+    that takes its head sizes (:class:`LocalMLAAttention`) and a correct answer to whether Transformer
+    Engine is present.
 
     For a user's own provider: ``GPTModel(config, transformer_layer_spec=local_block_spec(config,
     pg_collection.pp.rank()), ...)`` builds the model Megatron's local spec describes."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=config.normalization, pp_rank=pp_rank
+        config,
+        use_transformer_engine=False,
+        normalization=config.normalization,
+        pp_rank=pp_rank,
+        vp_stage=vp_stage,
     )
     _with_local_fixes(config, block.layer_specs)
     block.layer_norm = SequenceParallelTorchNorm
     return block
 
 
-def local_mtp_block_spec(config: TransformerConfig, pp_rank: int | None = None) -> Any:
+def local_mtp_block_spec(
+    config: TransformerConfig, pp_rank: int | None = None, vp_stage: int | None = None
+) -> Any:
     """Megatron's multi-token prediction block spec without Transformer Engine
     (``get_gpt_mtp_block_spec``) for pipeline stage ``pp_rank``, ``None`` where it builds none: each MTP
     layer a decoder layer of the model's last layer's kind (whatever layers the stage holds itself: a
@@ -162,7 +171,9 @@ def local_mtp_block_spec(config: TransformerConfig, pp_rank: int | None = None) 
         config, use_transformer_engine=False, normalization=config.normalization
     )
     _with_local_fixes(config, layers[-1:])
-    mtp = get_gpt_mtp_block_spec(config, layers[-1], use_transformer_engine=False, pp_rank=pp_rank)
+    mtp = get_gpt_mtp_block_spec(
+        config, layers[-1], use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+    )
     if mtp is None:
         return None
     for layer in {id(spec): spec for spec in mtp.layer_specs}.values():

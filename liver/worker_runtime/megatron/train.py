@@ -43,7 +43,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.megatron.build import ParallelGroups, groups_from_parallel_state
+from liver.worker_runtime.megatron.build import MegatronBuildError, ParallelGroups, groups_from_parallel_state
 from liver.worker_runtime.megatron.data import Corpus, CorpusSpec, SyntheticCorpus
 from liver.worker_runtime.megatron.dist_opt import check_owned_ranges
 from liver.worker_runtime.megatron.pinned_state import parallel_state_of
@@ -195,6 +195,11 @@ def build_trainer(
     layout start from the same weights.
     """
     source = as_source(model_source)
+    if layout.vpp > 1:
+        raise MegatronBuildError(
+            f"{layout.describe()}: virtual pipeline parallelism is planned and verified, but LiveR's "
+            "trainer does not run the interleaved schedule yet"
+        )
     if groups is None:
         groups = groups_from_parallel_state(layout)
     with parallel_state_of(groups):
