@@ -102,3 +102,14 @@ def test_a_multi_token_prediction_layer_weighs_on_the_last_stage_only() -> None:
     assert with_mtp[1].state_bytes > without[1].state_bytes  # the MTP layer and the embedding replica
     assert with_mtp[1].activation_bytes > without[1].activation_bytes
     assert stage_imbalance(mtp, layout) > stage_imbalance(plain, layout)
+
+
+def test_with_vpp_a_stage_counts_the_layers_of_its_chunks_not_a_contiguous_run() -> None:
+    from liver.services.topology.memory import stage_layer_kinds
+
+    model = msgspec.structs.replace(PRESETS["tiny-deepseek"], moe_layer_freq=(0, 0, 1, 1))
+    assert stage_layer_kinds(model, L("TP1,PP2,DP1")) == [(2, 0), (0, 2)]
+    # chunks of one layer: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
+    assert stage_layer_kinds(model, L("TP1,PP2,VPP2,DP1")) == [(1, 1), (1, 1)]
+    interleaved = stage_state_bytes(model.geometry(), SETUP, L("TP1,PP2,VPP2,DP1"))
+    assert interleaved[0][0] != stage_state_bytes(model.geometry(), SETUP, L("TP1,PP2,DP1"))[0][0]

@@ -43,6 +43,8 @@ read as version 4 (the plain optimizer, no experts, no MTP)."""
 
 LAYER_PLACEHOLDER = "{layer}"
 EXPERT_PLACEHOLDER = "{expert}"
+MTP_PREFIX = "mtp.layers."
+"""How Megatron names the parameters of multi-token prediction layer ``k``: ``mtp.layers.<k>.<...>``."""
 
 Rule = Literal["replicated", "column", "row", "swiglu", "vocab"]
 Home = Literal["layer", "first", "last", "first+last", "all", "last_layer"]

@@ -208,33 +208,36 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             return self
         return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp))
 
-    def stage_of_layers(self, num_layers: int) -> tuple[int, ...]:
-        """For each decoder layer (0-based), the pipeline stage that owns it."""
-        if self.vpp > 1:
-            self.layers_per_stage(num_layers)  # raises unless the chunks are equal
-            chunk = num_layers // (self.pp * self.vpp)
-            return tuple((layer // chunk) % self.pp for layer in range(num_layers))
-        out: list[int] = []
-        for stage, n in enumerate(self.layers_per_stage(num_layers)):
-            out.extend([stage] * n)
-        return tuple(out)
-
     def chunk_layers(self, num_layers: int, stage: int) -> tuple[range, ...]:
-        """The decoder layers of each model chunk stage ``stage`` holds, in chunk order (one chunk
-        without virtual pipeline parallelism)."""
+        """The decoder layers of each model chunk stage ``stage`` holds, in chunk order: one chunk
+        without virtual pipeline parallelism; with it, chunk ``v`` holds the ``(v * pp + stage)``-th of
+        the ``pp * vpp`` equal cuts of the layers."""
+        per_stage = self.layers_per_stage(num_layers)  # raises unless the split fits
         if self.vpp == 1:
-            start = sum(self.layers_per_stage(num_layers)[:stage])
-            return (range(start, start + self.layers_per_stage(num_layers)[stage]),)
-        self.layers_per_stage(num_layers)
+            start = sum(per_stage[:stage])
+            return (range(start, start + per_stage[stage]),)
         size = num_layers // (self.pp * self.vpp)
+        chunks = (v * self.pp + stage for v in range(self.vpp))
+        return tuple(range(c * size, (c + 1) * size) for c in chunks)
+
+    def layers_by_stage(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
+        """The decoder layers (0-based) each pipeline stage holds, in order (not contiguous with VPP)."""
         return tuple(
-            range((v * self.pp + stage) * size, (v * self.pp + stage + 1) * size) for v in range(self.vpp)
+            tuple(layer for chunk in self.chunk_layers(num_layers, stage) for layer in chunk)
+            for stage in range(self.pp)
         )
 
+    def stage_of_layers(self, num_layers: int) -> tuple[int, ...]:
+        """For each decoder layer (0-based), the pipeline stage that owns it."""
+        out = [0] * num_layers
+        for stage, layers in enumerate(self.layers_by_stage(num_layers)):
+            for layer in layers:
+                out[layer] = stage
+        return tuple(out)
+
     def describe(self) -> str:
-        text = f"TP{self.tp},PP{self.pp},DP{self.dp}"
-        if self.vpp > 1:
-            text = f"TP{self.tp},PP{self.pp},VPP{self.vpp},DP{self.dp}"
+        virtual = f"VPP{self.vpp}," if self.vpp > 1 else ""
+        text = f"TP{self.tp},PP{self.pp},{virtual}DP{self.dp}"
         if self.cp > 1:
             text += f",CP{self.cp}"
         if self.ep > 1:

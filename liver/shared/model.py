@@ -41,6 +41,7 @@ from liver.shared.geometry import (
     EXPERT_PLACEHOLDER,
     MAX_DIM,
     MAX_EXPERTS,
+    MTP_PREFIX,
     Home,
     LayerParam,
     ModelGeometry,
@@ -356,7 +357,7 @@ def _param_list(m: ModelSpec) -> list[tuple[str, int, tuple[int, ...], Rule, Hom
     if norm_has_bias:
         out.append(("decoder.final_layernorm.bias", L + 1, (h,), "replicated", final))
     for k in range(m.mtp_num_layers):  # Megatron's MTP layers: norms, projection, the last layer's kind
-        mtp = f"mtp.layers.{k}."
+        mtp = f"{MTP_PREFIX}{k}."
         for norm in ("enorm", "hnorm"):
             out.append((f"{mtp}{norm}.weight", L + 1, (h,), "replicated", "last"))
             if norm_has_bias:

@@ -22,7 +22,7 @@ import functools
 from typing import NamedTuple
 
 from liver.shared.boxes import Box
-from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.geometry import Home, ModelGeometry, TensorSpec
 from liver.shared.layout import Grid, LayoutError, ParallelLayout
 
 
@@ -60,16 +60,22 @@ def _stage_of_layers(layout: ParallelLayout, num_layers: int) -> tuple[int, ...]
 
 def holding_stages(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout) -> tuple[int, ...]:
     """The pipeline stages whose ranks hold ``tensor``."""
-    last = layout.pp - 1
-    home = tensor.home
-    if home == "layer":
+    if tensor.home == "layer":
         return (_stage_of_layers(layout, model.num_layers)[tensor.layer - 1],)
+    return home_stages(tensor.home, model.num_layers, layout)
+
+
+def home_stages(home: Home, num_layers: int, layout: ParallelLayout) -> tuple[int, ...]:
+    """The pipeline stages that keep what lives outside the decoder layers at ``home``."""
+    if home == "layer":
+        raise ValueError("a decoder layer's tensor: its stage depends on its layer (holding_stages)")
+    last = layout.pp - 1
     if home == "first":
         return (0,)
     if home == "last":
         return (last,)
     if home == "last_layer":
-        return (_stage_of_layers(layout, model.num_layers)[-1],)
+        return (_stage_of_layers(layout, num_layers)[-1],)
     if home == "first+last":
         return (0,) if last == 0 else (0, last)
     return tuple(range(layout.pp))

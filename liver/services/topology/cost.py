@@ -31,6 +31,7 @@ import math
 
 import msgspec
 
+from liver.shared.geometry import MTP_PREFIX
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
 
@@ -93,7 +94,7 @@ def _layer_weights(model: ModelSpec) -> tuple[int, ...]:
         if p.layers is not None:
             for layer in range(*p.layers):
                 out[layer] += size
-        elif p.name.startswith("mtp."):
+        elif p.name.startswith(MTP_PREFIX):
             out[-1] += size
     return tuple(out)
 
@@ -102,11 +103,7 @@ def stage_imbalance(model: ModelSpec, layout: ParallelLayout) -> float:
     """The busiest stage's share of the decoder's compute (multi-token prediction on the last stage),
     times ``pp``: 1 when the stages are even."""
     weights = _layer_weights(model)
-    stages = []
-    start = 0
-    for n in layout.layers_per_stage(model.num_layers):
-        stages.append(sum(weights[start : start + n]))
-        start += n
+    stages = [sum(weights[i] for i in layers) for layers in layout.layers_by_stage(model.num_layers)]
     stages[-1] += weights[-1]
     return max(stages) * layout.pp / sum(weights)
 

@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple, get_args
 
 import msgspec
 from msgspec import Meta
 
 from liver.shared.dist_opt import buffer_layouts
 from liver.shared.errors import InputError
-from liver.shared.geometry import ModelGeometry
+from liver.shared.geometry import Home, ModelGeometry
 from liver.shared.holdings import is_dp_sharded
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
-from liver.shared.views import tp_shard
+from liver.shared.views import home_stages, tp_shard
 
 GiB = 1024**3
 
@@ -191,15 +191,19 @@ class MemoryEstimate(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         return self.peak_bytes <= self.usable_bytes
 
 
+_HOMES: tuple[Home, ...] = tuple(h for h in get_args(Home) if h != "layer")
+"""Where state outside the decoder layers lives (:func:`liver.shared.views.home_stages`)."""
+
+
 class _StateByHome(NamedTuple):
     """State and gradient bytes of one TP rank, split by where the pipeline keeps them."""
 
     layer_state: tuple[int, ...]  # per decoder layer
     layer_grad: tuple[int, ...]
-    home_state: dict[str, int]  # "first", "last", "first+last", "all"
-    home_grad: dict[str, int]
+    home_state: dict[Home, int]  # by home outside the decoder layers ("first", "last", ...)
+    home_grad: dict[Home, int]
     layer_sharded: tuple[int, ...]  # the part of layer_state the distributed optimizer shards over DP
-    home_sharded: dict[str, int]
+    home_sharded: dict[Home, int]
 
 
 @functools.lru_cache(maxsize=256)
@@ -214,7 +218,7 @@ def _state_by_home(
     L = model.num_layers
     layer = [[0] * L for _ in range(3)]  # state, grad, sharded
     experts = [[0] * L for _ in range(3)]  # the same for experts, before the 1/ep share
-    home = [dict.fromkeys(("first", "last", "first+last", "all", "last_layer"), 0) for _ in range(3)]
+    home: list[dict[Home, int]] = [dict.fromkeys(_HOMES, 0) for _ in range(3)]
     for t in model.tensors(optimizer=True):
         expert = t.expert >= 0
         elems = math.prod(tp_shard(t, model, (etp or tp) if expert else tp, 0).local_shape)
@@ -247,20 +251,6 @@ def _owned_optimizer_bytes(model: ModelGeometry, layout: ParallelLayout, stage: 
     return total
 
 
-def _homes(stage: int, pp: int, last_layer_stage: int) -> tuple[str, ...]:
-    """The non-layer homes a stage keeps (mirrors :func:`liver.shared.views.holding_stages`)."""
-    homes = ["all"]
-    if stage == 0:
-        homes.append("first")
-    if stage == pp - 1:
-        homes.append("last")
-    if stage in (0, pp - 1):
-        homes.append("first+last")
-    if stage == last_layer_stage:
-        homes.append("last_layer")
-    return tuple(homes)
-
-
 def stage_state_bytes(
     model: ModelSpec | ModelGeometry, setup: TrainingSetup, layout: ParallelLayout
 ) -> tuple[tuple[int, int], ...]:
@@ -269,18 +259,16 @@ def stage_state_bytes(
     the stage's master weights and moments (:func:`_owned_optimizer_bytes`)."""
     by_home = _state_by_home(model, layout.tp, setup.grad_reduce_in_fp32, layout.etp, layout.ep)
     out = []
-    start = 0
-    last_layer_stage = layout.stage_of_layers(model.num_layers)[-1]
-    for s, n in enumerate(layout.layers_per_stage(model.num_layers)):
-        homes = _homes(s, layout.pp, last_layer_stage)
-        state = sum(by_home.layer_state[start : start + n]) + sum(by_home.home_state[h] for h in homes)
-        sharded = sum(by_home.layer_sharded[start : start + n]) + sum(by_home.home_sharded[h] for h in homes)
+    kept = {h: home_stages(h, model.num_layers, layout) for h in _HOMES}
+    for s, layers in enumerate(layout.layers_by_stage(model.num_layers)):
+        homes = [h for h, stages in kept.items() if s in stages]
+        state = sum(by_home.layer_state[i] for i in layers) + sum(by_home.home_state[h] for h in homes)
+        sharded = sum(by_home.layer_sharded[i] for i in layers) + sum(by_home.home_sharded[h] for h in homes)
         if sharded:
             assert isinstance(model, ModelGeometry)
             state += _owned_optimizer_bytes(model, layout, s) - sharded
-        grad = sum(by_home.layer_grad[start : start + n]) + sum(by_home.home_grad[h] for h in homes)
+        grad = sum(by_home.layer_grad[i] for i in layers) + sum(by_home.home_grad[h] for h in homes)
         out.append((state, grad))
-        start += n
     return tuple(out)
 
 
@@ -344,11 +332,9 @@ def stage_layer_kinds(model: ModelSpec, layout: ParallelLayout) -> list[tuple[in
     a dense first layer costs and keeps what a dense model's does)."""
     kinds = model.moe_layers
     out = []
-    start = 0
-    for n in layout.layers_per_stage(model.num_layers):
-        moe = sum(kinds[start : start + n])
-        out.append((n - moe, moe))
-        start += n
+    for layers in layout.layers_by_stage(model.num_layers):
+        moe = sum(kinds[i] for i in layers)
+        out.append((len(layers) - moe, moe))
     return out
 
 
@@ -396,12 +382,14 @@ def memory_estimate(
     per_stage = stage_state_bytes(geometry if geometry is not None else model, setup, layout)
     for s, (dense, moe) in enumerate(stage_layer_kinds(model, layout)):
         n = dense + moe
-        in_flight = in_flight_micro_batches(s, pp, micro_batches)
-        act = in_flight * (dense * per_layer_act[False] + moe * per_layer_act[True])
+        layers_act = dense * per_layer_act[False] + moe * per_layer_act[True]
         if layout.vpp > 1:  # chunk forward passes alive, each of a chunk's share of the layers
             chunks = in_flight_chunks(s, pp, micro_batches, layout.vpp)
-            act = chunks * (dense * per_layer_act[False] + moe * per_layer_act[True]) // layout.vpp
+            act = chunks * layers_act // layout.vpp
             in_flight = -(-chunks // layout.vpp)
+        else:
+            in_flight = in_flight_micro_batches(s, pp, micro_batches)
+            act = in_flight * layers_act
         act += max(recompute_work[False] if dense else 0, recompute_work[True] if moe else 0)
         if s == pp - 1:  # the logits, and each MTP layer's (a layer of the last kind) with its own
             mtp = model.mtp_num_layers

@@ -46,6 +46,7 @@ from liver.shared.errors import HandoffError, InputError
 from liver.shared.geometry import (
     EXPERT_PLACEHOLDER,
     LAYER_PLACEHOLDER,
+    MTP_PREFIX,
     Home,
     LayerParam,
     ModelGeometry,
@@ -66,7 +67,6 @@ Provider = Callable[[ParallelLayout, Any], torch.nn.Module]
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _KEY_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_MTP_PREFIX = "mtp."
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -234,7 +234,7 @@ def _stacking(sh: Any) -> tuple[int | None, int | None, int]:
     an ``N > 1`` ``moe_layer_freq``, ``linear_attention_freq``, heterogeneous block specs) under one key
     per layer, ``decoder.layers.<n>.<...>``, with only the experts' axis prepended."""
     skip = sh.prepend_axis_num
-    if sh.key.startswith(_MTP_PREFIX):  # multi-token prediction: outside the decoder, experts stacked
+    if sh.key.startswith(MTP_PREFIX):  # multi-token prediction: outside the decoder, experts stacked
         if skip > 1:
             raise GeometryDerivationError(f"{sh.key}: {skip} prepended axes on a multi-token prediction key")
         return None, (sh.global_offset[0] if skip else None), skip
@@ -392,7 +392,7 @@ def _expert_suffix(p: _Param, suffix: str) -> str:
     a multi-token prediction layer's name (``mtp.layers.<k>.`` comes before it)."""
     parts = suffix.split(".")
     hits = [i for i, part in enumerate(parts) if part == str(p.expert)]
-    if hits and suffix.startswith(_MTP_PREFIX):
+    if hits and suffix.startswith(MTP_PREFIX):
         hits = hits[-1:]
     if len(hits) != 1:
         raise GeometryDerivationError(

@@ -40,7 +40,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from liver.shared.dist_opt import OwnedPiece, owned_pieces, owned_ranges
 from liver.shared.errors import InputError
-from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.geometry import MTP_PREFIX, ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import as_geometry
@@ -59,7 +59,6 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _LAYERS = "decoder.layers."
-_MTP_LAYERS = "mtp.layers."
 _LOCAL_EXPERTS = "mlp.experts.local_experts."
 
 
@@ -150,9 +149,9 @@ def logical_name(model: torch.nn.Module, local_name: str) -> str:
             expert = layer.mlp.local_expert_indices[int(local)]
             rest = f"{_LOCAL_EXPERTS}{expert}.{tail}"
         return f"{_LAYERS}{layer.layer_number - 1}.{rest}"
-    if local_name.startswith(_MTP_LAYERS):  # a multi-token prediction layer (all on the last stage)
-        index, _, rest = local_name.removeprefix(_MTP_LAYERS).partition(".")
-        head = f"{_MTP_LAYERS}{index}.transformer_layer."
+    if local_name.startswith(MTP_PREFIX):  # a multi-token prediction layer (all on the last stage)
+        index, _, rest = local_name.removeprefix(MTP_PREFIX).partition(".")
+        head = f"{MTP_PREFIX}{index}.transformer_layer."
         if local_name.startswith(head + _LOCAL_EXPERTS):
             local, _, tail = local_name.removeprefix(head + _LOCAL_EXPERTS).partition(".")
             layer = model.mtp.layers[int(index)].transformer_layer
