@@ -24,7 +24,8 @@ LiveR keeps ``parallel_state`` answering for whichever world the step runs in. L
 shard geometry from Megatron's own ``sharded_state_dict()``. With ``--reshard-at N --reshard-to
 TP,PP,DP`` the job moves live after step N, as soon as the new world is prepared beside training
 (past ``--steps`` the script waits for that and trains two steps on the new world), to that layout on
-the first ``TP*PP*DP`` processes (the others stream their state out and exit); here every process plans
+the first ``TP*PP*DP`` processes (the others stream their state out and exit; ``TP1,PP2,VPP2,DP1``
+moves to the interleaved schedule, ``--vpp`` starts on it); here every process plans
 the move itself, in a deployment the coordinator does and each process's bus companion hands in its
 slice of the plan. ``--json`` prints JSON lines; ``--distributed-optimizer`` trains with Megatron's
 distributed optimizer, whose sharded state moves live as well. Runs on CPU (gloo) as on GPUs (NCCL).
@@ -64,6 +65,7 @@ from liver import (  # LiveR
     derive_geometry,
     grid_devices,
     host_store,
+    pipeline_split,
     plan_resize,
 )
 
@@ -76,8 +78,12 @@ def padded_vocab_size(tp: int) -> int:
     return -(-VOCAB_SIZE // multiple) * multiple
 
 
-def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
-    """Your model provider: this rank's part of the model at ``layout`` on the given process groups."""
+def model_provider(layout: ParallelLayout, pg_collection: Any, vp_stage: int | None = None) -> GPTModel:
+    """Your model provider: this rank's part of the model at ``layout`` on the given process groups;
+    with virtual pipeline parallelism (``layout.vpp > 1``, the interleaved schedule) its model chunk
+    ``vp_stage``, as Megatron-LM's ``model_provider(pre_process, post_process, vp_stage)``."""
+    first_chunk = vp_stage is None or vp_stage == 0
+    last_chunk = vp_stage is None or vp_stage == layout.vpp - 1
     config = TransformerConfig(
         num_layers=NUM_LAYERS,
         hidden_size=64,
@@ -91,6 +97,8 @@ def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
         add_bias_linear=False,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        **pipeline_split(NUM_LAYERS, layout),  # LiveR: the layout's stage (or chunk) sizes, if uneven
         pipeline_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
@@ -99,11 +107,12 @@ def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
         vocab_size=padded_vocab_size(layout.tp),
         max_sequence_length=MAX_SEQUENCE,
-        pre_process=pg_collection.pp.rank() == 0,
-        post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1,
+        pre_process=pg_collection.pp.rank() == 0 and first_chunk,
+        post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1 and last_chunk,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         pg_collection=pg_collection,
+        vp_stage=vp_stage,
     )
 
 
@@ -204,9 +213,10 @@ def main() -> int:
     parser.add_argument("--data", required=True, help="the indexed dataset's prefix (liver data prepare)")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=1, help="model chunks per stage (interleaved 1F1B)")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--reshard-at", type=int, default=None)
-    parser.add_argument("--reshard-to", default=None, help="TP,PP,DP")
+    parser.add_argument("--reshard-to", default=None, help="TP,PP,DP or TP1,PP2,VPP2,DP1")
     parser.add_argument("--distributed-optimizer", action="store_true", help="Megatron's ZeRO-1 optimizer")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -222,7 +232,7 @@ def main() -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     devices = grid_devices(1, world)
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp))
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp), vpp=args.vpp)
     address = StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     _hosted = host_store(address.host, address.port) if rank == 0 and not _agent_store() else None
 

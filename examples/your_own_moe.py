@@ -71,24 +71,28 @@ def transformer_config(layout: ParallelLayout) -> MLATransformerConfig:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         mtp_num_layers=1,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         **pipeline_split(NUM_LAYERS, layout, mtp_num_layers=1),  # LiveR: the layout's stage sizes
     )
 
 
-def model_provider(layout: ParallelLayout, pg_collection: Any) -> GPTModel:
-    """This rank's part of the model at ``layout`` on the given process groups."""
+def model_provider(layout: ParallelLayout, pg_collection: Any, vp_stage: int | None = None) -> GPTModel:
+    """This rank's part of the model at ``layout`` on the given process groups (its model chunk
+    ``vp_stage`` with virtual pipeline parallelism)."""
     config = transformer_config(layout)
     stage = pg_collection.pp.rank()
-    block = local_block_spec(config, stage)  # LiveR
+    block = local_block_spec(config, stage, vp_stage)  # LiveR
+    chunk = 0 if vp_stage is None else vp_stage
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
-        mtp_block_spec=local_mtp_block_spec(config, stage),  # LiveR
+        mtp_block_spec=local_mtp_block_spec(config, stage, vp_stage),  # LiveR
         vocab_size=padded_vocab_size(layout.tp),
         max_sequence_length=MAX_SEQUENCE,
-        pre_process=stage == 0,
-        post_process=stage == pg_collection.pp.size() - 1,
+        pre_process=stage == 0 and chunk == 0,
+        post_process=stage == pg_collection.pp.size() - 1 and chunk == layout.vpp - 1,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         pg_collection=pg_collection,
+        vp_stage=vp_stage,
     )

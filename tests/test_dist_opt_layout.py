@@ -126,6 +126,11 @@ CASES = [
     ("tiny-deepseek", "bfloat16", ParallelLayout.parse("TP2,PP2,DP1"), ONE_BUCKET),
     # a last stage of the MTP layer and the head alone: the final norm stays with the last layer
     ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,DP2,EP2:4/0"), SMALL_BUCKETS),
+    # virtual pipeline chunks: a DDP per chunk, only the first bucketed; the tied embedding's replica
+    # on the last chunk of the last stage, the MTP layer (and its embedding) there too
+    ("tiny-gpt", "float32", ParallelLayout.parse("TP1,PP2,VPP2,DP2"), SMALL_BUCKETS),
+    ("tiny-llama", "bfloat16", ParallelLayout.parse("TP2,PP2,VPP2,DP2"), ONE_BUCKET),
+    ("tiny-deepseek", "float32", ParallelLayout.parse("TP1,PP2,VPP2,DP2,EP2"), SMALL_BUCKETS),
     (
         "tiny-gpt",
         "float32",
@@ -164,6 +169,7 @@ def test_every_ranks_buffers_and_owned_ranges_are_megatrons(
     ("model", "layout", "ddp"),
     [
         ("tiny-gpt", ParallelLayout(tp=2, pp=2, dp=3), SMALL_BUCKETS),
+        ("tiny-gpt", ParallelLayout.parse("TP1,PP2,VPP2,DP3"), SMALL_BUCKETS),
         ("tiny-llama", ParallelLayout(tp=2, pp=1, dp=4), ONE_BUCKET),
         (
             "llama3-8b",

@@ -502,8 +502,9 @@ def test_changes_of_vpp_are_planned_and_verified(old: str, new: str) -> None:
     assert plan_stats(plan).bytes_moved > 0
 
 
-def test_the_distributed_optimizers_shards_with_vpp_are_refused_naming_why() -> None:
+def test_the_distributed_optimizers_shards_with_vpp_are_planned_and_verified() -> None:
     geometry = TINY.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
     old, new = world(ParallelLayout.parse("TP1,PP2,DP2")), world(ParallelLayout.parse("TP1,PP2,VPP2,DP2"), 4)
-    with pytest.raises(LayoutError, match="virtual pipeline chunks are not derived yet"):
-        build_plan(geometry, old, new)
+    plan = build_plan(geometry, old, new)
+    assert verify_plan(plan).ok
+    assert plan_stats(plan).bytes_moved > 0

@@ -55,6 +55,8 @@ def _emulated_mismatches(
 
 
 EXAMPLE_MOE = Path(__file__).resolve().parent.parent / "examples" / "your_own_moe.py"
+EXAMPLE_JOB = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py"
+VPP_LAYOUTS = ("TP2,PP2,VPP2,DP1", "TP1,PP2,DP1:Et|tt|t|L")
 """A user's own DeepSeek-shaped provider (MLA, a dense first layer, MoE with a shared expert, MTP)."""
 MTP = PRESETS["tiny-deepseek"]
 """DeepSeek's shape, with a multi-token prediction layer (an MoE layer of its own on the last stage)."""
@@ -190,6 +192,23 @@ def child_main() -> dict[Any, Any]:
         out["layout_check"] = None
     except GeometryMismatch as exc:
         out["layout_check"] = str(exc)
+    # Virtual pipeline chunks: the example's provider takes vp_stage; a provider without it is refused.
+    from liver.shared.errors import InputError
+
+    example = load_provider(f"{EXAMPLE_JOB}:model_provider")
+    example_geometry = derive_geometry(
+        example, name="your-job", num_layers=4, vocab_size=258, make_vocab_size_divisible_by=16
+    )
+    out["vpp_checked"] = []
+    for text in VPP_LAYOUTS:
+        check_layout_geometry(example, example_geometry, ParallelLayout.parse(text))  # raises on a mismatch
+        out["vpp_checked"].append(text)
+    try:
+        qk = out["users"]["qk-layernorm"]
+        check_layout_geometry(UserModel("qk-layernorm"), qk, ParallelLayout.parse("TP1,PP2,VPP2,DP1"))
+        out["vpp_refusal"] = None
+    except InputError as exc:
+        out["vpp_refusal"] = str(exc)
     return out
 
 
@@ -341,3 +360,14 @@ def test_a_new_layouts_model_that_differs_from_the_geometry_fails_the_check_nami
     problem = found["layout_check"]
     assert problem is not None
     assert "rank 0 at TP1,PP2,DP2" in problem and "linear_qkv.bias" in problem
+
+
+def test_a_providers_model_chunks_match_the_geometry_at_vpp_layouts(found: dict[str, Any]) -> None:
+    assert found["vpp_checked"] == list(VPP_LAYOUTS)
+
+
+def test_a_provider_without_vp_stage_is_refused_at_a_vpp_layout_naming_what_it_needs(
+    found: dict[str, Any],
+) -> None:
+    assert found["vpp_refusal"] is not None
+    assert "must take vp_stage" in found["vpp_refusal"]

@@ -4,8 +4,8 @@ rank, as Megatron-core assigns chunks (chunk ``c`` of ``pp * vpp`` on stage ``c 
 One spawned interpreter builds every rank of each layout on the meta device under the fake process
 group, one ``GPTModel`` per model chunk (``vp_stage``, with ``parallel_state``'s virtual pipeline size
 set, as Megatron's training loop builds them), and compares the boxes of all its chunks'
-``sharded_state_dict()`` with the views'. LiveR's trainer does not run the interleaved schedule yet;
-planning, verification and these checks do.
+``sharded_state_dict()`` with the views'. The chunks are built here as Megatron-LM's ``get_model`` builds
+them, not with LiveR's builder, so that the check does not lean on what it checks.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ CASES: dict[str, tuple[ModelSpec, str]] = {
     "8 layers, PP4 VPP2": (EIGHT, "TP1,PP4,VPP2,DP1"),
     "experts over EP, PP2 VPP2": (PRESETS["tiny-moe"], "TP1,PP2,VPP2,DP2,EP2"),
     "DeepSeek's shape (MLA, dense first, MTP), PP2 VPP2": (PRESETS["tiny-deepseek"], "TP1,PP2,VPP2,DP1"),
+    # Megatron pipeline layouts: uneven chunks, a last chunk of the head alone
+    "8 layers, uneven chunks": (EIGHT, "TP1,PP2,DP1:Etttt|t|ttt|L"),
+    "DeepSeek's shape, uneven chunks": (PRESETS["tiny-deepseek"], "TP1,PP2,DP1:Et|tt|t|mL"),
 }
 
 
@@ -44,7 +47,7 @@ def _chunks(spec: ModelSpec, layout: ParallelLayout, groups: Any) -> list[Any]:
         local_mtp_block_spec,
     )
 
-    config = transformer_config(spec, layout, {"virtual_pipeline_model_parallel_size": layout.vpp})
+    config = transformer_config(spec, layout)  # virtual_pipeline_model_parallel_size from the layout
     pp, last = groups.pp_rank, layout.pp - 1
     blocks = bool(spec.num_experts or spec.multi_latent_attention or spec.mtp_num_layers)
     return [

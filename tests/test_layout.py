@@ -101,7 +101,7 @@ def test_vpp_deals_chunks_of_layers_to_the_stages_in_turn() -> None:
     [
         ("TP1,PP1,VPP2,DP2", 4, "needs pp of 2 or more"),
         ("TP1,PP2,VPP0,DP1", 4, "vpp must be at least 1"),
-        ("TP1,PP2,VPP2,DP1:1/3", 4, "stage_layers with vpp"),
+        ("TP1,PP2,VPP2,DP1:1/3", 4, "stage_layers has 2 entries but pp x vpp is 4"),
         ("TP1,PP2,VPP2,DP1", 6, "do not split into pp x vpp = 4 equal chunks"),
         ("TP1,PP2,VPP2,VPP3,DP1", 4, "VPPn given twice"),
     ],
@@ -111,3 +111,62 @@ def test_a_vpp_layout_megatron_could_not_build_is_refused_naming_why(
 ) -> None:
     with pytest.raises(LayoutError, match=error):
         ParallelLayout.parse(text).layers_per_stage(layers)
+
+
+def test_uneven_model_chunks_are_listed_in_megatrons_order_of_virtual_stages() -> None:
+    layout = ParallelLayout.parse("TP1,PP2,VPP2,DP1:1/3/1/1")
+    assert layout.chunk_layers(6, 0) == (range(0, 1), range(4, 5))
+    assert layout.chunk_layers(6, 1) == (range(1, 4), range(5, 6))
+    assert layout.layers_per_stage(6) == (2, 4)
+    assert ParallelLayout.parse(layout.describe()) == layout
+
+
+@pytest.mark.parametrize(
+    ("text", "described", "stages"),
+    [
+        ("TP1,PP2,DP2:Et|ttt|t|tmL", "TP1,PP2,VPP2,DP2[1/3/1/1]", ((0, 4), (1, 2, 3, 5))),
+        ("TP1,PP2,DP1:Ettt|tL", "TP1,PP2,DP1[3/1]", ((0, 1, 2), (3,))),
+        ("TP1,PP2,DP1:Et|t|t|tL", "TP1,PP2,VPP2,DP1", ((0, 2), (1, 3))),  # even chunks: no split kept
+        ("TP1,PP2,VPP2,DP1:(Et|t|)*1,(t|)*1,tL", "TP1,PP2,VPP2,DP1", ((0, 2), (1, 3))),
+    ],
+)
+def test_a_megatron_pipeline_layout_string_is_a_layout(text: str, described: str, stages: tuple) -> None:
+    layout = ParallelLayout.parse(text)
+    assert layout.describe() == described
+    assert layout.layers_by_stage(sum(map(len, stages))) == stages
+
+
+def test_a_layout_writes_the_pipeline_layout_megatron_reads() -> None:
+    from megatron.core import parallel_state
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    layout = ParallelLayout.parse("TP1,PP2,VPP2,DP1:1/3/1/1")
+    text = layout.pipeline_layout(6, mtp_num_layers=1)
+    assert text == "Et|ttt|t|tmL"
+    megatron = PipelineParallelLayerLayout(text, 2)
+    assert megatron.virtual_pipeline_model_parallel_size == 2
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(2)  # as a VPP job's processes have it
+    try:
+        for stage in range(2):
+            for v in range(2):
+                ids = megatron.get_layer_id_list(vp_stage=v, pp_rank=stage)
+                assert ids == list(layout.chunk_layers(6, stage)[v])
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("TP1,PP2,DP1:tE|tL", "the embedding \\(E\\) must open the first stage"),
+        ("TP1,PP2,DP1:Et|tLt", "the loss \\(L\\) must close the last stage"),
+        ("TP1,PP2,DP1:Et|tm|t|tL", "multi-token prediction layers \\(m\\) at the end of the last stage"),
+        ("TP1,PP2,DP1:Et|tx", "'x' is not a layer"),
+        ("TP1,PP2,DP1:Et|t|tL", "3 stages do not divide over pp=2"),
+        ("TP1,PP2,VPP3,DP1:Et|t|t|tL", "VPP3, but the pipeline layout has 2"),
+        ("TP1,PP2,DP1:E(t)*99999999|tL", "unrolls beyond"),
+    ],
+)
+def test_a_pipeline_layout_liver_cannot_follow_is_refused_naming_why(text: str, error: str) -> None:
+    with pytest.raises(LayoutError, match=error):
+        ParallelLayout.parse(text)

@@ -55,6 +55,9 @@ CASES: dict[str, Case] = {
     # tensor, on gloo), and at TP2 with sequence parallelism, where it gathers uneven token counts.
     "EP2-moe-alltoall": Case(ALLTOALL, ParallelLayout(tp=1, pp=1, dp=2, ep=2)),
     "TP2-moe-alltoall": Case(ALLTOALL, ParallelLayout(tp=2, pp=1, dp=1)),
+    # The interleaved 1F1B schedule: each stage holds two model chunks (layers 0 and 2 on the first,
+    # 1 and 3 on the last), the tied embeddings' replica on the last stage's last chunk.
+    "PP2-VPP2-gpt": Case(PRESETS["tiny-gpt"], ParallelLayout(tp=1, pp=2, dp=1, vpp=2)),
 }
 DROPOUT = {"DP2-gpt-dropout": 0.1}
 # parallel_state is initialised for this (another) layout of two ranks while the fresh trainer is
@@ -65,6 +68,7 @@ DECOY: dict[str, ParallelLayout] = {
     "DP2-gpt-dropout": ParallelLayout(tp=1, pp=2, dp=1),
     "EP2-moe-alltoall": ParallelLayout(tp=2, pp=1, dp=1),
     "TP2-moe-alltoall": ParallelLayout(tp=1, pp=1, dp=2, ep=2),
+    "PP2-VPP2-gpt": ParallelLayout(tp=2, pp=1, dp=1),
 }
 
 
@@ -90,14 +94,11 @@ def _padding_magnitude(trainer: Any) -> float:
 
 
 def _views_share_storage(trainer: Any) -> bool:
-    from liver.worker_runtime.megatron.state import local_state, logical_parameter_name
+    from liver.worker_runtime.megatron.state import local_state, named_parameters
 
     index_of = {t.name: i for i, t in enumerate(trainer.geometry.tensors())}
     live = local_state(trainer)
-    return all(
-        live[index_of[logical_parameter_name(trainer, name)]].data_ptr() == p.data_ptr()
-        for name, p in trainer.gpt.named_parameters()
-    )
+    return all(live[index_of[name]].data_ptr() == p.data_ptr() for name, _, p in named_parameters(trainer))
 
 
 def _scenario(proc: Proc, generation: int, case: str) -> dict[str, Any]:
@@ -147,7 +148,8 @@ def _scenario(proc: Proc, generation: int, case: str) -> dict[str, Any]:
             attention_dropout=dropout,
         )
         trainer = build_trainer(spec, layout, config, groups=groups)
-        out["parameters"] = sum(p.numel() for p in trainer.gpt.parameters())
+        out["parameters"] = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
+        out["chunks"] = len(trainer.chunks)
         out["expected_parameters"] = expected_local_parameter_count(spec, layout, groups.rank)
         out["views_share_storage"] = _views_share_storage(trainer)
         out["first"] = _trace([trainer.train_step() for _ in range(FIRST_STEPS)])

@@ -81,6 +81,33 @@ def test_the_global_batch_must_split_into_whole_micro_batches_per_replica() -> N
     assert "16" in score.reason
 
 
+def test_the_interleaved_schedule_needs_each_ranks_micro_batches_in_groups_of_pp() -> None:
+    setup = TrainingSetup(global_batch_size=6, sequence_length=64)  # 3 micro-batches per rank at DP2
+    layout = ParallelLayout.parse("TP1,PP2,VPP2,DP2")
+    score = assess_layout(GPT, setup, CPU_SMALL, _world(ParallelLayout(1, 1, 4)), grid_devices(1, 4), layout)
+    assert score.rule == "batch"
+    assert "multiple of pp=2" in score.reason
+    even = assess_layout(GPT, SETUP, CPU_SMALL, _world(ParallelLayout(1, 1, 4)), grid_devices(1, 4), layout)
+    assert even.feasible
+
+
+def test_with_few_micro_batches_the_interleaved_schedule_is_chosen_for_its_smaller_bubble() -> None:
+    # 70B on 8 nodes with a global batch of 128: memory forces a deep pipeline, whose 1F1B bubble
+    # interleaving shrinks vpp-fold.
+    setup = TrainingSetup(global_batch_size=128, sequence_length=2048)
+    model = PRESETS["llama2-70b"]
+    decision = choose_topology(
+        model, setup, H100_80GB, default_world(ParallelLayout(8, 4, 2)), grid_devices(8, 8)
+    )
+    assert decision.layout.vpp > 1
+    model.check_layout(decision.layout)
+    plain = msgspec.structs.replace(decision.layout, vpp=1)
+    slower = assess_layout(
+        model, setup, H100_80GB, default_world(ParallelLayout(8, 4, 2)), grid_devices(8, 8), plain
+    )
+    assert slower.tokens_per_s < decision.tokens_per_s
+
+
 def test_a_layout_over_device_memory_is_refused_and_a_smaller_shard_accepted() -> None:
     current = _world(ParallelLayout(1, 1, 2))
     devices = grid_devices(1, 2)

@@ -41,7 +41,7 @@ from liver.bench.dcp_baseline import build_workload, time_load_planning
 from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
 from liver.services.transfer.core import plan_transfer
 from liver.services.transfer.planner import ResizePlan, plan_resize
-from liver.shared.layout import ParallelLayout, Placement, grid_devices, parse_devices
+from liver.shared.layout import ParallelLayout, Placement, balanced_split, grid_devices, parse_devices
 from liver.shared.messages import Candidate, TopologyPlanned
 from liver.shared.model import PRESETS
 from liver.shared.plan import Plan, WorldConfig
@@ -147,6 +147,16 @@ FULL: tuple[PlanScenario, ...] = (
         8,
         _every_16th_node(16),
     ),
+    PlanScenario(
+        "llama3-405b-vpp",
+        "llama3-405b (126 layers) + optimizer, interleaved: TP8,PP16,VPP8 with the embedding and the loss "
+        "on chunks of their own (Megatron's pipeline layout) -> TP8,PP15,VPP8, 128 nodes -> 120",
+        "llama3-405b",
+        "TP8,PP16,DP8:E|(t|)*126L",
+        ParallelLayout(tp=8, pp=15, dp=8, vpp=8, stage_layers=balanced_split(126, 120)).describe(),
+        8,
+        _every_16th_node(8),
+    ),
 )
 
 QUICK: tuple[PlanScenario, ...] = (
@@ -214,6 +224,16 @@ QUICK: tuple[PlanScenario, ...] = (
         "tiny-deepseek",
         "1,2,6,EP2:2/2",
         "1,2,4,EP4:1/3",
+        4,
+        "drop:node001",
+    ),
+    PlanScenario(
+        "llama3-405b-vpp",
+        "tiny-llama + optimizer, interleaved: VPP2 -> a pipeline layout with the embedding and the loss on "
+        "chunks of their own, 2 nodes of 4 -> 1",
+        "tiny-llama",
+        "1,2,4,VPP2",
+        "1,2,2:E|tt|tt|L",
         4,
         "drop:node001",
     ),

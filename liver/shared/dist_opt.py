@@ -47,6 +47,7 @@ __all__ = [
     "OwnedPiece",
     "ParamSlot",
     "buffer_layouts",
+    "chunk_parameters",
     "flat_range_boxes",
     "owned_boxes",
     "owned_pieces",
@@ -78,11 +79,28 @@ class BufferLayout(NamedTuple):
 
 
 def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int) -> tuple[TensorSpec, ...]:
-    """The parameters a rank of stage ``pp_rank`` holds, in ``named_parameters()`` order: embeddings,
-    the stage's decoder layers, then the last stage's own parameters and the tied embedding's replica
-    (Megatron's ``output_layer.weight`` on a last stage that is not also the first; with multi-token
-    prediction the last stage's own ``embedding``, which it builds first)."""
+    """The parameters a rank of stage ``pp_rank`` holds: its model chunks' (:func:`chunk_parameters`),
+    chunk after chunk."""
+    return tuple(t for v in range(layout.vpp) for t in chunk_parameters(geometry, layout, pp_rank, v))
+
+
+def chunk_parameters(
+    geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, vp_stage: int = 0
+) -> tuple[TensorSpec, ...]:
+    """The parameters of model chunk ``vp_stage`` of stage ``pp_rank`` (the stage's one model without
+    virtual pipelining), in ``named_parameters()`` order: embeddings, the chunk's decoder layers, then
+    the last chunk's own parameters and the tied embedding's replica (Megatron's ``output_layer.weight``
+    on a last stage that is not also the first; with multi-token prediction the last chunk's own
+    ``embedding``, which it builds first). What lives outside the layers is on the first chunk of the
+    first stage or the last chunk of the last stage, as Megatron's ``pre_process``/``post_process``
+    with ``vp_stage`` place it."""
     last = layout.pp - 1
+    if not 0 <= vp_stage < layout.vpp:
+        raise LayoutError(
+            f"vp_stage {vp_stage}: {layout.describe()} has {layout.vpp} model chunk(s) per stage"
+        )
+    chunk_layers = layout.chunk_layers(geometry.num_layers, pp_rank)[vp_stage]
+    first_chunk, last_chunk = vp_stage == 0, vp_stage == layout.vpp - 1
     first: list[TensorSpec] = []
     layers: list[TensorSpec] = []
     final: list[TensorSpec] = []
@@ -98,12 +116,18 @@ def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: i
                 f"{t.name}: a parameter on every pipeline stage has no place in Megatron's buffer order"
             )
         if t.home == "layer":
-            layers.append(t)
-        elif t.home in ("last", "last_layer"):  # the final norm follows the decoder's layers
-            final.append(t)
+            if t.layer - 1 in chunk_layers:
+                layers.append(t)
+        elif t.home == "last_layer":  # with MTP the final norm stays with the last decoder layer
+            if geometry.num_layers - 1 in chunk_layers:
+                final.append(t)
+        elif t.home == "last":
+            if last_chunk:
+                final.append(t)
         elif t.home == "first+last" and pp_rank == last and pp_rank != 0:
-            replica.append(t)
-        else:
+            if last_chunk:
+                replica.append(t)
+        elif first_chunk:
             first.append(t)
     if geometry.mtp_num_layers:  # the last stage builds the embedding for its MTP layers, first
         return (*replica, *first, *layers, *final)
@@ -124,12 +148,6 @@ def buffer_layouts(
     Megatron lays them out with ``ddp`` (default: the geometry's own, whose canonical form drops the
     buckets of the plain optimizer's gradient buffers; module docstring): the dense buffers, then, with
     EP > 1, the expert buffers (Megatron's ``expert_parallel_buffers``, sharded over expert-DP)."""
-    if layout.vpp > 1:
-        # Each model chunk has its own DDP buffers; their layout is not restated (nor checked) yet.
-        raise LayoutError(
-            f"{layout.describe()}: DDP's buffers with virtual pipeline chunks are not derived yet "
-            "(the distributed optimizer's shards with VPP cannot be planned)"
-        )
     c = layout.coords(rank)
     return _buffer_layouts(geometry, layout, c.pp, c.tp, c.ep, c.etp, ddp or geometry.ddp)
 
@@ -150,11 +168,29 @@ def _buffer_layouts(
     etp_rank: int,
     ddp: DdpSettings,
 ) -> tuple[BufferLayout, ...]:
-    bucket_size = ddp.effective_bucket_size(layout.dp, pp_rank)
+    out: list[BufferLayout] = []
+    for vp_stage in range(layout.vpp):
+        # Megatron-LM wraps each model chunk in a DDP of its own, bucketing only the first.
+        bucket_size = ddp.effective_bucket_size(layout.dp, pp_rank) if vp_stage == 0 else None
+        params = chunk_parameters(geometry, layout, pp_rank, vp_stage)
+        out += _chunk_buffers(geometry, layout, params, tp_rank, ep_rank, etp_rank, ddp, bucket_size)
+    return tuple(out)
+
+
+def _chunk_buffers(
+    geometry: ModelGeometry,
+    layout: ParallelLayout,
+    params: tuple[TensorSpec, ...],
+    tp_rank: int,
+    ep_rank: int,
+    etp_rank: int,
+    ddp: DdpSettings,
+    bucket_size: int | None,
+) -> list[BufferLayout]:
     shared = layout.pp > 1
     by_dtype: dict[tuple[bool, str], list[tuple[TensorSpec, int]]] = {}
     experts_per_rank = geometry.num_experts // layout.ep if geometry.num_experts else 0
-    for t in stage_parameters(geometry, layout, pp_rank):
+    for t in params:
         expert = in_expert_buffer(t, layout)
         if expert:
             if t.expert // experts_per_rank != ep_rank:
@@ -169,11 +205,11 @@ def _buffer_layouts(
         divisor = math.lcm(group, BUCKET_ALIGNMENT)
         if ddp.pad_buckets_for_high_nccl_busbw:
             divisor = math.lcm(divisor, HIGH_BUSBW_ALIGNMENT)
-        for (kind, dtype), params in by_dtype.items():
+        for (kind, dtype), sized in by_dtype.items():
             if kind == expert:
-                buffer = _one_buffer(dtype, params, bucket_size, shared, ddp.distributed_optimizer, divisor)
+                buffer = _one_buffer(dtype, sized, bucket_size, shared, ddp.distributed_optimizer, divisor)
                 out.append(buffer._replace(expert=expert))
-    return tuple(out)
+    return out
 
 
 def _one_buffer(

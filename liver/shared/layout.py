@@ -17,6 +17,7 @@ CP and DP as replicas), and every part of LiveR uses them through :meth:`Paralle
 
 from __future__ import annotations
 
+import re
 from typing import Final, NamedTuple
 
 import msgspec
@@ -76,7 +77,10 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     layers on each pipeline stage.
 
     ``stage_layers`` is empty for an even split; otherwise it has one entry per stage (uneven splits, as
-    Megatron allows with ``num_layers_in_first/last_pipeline_stage`` or a pipeline layout). ``etp`` is
+    Megatron allows with ``num_layers_in_first/last_pipeline_stage`` or a pipeline layout), and with
+    virtual pipeline parallelism one per model chunk, ``pp * vpp`` of them in Megatron's order of
+    virtual stages (chunk ``v`` of stage ``s`` is entry ``v * pp + s``), as a
+    ``pipeline_model_parallel_layout`` gives them (:func:`parse_pipeline_layout`). ``etp`` is
     ``None`` for Megatron's default, expert-TP equal to TP. ``dp`` is the data parallelism of dense
     parameters without CP (Megatron's ``data_parallel_size``); the expert-data parallelism follows from
     the rest (:attr:`edp`).
@@ -91,9 +95,9 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     etp: int | None = None
     vpp: int = 1
     """Virtual pipeline parallelism (Megatron's interleaved 1F1B): each stage holds ``vpp`` model chunks,
-    non-adjacent. The layers are cut into ``pp * vpp`` equal chunks; chunk ``c`` lives on stage
-    ``c % pp`` (as its model chunk ``c // pp``), as Megatron's ``get_transformer_layer_offset`` with a
-    ``vp_stage`` places them."""
+    non-adjacent. The layers are cut into ``pp * vpp`` chunks (equal unless ``stage_layers`` says);
+    chunk ``c`` lives on stage ``c % pp`` (as its model chunk ``c // pp``), as Megatron's
+    ``get_transformer_layer_offset`` with a ``vp_stage`` places them."""
 
     def __post_init__(self) -> None:
         for field in ("tp", "pp", "dp", "cp", "ep"):
@@ -124,14 +128,11 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise LayoutError(f"vpp must be at least 1, got {self.vpp}")
         if self.vpp > 1 and self.pp < 2:
             raise LayoutError(f"vpp={self.vpp} interleaves pipeline stages: it needs pp of 2 or more")
-        if self.vpp > 1 and self.stage_layers:
-            raise LayoutError(
-                "stage_layers with vpp: the interleaved schedule cuts the layers into pp x vpp equal "
-                "chunks here (uneven chunks need a pipeline layout, which LiveR does not read yet)"
-            )
         if self.stage_layers:
-            if len(self.stage_layers) != self.pp:
-                raise LayoutError(f"stage_layers has {len(self.stage_layers)} entries but pp is {self.pp}")
+            chunks = self.pp * self.vpp
+            if len(self.stage_layers) != chunks:
+                per = f"pp x vpp is {chunks} (one per model chunk)" if self.vpp > 1 else f"pp is {self.pp}"
+                raise LayoutError(f"stage_layers has {len(self.stage_layers)} entries but {per}")
             if any(n < 0 for n in self.stage_layers):
                 raise LayoutError("stage_layers entries must not be negative")
             if sum(self.stage_layers) > MAX_LAYERS:
@@ -192,6 +193,8 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
                     f"stage_layers {list(self.stage_layers)} sum to {sum(self.stage_layers)}, "
                     f"the model has {num_layers} layers"
                 )
+            if self.vpp > 1:  # one entry per model chunk, chunk c on stage c % pp
+                return tuple(sum(self.stage_layers[stage :: self.pp]) for stage in range(self.pp))
             return self.stage_layers
         if num_layers % (self.pp * self.vpp):
             if self.vpp > 1:
@@ -204,8 +207,10 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     def balanced(self, num_layers: int) -> ParallelLayout:
         """This layout, with :func:`balanced_split`'s stages when ``pp`` does not divide ``num_layers``
         and no split is given (as the topology planner chooses them)."""
-        if self.stage_layers or num_layers % self.pp == 0:
+        if self.stage_layers or num_layers % (self.pp * self.vpp) == 0:
             return self
+        if self.vpp > 1:
+            return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp * self.vpp))
         return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp))
 
     def chunk_layers(self, num_layers: int, stage: int) -> tuple[range, ...]:
@@ -216,9 +221,10 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         if self.vpp == 1:
             start = sum(per_stage[:stage])
             return (range(start, start + per_stage[stage]),)
-        size = num_layers // (self.pp * self.vpp)
+        sizes = self.stage_layers or (num_layers // (self.pp * self.vpp),) * (self.pp * self.vpp)
+        starts = [sum(sizes[:c]) for c in range(len(sizes))]
         chunks = (v * self.pp + stage for v in range(self.vpp))
-        return tuple(range(c * size, (c + 1) * size) for c in chunks)
+        return tuple(range(starts[c], starts[c] + sizes[c]) for c in chunks)
 
     def layers_by_stage(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """The decoder layers (0-based) each pipeline stage holds, in order (not contiguous with VPP)."""
@@ -248,11 +254,26 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             text += "[" + "/".join(map(str, self.stage_layers)) + "]"
         return text
 
+    def pipeline_layout(self, num_layers: int, mtp_num_layers: int = 0) -> str:
+        """This split as Megatron's ``pipeline_model_parallel_layout`` string: the embedding on the
+        first chunk, the multi-token prediction layers and the loss on the last (``"Et|t|t|tmL"``)."""
+        sizes = self.stage_layers or tuple(
+            len(chunk)
+            for v in range(self.vpp)
+            for chunk in (self.chunk_layers(num_layers, s)[v] for s in range(self.pp))
+        )
+        stages = ["t" * n for n in sizes]
+        stages[0] = "E" + stages[0]
+        stages[-1] += "m" * mtp_num_layers + "L"
+        return "|".join(stages)
+
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
         """Parse ``"TP,PP,DP"``, optionally followed by ``,CPn``, ``,EPn``, ``,ETPn`` (any order) and
         ``":l0/l1/..."`` for an uneven pipeline split: ``"2,2,4,EP4,ETP1:3/5"``; ``VPPn`` anywhere
-        (``"TP8,PP16,VPP8,DP8"``); what :meth:`describe` writes reads back."""
+        (``"TP8,PP16,VPP8,DP8"``); or a Megatron ``pipeline_model_parallel_layout`` after the colon
+        (``"TP1,PP2,DP2:Et|ttt|t|tmL"``, :func:`parse_pipeline_layout`; its stages give ``vpp``); what
+        :meth:`describe` writes reads back."""
         text = text.strip()
         if text.endswith("]") and "[" in text:  # the form describe() writes: "TP2,PP2,DP1[1/3]"
             head, _, stages = text[:-1].partition("[")
@@ -276,10 +297,60 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             sizes = {k: int(v) for k, v in named.items()}
             if virtual:
                 sizes["vpp"] = int(virtual[0].removeprefix("VPP"))
-            stage_layers = tuple(int(s) for s in stages.split("/")) if stages else ()
+            megatron = bool(stages) and not stages.replace("/", "").strip().isdigit()
+            stage_layers = tuple(int(s) for s in stages.split("/")) if stages and not megatron else ()
         except ValueError:
             raise LayoutError(f"layout {text!r}: sizes and stage layer counts must be integers") from None
+        if megatron:
+            stage_layers, vpp = parse_pipeline_layout(stages, pp)
+            if sizes.setdefault("vpp", vpp) != vpp:
+                raise LayoutError(
+                    f"layout {text!r}: VPP{sizes['vpp']}, but the pipeline layout has {vpp} chunk(s) "
+                    "per stage"
+                )
+            stage_layers = stage_layers if len(set(stage_layers)) > 1 else ()
         return cls(tp=tp, pp=pp, dp=dp, stage_layers=stage_layers, **sizes)
+
+
+_PIPELINE_LAYOUT_REPEAT = (re.compile(r"\(([^()]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+
+
+def parse_pipeline_layout(text: str, pp: int) -> tuple[tuple[int, ...], int]:
+    """Megatron's ``pipeline_model_parallel_layout`` string (``"Ettt|(tt|)*29,m|L"``: stages split by
+    ``|``, ``E`` the embedding, ``t`` a decoder layer, ``m`` a multi-token prediction layer, ``L`` the
+    loss, ``(...)*n`` and ``x*n`` repeat, commas cosmetic) as ``(decoder layers per model chunk, vpp)``:
+    ``pp * vpp`` stages in Megatron's order of virtual stages. LiveR keeps what lies outside the decoder
+    layers where Megatron's default puts it, so the embedding must open the first stage and the MTP
+    layers and the loss close the last; anything else is refused naming why."""
+    expanded = text.replace(",", "").strip()
+    if len(expanded) > 100_000:
+        raise LayoutError("pipeline layout: longer than 100,000 characters")
+    for pattern in _PIPELINE_LAYOUT_REPEAT:
+        while True:
+            unrolled = pattern.sub(lambda m: m.group(1) * int(m.group(2)), expanded)
+            if unrolled == expanded:
+                break
+            if len(unrolled) > 4 * MAX_LAYERS:
+                raise LayoutError(f"pipeline layout {text!r}: unrolls beyond {MAX_LAYERS} layers")
+            expanded = unrolled
+    stages = expanded.split("|")
+    bad = sorted(set(expanded) - set("EtmL|"))
+    if bad:
+        raise LayoutError(
+            f"pipeline layout {text!r}: {bad[0]!r} is not a layer (E embedding, t decoder, m MTP, L loss)"
+        )
+    if len(stages) % pp:
+        raise LayoutError(f"pipeline layout {text!r}: {len(stages)} stages do not divide over pp={pp}")
+    if expanded.count("E") != 1 or not stages[0].startswith("E"):
+        raise LayoutError(f"pipeline layout {text!r}: the embedding (E) must open the first stage, once")
+    if expanded.count("L") != 1 or not stages[-1].endswith("L"):
+        raise LayoutError(f"pipeline layout {text!r}: the loss (L) must close the last stage, once")
+    if "m" in expanded and not re.fullmatch(r"t*m+L", stages[-1]):
+        raise LayoutError(
+            f"pipeline layout {text!r}: LiveR keeps multi-token prediction layers (m) at the end of the "
+            "last stage, right before the loss, as Megatron's default does"
+        )
+    return tuple(stage.count("t") for stage in stages), len(stages) // pp
 
 
 class Device(msgspec.Struct, frozen=True, order=True, forbid_unknown_fields=True):

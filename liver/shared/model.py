@@ -491,6 +491,23 @@ PRESETS: dict[str, ModelSpec] = {
         position_embedding="rope",
         max_sequence_length=4096,
     ),
+    # Llama 3.1 405B as Meta trained it on 16,384 GPUs (TP8, PP16, interleaved, with the embedding and
+    # the loss on pipeline chunks of their own: 126 layers do not cut into 16 x 8 equal chunks).
+    "llama3-405b": ModelSpec(
+        name="llama3-405b",
+        num_layers=126,
+        hidden_size=16384,
+        ffn_hidden_size=53248,
+        num_attention_heads=128,
+        num_query_groups=8,
+        vocab_size=128256,
+        tied_embeddings=False,
+        swiglu=True,
+        bias=False,
+        normalization="RMSNorm",
+        position_embedding="rope",
+        max_sequence_length=8192,
+    ),
     "tiny-gpt": ModelSpec(
         name="tiny-gpt",
         num_layers=4,

@@ -7,7 +7,10 @@ Rules of validity (each rejection names its rule in :attr:`CandidateScore.rule`)
   column/row split; the vocabulary is padded per TP, so it never blocks a layout);
 * ``pp_layers``: at most one pipeline stage per decoder layer; layers that do not divide go to a
   balanced uneven split (:func:`balanced_split`);
-* ``batch``: the global batch must divide into ``dp`` replicas of whole micro-batches;
+* ``batch``: the global batch must divide into ``dp`` replicas of whole micro-batches; with virtual
+  pipeline parallelism (``VPP``, candidates of up to :data:`MAX_VPP` equal chunks per stage) each
+  rank's micro-batches must also be a multiple of ``pp`` (Megatron's interleaved schedule runs them in
+  groups of ``pp`` per chunk);
 * ``tp_across_nodes``: every TP group must fit on one node (required unless ``tp_across_nodes=True``,
   then such layouts are scored with TP traffic over the network); TP's per-layer all-reduces sit on the
   critical path and the network is ~8x slower than NVLink;
@@ -61,6 +64,9 @@ from .placement import node_local_placement
 Redundancy = Literal["none", "node"]
 """What the state must survive: nothing in particular, or the loss of any one node (see
 :func:`choose_topology`)."""
+
+MAX_VPP = 8
+"""The most model chunks per stage the chooser considers (each chunk adds pipeline hand-offs)."""
 
 Rule = Literal["ok", "tp_divisibility", "pp_layers", "batch", "sequence", "tp_across_nodes", "memory"]
 
@@ -237,6 +243,10 @@ class _Chooser:
                 # Expert parallelism with expert-TP = TP: EP must divide the experts and CP x DP.
                 eps = [ep for ep in _divisors(experts) if (cp * dp) % ep == 0] if experts else [1]
                 out.extend(ParallelLayout(tp, pp, dp, split, cp=cp, ep=ep) for ep in eps)
+                # The interleaved schedule where the layers cut into pp x vpp equal chunks.
+                for vpp in range(2, MAX_VPP + 1) if pp > 1 else ():
+                    if self.model.num_layers % (pp * vpp) == 0:
+                        out.extend(ParallelLayout(tp, pp, dp, cp=cp, ep=ep, vpp=vpp) for ep in eps)
         if cur.world_size == count and cur not in out:
             out.append(cur)
         return out
@@ -275,6 +285,13 @@ class _Chooser:
                 "batch",
                 f"global batch {setup.global_batch_size} is not a multiple of "
                 f"dp * micro_batch = {dp} * {setup.micro_batch_size}",
+            )
+        micro_batches = setup.global_batch_size // (dp * setup.micro_batch_size)
+        if layout.vpp > 1 and micro_batches % pp:
+            return reject(
+                "batch",
+                f"the interleaved schedule (vpp={layout.vpp}) needs the {micro_batches} micro-batches per "
+                f"rank to be a multiple of pp={pp}",
             )
         if setup.sequence_length % (2 * layout.cp):
             # Context parallelism gives each rank two chunks of the sequence (load balance under the

@@ -75,6 +75,7 @@ _DERIVED_FIELDS = frozenset(
         "num_layers_in_first_pipeline_stage",
         "num_layers_in_last_pipeline_stage",
         "pipeline_model_parallel_layout",
+        "virtual_pipeline_model_parallel_size",
         "use_cpu_initialization",
         "sequence_parallel",
         "context_parallel_size",
@@ -129,6 +130,7 @@ def initialize_parallel_state(layout: ParallelLayout, *, gloo_groups: bool = Tru
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         create_gloo_process_groups=gloo_groups,
     )
 
@@ -320,8 +322,13 @@ def pipeline_split(num_layers: int, layout: ParallelLayout, mtp_num_layers: int 
 
     Megatron's ``num_layers_in_first/last_pipeline_stage`` covers splits whose middle stages are equal
     and non-empty; any other split uses its explicit ``pipeline_model_parallel_layout``, which then
-    names the multi-token prediction layers too (on the last stage, where Megatron puts them).
+    names the multi-token prediction layers too (on the last stage, where Megatron puts them). Uneven
+    model chunks (virtual pipelining) always take a pipeline layout.
     """
+    if layout.vpp > 1 and layout.stage_layers:
+        text = layout.pipeline_layout(num_layers, mtp_num_layers)
+        names = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
+        return {"pipeline_model_parallel_layout": [[names[c] for c in stage] for stage in text.split("|")]}
     per_stage = layout.layers_per_stage(num_layers)
     if layout.pp == 1 or len(set(per_stage)) == 1:
         return {}
@@ -402,6 +409,8 @@ def transformer_config(
         sequence_parallel=bool(spec.num_experts) and layout.tp > 1,
         use_cpu_initialization=True,
         **pipeline_split(spec.num_layers, layout, spec.mtp_num_layers),
+        **({"virtual_pipeline_model_parallel_size": layout.vpp} if layout.vpp > 1 else {}),
+        # (a pipeline layout gives it too; Megatron checks that both agree)
         **moe,
         **mla,
         **({"mtp_num_layers": spec.mtp_num_layers} if spec.mtp_num_layers else {}),
@@ -460,7 +469,27 @@ def build_gpt_model(
     seed: int = 1234,
     config_overrides: Mapping[str, Any] | None = None,
 ) -> GPTModel:
-    """Build this rank's part of ``spec`` at ``layout`` (local layer spec, CPU initialisation).
+    """This rank's part of ``spec`` at ``layout``: :func:`build_gpt_chunks`'s one model chunk (a layout
+    with virtual pipeline parallelism has several: build them with that)."""
+    if layout.vpp > 1:
+        raise MegatronBuildError(
+            f"{layout.describe()}: a rank holds {layout.vpp} model chunks; build them with build_gpt_chunks"
+        )
+    (model,) = build_gpt_chunks(spec, layout, groups=groups, seed=seed, config_overrides=config_overrides)
+    return model
+
+
+def build_gpt_chunks(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    groups: ParallelGroups | None = None,
+    seed: int = 1234,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> list[GPTModel]:
+    """Build this rank's part of ``spec`` at ``layout`` (local layer spec, CPU initialisation): one
+    ``GPTModel`` per model chunk (``layout.vpp`` with virtual pipeline parallelism, each built with its
+    ``vp_stage`` on one shared ``TransformerConfig``, as Megatron-LM's ``get_model`` builds them).
 
     ``groups`` are the world's process groups; without them ``parallel_state`` must be initialised for
     ``layout`` (:func:`initialize_parallel_state`) and its groups are used.
@@ -488,28 +517,11 @@ def build_gpt_model(
     rank = groups.rank
     config = transformer_config(spec, layout, config_overrides)
     seed_build(seed, layout, rank)
-    layers = gpt_layer_spec(spec, config, groups.pp_rank)
-    mtp = local_mtp_block_spec(config, groups.pp_rank) if spec.mtp_num_layers else None
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layers,
-        mtp_block_spec=mtp,
-        vocab_size=spec.padded_vocab(layout.tp),
-        max_sequence_length=spec.max_sequence_length,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
-        share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type=spec.position_embedding,
-        pg_collection=groups.collection(),
-    )
-    # The torch norms and the position embeddings are created in fp32 whatever params_dtype says;
-    # Megatron's training loop casts the whole module when it wraps it in Float16Module. Cast here so
-    # every parameter has the dtype the views give it (wrapping later in Float16Module is a no-op cast).
-    if config.bf16:
-        model.bfloat16()
-    elif config.fp16:
-        model.half()
-    built = sum(p.numel() for p in model.parameters())
+    chunks = [
+        _build_chunk(spec, layout, config, groups, vp_stage if layout.vpp > 1 else None)
+        for vp_stage in range(layout.vpp)
+    ]
+    built = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     expected = expected_local_parameter_count(spec, layout, rank)
     if built != expected:
         raise MegatronBuildError(
@@ -523,6 +535,39 @@ def build_gpt_model(
         rank=rank,
         local_parameters=built,
     )
+    return chunks
+
+
+def _build_chunk(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    config: TransformerConfig,
+    groups: ParallelGroups,
+    vp_stage: int | None,
+) -> GPTModel:
+    v, last_chunk = vp_stage or 0, layout.vpp - 1
+    layers = gpt_layer_spec(spec, config, groups.pp_rank, vp_stage)
+    mtp = local_mtp_block_spec(config, groups.pp_rank, vp_stage) if spec.mtp_num_layers else None
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layers,
+        mtp_block_spec=mtp,
+        vocab_size=spec.padded_vocab(layout.tp),
+        max_sequence_length=spec.max_sequence_length,
+        pre_process=groups.is_first_stage and v == 0,
+        post_process=groups.is_last_stage and v == last_chunk,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type=spec.position_embedding,
+        pg_collection=groups.collection(),
+        vp_stage=vp_stage,
+    )
+    # The torch norms and the position embeddings are created in fp32 whatever params_dtype says;
+    # Megatron's training loop casts the whole module when it wraps it in Float16Module. Cast here so
+    # every parameter has the dtype the views give it (wrapping later in Float16Module is a no-op cast).
+    if config.bf16:
+        model.bfloat16()
+    elif config.fp16:
+        model.half()
     return model
 
 
@@ -535,7 +580,13 @@ class SpecProvider:
     spec: ModelSpec
 
     def __call__(
-        self, layout: ParallelLayout, pg_collection: ProcessGroupCollection | None = None
+        self,
+        layout: ParallelLayout,
+        pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
     ) -> GPTModel:
-        """Built on ``parallel_state``'s groups (the probes'), which ``pg_collection`` holds too."""
-        return build_gpt_model(self.spec, layout)
+        """Built on ``parallel_state``'s groups (the probes'), which ``pg_collection`` holds too; with
+        virtual pipelining, model chunk ``vp_stage``."""
+        if vp_stage is None:
+            return build_gpt_model(self.spec, layout)
+        return build_gpt_chunks(self.spec, layout)[vp_stage]

@@ -301,9 +301,15 @@ def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str,
 
     groups = trainer.groups
     with parallel_state_of(groups):
-        model = trainer.gpt.sharded_state_dict(metadata={"dp_cp_group": groups.dp_cp})
+        # Megatron-LM files model chunks under model0, model1, ...; the tensors' keys are global, so
+        # a checkpoint saved with one VPP loads with another.
+        models = {
+            key: chunk.sharded_state_dict(metadata={"dp_cp_group": groups.dp_cp})
+            for key, chunk in zip(_model_keys(trainer), trainer.chunks, strict=True)
+        }
+        model = models if len(models) > 1 else models["model"]
         if trainer.geometry.distributed or trainer.geometry.num_experts:
-            state = {"model": model}
+            state: dict[str, Any] = dict(models)
             check_replica_ids(state, groups)
             state[_OWNED] = _owned_sharded_state(trainer)
             return state
@@ -313,9 +319,15 @@ def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str,
         optimizer = trainer.optimizer.sharded_state_dict(
             model, is_loading=loading, metadata={"chained_optim_avoid_prefix": True}
         )
-    state = {"model": model, "optimizer": optimizer}
+    state = {**models, "optimizer": optimizer}
     check_replica_ids(state, groups)
     return state
+
+
+def _model_keys(trainer: MegatronTrainer) -> list[str]:
+    """The checkpoint's key of each model chunk, as Megatron-LM names them."""
+    chunks = trainer.layout.vpp
+    return ["model"] if chunks == 1 else [f"model{v}" for v in range(chunks)]
 
 
 _OWNED = "liver_optimizer"
@@ -638,7 +650,8 @@ def load_checkpoint(
     state = _sharded_state_dict(trainer, loading=True)
     targets = {name: [shard.data for shard in shards] for name, shards in state.get(_OWNED, {}).items()}
     loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL)
-    trainer.gpt.load_state_dict(loaded["model"], strict=True)
+    for key, chunk in zip(_model_keys(trainer), trainer.chunks, strict=True):
+        chunk.load_state_dict(loaded[key], strict=True)
     if _OWNED in loaded:
         _load_owned(targets, loaded[_OWNED])
     else:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from liver.shared.dist_opt import BufferLayout, ParamSlot, buffer_layouts, owned_ranges
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import DdpSettings
-from liver.worker_runtime.megatron.state import logical_name
+from liver.worker_runtime.megatron.state import named_parameters
 
 if TYPE_CHECKING:
     from liver.worker_runtime.megatron.trainer import MegatronTrainer
@@ -45,16 +45,17 @@ def ddp_settings(trainer: MegatronTrainer) -> DdpSettings:
 
 
 def _names(trainer: MegatronTrainer) -> dict[int, str]:
-    gpt = trainer.gpt
-    return {id(p): logical_name(gpt, n) for n, p in gpt.named_parameters()}
+    return {id(p): name for name, _, p in named_parameters(trainer)}
 
 
 def megatron_buffer_layouts(trainer: MegatronTrainer) -> tuple[BufferLayout, ...]:
-    """The DDP buffers of ``trainer`` as Megatron laid them out."""
+    """The DDP buffers of ``trainer`` as Megatron laid them out, model chunk after model chunk."""
     names = _names(trainer)
     out = []
-    kinds = [(b, False) for b in trainer.model.buffers]
-    kinds += [(b, True) for b in getattr(trainer.model, "expert_parallel_buffers", ())]
+    kinds = []
+    for chunk in trainer.model_chunks:
+        kinds += [(b, False) for b in chunk.buffers]
+        kinds += [(b, True) for b in getattr(chunk, "expert_parallel_buffers", ())]
     for buffer, expert in kinds:
         slots = sorted(
             (

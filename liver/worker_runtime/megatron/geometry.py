@@ -26,6 +26,7 @@ fresh interpreter for one.
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import queue
 import re
@@ -637,6 +638,30 @@ def derive_geometry_in_subprocess(
 # --------------------------------------------------------------------------- checking a built model
 
 
+def takes_vp_stage(provider: Callable[..., Any]) -> bool:
+    """Whether ``provider`` accepts ``vp_stage=`` (a parameter of that name, or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(provider).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an object without a signature: let the call tell
+        return True
+    return any(p.name == "vp_stage" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def call_provider(
+    provider: Callable[..., Any], layout: ParallelLayout, pg_collection: Any
+) -> list[torch.nn.Module]:
+    """The rank's model chunks from ``provider`` (one without virtual pipelining)."""
+    if layout.vpp == 1:
+        return [provider(layout, pg_collection)]
+    if not takes_vp_stage(provider):
+        raise InputError(
+            f"provider: {layout.describe()} interleaves {layout.vpp} model chunks per stage; the provider "
+            "must take vp_stage (provider(layout, pg_collection, vp_stage=v), as Megatron-LM's "
+            "model_provider) and build chunk v with it"
+        )
+    return [provider(layout, pg_collection, vp_stage=v) for v in range(layout.vpp)]
+
+
 class GeometryMismatch(HandoffError):
     """A built model whose ``sharded_state_dict()`` disagrees with the geometry a plan was made for."""
 
@@ -758,7 +783,7 @@ def _merge(boxes: list[tuple[tuple[int, int], ...] | None]) -> tuple[tuple[int, 
 
 
 def check_model_geometry(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     geometry: ModelGeometry,
     layout: ParallelLayout,
     rank: int,
@@ -785,16 +810,14 @@ def check_layout_geometry(provider: Provider, geometry: ModelGeometry, layout: P
     from liver.worker_runtime.megatron.build import groups_from_parallel_state
 
     geometry.check_layout(layout)
-    if layout.vpp > 1:  # the provider would build one chunk of several: say why instead
-        raise GeometryMismatch(
-            f"{layout.describe()}: LiveR does not build models with virtual pipeline chunks yet"
-        )
     for rank in layout.class_representatives().values():
         with _fake_world(layout, rank):
             groups = groups_from_parallel_state(layout)
             try:
                 with torch.device("meta"):
-                    model = provider(layout, groups.collection())
+                    model = call_provider(provider, layout, groups.collection())
+            except InputError:
+                raise
             except Exception as exc:  # the user's code: reported with the rank it failed at
                 raise GeometryMismatch(
                     f"the provider failed to build rank {rank} of {layout.describe()}: "

@@ -104,7 +104,8 @@ class MegatronJob:
     def storage(self, trainer: MegatronTrainer) -> list[torch.Tensor]:
         """Every tensor the trainer allocated: parameters, master weights, Adam moments and DDP buffers."""
         tensors = [t for value in local_state(trainer).values() for t in pieces_of(value)]
-        for buffer in (*trainer.model.buffers, *trainer.model.expert_parallel_buffers):
+        buffers = [b for m in trainer.model_chunks for b in (*m.buffers, *m.expert_parallel_buffers)]
+        for buffer in buffers:
             tensors.append(buffer.grad_data)
             if buffer.param_data is not None:
                 tensors.append(buffer.param_data)

@@ -183,11 +183,11 @@ def local_mtp_block_spec(
 
 
 def gpt_layer_spec(
-    spec: ModelSpec, config: TransformerConfig, pp_rank: int
+    spec: ModelSpec, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The local layer spec for ``spec``: a plain dense GPT's, or Megatron's block of dense and MoE
     layers, with multi-latent attention where ``spec`` has it (:func:`local_block_spec`), for the layers
-    pipeline stage ``pp_rank`` builds."""
+    pipeline stage ``pp_rank`` builds (its model chunk ``vp_stage`` with virtual pipelining)."""
     if not spec.num_experts and not spec.multi_latent_attention and not spec.mtp_num_layers:
         return get_gpt_layer_local_spec(normalization=spec.normalization)
-    return local_block_spec(config, pp_rank)
+    return local_block_spec(config, pp_rank, vp_stage)

@@ -48,7 +48,8 @@ def parallel_state_values(groups: ParallelGroups) -> dict[str, Any]:
         "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": layout.pp,
         "_MPU_PIPELINE_MODEL_PARALLEL_RANK": c.pp,
         "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": None,
-        "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": None,
+        # With virtual pipelining every caller passes its chunk (vp_stage); the size tells them to.
+        "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": layout.vpp if layout.vpp > 1 else None,
         "_DATA_PARALLEL_GROUP": groups.dp,
         "_DATA_PARALLEL_GROUP_GLOO": None,
         "_DATA_PARALLEL_GLOBAL_RANKS": members(GroupKind.DP),

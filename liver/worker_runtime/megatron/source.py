@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry
@@ -35,7 +34,7 @@ from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelRef, ModelSpec
 from liver.worker_runtime.megatron.build import (
     ParallelGroups,
-    build_gpt_model,
+    build_gpt_chunks,
     check_default_world,
     ensure_global_memory_buffer,
     seed_build,
@@ -53,10 +52,14 @@ __all__ = [
     "source_of",
 ]
 
-UserProvider = Callable[[ParallelLayout, ProcessGroupCollection], torch.nn.Module]
-"""The user's model provider: this rank's part of the model at ``layout`` on the given groups (pass
-``pg_collection`` to ``GPTModel``; the first and last stage are ``pg_collection.pp.rank() == 0`` and
-``== pg_collection.pp.size() - 1``), unwrapped and cast to its training dtype."""
+UserProvider = Callable[..., torch.nn.Module]
+"""The user's model provider, ``provider(layout, pg_collection)``: this rank's part of the model at
+``layout`` on the given groups (pass ``pg_collection`` to ``GPTModel``; the first and last stage are
+``pg_collection.pp.rank() == 0`` and ``== pg_collection.pp.size() - 1``), unwrapped and cast to its
+training dtype. With virtual pipeline parallelism (``layout.vpp > 1``) it is called once per model chunk
+as ``provider(layout, pg_collection, vp_stage=v)``, as Megatron-LM's ``model_provider(..., vp_stage)``:
+chunk ``v`` is ``GPTModel(..., vp_stage=v)`` with ``virtual_pipeline_model_parallel_size`` in its config,
+pre-processing on chunk 0 of the first stage and post-processing on the last chunk of the last."""
 
 
 @dataclass(frozen=True)
@@ -115,18 +118,19 @@ class ModelSource:
         *,
         seed: int,
         config_overrides: Mapping[str, Any] | None = None,
-    ) -> torch.nn.Module:
-        """This rank's part of the model at ``layout`` on ``groups`` (the default world's).
+    ) -> list[torch.nn.Module]:
+        """This rank's part of the model at ``layout`` on ``groups`` (the default world's): its model
+        chunks (one without virtual pipeline parallelism).
 
         ``config_overrides`` (dropout) apply to a ``ModelSpec``'s model; a user's model keeps the
         settings of the user's own ``TransformerConfig``.
         """
         if self.spec is not None:
-            return build_gpt_model(
+            return build_gpt_chunks(
                 self.spec, layout, groups=groups, seed=seed, config_overrides=config_overrides
             )
         assert self.provider is not None
-        from liver.worker_runtime.megatron.geometry import check_model_geometry
+        from liver.worker_runtime.megatron.geometry import call_provider, check_model_geometry
 
         self.geometry.check_layout(layout)
         apply_cpu_shim()
@@ -134,11 +138,11 @@ class ModelSource:
         ensure_global_memory_buffer()
         seed_build(seed, layout, groups.rank)
         with parallel_state_of(groups):  # a provider (and the tied output layer) may ask parallel_state
-            model = self.provider(layout, groups.collection())
+            chunks = call_provider(self.provider, layout, groups.collection())
             check_model_geometry(
-                model, self.geometry, layout, groups.rank, metadata={"dp_cp_group": groups.dp_cp}
+                chunks, self.geometry, layout, groups.rank, metadata={"dp_cp_group": groups.dp_cp}
             )
-        return model
+        return chunks
 
 
 def as_source(model: ModelSpec | ModelSource) -> ModelSource:

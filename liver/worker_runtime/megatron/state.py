@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -163,8 +163,22 @@ def logical_name(model: torch.nn.Module, local_name: str) -> str:
 
 
 def logical_parameter_name(trainer: MegatronTrainer, local_name: str) -> str:
-    """The logical tensor name of one of the trainer's model's ``named_parameters()``."""
+    """The logical tensor name of one of the trainer's first model chunk's ``named_parameters()``."""
     return logical_name(trainer.gpt, local_name)
+
+
+def named_parameters(trainer: MegatronTrainer) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """``(logical name, local name, parameter)`` of every model chunk's parameters, chunk by chunk."""
+    for chunk in trainer.chunks:
+        for local_name, param in chunk.named_parameters():
+            yield logical_name(chunk, local_name), local_name, param
+
+
+def named_buffers(trainer: MegatronTrainer) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(logical name, buffer)`` of every model chunk's buffers."""
+    for chunk in trainer.chunks:
+        for local_name, buffer in chunk.named_buffers():
+            yield logical_name(chunk, local_name), buffer
 
 
 def _optimizer_slots(trainer: MegatronTrainer) -> dict[int, tuple[torch.Tensor, torch.optim.Optimizer]]:
@@ -261,8 +275,7 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
     ranges = owned_ranges(spec, layout, rank) if spec.distributed else {}
     state: dict[int, LocalTensor] = {}
     steps: list[torch.Tensor] = []
-    for local_name, param in trainer.gpt.named_parameters():
-        name = logical_parameter_name(trainer, local_name)
+    for name, local_name, param in named_parameters(trainer):
         index = index_of.get(name)
         if index is None:
             raise StateMismatch(f"parameter {local_name} (as {name}) is no tensor of {spec.name}")
@@ -319,8 +332,8 @@ def _add_buffers(
 ) -> None:
     """The persistent buffers the geometry lists (the router's ``expert_bias``): views of the live
     buffers, as parameters are."""
-    for local_name, buffer in trainer.gpt.named_buffers():
-        index = index_of.get(logical_parameter_name(trainer, local_name))
+    for name, buffer in named_buffers(trainer):
+        index = index_of.get(name)
         if index is None or tensors[index].role != "buffer":
             continue  # not training state (a non-persistent scratch buffer)
         if index not in expected:
@@ -404,11 +417,10 @@ def _check_params_follow_master(
     spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank
     owned = owned_ranges(spec, layout, rank)
     with torch.no_grad():
-        for local_name, param in trainer.gpt.named_parameters():
+        for name, _, param in named_parameters(trainer):
             slot = slots.get(id(param))
             if slot is None or param.dtype == torch.float32:
                 continue
-            name = logical_parameter_name(trainer, local_name)
             lo, hi = owned[name]
             if not torch.equal(param.detach().reshape(-1)[lo:hi], slot[0].detach().to(param.dtype)):
                 raise StateMismatch(

@@ -195,11 +195,6 @@ def build_trainer(
     layout start from the same weights.
     """
     source = as_source(model_source)
-    if layout.vpp > 1:
-        raise MegatronBuildError(
-            f"{layout.describe()}: virtual pipeline parallelism is planned and verified, but LiveR's "
-            "trainer does not run the interleaved schedule yet"
-        )
     if groups is None:
         groups = groups_from_parallel_state(layout)
     with parallel_state_of(groups):
@@ -215,13 +210,20 @@ def _build_trainer(
     hooks: TrainerHooks,
     initialize: bool = True,
 ) -> MegatronTrainer:
-    config.micro_batches_per_rank(layout.dp)
+    micro_batches = config.micro_batches_per_rank(layout.dp)
+    if layout.vpp > 1 and micro_batches % layout.pp:
+        # Megatron's interleaved schedule runs the micro-batches in groups of pp per model chunk.
+        raise MegatronBuildError(
+            f"{layout.describe()}: the interleaved schedule needs the micro-batches per rank "
+            f"({micro_batches} = global_batch_size / (micro_batch_size x dp)) to be a multiple of pp "
+            f"({layout.pp})"
+        )
     if config.seq_length > source.max_sequence_length:
         raise ValueError(
             f"seq_length ({config.seq_length}) exceeds the model's max_sequence_length "
             f"({source.max_sequence_length})"
         )
-    gpt = source.build(
+    chunks = source.build(
         layout,
         groups,
         seed=config.seed,
@@ -231,8 +233,10 @@ def _build_trainer(
             **({} if initialize else {"init_method": _no_init, "output_layer_init_method": _no_init}),
         },
     )
-    zero_vocab_padding(gpt, source.geometry, groups)
-    mask_vocab_padding(gpt, source.geometry, groups)
+    for gpt in chunks:
+        zero_vocab_padding(gpt, source.geometry, groups)
+        mask_vocab_padding(gpt, source.geometry, groups)
+    gpt = chunks[0]
     collection = groups.collection()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -241,9 +245,17 @@ def _build_trainer(
         overlap_param_gather=config.overlap_param_gather,
         bucket_size=config.bucket_size,
     )
-    model = DistributedDataParallel(
-        config=gpt.config, ddp_config=ddp_config, module=gpt, pg_collection=collection
-    )
+    # As Megatron-LM's get_model: a DDP per model chunk, the buckets of the first chunk's only.
+    models = [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            pg_collection=collection,
+            disable_bucketing=v > 0,
+        )
+        for v, chunk in enumerate(chunks)
+    ]
     opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
     if opt_config.use_distributed_optimizer != config.use_distributed_optimizer:
         raise ValueError(
@@ -256,7 +268,7 @@ def _build_trainer(
             f"with bf16={gpt.config.bf16}, fp16={gpt.config.fp16}"
         )
     optimizer = get_megatron_optimizer(
-        opt_config, [model], use_gloo_process_groups=False, pg_collection=collection
+        opt_config, models, use_gloo_process_groups=False, pg_collection=collection
     )
     scheduler = (
         hooks.scheduler(optimizer)
@@ -278,11 +290,24 @@ def _build_trainer(
         )
     )
     tconfig = gpt.config
+    if layout.vpp > 1 and tconfig.virtual_pipeline_model_parallel_size != layout.vpp:
+        raise MegatronBuildError(
+            f"{layout.describe()}: the model's TransformerConfig has virtual_pipeline_model_parallel_size="
+            f"{tconfig.virtual_pipeline_model_parallel_size}; the interleaved schedule reads it (set it to "
+            "layout.vpp in the provider)"
+        )
     tconfig.grad_scale_func = optimizer.scale_loss
-    tconfig.no_sync_func = model.no_sync
+    chunked = len(models) > 1  # the interleaved schedule takes one function per chunk
+    if chunked and layout.pp == 2:
+        # Interleaved over two stages, a rank's previous and next stage are the same peer; batched
+        # send/recv would match an activation with a gradient (Megatron-LM allows PP2 with VPP only
+        # with overlapped p2p, which sends one direction over the default group).
+        tconfig.overlap_p2p_comm = True
+        tconfig.batch_p2p_comm = False
+    tconfig.no_sync_func = [m.no_sync for m in models] if chunked else models[0].no_sync
     tconfig.finalize_model_grads_func = finalize_model_grads
     if config.overlap_grad_reduce:
-        tconfig.grad_sync_func = model.start_grad_sync
+        tconfig.grad_sync_func = [m.start_grad_sync for m in models] if chunked else models[0].start_grad_sync
     if corpus is None:
         vocab = min(config.corpus_vocab_size, source.vocab_size)
         corpus = SyntheticCorpus(CorpusSpec(vocab_size=vocab, seed=config.corpus_seed), config.seq_length)
@@ -296,7 +321,7 @@ def _build_trainer(
         layout,
         config,
         groups,
-        model,
+        models,
         optimizer,
         scheduler,
         corpus,

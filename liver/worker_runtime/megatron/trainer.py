@@ -14,7 +14,7 @@ other. How vocabulary padding is kept out of the state: see :mod:`.train`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -88,9 +88,11 @@ def gpt_forward_step(
 class MegatronTrainer:
     """A GPT training job on one world. Build it with :func:`build_trainer`.
 
-    ``model`` is the DDP-wrapped model (``model.module`` the GPTModel), ``optimizer`` Megatron's
-    (chained) optimizer, ``scheduler`` the LR/WD schedule. ``iteration`` counts completed steps and
-    ``consumed_samples`` is the data position (``iteration * global_batch_size`` unless restored).
+    ``model_chunks`` are the DDP-wrapped model chunks (one; ``layout.vpp`` with virtual pipeline
+    parallelism, as Megatron-LM's ``model`` list), ``model`` the first of them (``model.module`` the
+    GPTModel), ``optimizer`` Megatron's (chained) optimizer over all chunks, ``scheduler`` the LR/WD
+    schedule. ``iteration`` counts completed steps and ``consumed_samples`` is the data position
+    (``iteration * global_batch_size`` unless restored).
     """
 
     def __init__(
@@ -99,7 +101,7 @@ class MegatronTrainer:
         layout: ParallelLayout,
         config: TrainConfig,
         groups: ParallelGroups,
-        model: DistributedDataParallel,
+        model: DistributedDataParallel | Sequence[DistributedDataParallel],
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
         corpus: Corpus,
@@ -112,7 +114,12 @@ class MegatronTrainer:
         self.layout = layout
         self.config = config
         self.groups = groups
-        self.model = model
+        self.model_chunks = [model] if isinstance(model, DistributedDataParallel) else list(model)
+        if len(self.model_chunks) != layout.vpp:
+            raise ValueError(
+                f"model: {len(self.model_chunks)} chunk(s), {layout.describe()} has {layout.vpp}"
+            )
+        self.model = self.model_chunks[0]
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.corpus = corpus
@@ -132,13 +139,21 @@ class MegatronTrainer:
             inner.register_step_pre_hook(self._commit_vote)
         self.num_microbatches = config.micro_batches_per_rank(layout.dp)
         self._collection = groups.collection()
-        self._forward_backward = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
-        self._p2p = P2PCommunicator(pp_group=groups.pp, config=model.config) if layout.pp > 1 else None
+        self._forward_backward = get_forward_backward_func(
+            pp_size=layout.pp, vp_size=layout.vpp if layout.vpp > 1 else None
+        )
+        self._p2p = P2PCommunicator(pp_group=groups.pp, config=self.model.config) if layout.pp > 1 else None
         self._log = log.bind(layout=layout.describe(), rank=groups.rank)
 
     @property
     def gpt(self) -> GPTModel:
+        """The first model chunk's GPTModel (the whole model of the rank without virtual pipelining)."""
         return self.model.module
+
+    @property
+    def chunks(self) -> list[GPTModel]:
+        """Every model chunk's GPTModel, in ``vp_stage`` order."""
+        return [chunk.module for chunk in self.model_chunks]
 
     @property
     def geometry(self) -> ModelGeometry:
@@ -180,12 +195,17 @@ class MegatronTrainer:
         self._voted = False
         try:
             with parallel_state_of(self.groups):
-                self.model.zero_grad_buffer()
+                for chunk in self.model_chunks:
+                    chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
+                # Interleaved, every chunk draws the micro-batches from an iterator of its own.
+                data: Any = self.data_iterator()
+                if self.layout.vpp > 1:
+                    data = [data, *(self.data_iterator() for _ in range(self.layout.vpp - 1))]
                 reports = self._forward_backward(
                     forward_step_func=self.forward_step,
-                    data_iterator=self.data_iterator(),
-                    model=[self.model],
+                    data_iterator=data,
+                    model=self.model_chunks,
                     num_microbatches=self.num_microbatches,
                     seq_length=config.seq_length,
                     micro_batch_size=config.micro_batch_size,
@@ -278,7 +298,16 @@ class MegatronTrainer:
         only refuse steps afterwards."""
         if self.abandoned is None:
             raise RuntimeError("drop_world: the trainer's world is not broken")
-        for name in ("model", "optimizer", "scheduler", "groups", "_collection", "_p2p", "_forward_backward"):
+        for name in (
+            "model",
+            "model_chunks",
+            "optimizer",
+            "scheduler",
+            "groups",
+            "_collection",
+            "_p2p",
+            "_forward_backward",
+        ):
             self.__dict__.pop(name, None)
 
     def sync_params(self) -> None:
@@ -287,7 +316,8 @@ class MegatronTrainer:
         if not self.params_stale:
             return
         with parallel_state_of(self.groups):
-            self.model.start_param_sync(force_sync=True)
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
         self.params_stale = False
 
     def _global_loss(self, reports: list[dict[str, torch.Tensor]]) -> float:
