@@ -1,9 +1,9 @@
 """A Megatron GPT with mixture-of-experts layers reshards live through expert-parallel layouts, and
 continues exactly as a reload of its state (or a ``dist_checkpointing`` save and load) at the new layout.
 
-The first job's model is ``tiny-moe`` (four layers, each a router and four ``SequentialMLP`` experts;
-top-2 routing, Megatron's default all-gather token dispatcher and aux-loss settings). One job of six
-processes runs:
+Both jobs train DeepSeek's shape (below); the plain optimizer's routes as ``tiny-moe`` does (softmax
+top-2 with Megatron's aux loss, the default all-gather token dispatcher), the distributed optimizer's
+as DeepSeek does. One job of six processes runs:
 
     gen 0  TP1,PP1,DP2,EP2 on p0,p1              two experts per rank
     gen 1  TP1,PP1,DP4,EP4 on p0-p3              scale-out and an EP change: experts move whole
@@ -15,7 +15,7 @@ processes runs:
                                                  stays with the last decoder layer on the first)
 
 with the plain optimizer and with Megatron's distributed optimizer (dense state sharded over DP, the
-experts' over expert-DP). The second job runs ``tiny-deepseek``, DeepSeek's shape: multi-latent
+experts' over expert-DP). The model is ``tiny-deepseek``, DeepSeek's shape: multi-latent
 attention (queries and keys/values through low-rank latents with their norms), its first layer dense and
 the other three MoE (Megatron checkpoints such a model per layer, not stacked), routed experts beside a
 shared expert, all-to-all dispatch, SwiGLU, experts balanced without an aux loss (each router's
@@ -27,6 +27,7 @@ Dropout is on. The tests read what the live job and the baseline reported.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from live_chain import (
     Chain,
@@ -55,7 +56,15 @@ TRANSITIONS = {
 }
 SWITCHED = tuple(TRANSITIONS)
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
-MODELS = {"plain": PRESETS["tiny-moe"], "dist-opt": PRESETS["tiny-deepseek"]}
+# The plain optimizer's job: DeepSeek's shape routed as tiny-moe is (softmax scores with Megatron's
+# aux loss, the all-gather dispatcher), so both dispatchers and both ways of balancing move live.
+DEEPSEEK_ALLGATHER = msgspec.structs.replace(
+    PRESETS["tiny-deepseek"],
+    name="tiny-deepseek-allgather",
+    moe_token_dispatcher="allgather",
+    moe_router_enable_expert_bias=False,
+)
+MODELS = {"plain": DEEPSEEK_ALLGATHER, "dist-opt": PRESETS["tiny-deepseek"]}
 OPTIMIZERS = {
     "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
     "dist-opt": TrainConfig(

@@ -172,6 +172,19 @@ class MegatronTrainer:
         )
         return (batch._asdict() for batch in batches)
 
+    def _zero_grad_buffers(self) -> None:
+        # By index, and not in train_step: a failed step's frames (its StepAbandoned's traceback) must
+        # not keep a DDP chunk in a loop variable, and with it the broken world's groups (drop_world).
+        for v in range(len(self.model_chunks)):
+            self.model_chunks[v].zero_grad_buffer()
+
+    def _schedule_data(self) -> Any:
+        """The schedule's data: interleaved, every chunk draws the micro-batches from an iterator of its
+        own."""
+        if self.layout.vpp == 1:
+            return self.data_iterator()
+        return [self.data_iterator() for _ in range(self.layout.vpp)]
+
     def train_step(self) -> StepResult:
         """One iteration over the next global batch: forward/backward, grad sync, optimizer, LR.
 
@@ -195,16 +208,11 @@ class MegatronTrainer:
         self._voted = False
         try:
             with parallel_state_of(self.groups):
-                for chunk in self.model_chunks:
-                    chunk.zero_grad_buffer()
+                self._zero_grad_buffers()
                 self.optimizer.zero_grad()
-                # Interleaved, every chunk draws the micro-batches from an iterator of its own.
-                data: Any = self.data_iterator()
-                if self.layout.vpp > 1:
-                    data = [data, *(self.data_iterator() for _ in range(self.layout.vpp - 1))]
                 reports = self._forward_backward(
                     forward_step_func=self.forward_step,
-                    data_iterator=data,
+                    data_iterator=self._schedule_data(),
                     model=self.model_chunks,
                     num_microbatches=self.num_microbatches,
                     seq_length=config.seq_length,
@@ -316,8 +324,8 @@ class MegatronTrainer:
         if not self.params_stale:
             return
         with parallel_state_of(self.groups):
-            for chunk in self.model_chunks:
-                chunk.start_param_sync(force_sync=True)
+            for v in range(len(self.model_chunks)):  # by index: see _zero_grad_buffers
+                self.model_chunks[v].start_param_sync(force_sync=True)
         self.params_stale = False
 
     def _global_loss(self, reports: list[dict[str, torch.Tensor]]) -> float:
