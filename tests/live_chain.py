@@ -41,6 +41,20 @@ CONTROL_TIMEOUT_S = 120.0
 long for its peers' votes. A failed stream must abort far sooner (see the fault test)."""
 
 
+OPTIMIZERS = {
+    "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
+    "dist-opt": TrainConfig(
+        global_batch_size=4,
+        micro_batch_size=1,
+        seq_length=16,
+        hidden_dropout=0.1,
+        use_distributed_optimizer=True,
+    ),
+}
+"""The chains' two jobs, with Adam as Megatron keeps it plainly and with its distributed optimizer
+(dropout on, so the random streams move too)."""
+
+
 class Transition(NamedTuple):
     name: str
     layout: ParallelLayout

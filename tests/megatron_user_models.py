@@ -6,7 +6,10 @@ They differ from LiveR's presets where a real model would:
 
 * ``qk-layernorm``: RMSNorm on queries and keys (OLMo 2, Gemma-style attention), SwiGLU, untied;
 * ``qkv-bias``: biases on the QKV projection only (Qwen-style), GeLU, tied embeddings;
-* ``value-head``: a GPT with an extra tensor-parallel head on the last stage (a reward or value model).
+* ``value-head``: a GPT with an extra tensor-parallel head on the last stage (a reward or value model);
+* ``heterogeneous``: layers that differ, as Nemotron-NAS builds them (Megatron's
+  ``HeterogeneousTransformerConfig`` and heterogeneous layer spec): one layer without attention, the
+  others with their own number of query groups (2, 4, 2), so TP must divide their common divisor.
 
 Three more for the edges: ``tp1-only`` (its provider refuses any TP above 1), ``broken`` (a provider
 that raises) and ``dp-differs`` (it drops a bias at DP 2, which no probe builds).
@@ -25,7 +28,15 @@ from liver.shared.layout import ParallelLayout
 NUM_LAYERS = 4
 VOCAB_SIZE = 1000
 DIVISIBLE_BY = 16
-KINDS = ("qk-layernorm", "qkv-bias", "value-head")
+KINDS = ("qk-layernorm", "qkv-bias", "value-head", "heterogeneous")
+HETEROGENEOUS_BLOCKS = {
+    "block_configs": [
+        {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+        {"attention": {"n_heads_in_group": None, "no_op": True}, "ffn": {"ffn_mult": 2.0}},
+        {"attention": {"n_heads_in_group": 1}, "ffn": {"ffn_mult": 2.0}},
+        {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+    ]
+}
 
 
 def padded_vocab(tp: int) -> int:
@@ -73,6 +84,22 @@ class UserModel:
             return TransformerConfig(**common, ffn_hidden_size=256, add_bias_linear=False, add_qkv_bias=True)
         if self.kind == "value-head":
             return TransformerConfig(**common, ffn_hidden_size=256)
+        if self.kind == "heterogeneous":
+            import json
+
+            from megatron.core.transformer.heterogeneous.heterogeneous_config import (
+                HeterogeneousTransformerConfig,
+            )
+
+            return HeterogeneousTransformerConfig(
+                **common,
+                ffn_hidden_size=256,
+                normalization="RMSNorm",
+                gated_linear_unit=True,
+                activation_func=F.silu,
+                add_bias_linear=False,
+                heterogeneous_layers_config_encoded_json=json.dumps(HETEROGENEOUS_BLOCKS),
+            )
         if self.kind == "tp1-only":  # as a model Megatron refuses to split (its check, not ours)
             if layout.tp > 1:
                 raise ValueError(f"this model cannot be split over tp={layout.tp}")
@@ -94,9 +121,16 @@ class UserModel:
 
         apply_cpu_shim()
         config = self.config(layout)
-        spec = get_gpt_layer_local_spec(
-            qk_layernorm=self.kind == "qk-layernorm", normalization=config.normalization
-        )
+        if self.kind == "heterogeneous":
+            from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+                get_gpt_heterogeneous_layer_spec,
+            )
+
+            spec = get_gpt_heterogeneous_layer_spec(config, use_te=False)
+        else:
+            spec = get_gpt_layer_local_spec(
+                qk_layernorm=self.kind == "qk-layernorm", normalization=config.normalization
+            )
         cls = _value_head_gpt() if self.kind == "value-head" else GPTModel
         model = cls(
             config=config,
@@ -105,8 +139,10 @@ class UserModel:
             max_sequence_length=32,
             pre_process=pg_collection.pp.rank() == 0,
             post_process=pg_collection.pp.rank() == pg_collection.pp.size() - 1,
-            share_embeddings_and_output_weights=self.kind != "qk-layernorm",
-            position_embedding_type="rope" if self.kind == "qk-layernorm" else "learned_absolute",
+            share_embeddings_and_output_weights=self.kind not in ("qk-layernorm", "heterogeneous"),
+            position_embedding_type="rope"
+            if self.kind in ("qk-layernorm", "heterogeneous")
+            else "learned_absolute",
             pg_collection=pg_collection,
         )
         if config.bf16:

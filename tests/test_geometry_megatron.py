@@ -275,6 +275,18 @@ def test_a_model_no_modelspec_describes_gets_its_geometry_from_megatron(
 ) -> None:
     geometry: ModelGeometry = found["users"][kind]
     names = {p.name for p in geometry.parameters}
+    if kind == "heterogeneous":  # per-layer keys: runs of layers that differ, layer 1 without attention
+        qkv = {
+            layer: t.shape
+            for t in geometry.tensors(optimizer=False)
+            if t.name.endswith("self_attention.linear_qkv.weight")
+            for layer in [t.layer]
+        }
+        assert qkv == {1: (128, 64), 3: (192, 64), 4: (128, 64)}
+        assert ("num_query_groups", 2) in [(d.what, d.value) for d in geometry.tp_divisible]
+        with pytest.raises(LayoutError, match="num_query_groups"):
+            geometry.check_layout(ParallelLayout(tp=4, pp=1, dp=1))
+        return
     extra = {
         "qk-layernorm": "decoder.layers.{layer}.self_attention.q_layernorm.weight",
         "qkv-bias": "decoder.layers.{layer}.self_attention.linear_qkv.bias",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from live_chain import (
+    OPTIMIZERS,
     Chain,
     Runs,
     Transition,
@@ -42,7 +43,6 @@ from live_chain import (
 
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS
-from liver.worker_runtime.megatron.train_config import TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -65,16 +65,6 @@ DEEPSEEK_ALLGATHER = msgspec.structs.replace(
     moe_router_enable_expert_bias=False,
 )
 MODELS = {"plain": DEEPSEEK_ALLGATHER, "dist-opt": PRESETS["tiny-deepseek"]}
-OPTIMIZERS = {
-    "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
-    "dist-opt": TrainConfig(
-        global_batch_size=4,
-        micro_batch_size=1,
-        seq_length=16,
-        hidden_dropout=0.1,
-        use_distributed_optimizer=True,
-    ),
-}
 
 
 @pytest.fixture(scope="module", params=list(OPTIMIZERS))

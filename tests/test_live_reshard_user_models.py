@@ -63,6 +63,7 @@ MODELS = [
     ("qkv-bias", "bfloat16", PLAIN),
     ("qk-layernorm", "bfloat16", DIST),
     ("qkv-bias", "bfloat16", OVERLAP),
+    ("heterogeneous", "float32", DIST),  # layers that differ (Nemotron-NAS), one without attention
 ]
 assert {kind for kind, _, _ in MODELS} == set(KINDS)
 assert {dtype for _, dtype, _ in MODELS} == {"float32", "bfloat16"}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from live_chain import (
+    OPTIMIZERS,
     Chain,
     Runs,
     Transition,
@@ -59,16 +60,6 @@ TRANSITIONS = {
 }
 SWITCHED = tuple(TRANSITIONS)
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
-OPTIMIZERS = {
-    "plain": TrainConfig(global_batch_size=4, micro_batch_size=1, seq_length=16, hidden_dropout=0.1),
-    "dist-opt": TrainConfig(
-        global_batch_size=4,
-        micro_batch_size=1,
-        seq_length=16,
-        hidden_dropout=0.1,
-        use_distributed_optimizer=True,
-    ),
-}
 
 
 @pytest.fixture(scope="module", params=list(OPTIMIZERS))

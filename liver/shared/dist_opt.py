@@ -17,6 +17,9 @@ The layout rules are Megatron-core 0.16.1's (``_ParamAndGradBuffer.__init__`` an
 * a bucket closes once it holds at least ``bucket_size`` elements (``overlap_grad_reduce`` only; never
   on pipeline stages after the first), and the tied embedding of a pipelined model (``shared_embedding``)
   gets a bucket of its own;
+* with virtual pipeline parallelism each model chunk is a DDP of its own (Megatron-LM's ``get_model``):
+  its own buffers, in chunk order, each sharded over DP on its own; only the first chunk's close
+  buckets by size (the others have ``disable_bucketing``);
 * every bucket ends padded to a multiple of ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
   ``pad_buckets_for_high_nccl_busbw``), where ``dp`` is the size of the group that shards the buffer:
   DP x CP for dense parameters, expert-DP for the expert buffers (experts with EP > 1 have buffers of

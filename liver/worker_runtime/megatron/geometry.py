@@ -27,6 +27,7 @@ fresh interpreter for one.
 from __future__ import annotations
 
 import inspect
+import math
 import multiprocessing
 import queue
 import re
@@ -370,12 +371,27 @@ def _homes_probe(num_layers: int) -> ParallelLayout | None:
 
 
 def _tp_divisors(config: Any) -> tuple[TpDivisor, ...]:
+    """The sizes TP must divide: the config's heads, query groups and FFN width; for a heterogeneous
+    model (Megatron's ``HeterogeneousTransformerConfig``, a config per layer) every layer's own, as
+    their greatest common divisor (a TP divides each exactly when it divides that)."""
     if config is None:
         return ()
-    heads = getattr(config, "num_attention_heads", None)
-    groups = getattr(config, "num_query_groups", None) or heads
+    layers = [config]
+    per_layer = getattr(config, "get_config_for_layer", None)
+    if callable(per_layer) and getattr(config, "heterogeneous_block_specs", False):
+        layers = [per_layer(n) for n in range(1, config.num_layers + 1)]
+
+    def common(name: str, fallback: str | None = None) -> int | None:
+        values = [
+            getattr(c, name, None) or (getattr(c, fallback, None) if fallback else None) for c in layers
+        ]
+        ints = [int(v) for v in values if isinstance(v, (int, float)) and v > 0]
+        return math.gcd(*ints) if ints else None
+
+    heads = common("num_attention_heads")
+    groups = common("num_query_groups", "num_attention_heads")
     # An MoE model's FFN is its experts', split by expert-TP (its shape checks say so); no dense one.
-    ffn = None if getattr(config, "num_moe_experts", None) else getattr(config, "ffn_hidden_size", None)
+    ffn = None if getattr(config, "num_moe_experts", None) else common("ffn_hidden_size")
     out = []
     for what, value in (
         ("num_attention_heads", heads),
