@@ -170,3 +170,9 @@ def test_a_layout_writes_the_pipeline_layout_megatron_reads() -> None:
 def test_a_pipeline_layout_liver_cannot_follow_is_refused_naming_why(text: str, error: str) -> None:
     with pytest.raises(LayoutError, match=error):
         ParallelLayout.parse(text)
+
+
+def test_a_vpp_layout_balances_uneven_chunks_or_says_how_to_give_them() -> None:
+    assert ParallelLayout.parse("TP1,PP2,VPP2,DP1").balanced(6).stage_layers == (1, 2, 2, 1)
+    with pytest.raises(LayoutError, match="cannot fill pp x vpp = 8 model chunks"):
+        ParallelLayout.parse("TP1,PP4,VPP2,DP1").balanced(6)

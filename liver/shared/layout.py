@@ -210,7 +210,13 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         if self.stage_layers or num_layers % (self.pp * self.vpp) == 0:
             return self
         if self.vpp > 1:
-            return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp * self.vpp))
+            chunks = self.pp * self.vpp
+            if chunks > num_layers:
+                raise LayoutError(
+                    f"{num_layers} layers cannot fill pp x vpp = {chunks} model chunks; give the chunks as "
+                    "a pipeline layout (TP,PP,DP:E|t|...|L, empty chunks allowed)"
+                )
+            return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, chunks))
         return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp))
 
     def chunk_layers(self, num_layers: int, stage: int) -> tuple[range, ...]:
