@@ -249,11 +249,11 @@ def _companion(runtime: Any, address: Any, plans: dict[int, Plan], device: Devic
 
 def _storage_left(trainer: Any) -> int:
     """Bytes still allocated to a trainer's parameters, Adam moments and gradient buffers."""
-    tensors = list(trainer.gpt.parameters())
+    tensors = [p for chunk in trainer.chunks for p in chunk.parameters()]
     for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         for state in opt.optimizer.state.values():
             tensors += [state["exp_avg"], state["exp_avg_sq"]]
-    tensors += [buffer.grad_data for buffer in trainer.model.buffers]
+    tensors += [buffer.grad_data for chunk in trainer.model_chunks for buffer in chunk.buffers]
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 

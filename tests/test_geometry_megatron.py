@@ -200,8 +200,11 @@ def child_main() -> dict[Any, Any]:
         example, name="your-job", num_layers=4, vocab_size=258, make_vocab_size_divisible_by=16
     )
     out["vpp_checked"] = []
+    deepseek = PRESETS["tiny-deepseek"]
     for text in VPP_LAYOUTS:
         check_layout_geometry(example, example_geometry, ParallelLayout.parse(text))  # raises on a mismatch
+        # A preset's provider builds one chunk per call too.
+        check_layout_geometry(SpecProvider(deepseek), deepseek.geometry(), ParallelLayout.parse(text))
         out["vpp_checked"].append(text)
     try:
         qk = out["users"]["qk-layernorm"]

@@ -176,3 +176,10 @@ def test_a_vpp_layout_balances_uneven_chunks_or_says_how_to_give_them() -> None:
     assert ParallelLayout.parse("TP1,PP2,VPP2,DP1").balanced(6).stage_layers == (1, 2, 2, 1)
     with pytest.raises(LayoutError, match="cannot fill pp x vpp = 8 model chunks"):
         ParallelLayout.parse("TP1,PP4,VPP2,DP1").balanced(6)
+
+
+def test_the_interleaved_schedule_takes_micro_batches_only_in_groups_of_pp() -> None:
+    ParallelLayout.parse("TP1,PP2,DP1").check_micro_batches(3)
+    ParallelLayout.parse("TP1,PP2,VPP2,DP1").check_micro_batches(4)
+    with pytest.raises(LayoutError, match=r"micro-batches per rank \(3\) to be a multiple of pp=2"):
+        ParallelLayout.parse("TP1,PP2,VPP2,DP1").check_micro_batches(3)

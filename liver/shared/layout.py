@@ -185,52 +185,59 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         etp, ep, edp, _ = self.grid(expert=True).place(rank)
         return RankCoords(tp, dp, pp, cp, ep, etp, edp)
 
-    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
-        """Decoder layers on each stage; raises when the split does not fit ``num_layers``."""
+    def chunk_sizes(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers in each of the ``pp * vpp`` model chunks, in Megatron's order of virtual
+        stages (chunk ``v`` of stage ``s`` is entry ``v * pp + s``; one chunk per stage without virtual
+        pipelining); raises when the split does not fit ``num_layers``."""
+        chunks = self.pp * self.vpp
         if self.stage_layers:
             if sum(self.stage_layers) != num_layers:
                 raise LayoutError(
                     f"stage_layers {list(self.stage_layers)} sum to {sum(self.stage_layers)}, "
                     f"the model has {num_layers} layers"
                 )
-            if self.vpp > 1:  # one entry per model chunk, chunk c on stage c % pp
-                return tuple(sum(self.stage_layers[stage :: self.pp]) for stage in range(self.pp))
             return self.stage_layers
-        if num_layers % (self.pp * self.vpp):
+        if num_layers % chunks:
             if self.vpp > 1:
-                raise LayoutError(
-                    f"{num_layers} layers do not split into pp x vpp = {self.pp * self.vpp} equal chunks"
-                )
+                raise LayoutError(f"{num_layers} layers do not split into pp x vpp = {chunks} equal chunks")
             raise LayoutError(f"{num_layers} layers do not split evenly over pp={self.pp}; give stage_layers")
-        return (num_layers // self.pp,) * self.pp
+        return (num_layers // chunks,) * chunks
+
+    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers on each stage (all its chunks); raises when the split does not fit."""
+        sizes = self.chunk_sizes(num_layers)
+        return tuple(sum(sizes[stage :: self.pp]) for stage in range(self.pp))
 
     def balanced(self, num_layers: int) -> ParallelLayout:
-        """This layout, with :func:`balanced_split`'s stages when ``pp`` does not divide ``num_layers``
-        and no split is given (as the topology planner chooses them)."""
-        if self.stage_layers or num_layers % (self.pp * self.vpp) == 0:
+        """This layout, with :func:`balanced_split`'s chunks when they do not divide ``num_layers`` and no
+        split is given (as the topology planner chooses them)."""
+        chunks = self.pp * self.vpp
+        if self.stage_layers or num_layers % chunks == 0:
             return self
-        if self.vpp > 1:
-            chunks = self.pp * self.vpp
-            if chunks > num_layers:
-                raise LayoutError(
-                    f"{num_layers} layers cannot fill pp x vpp = {chunks} model chunks; give the chunks as "
-                    "a pipeline layout (TP,PP,DP:E|t|...|L, empty chunks allowed)"
-                )
-            return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, chunks))
-        return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, self.pp))
+        if self.vpp > 1 and chunks > num_layers:  # (balanced_split names pp's own limit)
+            raise LayoutError(
+                f"{num_layers} layers cannot fill pp x vpp = {chunks} model chunks; give the chunks as "
+                "a pipeline layout (TP,PP,DP:E|t|...|L, empty chunks allowed)"
+            )
+        return msgspec.structs.replace(self, stage_layers=balanced_split(num_layers, chunks))
 
     def chunk_layers(self, num_layers: int, stage: int) -> tuple[range, ...]:
         """The decoder layers of each model chunk stage ``stage`` holds, in chunk order: one chunk
-        without virtual pipeline parallelism; with it, chunk ``v`` holds the ``(v * pp + stage)``-th of
-        the ``pp * vpp`` equal cuts of the layers."""
-        per_stage = self.layers_per_stage(num_layers)  # raises unless the split fits
-        if self.vpp == 1:
-            start = sum(per_stage[:stage])
-            return (range(start, start + per_stage[stage]),)
-        sizes = self.stage_layers or (num_layers // (self.pp * self.vpp),) * (self.pp * self.vpp)
+        without virtual pipeline parallelism; with it, chunk ``v`` is the ``(v * pp + stage)``-th entry
+        of :meth:`chunk_sizes`."""
+        sizes = self.chunk_sizes(num_layers)
         starts = [sum(sizes[:c]) for c in range(len(sizes))]
         chunks = (v * self.pp + stage for v in range(self.vpp))
         return tuple(range(starts[c], starts[c] + sizes[c]) for c in chunks)
+
+    def check_micro_batches(self, micro_batches: int) -> None:
+        """Raise :class:`LayoutError` when a rank's ``micro_batches`` per step cannot run this layout's
+        schedule: Megatron's interleaved one (``vpp > 1``) runs them in groups of ``pp`` per chunk."""
+        if self.vpp > 1 and micro_batches % self.pp:
+            raise LayoutError(
+                f"{self.describe()}: the interleaved schedule needs the micro-batches per rank "
+                f"({micro_batches}) to be a multiple of pp={self.pp}"
+            )
 
     def layers_by_stage(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """The decoder layers (0-based) each pipeline stage holds, in order (not contiguous with VPP)."""
@@ -263,12 +270,7 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     def pipeline_layout(self, num_layers: int, mtp_num_layers: int = 0) -> str:
         """This split as Megatron's ``pipeline_model_parallel_layout`` string: the embedding on the
         first chunk, the multi-token prediction layers and the loss on the last (``"Et|t|t|tmL"``)."""
-        sizes = self.stage_layers or tuple(
-            len(chunk)
-            for v in range(self.vpp)
-            for chunk in (self.chunk_layers(num_layers, s)[v] for s in range(self.pp))
-        )
-        stages = ["t" * n for n in sizes]
+        stages = ["t" * n for n in self.chunk_sizes(num_layers)]
         stages[0] = "E" + stages[0]
         stages[-1] += "m" * mtp_num_layers + "L"
         return "|".join(stages)

@@ -286,13 +286,10 @@ class _Chooser:
                 f"global batch {setup.global_batch_size} is not a multiple of "
                 f"dp * micro_batch = {dp} * {setup.micro_batch_size}",
             )
-        micro_batches = setup.global_batch_size // (dp * setup.micro_batch_size)
-        if layout.vpp > 1 and micro_batches % pp:
-            return reject(
-                "batch",
-                f"the interleaved schedule (vpp={layout.vpp}) needs the {micro_batches} micro-batches per "
-                f"rank to be a multiple of pp={pp}",
-            )
+        try:
+            layout.check_micro_batches(setup.global_batch_size // (dp * setup.micro_batch_size))
+        except LayoutError as exc:
+            return reject("batch", str(exc))
         if setup.sequence_length % (2 * layout.cp):
             # Context parallelism gives each rank two chunks of the sequence (load balance under the
             # causal mask), so 2 * CP must divide it.

@@ -326,20 +326,14 @@ def pipeline_split(num_layers: int, layout: ParallelLayout, mtp_num_layers: int 
     model chunks (virtual pipelining) always take a pipeline layout.
     """
     if layout.vpp > 1 and layout.stage_layers:
-        text = layout.pipeline_layout(num_layers, mtp_num_layers)
-        names = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
-        return {"pipeline_model_parallel_layout": [[names[c] for c in stage] for stage in text.split("|")]}
+        return {"pipeline_model_parallel_layout": layout.pipeline_layout(num_layers, mtp_num_layers)}
     per_stage = layout.layers_per_stage(num_layers)
     if layout.pp == 1 or len(set(per_stage)) == 1:
         return {}
     first, *middle, last = per_stage
     if first > 0 and last > 0 and len(set(middle)) <= 1 and all(n > 0 for n in middle):
         return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last}
-    stages: list[list[str]] = [["decoder"] * n for n in per_stage]
-    stages[0].insert(0, "embedding")
-    stages[-1].extend(["mtp"] * mtp_num_layers)
-    stages[-1].append("loss")
-    return {"pipeline_model_parallel_layout": stages}
+    return {"pipeline_model_parallel_layout": layout.pipeline_layout(num_layers, mtp_num_layers)}
 
 
 def transformer_config(
@@ -589,4 +583,8 @@ class SpecProvider:
         virtual pipelining, model chunk ``vp_stage``."""
         if vp_stage is None:
             return build_gpt_model(self.spec, layout)
-        return build_gpt_chunks(self.spec, layout)[vp_stage]
+        # One chunk, as a user's provider builds it (the parameter count covers all chunks: the caller
+        # checks their geometry instead).
+        apply_cpu_shim()
+        config = transformer_config(self.spec, layout)
+        return _build_chunk(self.spec, layout, config, groups_from_parallel_state(layout), vp_stage)

@@ -307,7 +307,6 @@ def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str,
             key: chunk.sharded_state_dict(metadata={"dp_cp_group": groups.dp_cp})
             for key, chunk in zip(_model_keys(trainer), trainer.chunks, strict=True)
         }
-        model = models if len(models) > 1 else models["model"]
         if trainer.geometry.distributed or trainer.geometry.num_experts:
             state: dict[str, Any] = dict(models)
             check_replica_ids(state, groups)
@@ -317,7 +316,7 @@ def _sharded_state_dict(trainer: MegatronTrainer, *, loading: bool) -> dict[str,
         # Megatron's ``chained_<i>.`` prefixes every state tensor has the same key either way, so a
         # checkpoint saved at one EP loads at another (the fallback's reshape).
         optimizer = trainer.optimizer.sharded_state_dict(
-            model, is_loading=loading, metadata={"chained_optim_avoid_prefix": True}
+            models, is_loading=loading, metadata={"chained_optim_avoid_prefix": True}
         )
     state = {**models, "optimizer": optimizer}
     check_replica_ids(state, groups)

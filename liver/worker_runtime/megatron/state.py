@@ -162,11 +162,6 @@ def logical_name(model: torch.nn.Module, local_name: str) -> str:
     return local_name
 
 
-def logical_parameter_name(trainer: MegatronTrainer, local_name: str) -> str:
-    """The logical tensor name of one of the trainer's first model chunk's ``named_parameters()``."""
-    return logical_name(trainer.gpt, local_name)
-
-
 def named_parameters(trainer: MegatronTrainer) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """``(logical name, local name, parameter)`` of every model chunk's parameters, chunk by chunk."""
     for chunk in trainer.chunks:

@@ -210,14 +210,7 @@ def _build_trainer(
     hooks: TrainerHooks,
     initialize: bool = True,
 ) -> MegatronTrainer:
-    micro_batches = config.micro_batches_per_rank(layout.dp)
-    if layout.vpp > 1 and micro_batches % layout.pp:
-        # Megatron's interleaved schedule runs the micro-batches in groups of pp per model chunk.
-        raise MegatronBuildError(
-            f"{layout.describe()}: the interleaved schedule needs the micro-batches per rank "
-            f"({micro_batches} = global_batch_size / (micro_batch_size x dp)) to be a multiple of pp "
-            f"({layout.pp})"
-        )
+    layout.check_micro_batches(config.micro_batches_per_rank(layout.dp))
     if config.seq_length > source.max_sequence_length:
         raise ValueError(
             f"seq_length ({config.seq_length}) exceeds the model's max_sequence_length "

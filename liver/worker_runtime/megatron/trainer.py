@@ -101,7 +101,7 @@ class MegatronTrainer:
         layout: ParallelLayout,
         config: TrainConfig,
         groups: ParallelGroups,
-        model: DistributedDataParallel | Sequence[DistributedDataParallel],
+        model_chunks: Sequence[DistributedDataParallel],
         optimizer: MegatronOptimizer,
         scheduler: OptimizerParamScheduler,
         corpus: Corpus,
@@ -114,10 +114,10 @@ class MegatronTrainer:
         self.layout = layout
         self.config = config
         self.groups = groups
-        self.model_chunks = [model] if isinstance(model, DistributedDataParallel) else list(model)
+        self.model_chunks = list(model_chunks)
         if len(self.model_chunks) != layout.vpp:
             raise ValueError(
-                f"model: {len(self.model_chunks)} chunk(s), {layout.describe()} has {layout.vpp}"
+                f"model_chunks: {len(self.model_chunks)} chunk(s), {layout.describe()} has {layout.vpp}"
             )
         self.model = self.model_chunks[0]
         self.optimizer = optimizer
@@ -172,12 +172,6 @@ class MegatronTrainer:
         )
         return (batch._asdict() for batch in batches)
 
-    def _zero_grad_buffers(self) -> None:
-        # By index, and not in train_step: a failed step's frames (its StepAbandoned's traceback) must
-        # not keep a DDP chunk in a loop variable, and with it the broken world's groups (drop_world).
-        for v in range(len(self.model_chunks)):
-            self.model_chunks[v].zero_grad_buffer()
-
     def _schedule_data(self) -> Any:
         """The schedule's data: interleaved, every chunk draws the micro-batches from an iterator of its
         own."""
@@ -208,7 +202,8 @@ class MegatronTrainer:
         self._voted = False
         try:
             with parallel_state_of(self.groups):
-                self._zero_grad_buffers()
+                for chunk in self.model_chunks:
+                    chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 reports = self._forward_backward(
                     forward_step_func=self.forward_step,
@@ -302,10 +297,13 @@ class MegatronTrainer:
         """Let go of everything that holds the broken world's process groups (the DDP-wrapped model,
         the optimizer, the schedule, the groups), once the state was taken out of it
         (``MegatronJob.keep_state``): a gloo group closes its connections only when its last reference
-        goes, and only then do the peers still waiting in one of its collectives fail. The trainer can
-        only refuse steps afterwards."""
+        goes, and only then do the peers still waiting in one of its collectives fail. That includes
+        the frames of the step that met the loss: its ``StepAbandoned`` (kept here and by the runtime)
+        carries them in its traceback, with whatever their locals hold (a model chunk of a loop), so
+        the traceback goes too. The trainer can only refuse steps afterwards."""
         if self.abandoned is None:
             raise RuntimeError("drop_world: the trainer's world is not broken")
+        self.abandoned.__traceback__ = None
         for name in (
             "model",
             "model_chunks",
@@ -324,8 +322,8 @@ class MegatronTrainer:
         if not self.params_stale:
             return
         with parallel_state_of(self.groups):
-            for v in range(len(self.model_chunks)):  # by index: see _zero_grad_buffers
-                self.model_chunks[v].start_param_sync(force_sync=True)
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
         self.params_stale = False
 
     def _global_loss(self, reports: list[dict[str, torch.Tensor]]) -> float:
