@@ -54,14 +54,15 @@ def tp_shard(tensor: TensorSpec, model: ModelGeometry, tp: int, tp_rank: int) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_of_layers(layout: ParallelLayout, num_layers: int) -> tuple[int, ...]:
+def stage_of_layers(layout: ParallelLayout, num_layers: int) -> tuple[int, ...]:
+    """The stage of each decoder layer (0-based) under ``layout``, computed once per layout."""
     return layout.stage_of_layers(num_layers)
 
 
 def holding_stages(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout) -> tuple[int, ...]:
     """The pipeline stages whose ranks hold ``tensor``."""
     if tensor.home == "layer":
-        return (_stage_of_layers(layout, model.num_layers)[tensor.layer - 1],)
+        return (stage_of_layers(layout, model.num_layers)[tensor.layer - 1],)
     return home_stages(tensor.home, model.num_layers, layout)
 
 
@@ -75,7 +76,7 @@ def home_stages(home: Home, num_layers: int, layout: ParallelLayout) -> tuple[in
     if home == "last":
         return (last,)
     if home == "last_layer":
-        return (_stage_of_layers(layout, num_layers)[-1],)
+        return (stage_of_layers(layout, num_layers)[-1],)
     if home == "first+last":
         return (0,) if last == 0 else (0, last)
     return tuple(range(layout.pp))
