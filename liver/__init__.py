@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.shared.plan import Plan, WorldConfig
     from liver.worker_runtime.companion.bridge import RuntimeBridge
     from liver.worker_runtime.companion.thread import Companion
+    from liver.worker_runtime.copies.manager import CopyOptions
     from liver.worker_runtime.generations import HandoffState
     from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
     from liver.worker_runtime.megatron.build import pipeline_split
@@ -60,6 +61,7 @@ _LAZY: dict[str, str] = {
     "LiveRuntime": "liver.worker_runtime.runtime",
     "RuntimeOptions": "liver.worker_runtime.runtime",
     "CheckpointOptions": "liver.worker_runtime.runtime",
+    "CopyOptions": "liver.worker_runtime.copies.manager",
     "RuntimeEvent": "liver.worker_runtime.runtime",
     "ReshardPhase": "liver.worker_runtime.runtime",
     "AbortReport": "liver.worker_runtime.runtime",
@@ -117,6 +119,7 @@ __all__ = [
     "BusError",
     "CheckpointOptions",
     "Companion",
+    "CopyOptions",
     "Device",
     "FallbackReport",
     "HandoffAborted",

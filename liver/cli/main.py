@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "stream": ("liver.bench.stream.bench", "layer-streaming executor vs raw send/recv, shadow overhead"),
     "bus": ("liver.bench.bus.bench", "control-plane latency from spot.warning to switch and commit"),
     "reconfig": ("liver.bench.reconfig", "live reconfiguration against stop-and-restart"),
+    "copies": ("liver.bench.copies", "steady-state cost of peer copies, with against without"),
 }
 
 

@@ -65,6 +65,8 @@ import torch
 from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
+from liver.worker_runtime.copies.manager import CopyManager, CopyOptions
+from liver.worker_runtime.copies.peer import PeerCopies
 from liver.worker_runtime.cut import NO_TARGET, CutVerdict, Readiness, vote
 from liver.worker_runtime.fallback import (
     CheckpointingFactory,
@@ -167,6 +169,9 @@ class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     stream: StreamOptions = StreamOptions()
     checkpoint: CheckpointOptions | None = None
     """Periodic checkpoints, and the fallback to them when a handoff loses the old world (None: neither)."""
+    copies: CopyOptions | None = CopyOptions()
+    """Peer copies of the state a node would take with it (``docs/architecture.md``, "Peer
+    redundancy"): refreshed after every step, off the critical path (None: none are kept)."""
 
     def __post_init__(self) -> None:
         if self.vote_every < 1:
@@ -294,6 +299,11 @@ class LiveRuntime(Generic[T]):
         self._handed_out_at: float | None = None
         self._saved_at: int | None = None  # the iteration of the last periodic checkpoint (or the loaded one)
         self._broken: WorldSpec | None = None  # the world this process trained in until it lost a peer
+        self._copies = (
+            CopyManager(options.copies, factory.model, build_timeout_s=options.build_timeout_s)
+            if options.copies is not None
+            else None
+        )
         self._no_recovery: tuple[int, str] | None = None
         """The coordinator's word that no live recovery will come: the generation it gave up for a
         checkpoint fallback, and why. It answers for a world older than that generation, whether this
@@ -318,6 +328,12 @@ class LiveRuntime(Generic[T]):
     @property
     def left(self) -> bool:
         return self._left
+
+    @property
+    def peer_copies(self) -> PeerCopies | None:
+        """This process's peer copies in its latest world (its keeper holds its sources' last complete
+        copies; None before the world's first boundary, or without ``options.copies``)."""
+        return None if self._copies is None else self._copies.copies
 
     @property
     def reports(self) -> list[SwitchReport]:
@@ -533,6 +549,14 @@ class LiveRuntime(Generic[T]):
             lost = StepAbandoned(iteration, _first_line(error))
         if lost is not None:  # recovered outside the except block: see _recover
             return self._recover(lost)
+        if self._copies is not None:
+            self._copies.at_boundary(
+                self._world,
+                self._trainer,
+                iteration,
+                getattr(self.factory, "copy_state", self.factory.local_state),
+                getattr(self.factory, "gate_updates", None),
+            )
         if iteration % self.options.vote_every:
             return self._trainer
         prep = self._settle(iteration)
@@ -571,6 +595,8 @@ class LiveRuntime(Generic[T]):
             why = failure or f"generation {decision.failed} failed on another rank"
             self._give_up(prep, HandoffStage.CUT, why, iteration)
             return self._trainer
+        if self._copies is not None:
+            self._copies.settle()  # nothing reads the old trainer's tensors once the handoff may free them
         return self._switch(prep, iteration, cut_at)
 
     def _settle(self, iteration: int | None) -> Preparation | None:
@@ -601,6 +627,8 @@ class LiveRuntime(Generic[T]):
             self._cond.notify_all()  # a process waiting to join (or to recover) stops waiting
         if prep is not None:
             prep.discard()
+        if self._copies is not None:
+            self._copies.close()
         self._trainer = None
         if self._world is not None:
             self._world.release()

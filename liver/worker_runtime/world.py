@@ -432,6 +432,12 @@ class World:
         return self.spec.layout
 
     @property
+    def store(self) -> dist.TCPStore:
+        """The job store connection this generation was built over (its keys live under
+        ``spec.namespace``)."""
+        return self._client
+
+    @property
     def placement(self) -> Placement:
         return self.spec.placement
 

@@ -12,7 +12,7 @@ How a resumed trainer's random streams are set: :mod:`.streams`.
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 import structlog
@@ -187,6 +187,17 @@ class MegatronJob:
         if self.config.use_distributed_optimizer or layout.dp * layout.cp < 2:
             return False
         return self._model.num_experts == 0 or layout.edp >= 2
+
+    def copy_state(self, trainer: MegatronTrainer) -> dict[int, LocalTensor]:
+        """The trainer's state as :meth:`local_state` gives it but without its parameter gather (no
+        collective: ranks call it at different times). What the peer copies read: the optimizer's
+        pieces, and parameters only where no DP replica holds them, whose gather is a no-op."""
+        return local_state(trainer)
+
+    def gate_updates(self, trainer: MegatronTrainer, gate: Callable[[], object]) -> None:
+        """Run ``gate`` right before each of ``trainer``'s updates (the peer copies wait there until
+        their sender has read the state the last iteration left)."""
+        trainer.before_update.append(gate)
 
     def abandon(self, trainer: MegatronTrainer, iteration: int, reason: str) -> StepAbandoned:
         """Mark the trainer's world broken between two steps (the vote or a checkpoint met a lost peer):

@@ -134,6 +134,9 @@ class MegatronTrainer:
         self.filled_by_stream = False
         self.abandoned: StepAbandoned | None = None  # set when a step met a lost peer: the world is broken
         self.commit_votes = 0  # iterations whose update every rank of the world agreed to begin
+        self.before_update: list[Callable[[], object]] = []
+        """Called on the training thread right before each iteration's first update (and its commit
+        vote): what reads the state between updates waits here (the peer copies' sender)."""
         self._voted = False
         for inner in self._inner_optimizers():
             inner.register_step_pre_hook(self._commit_vote)
@@ -264,6 +267,8 @@ class MegatronTrainer:
         if self._voted:
             return
         self._voted = True
+        for wait in self.before_update:
+            wait()
         dist.all_reduce(torch.ones(1), group=self.groups.world)
         self.commit_votes += 1
 

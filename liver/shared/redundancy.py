@@ -1,0 +1,154 @@
+"""Peer redundancy: which state of a world dies with one node, and which process keeps a copy of it.
+
+A loss without notice is recovered live only from state that survives it. State that a replica on
+another node holds (DP, CP, expert-DP replicas of a shard) survives; what does not is what only one
+node has: under Megatron's distributed optimizer each DP rank owns a shard of the master weights and
+Adam moments that no other process holds, and a DP=1 job's every shard is held once. For that state a
+process keeps a copy of a peer's in host memory (``docs/architecture.md``, "Peer redundancy"); this
+module decides, from the model and the world alone (no torch), what needs one and who keeps it, so the
+workers, the transfer planner and the topology planner agree without a message.
+
+* :func:`copied_tensors`: the tensors a rank must have copied: those of which every holder of its piece
+  (its replicas, and for the distributed optimizer the ranks that own alike: the TP ranks of a
+  TP-replicated tensor, both stages of a tied embedding) runs on its node. Of several such holders on
+  one node only the lowest rank's piece is copied: one copy per piece.
+* :func:`copy_keepers`: for each rank with something to copy, the rank that keeps the copy: the one at
+  the same position on the next node (nodes in the placement's order of first appearance, cyclic), so
+  that a node's copies are spread over another node and every process keeps at most one copy when the
+  nodes are of equal size. A world on one node keeps copies on the next process of the node: they
+  survive the loss of a process, not of the node.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.holdings import holding, is_dp_sharded
+from liver.shared.layout import ParallelLayout, Placement
+from liver.shared.views import grid_of, holding_stages
+
+NO_KEEPER = -1
+"""In :attr:`Redundancy.keepers`: the rank has nothing to copy (every piece it holds survives elsewhere)."""
+
+
+class Redundancy(NamedTuple):
+    """Who copies what to whom in one world (see the module docstring)."""
+
+    copied: tuple[tuple[int, ...], ...]
+    """Per rank, the indices (into ``model.tensors(optimizer=True)``) of the tensors whose pieces it has
+    copied to its keeper, in tensor order."""
+    keepers: tuple[int, ...]
+    """Per rank, the rank that keeps its copy (:data:`NO_KEEPER`: none needed)."""
+    copy_bytes: tuple[int, ...]
+    """Per rank, the bytes of its own copied pieces (what it sends at every refresh)."""
+    kept_bytes: tuple[int, ...]
+    """Per rank, the host memory the copies it keeps take (one complete copy and one being refreshed)."""
+    survives_node_loss: bool
+    """Whether the copies and the replicas together survive the loss of any one node (``False`` on a
+    one-node world: its copies survive the loss of a process only)."""
+
+    def sources(self, rank: int) -> tuple[int, ...]:
+        """The ranks whose copies ``rank`` keeps."""
+        return tuple(r for r, keeper in enumerate(self.keepers) if keeper == rank)
+
+
+def alike_holders(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> list[int]:
+    """The ranks that hold the same piece of ``tensor`` as ``rank`` (``rank`` included): its replicas
+    for replicated state; for state the distributed optimizer shards over DP the ranks that own alike
+    (same replica index: the TP ranks of a TP-replicated tensor, every stage of a tied embedding)."""
+    grid = grid_of(tensor, layout)
+    tp, ep, replica, _pp = grid.place(rank)
+    tps = range(grid.tp) if tensor.rule == "replicated" else (tp,)
+    replicas = (replica,) if is_dp_sharded(tensor, model) else range(grid.replicas)
+    return [
+        grid.rank(q, ep, r, pp) for pp in holding_stages(tensor, model, layout) for q in tps for r in replicas
+    ]
+
+
+def _nodes(placement: Placement) -> list[str]:
+    return [d.node for d in placement.devices]
+
+
+def copied_tensors(
+    model: ModelGeometry, layout: ParallelLayout, placement: Placement, rank: int
+) -> tuple[int, ...]:
+    """The tensors whose pieces ``rank`` copies to its keeper (see the module docstring)."""
+    return _copied(model, layout, placement)[rank]
+
+
+@functools.lru_cache(maxsize=32)
+def _copied(
+    model: ModelGeometry, layout: ParallelLayout, placement: Placement
+) -> tuple[tuple[int, ...], ...]:
+    node = _nodes(placement)
+    single = len(set(node)) == 1
+    tensors = model.tensors(optimizer=True)
+    out: list[list[int]] = [[] for _ in range(layout.world_size)]
+    # Ranks of one shard class hold the same tensors; the answer per tensor depends on where the alike
+    # holders run, so it is asked per rank, but the holdings only once per class.
+    held: dict[tuple[int, int, int, int], list[int]] = {}
+    for rank in range(layout.world_size):
+        key = layout.shard_class(rank) if not model.distributed else (rank, 0, 0, 0)
+        mine = held.get(key)
+        if mine is None:
+            mine = held[key] = [
+                ti for ti, t in enumerate(tensors) if holding(t, model, layout, rank) is not None
+            ]
+        for ti in mine:
+            alike = alike_holders(tensors[ti], model, layout, rank)
+            if single:  # only a process's loss can be survived: copy what no other process holds
+                if alike == [rank]:
+                    out[rank].append(ti)
+            elif min(alike) == rank and all(node[r] == node[rank] for r in alike):
+                out[rank].append(ti)  # dies with this node; its lowest holder copies it
+    return tuple(tuple(ts) for ts in out)
+
+
+def copy_keepers(placement: Placement, needs: tuple[bool, ...]) -> tuple[int, ...]:
+    """For each rank that ``needs`` a copy kept, the rank at its position on the next node (cyclic, the
+    position taken modulo that node's size); one node: the next rank of the node. :data:`NO_KEEPER`
+    for the others, and for a world of one process (nobody can keep its copy)."""
+    node = _nodes(placement)
+    order = list(dict.fromkeys(node))
+    ranks_on: dict[str, list[int]] = {n: [] for n in order}
+    for r, n in enumerate(node):
+        ranks_on[n].append(r)
+    out = []
+    for r, n in enumerate(node):
+        if not needs[r] or len(node) == 1:
+            out.append(NO_KEEPER)
+            continue
+        if len(order) == 1:
+            out.append((r + 1) % len(node))
+            continue
+        position = ranks_on[n].index(r)
+        target = ranks_on[order[(order.index(n) + 1) % len(order)]]
+        out.append(target[position % len(target)])
+    return tuple(out)
+
+
+def _piece_bytes(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> int:
+    pieces = holding(tensor, model, layout, rank) or ()
+    return sum(math.prod(p.local_shape) * tensor.itemsize for p in pieces)
+
+
+@functools.lru_cache(maxsize=32)
+def redundancy(model: ModelGeometry, layout: ParallelLayout, placement: Placement) -> Redundancy:
+    """What every rank of the world copies, to whom, and what that costs in host memory."""
+    copied = _copied(model, layout, placement)
+    keepers = copy_keepers(placement, tuple(bool(c) for c in copied))
+    tensors = model.tensors(optimizer=True)
+    copy_bytes = tuple(
+        sum(_piece_bytes(tensors[ti], model, layout, r) for ti in ts) for r, ts in enumerate(copied)
+    )
+    kept = [0] * layout.world_size
+    for r, keeper in enumerate(keepers):
+        if keeper != NO_KEEPER:
+            kept[keeper] += 2 * copy_bytes[r]  # double-buffered: the last complete copy and the next
+    nodes = _nodes(placement)
+    single = len(set(nodes)) == 1
+    covered = all(k != NO_KEEPER for k, c in zip(keepers, copied) if c)
+    return Redundancy(copied, keepers, copy_bytes, tuple(kept), covered and not single)

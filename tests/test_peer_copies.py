@@ -1,0 +1,147 @@
+"""Peer copies: a keeper holds one complete, checksummed copy of each source's state per iteration,
+received from a background sender over real TCP on loopback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from liver.worker_runtime.copies.keeper import CopyKeeper
+from liver.worker_runtime.copies.sender import CopySender
+from liver.worker_runtime.copies.wire import HEADER, TRAILER, hello
+
+WAIT_S = 30.0
+
+
+def state(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(1000, generator=g),
+        torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        torch.tensor(seed, dtype=torch.int64),
+    ]
+
+
+def as_bytes(tensors: list[torch.Tensor]) -> bytes:
+    return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+@pytest.fixture
+def keeper():
+    k = CopyKeeper(generation=3, sources=[1], host="127.0.0.1")
+    yield k
+    k.close()
+
+
+def test_a_refresh_arrives_whole_with_its_iteration_and_checksum(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1, staging_bytes=256)  # many chunks
+    try:
+        tensors = state(7)
+        sender.refresh(7, tensors)
+        assert sender.wait_read(WAIT_S)
+        kept = keeper.wait_for(1, 7, WAIT_S)
+        assert kept is not None and kept.iteration == 7 and kept.generation == 3
+        assert bytes(kept.data) == as_bytes(tensors)
+        assert kept.intact()
+    finally:
+        sender.close()
+
+
+def test_each_refresh_replaces_the_copy_once_complete(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1, staging_bytes=1000)
+    try:
+        for it in range(1, 6):
+            tensors = state(it)
+            sender.refresh(it, tensors)
+            assert sender.wait_read(WAIT_S)
+            kept = keeper.wait_for(1, it, WAIT_S)
+            assert kept is not None and kept.iteration == it
+            assert bytes(kept.data) == as_bytes(tensors)
+    finally:
+        sender.close()
+
+
+def test_a_flipped_bit_in_a_kept_copy_is_detected(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
+    try:
+        sender.refresh(2, state(2))
+        kept = keeper.wait_for(1, 2, WAIT_S)
+        assert kept is not None and kept.intact()
+        buffer = kept.data.obj
+        buffer[17] ^= 0x04  # host memory corrupted after the copy arrived
+        assert not kept.intact()
+    finally:
+        sender.close()
+
+
+def raw_sender(port: int, rank: int = 1, generation: int = 3) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(hello(generation, rank))
+    return sock
+
+
+def test_a_sender_lost_mid_refresh_leaves_the_last_complete_copy(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
+    tensors = state(4)
+    sender.refresh(4, tensors)
+    assert keeper.wait_for(1, 4, WAIT_S) is not None
+    sender.close()
+    sock = raw_sender(keeper.port)  # the next refresh's sender dies halfway through its payload
+    sock.sendall(HEADER.pack(5, 4000) + b"\x00" * 1000)
+    sock.close()
+    kept = keeper.wait_for(1, 5, 2.0)  # the truncated refresh never completes
+    assert kept is not None and kept.iteration == 4 and bytes(kept.data) == as_bytes(tensors)
+
+
+def test_a_refresh_whose_bytes_differ_from_the_senders_checksum_is_not_intact(keeper: CopyKeeper) -> None:
+    sock = raw_sender(keeper.port)
+    try:
+        payload = b"\x01" * 64  # corrupted in transit: the trailer is the checksum the sender took
+        sock.sendall(HEADER.pack(9, len(payload)) + payload + TRAILER.pack(12345))
+        kept = keeper.wait_for(1, 9, WAIT_S)
+        assert kept is not None and kept.iteration == 9 and not kept.intact()
+    finally:
+        sock.close()
+
+
+def test_a_connection_for_another_generation_or_rank_is_refused(keeper: CopyKeeper) -> None:
+    for rank, generation in ((2, 3), (1, 4)):
+        sock = raw_sender(keeper.port, rank, generation)
+        try:
+            sock.sendall(HEADER.pack(1, 1) + b"x" + TRAILER.pack(0))
+            assert sock.recv(1) == b""  # closed by the keeper
+        except ConnectionResetError:
+            pass  # closed by the keeper with our bytes unread
+        finally:
+            sock.close()
+    assert keeper.latest(1) is None
+
+
+def test_a_read_slower_than_the_gate_is_cancelled_and_the_next_refresh_goes_through() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))  # a keeper that accepts but never reads
+    port = listener.getsockname()[1]
+    sender = CopySender(("127.0.0.1", port), 3, 1, staging_bytes=1 << 16)
+    try:
+        big = [torch.zeros(64 << 20, dtype=torch.uint8)]  # far more than the socket buffers take
+        sender.refresh(1, big)
+        assert not sender.wait_read(0.5)  # gave up: nothing reads the tensors any more
+        assert sender.cancelled == 1 and sender.failure is None
+    finally:
+        sender.close()
+        listener.close()
+
+
+def test_a_stopped_source_keeps_its_copy_unchanged(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
+    try:
+        sender.refresh(1, state(1))
+        assert keeper.wait_for(1, 1, WAIT_S) is not None
+        kept = keeper.stop(1)
+        sender.refresh(2, state(2))
+        sender.wait_read(WAIT_S)
+        assert keeper.wait_for(1, 2, 1.0).iteration == 1
+        assert kept is not None and bytes(kept.data) == as_bytes(state(1))
+    finally:
+        sender.close()
