@@ -145,3 +145,17 @@ def test_a_stopped_source_keeps_its_copy_unchanged(keeper: CopyKeeper) -> None:
         assert kept is not None and bytes(kept.data) == as_bytes(state(1))
     finally:
         sender.close()
+
+
+def test_sending_leaves_the_live_storage_free_to_be_released(keeper: CopyKeeper) -> None:
+    # The runtime frees an old trainer's tensors by resizing their storage to nothing: reading them for a
+    # copy must not pin it (Tensor.numpy() would, for good).
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
+    try:
+        tensors = state(5)
+        sender.refresh(5, tensors)
+        assert sender.wait_read(WAIT_S) and keeper.wait_for(1, 5, WAIT_S) is not None
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+    finally:
+        sender.close()

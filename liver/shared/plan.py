@@ -18,12 +18,13 @@ from liver.shared.boxes import Box, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 """The plan file's and the in-memory :class:`Plan`'s version (``docs/plan-format.md``). Version 1 carried
 a :class:`~liver.shared.model.ModelSpec` as ``model``; version 2 carries the model's geometry
 (:class:`~liver.shared.geometry.ModelGeometry`), so a plan can be made for any model; version 3 adds
 context parallelism, expert parallelism and expert-TP to the layouts and experts to the geometry (a
-tensor's ``expert``). Versions 1 and 2 are still read."""
+tensor's ``expert``); version 4 the stand-ins (a lost rank's sends run by the keeper of its peer copy).
+Versions 1 to 3 are still read."""
 
 SLICE_SCHEMA_VERSION = 4
 """The stored per-device slice's version (:class:`SliceFile`). Version 1 repeated both worlds in every
@@ -143,17 +144,43 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     tensors: tuple[TensorSpec, ...]
     budget_bytes: int
     classes: tuple[LayerClass, ...]
+    stand_ins: tuple[tuple[int, int], ...] = ()
+    """``(old rank, keeper)`` for each lost old rank whose tasks its keeper runs from the peer copy of its
+    state it keeps (``docs/architecture.md``, "Peer redundancy"): such a task's ``src`` is the lost
+    rank, whose state the slices are, and it runs on the keeper's device (:meth:`src_device`)."""
+
+    def src_device(self, src: int) -> Device:
+        """The device that runs old rank ``src``'s sends: its own, or its keeper's when it stands in."""
+        keeper = self._keepers.get(src)
+        return self.old.placement.devices[src if keeper is None else keeper]
+
+    def keeper_of(self, src: int) -> int | None:
+        """The old rank that runs lost old rank ``src``'s sends from its copy (None: ``src`` runs them)."""
+        return self._keepers.get(src)
+
+    @functools.cached_property
+    def _keepers(self) -> dict[int, int]:
+        return dict(self.stand_ins)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented
-        same = (self.schema_version, self.model, self.old, self.new, self.tensors, self.budget_bytes) == (
+        same = (
+            self.schema_version,
+            self.model,
+            self.old,
+            self.new,
+            self.tensors,
+            self.budget_bytes,
+            self.stand_ins,
+        ) == (
             other.schema_version,
             other.model,
             other.old,
             other.new,
             other.tensors,
             other.budget_bytes,
+            other.stand_ins,
         )
         return same and (self.classes == other.classes or self.tasks == other.tasks)
 
@@ -171,6 +198,7 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
         budget_bytes: int,
         tasks: Iterable[TransferTask],
         schema_version: int = PLAN_SCHEMA_VERSION,
+        stand_ins: tuple[tuple[int, int], ...] = (),
     ) -> Plan:
         """The plan of these tasks as they are (a plan file's, a slice's): one class per layer."""
         listed = tuple(tasks)
@@ -188,6 +216,7 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             tensors=tensors,
             budget_bytes=budget_bytes,
             classes=classes,
+            stand_ins=stand_ins,
         )
         if all(a.layer <= b.layer for a, b in itertools.pairwise(listed)):
             # Already in the order the classes expand to (a file's and a slice's are): the executor
@@ -205,6 +234,7 @@ class Plan(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             tensors=self.tensors,
             budget_bytes=self.budget_bytes,
             tasks=tasks,
+            stand_ins=self.stand_ins,
         )
 
     @functools.cached_property

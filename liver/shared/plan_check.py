@@ -8,7 +8,10 @@ It recomputes every view from the model and layouts (it trusts nothing the plann
 4. a task is ``local`` exactly when source and destination run on the same device;
 5. no new rank receives more than the staging budget over the network in one streaming round;
 6. given the devices that are lost (gone before the handoff), no task sends from one or delivers to
-   one: a plan that reads a lost device's memory would hang or fail mid-transfer;
+   one: a plan that reads a lost device's memory would hang or fail mid-transfer; a lost rank's tasks
+   run on the keeper of its peer copy (:attr:`~liver.shared.plan.Plan.stand_ins`) only where that
+   keeper is the one :mod:`liver.shared.redundancy` names, survives, and its copy holds every tensor
+   the tasks send;
 7. one task at most per (layer, round, source, destination): the executor pairs one message per
    source and destination in a round.
 
@@ -24,6 +27,7 @@ The worker runtime can run it on its own part of a plan before executing it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Collection
@@ -33,8 +37,9 @@ import msgspec
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import Holding, holding, is_dp_sharded
-from liver.shared.layout import Device, ParallelLayout
+from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import LayerClass, Plan, Slice, TransferTask
+from liver.shared.redundancy import redundancy
 from liver.shared.views import expert_rank, holding_stages, world_shards
 
 
@@ -131,6 +136,8 @@ def _check(
     old_v = _Views(model, plan.old.layout, plan.tensors)
     new_v = _Views(model, plan.new.layout, plan.tensors)
     new_dev = plan.new.placement.devices
+    if not _stand_ins_valid(plan, lost, fail):
+        return
     if any(device in lost for device in new_dev):
         for rank, device in enumerate(new_dev):
             if device in lost:
@@ -141,6 +148,50 @@ def _check(
             counts[:] = proved
             return
     _check_tasks(plan, fail, counts, lost, old_v, new_v)
+
+
+def _stand_ins_valid(plan: Plan, lost: frozenset[Device], fail: Callable[[str], None]) -> bool:
+    """Each stand-in is a lost rank with a copy, run by the surviving keeper the model and world name."""
+    if not plan.stand_ins:
+        return True
+    old_dev = plan.old.placement.devices
+    n = len(old_dev)
+    red = redundancy(plan.model, plan.old.layout, plan.old.placement)
+    ok = True
+    seen: set[int] = set()
+    for rank, keeper in plan.stand_ins:
+        where = f"stand-in for old rank {rank}"
+        if not (0 <= rank < n and 0 <= keeper < n) or rank in seen:
+            fail(f"{where}: rank or keeper {keeper} outside the old world, or listed twice")
+            ok = False
+            continue
+        seen.add(rank)
+        if old_dev[rank] not in lost:
+            fail(f"{where}: its device {old_dev[rank]} is not lost (it sends for itself)")
+            ok = False
+        if old_dev[keeper] in lost:
+            fail(f"{where}: its keeper {keeper} is on lost device {old_dev[keeper]}")
+            ok = False
+        if red.keepers[rank] != keeper or not red.copied[rank]:
+            fail(f"{where}: old rank {keeper} keeps no copy of it (its keeper is {red.keepers[rank]})")
+            ok = False
+    return ok
+
+
+def _copy_holds(plan: Plan, src: int, slices: tuple[Slice, ...]) -> bool:
+    """Whether a stand-in ``src``'s peer copy holds every tensor of ``slices``."""
+    copied = _copied(plan.model, plan.old.layout, plan.old.placement, src)
+    return all(ti in copied for ti, _box in slices)
+
+
+@functools.lru_cache(maxsize=256)
+def _copied(model: ModelGeometry, layout: ParallelLayout, placement: Placement, rank: int) -> frozenset[int]:
+    return frozenset(redundancy(model, layout, placement).copied[rank])
+
+
+def _source_ok(plan: Plan, src: int, lost: frozenset[Device]) -> bool:
+    """Whether old rank ``src`` may send: its device survives, or it stands in (checked before)."""
+    return not lost or plan.old.placement.devices[src] not in lost or plan.keeper_of(src) is not None
 
 
 def _check_tasks(
@@ -169,10 +220,12 @@ def _check_tasks(
         if message in messages:
             fail(f"{where}: a second task between the same ranks in the same round (one message each)")
         messages.add(message)
-        if task.local != (old_dev[task.src] == new_dev[task.dst]):
+        if task.local != (plan.src_device(task.src) == new_dev[task.dst]):
             fail(f"{where}: local={task.local} does not match the devices")
-        if lost and old_dev[task.src] in lost:
+        if not _source_ok(plan, task.src, lost):
             fail(f"{where}: source rank {task.src} is on lost device {old_dev[task.src]}")
+        elif plan.keeper_of(task.src) is not None and not _copy_holds(plan, task.src, task.slices):
+            fail(f"{where}: the peer copy of old rank {task.src} does not hold every tensor it sends")
         key = (task.layer, id(task.slices), *old_v.class_of(task.src), -1, *new_v.class_of(task.dst))
         nbytes = memo.get(key, -1)
         if nbytes is None or nbytes < 0:
@@ -414,7 +467,9 @@ def _prove_sources(
         for src in senders[t.src]:
             if not 0 <= src < len(old_dev):
                 raise _Unproved
-            if t.local != (old_dev[src] == new_dev[t.dst]) or old_dev[src] in lost:
+            if t.local != (plan.src_device(src) == new_dev[t.dst]) or not _source_ok(plan, src, lost):
+                raise _Unproved
+            if plan.keeper_of(src) is not None and not _copy_holds(plan, src, absolute[id(t.slices)]):
                 raise _Unproved
             key = (id(t.slices), old_ids[src], new_ids[t.dst])
             if key not in checked:

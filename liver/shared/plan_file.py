@@ -49,6 +49,8 @@ class PlanFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     old: WorldEntry
     new: WorldEntry
     tasks: tuple[TransferTask, ...]
+    stand_ins: tuple[tuple[int, int], ...] = ()
+    """``[old rank, keeper]``: the lost ranks whose tasks their copies' keepers run (version 4)."""
 
 
 class _PlanFileV1(PlanFile, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -136,6 +138,7 @@ def to_file(plan: Plan) -> PlanFile:
         old=_world_entry(plan, plan.old),
         new=_world_entry(plan, plan.new),
         tasks=plan.tasks,
+        stand_ins=plan.stand_ins,
     )
 
 
@@ -152,7 +155,7 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
     """Decode and cross-check a plan file; errors name the field or the inconsistent shard."""
     try:
         version = msgspec.json.decode(data, type=_Version, strict=True).schema_version
-        if version not in (1, 2, PLAN_SCHEMA_VERSION):
+        if version not in (1, 2, 3, PLAN_SCHEMA_VERSION):
             raise PlanFileError(
                 f"{source}: schema_version {version} is not supported (expected 1 to {PLAN_SCHEMA_VERSION})"
             )
@@ -193,6 +196,7 @@ def decode_plan(data: bytes, source: str = "plan") -> Plan:
         tensors=f.tensors,
         budget_bytes=f.budget_bytes,
         tasks=f.tasks,
+        stand_ins=f.stand_ins,
     )
     for name, entry, world in (("old", f.old, plan.old), ("new", f.new, plan.new)):
         for r, expected in zip(entry.ranks, _shards(plan, world)):

@@ -46,7 +46,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
@@ -233,13 +233,17 @@ class KeptState:
 
     state: dict[int, LocalTensor]
     progress: bytes
+    stand_ins: dict[int, dict[int, LocalTensor]] = field(default_factory=dict)
+    """The peer copies this process sends from in the recovery: lost old rank -> its copied state, read
+    from the keeper of the broken world (``Plan.stand_ins`` names the ranks; empty: none)."""
 
     def dispose(self) -> None:
-        """Free the kept tensors' storage (after the commit: the new trainer has its own)."""
+        """Free the kept tensors' storage (after the commit: the new trainer has its own). The peer
+        copies' tensors own their bytes and go with the last reference."""
         for value in self.state.values():
             for tensor in value if isinstance(value, tuple) else (value,):
                 tensor.untyped_storage().resize_(0)
-        self.state = {}
+        self.state, self.stand_ins = {}, {}
 
 
 @dataclass
@@ -465,6 +469,7 @@ def _stream(
         on_step=on_step,
         schedule=h.schedule,
         staging=staging,
+        stand_in_state=h.kept.stand_ins if h.kept is not None else None,
     )
 
 

@@ -980,6 +980,10 @@ class LiveRuntime(Generic[T]):
             try:
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
                 self._prebuild(prep, None)
+                if kept is not None and self._copies is not None:
+                    old_rank = broken.placement.rank_on().get(self.device)
+                    plan = prep.request.plan
+                    kept.stand_ins = self._copies.stand_ins(plan, broken, old_rank, abandoned.iteration)
                 self._await_allowed(prep)
                 new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
                 handoff = self._handoff(

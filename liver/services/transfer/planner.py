@@ -40,6 +40,7 @@ from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import LayerClass, Plan, Slice, TaskTemplate, WorldConfig
+from liver.shared.redundancy import NO_KEEPER, redundancy
 from liver.shared.views import (
     expert_rank,
     grid_of,
@@ -109,14 +110,18 @@ def build_plan(
     optimizer: bool = True,
     *,
     lost: Collection[Device] = (),
+    copies: bool = False,
 ) -> Plan:
     """The plan that moves the training state of ``model`` from ``old`` to ``new``, taking nothing from
     the ``lost`` devices of ``old``; raises :class:`NoSurvivingSource` when some state survives nowhere.
+    With ``copies`` (the job keeps peer copies, :mod:`liver.shared.redundancy`) a lost rank's copied
+    state is taken from its keeper's copy: the rank stands in the plan as the source, run by its keeper
+    (:attr:`Plan.stand_ins`).
 
     Python's garbage collector waits meanwhile (:func:`~liver.shared.collector.collector_paused`): a
     large plan is hundreds of thousands of small objects, none in a cycle."""
     with collector_paused():
-        return _build_plan(model, old, new, budget_bytes, optimizer, lost)
+        return _build_plan(model, old, new, budget_bytes, optimizer, lost, copies)
 
 
 def _build_plan(
@@ -126,6 +131,7 @@ def _build_plan(
     budget_bytes: int,
     optimizer: bool,
     lost: Collection[Device],
+    copies: bool,
 ) -> Plan:
     model = as_geometry(model)
     model.check_layout(old.layout)
@@ -134,16 +140,55 @@ def _build_plan(
     if budget_bytes < max(t.itemsize for t in tensors):
         raise ValueError(f"budget_bytes ({budget_bytes}) is smaller than one element")
     lost = _check_lost(lost, old, new)
-    orphans = orphaned_shards(model, old, lost)
+    stand = stand_ins(model, old, lost) if copies else _NO_STAND_INS
+    orphans = orphaned_shards(model, old, lost, stand)
     if orphans:
         holders = [old.placement.devices[r] for r in class_holders(old.layout, orphans[0])]
         raise NoSurvivingSource(orphans[0].tensor, holders, lost)
     streamer = _Streamer(tensors, budget_bytes)
     classes = tuple(
         LayerClass(c.layers, c.bases, streamer.stream(c.pairs, c.local, c.bases[0]), c.sources)
-        for c in _choose_sources(model, tensors, optimizer, old, new, lost)
+        for c in _choose_sources(model, tensors, optimizer, old, new, lost, stand)
     )
-    return Plan(model=model, old=old, new=new, tensors=tensors, budget_bytes=budget_bytes, classes=classes)
+    return Plan(
+        model=model,
+        old=old,
+        new=new,
+        tensors=tensors,
+        budget_bytes=budget_bytes,
+        classes=classes,
+        stand_ins=tuple(sorted(stand.keepers.items())),
+    )
+
+
+class StandIns(NamedTuple):
+    """The lost ranks whose copied state their keepers send (:func:`stand_ins`)."""
+
+    keepers: dict[int, int]  # lost old rank -> the old rank that keeps its copy
+    copied: dict[int, frozenset[int]]  # lost old rank -> the tensor indices its copy holds
+
+    def has(self, rank: int, tensor: int) -> bool:
+        """Whether ``rank``'s piece of tensor ``tensor`` survives in a copy its keeper holds."""
+        held = self.copied.get(rank)
+        return held is not None and tensor in held
+
+
+_NO_STAND_INS = StandIns({}, {})
+
+
+def stand_ins(model: ModelGeometry, old: WorldConfig, lost: Collection[Device]) -> StandIns:
+    """Each lost old rank with a peer copy whose keeper survives, and what its copy holds."""
+    gone = frozenset(lost)
+    if not gone:
+        return _NO_STAND_INS
+    devices = old.placement.devices
+    red = redundancy(model, old.layout, old.placement)
+    keepers = {
+        r: k
+        for r, k in enumerate(red.keepers)
+        if devices[r] in gone and k != NO_KEEPER and devices[k] not in gone and red.copied[r]
+    }
+    return StandIns(keepers, {r: frozenset(red.copied[r]) for r in keepers})
 
 
 def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) -> frozenset[Device]:
@@ -200,24 +245,38 @@ def class_holders(layout: ParallelLayout, shard: ShardClass) -> list[int]:
     return [grid.rank(tp, ep, r, pp) for pp in shard.stages for tp in tps for r in range(grid.replicas)]
 
 
-def orphaned_shards(model: ModelGeometry, old: WorldConfig, lost: Collection[Device]) -> list[ShardClass]:
-    """The shards of :func:`shard_classes` whose every holder in ``old`` is ``lost``: empty exactly when
-    a plan from ``old`` without the ``lost`` devices exists (the simulator asks this without planning)."""
+def orphaned_shards(
+    model: ModelGeometry, old: WorldConfig, lost: Collection[Device], stand: StandIns | None = None
+) -> list[ShardClass]:
+    """The shards of :func:`shard_classes` whose every holder in ``old`` is ``lost`` (and, with
+    ``stand``, of which no lost holder left a peer copy): empty exactly when a plan from ``old`` without
+    the ``lost`` devices exists (the simulator asks this without planning)."""
     gone = frozenset(lost)
     if not gone:
         return []
+    stand = stand or _NO_STAND_INS
     devices = old.placement.devices
-    orphans = [
-        shard
-        for shard in shard_classes(model, old.layout)
-        if all(devices[r] in gone for r in class_holders(old.layout, shard))
-    ]
+    index = _tensor_index(model)
+    orphans = []
+    for shard in shard_classes(model, old.layout):
+        holders = class_holders(old.layout, shard)
+        if all(devices[r] in gone for r in holders) and not any(
+            stand.has(r, index[shard.tensor]) for r in holders
+        ):
+            orphans.append(shard)
     if isinstance(model, ModelGeometry) and model.distributed:  # a ModelSpec is the plain optimizer's
-        orphans += _lost_owners(model, old, gone)
+        orphans += _lost_owners(model, old, gone, stand)
     return orphans
 
 
-def _lost_owners(model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]) -> list[ShardClass]:
+@functools.lru_cache(maxsize=16)
+def _tensor_index(model: ModelGeometry) -> dict[str, int]:
+    return {t.name: i for i, t in enumerate(model.tensors(optimizer=True))}
+
+
+def _lost_owners(
+    model: ModelGeometry, old: WorldConfig, lost: frozenset[Device], stand: StandIns
+) -> list[ShardClass]:
     """Under the distributed optimizer each piece of the optimizer state has one owner (its DP rank, or
     expert-DP rank for an expert's): the state of a lost owner is lost, unless it is TP-replicated or a
     tied embedding, whose replicas own alike and one of which survives."""
@@ -226,7 +285,7 @@ def _lost_owners(model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]
     for rank, device in enumerate(devices):
         if device not in lost:
             continue
-        for t in model.tensors(optimizer=True):
+        for ti, t in enumerate(model.tensors(optimizer=True)):
             if not is_dp_sharded(t, model) or not holding(t, model, layout, rank):
                 continue
             grid = grid_of(t, layout)
@@ -234,7 +293,7 @@ def _lost_owners(model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]
             stages = holding_stages(t, model, layout)
             tps = range(grid.tp) if t.rule == "replicated" else (tp,)
             replicas = [grid.rank(q, ep, replica, pp) for pp in stages for q in tps]
-            if all(devices[r] in lost for r in replicas):
+            if all(devices[r] in lost for r in replicas) and not any(stand.has(r, ti) for r in replicas):
                 out.append(ShardClass(stages, ep if t.expert >= 0 else -1, tp, t.name))
                 break
     return out
@@ -243,7 +302,8 @@ def _lost_owners(model: ModelGeometry, old: WorldConfig, lost: frozenset[Device]
 class _Sources:
     """Source choice for pieces of one new rank's shard (step 2 of the module docstring)."""
 
-    def __init__(self, old: WorldConfig, lost: frozenset[Device]) -> None:
+    def __init__(self, old: WorldConfig, lost: frozenset[Device], stand: StandIns = _NO_STAND_INS) -> None:
+        self.stand = stand
         self.layout = old.layout
         n = old.layout.world_size
         self.place = {e: [old.layout.grid(e).place(r) for r in range(n)] for e in (False, True)}
@@ -259,12 +319,20 @@ class _Sources:
         self._anywhere: dict[tuple[bool, int, tuple[int, ...], tuple[int, ...]], tuple[int, ...]] = {}
 
     def candidates(
-        self, expert: bool, ep: int, key: int, stages: tuple[int, ...], dev: Device, fallback_tp: int
+        self,
+        expert: bool,
+        ep: int,
+        key: int,
+        stages: tuple[int, ...],
+        dev: Device,
+        fallback_tp: int,
+        probe: int = -1,
     ) -> tuple[int, ...]:
         """The ranks that may send ``dev`` a piece held by old TP rank ``key`` (or any) of the ``expert``
         grid, EP rank ``ep``, on ``stages``: the rank on ``dev`` itself when it holds it (a copy), else
-        the holders on its node, else all holders; one survives (:func:`build_plan` refused orphaned
-        state before)."""
+        the holders on its node, else all holders; when every holder is lost, the lost holders whose
+        peer copy holds it (tensor ``probe``, which stands for the piece's tensors: they share their
+        holders), run by their keepers. One exists (:func:`build_plan` refused orphaned state before)."""
         place = self.place[expert]
         r = self.rank_on.get(dev)
         if r is not None:
@@ -285,6 +353,16 @@ class _Sources:
         if not far and key == ANY:
             # A replicated piece whose usual TP rank is lost: every TP rank of the stages holds it.
             far = self._holders(expert, ep, tuple(range(self.layout.grid(expert).tp)), stages)
+        if not far and self.stand.keepers:
+            tps = tuple(range(self.layout.grid(expert).tp)) if key == ANY else (key,)
+            grid = self.layout.grid(expert)
+            far = tuple(
+                r
+                for tp in tps
+                for pp in stages
+                for replica in range(grid.replicas)
+                if self.stand.has(r := grid.rank(tp, ep, replica, pp), probe)
+            )
         if not far:
             raise PlanningError(f"no surviving holder of a piece on stages {stages}")  # refused before
         return far
@@ -463,6 +541,7 @@ def _choose_sources(
     old: WorldConfig,
     new: WorldConfig,
     lost: frozenset[Device],
+    stand: StandIns = _NO_STAND_INS,
 ) -> list[_ClassWork]:
     """Steps 1-3 of the module docstring, once per class of layers (:func:`_layer_classes`).
 
@@ -473,8 +552,12 @@ def _choose_sources(
     by layer, each slot takes the candidate that has sent the fewest bytes so far: DP replicas still take
     turns across the layers of a class."""
     ol, nl = old.layout, new.layout
-    sources = _Sources(old, lost)
-    old_dev, new_dev = old.placement.devices, new.placement.devices
+    sources = _Sources(old, lost, stand)
+    new_dev = new.placement.devices
+    # Where each old rank's sends run: a lost rank that stands in sends from its keeper's device.
+    old_dev = list(old.placement.devices)
+    for r, keeper in stand.keepers.items():
+        old_dev[r] = old_dev[keeper]
     templates: dict[tuple, list] = {}
     chunk_cache: dict[tuple, list[tuple[int, _Chunk]]] = {}
     sent = sources.sent
@@ -509,7 +592,10 @@ def _choose_sources(
                         first: tuple[int, ...] | None = None  # this group's first sent (not copied) slot
                         riders: list[_Chunk] = []
                         for key, chunk in chunks:
-                            cands = sources.candidates(expert, g.ep_old, key, g.stages_old, dev, fallback_tp)
+                            probe = base + chunk.slices[0][0]
+                            cands = sources.candidates(
+                                expert, g.ep_old, key, g.stages_old, dev, fallback_tp, probe
+                            )
                             copied = _copies(cands, old_dev, dev)
                             if key == ANY and not copied:
                                 riders.append(chunk)
@@ -521,7 +607,7 @@ def _choose_sources(
                         if riders:
                             mine.setdefault(rider_cands if first is None else first, []).extend(riders)
         if owned:
-            for (src, dst), chunk in _owned_chunks(model, tensors, owned, old, new, lost).items():
+            for (src, dst), chunk in _owned_chunks(model, tensors, owned, old, new, lost, stand).items():
                 wanted.setdefault(dst, {}).setdefault((src,), []).append(chunk)
         pairs: dict[tuple[int, int], list[_Chunk]] = {}
         specs: list[tuple[tuple[int, ...], int, bool]] = []  # per slot: candidates, bytes, sent or copied
@@ -598,6 +684,7 @@ def _owned_chunks(
     old: WorldConfig,
     new: WorldConfig,
     lost: frozenset[Device],
+    stand: StandIns = _NO_STAND_INS,
 ) -> dict[tuple[int, int], _Chunk]:
     """``(src, dst) -> chunk`` for optimizer state the distributed optimizer shards over DP: each piece
     a new rank owns comes from an old rank that owns it, piece by piece.
@@ -613,6 +700,12 @@ def _owned_chunks(
     sizes: dict[tuple[int, int], list[int]] = defaultdict(list)
     for ti in idxs:
         t = tensors[ti]
+        alive_t = alive
+        copied = [r for r in stand.keepers if stand.has(r, ti)]
+        if copied:  # the lost owners whose copies hold this tensor's pieces own them still
+            alive_t = list(alive)
+            for r in copied:
+                alive_t[r] = True
         og, ng = grid_of(t, ol), grid_of(t, nl)
         ep_old = expert_rank(t, model, ol)
         s_old = holding_stages(t, model, ol)
@@ -624,7 +717,7 @@ def _owned_chunks(
                 first = (place[3], place[0])
             else:
                 first = (s_old[0], ng.place(dst)[0] % og.tp)
-            sources = _owner_ranks(og, ep_old, s_old, replicated, first, alive)
+            sources = _owner_ranks(og, ep_old, s_old, replicated, first, alive_t)
             for piece in owned_boxes(model, nl, dst).get(t.param, ()):
                 for src in sources:
                     for box in owned_boxes(model, ol, src).get(t.param, ()):
@@ -800,7 +893,7 @@ def plan_stats(plan: Plan) -> PlanStats:
     """Summary numbers of ``plan``, from its classes: a template counts once per layer of its class, with
     that layer's source."""
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
-    old_node = [d.node for d in old_dev]
+    old_node = [plan.src_device(r).node for r in range(len(old_dev))]  # where each one's sends run
     new_node = [d.node for d in new_dev]
     recv: dict[int, int] = defaultdict(int)
     sent = [0] * len(old_dev)
@@ -866,9 +959,10 @@ def plan_resize(
     compare_rank_order: bool = True,
     *,
     lost: Collection[Device] = (),
+    copies: bool = False,
 ) -> ResizePlan:
     """Place ``new_layout`` on ``new_devices`` and plan the transfer (the transfer service's core), with
-    no state taken from the ``lost`` devices of ``old``."""
+    no state taken from the ``lost`` devices of ``old`` (but from their peer copies, with ``copies``)."""
     model.check_layout(new_layout)
     if len(new_devices) != new_layout.world_size:
         raise LayoutError(
@@ -883,14 +977,16 @@ def plan_resize(
         else:
             placement = rank_order_placement(old, new_devices, new_layout)
         t1 = time.perf_counter()
-        plan = build_plan(model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer, lost=lost)
+        plan = build_plan(
+            model, old, WorldConfig(new_layout, placement), budget_bytes, optimizer, lost=lost, copies=copies
+        )
         t2 = time.perf_counter()
     stats = plan_stats(plan)
     rank_order_bytes = stats.bytes_moved
     distributed = as_geometry(model).distributed
     if optimize and compare_rank_order:
         rank_order_bytes, baseline_plan = rank_order_bytes_moved(
-            model, old, new_layout, new_devices, budget_bytes, optimizer, lost=lost
+            model, old, new_layout, new_devices, budget_bytes, optimizer, lost=lost, copies=copies
         )
         if baseline_plan is not None and rank_order_bytes < stats.bytes_moved:
             plan, stats = baseline_plan, plan_stats(baseline_plan)  # the placement's estimate misjudged
@@ -916,6 +1012,7 @@ def rank_order_bytes_moved(
     optimizer: bool,
     *,
     lost: Collection[Device] = (),
+    copies: bool = False,
 ) -> tuple[int, Plan | None]:
     """The bytes a rank-order placement of the new world would move (what the optimised placement is
     compared with), and its plan when one had to be made: the class overlap counts replicated state
@@ -923,8 +1020,8 @@ def rank_order_bytes_moved(
     for replicas, so such a job's count comes from a real plan. Which surviving replica sends a byte
     does not change how many bytes cross devices: ``lost`` enters only that plan."""
     baseline = WorldConfig(new_layout, rank_order_placement(old, new_devices, new_layout))
-    if as_geometry(model).distributed:
-        plan = build_plan(model, old, baseline, budget_bytes, optimizer, lost=lost)
+    if as_geometry(model).distributed or copies:
+        plan = build_plan(model, old, baseline, budget_bytes, optimizer, lost=lost, copies=copies)
         return plan_stats(plan).bytes_moved, plan
     return bytes_moved(model, old, baseline, optimizer), None
 

@@ -21,7 +21,7 @@ import structlog
 from liver.shared.geometry import ModelGeometry
 from liver.shared.model import as_geometry
 
-from .peer import LocalTensor, PeerCopies, reachable_host
+from .peer import LocalTensor, PeerCopies, reachable_host, unpack
 from .sender import DEFAULT_STAGING_BYTES
 from .wire import CopyError
 
@@ -77,6 +77,42 @@ class CopyManager:
             return
         if gate_updates is None:
             copies.gate()  # no hook before the update: read now, on the training thread
+
+    def stand_ins(
+        self, plan: Any, broken: Any, old_rank: int | None, iteration: int
+    ) -> dict[int, dict[int, LocalTensor]]:
+        """The copies this process (``old_rank`` of the ``broken`` world, a ``WorldSpec``) sends from in
+        the recovery ``plan``, as local states: each lost rank ``plan.stand_ins`` has it keep for.
+        They are taken from the broken world's keeper, which takes no more refreshes from them, and must
+        be of the ``iteration`` the survivors kept and intact (their sender's checksum); else
+        :class:`~.wire.CopyError`, and the recovery falls back to the checkpoint."""
+        wanted = [r for r, keeper in plan.stand_ins if old_rank is not None and keeper == old_rank]
+        if not wanted:
+            return {}
+        copies = self.copies
+        if (
+            copies is None
+            or copies.keeper is None
+            or copies.generation != broken.generation
+            or (copies.layout, copies.placement) != (plan.old.layout, plan.old.placement)
+        ):
+            raise CopyError(
+                f"the recovery reads the peer copies of old ranks {wanted} here, but this process keeps "
+                f"none of generation {broken.generation}"
+            )
+        out: dict[int, dict[int, LocalTensor]] = {}
+        for rank in wanted:
+            kept = copies.keeper.stop(rank)
+            if kept is None:
+                raise CopyError(f"no complete peer copy of old rank {rank} arrived before it was lost")
+            if kept.iteration != iteration:
+                raise CopyError(
+                    f"the peer copy of old rank {rank} is of iteration {kept.iteration}, the survivors kept "
+                    f"iteration {iteration}"
+                )
+            out[rank] = unpack(kept, copies.model, copies.layout, copies.placement)
+            log.info("copies.stand_in", generation=broken.generation, rank=rank, iteration=iteration)
+        return out
 
     def settle(self) -> None:
         """Wait until the last refresh was read (before the trainer's tensors may be freed)."""

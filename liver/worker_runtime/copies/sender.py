@@ -12,6 +12,7 @@ its older copy) and reconnects for the next refresh.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import socket
 import threading
 from collections.abc import Sequence
@@ -33,6 +34,16 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
+def host_bytes(view: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous ``uint8`` host tensor, read in place. Not through ``Tensor.numpy()``:
+    that marks the storage as not resizable for good, and the runtime frees an old trainer's storage
+    by resizing it to nothing. The tensor must outlive the view (the sender holds it)."""
+    n = view.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(view.data_ptr())).cast("B")
 
 
 class _Cancelled(CopyError):
@@ -185,7 +196,7 @@ class CopySender:
         crc = 0
         for view in views:
             n = view.numel()
-            host = None if view.is_cuda else memoryview(view.numpy())
+            host = None if view.is_cuda else host_bytes(view)
             for start in range(0, n, size):
                 end = min(start + size, n)
                 with self._reading:

@@ -66,6 +66,16 @@ iterator yields this rank's micro-batches as dicts of ``[batch, seq]`` tensors k
 under a key (``"lm loss"``) as ``[loss_sum, num_tokens]`` or as a mean."""
 
 
+_TRAINING_FUNCTIONS = (
+    "grad_scale_func",
+    "no_sync_func",
+    "grad_sync_func",
+    "param_sync_func",
+    "finalize_model_grads_func",
+)
+"""What the trainer (Megatron-LM's way) sets on a model's TransformerConfig for the schedules."""
+
+
 def gpt_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Megatron's GPT loss contract (``pretrain_gpt``): summed loss, token count, and the report."""
     mask = loss_mask.reshape(-1).float()
@@ -309,6 +319,14 @@ class MegatronTrainer:
         if self.abandoned is None:
             raise RuntimeError("drop_world: the trainer's world is not broken")
         self.abandoned.__traceback__ = None
+        # The model's TransformerConfig outlives the modules (class-level caches keep it) and holds the
+        # training functions set at build: the optimizer's loss scaling, DDP's no_sync and grad sync.
+        # Those hold the optimizer and DDP, which hold the groups: cut them.
+        for chunk in self.chunks if "model_chunks" in self.__dict__ else ():
+            config = chunk.config
+            for attr in _TRAINING_FUNCTIONS:
+                if getattr(config, attr, None) is not None:
+                    setattr(config, attr, None)
         for name in (
             "model",
             "model_chunks",

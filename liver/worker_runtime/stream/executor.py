@@ -77,6 +77,7 @@ from liver.shared.holdings import Holding, packed, pieces_of
 from liver.shared.plan import Plan
 from liver.worker_runtime.stream.memory import MemoryLedger
 from liver.worker_runtime.stream.schedule import (
+    OWN,
     GroupRanks,
     LayerWork,
     PeerMessage,
@@ -286,6 +287,7 @@ def stream_plan(
     on_step: Callable[[int, int], None] | None = None,
     schedule: PreparedSchedule | None = None,
     staging: torch.Tensor | None = None,
+    stand_in_state: Mapping[int, Mapping[int, LocalTensor]] | None = None,
 ) -> StreamResult:
     """Run this process's part of ``plan``; see the module docstring.
 
@@ -300,8 +302,10 @@ def stream_plan(
     in, allocated (and its pages touched) beforehand: a 1-D ``uint8`` tensor on ``device`` of at least
     :func:`staging_bytes` (without it the executor allocates its own, and pays its first-touch page
     faults while it streams). It is extra memory all the same, and counted as such.
-    Raises :class:`PlanMismatch` (or ``ValueError``) before any message is sent when the inputs do not
-    fit the plan, and :class:`StreamError` when a peer fails.
+    ``stand_in_state`` maps each lost old rank this process stands in for (:attr:`Plan.stand_ins`: it
+    keeps that rank's peer copy) to the copy as a local state (:func:`~..copies.peer.unpack`); its
+    sends are made from it. Raises :class:`PlanMismatch` (or ``ValueError``) before any message is sent
+    when the inputs do not fit the plan, and :class:`StreamError` when a peer fails.
     """
     opts = options or StreamOptions()
     if schedule is None:
@@ -321,6 +325,14 @@ def stream_plan(
     s = schedule.schedule
     dev = stream_device(device, old_state, into)
     _check_state(plan, s.old_shards, old_state, "old_state", dev, exact=True)
+    standing = dict(stand_in_state or {})
+    if standing.keys() != s.stand_in_shards.keys():
+        raise PlanMismatch(
+            f"stand_in_state: copies of old ranks {sorted(standing)}, the plan has this process stand in "
+            f"for {sorted(s.stand_in_shards)}"
+        )
+    for rank, state in standing.items():
+        _check_state(plan, s.stand_in_shards[rank], state, f"stand_in_state[{rank}]", dev, exact=True)
     if into is not None:
         _check_state(plan, s.new_shards, into, "into", dev, exact=False)
     preallocated = into is not None and all(ti in into for ti in s.new_shards)
@@ -332,7 +344,7 @@ def stream_plan(
             raise ValueError(
                 f"`staging`: {staging.numel()} bytes on {staging.device}, the stream needs {size} on {dev}"
             )
-    stream = _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s)
+    stream = _Stream(plan, s, group, old_state, into, dev, opts, on_step, schedule_s, standing)
     return stream.run(ahead=preallocated, buffer_size=size, staging=staging)
 
 
@@ -618,12 +630,14 @@ class _Stream:
         opts: StreamOptions,
         on_step: Callable[[int, int], None] | None,
         schedule_s: float = 0.0,
+        stand_ins: Mapping[int, Mapping[int, LocalTensor]] | None = None,
     ) -> None:
         self.plan = plan
         self.schedule_s = schedule_s
         self.s = schedule
         self.group = group
         self.old = old_state
+        self.stand_ins = dict(stand_ins or {})
         self.into = into
         self.device = device
         self.opts = opts
@@ -832,7 +846,7 @@ class _Stream:
         lo = align(step.staging_bytes)
         copies = _CopyRing(lo, min(self.buffer_size, lo + max(self.s.copy_budget, step.largest_copy)))
         for msg in step.sends:
-            src = _view(_piece(self.old[msg.tensor], msg.piece), msg.region)
+            src = _view(_piece(self._source(msg.source)[msg.tensor], msg.piece), msg.region)
             copy_bytes = 0
             if msg.copy:
                 copy_bytes = align(msg.nbytes)
@@ -850,12 +864,16 @@ class _Stream:
             work = self._post(step, msg, "send", lambda b=src, m=msg: self.group.send([b], m.peer, step.tag))
             posted.sends.append(_Pending(work, msg, "send", copy_bytes, src))
 
+    def _source(self, rank: int) -> Mapping[int, LocalTensor]:
+        """The old state a piece is read from: this process's own, or a lost rank's peer copy."""
+        return self.old if rank == OWN else self.stand_ins[rank]
+
     def _copy_local(self, step: StreamStep) -> int:
         """The slices that stay here, while the step's messages are in flight; returns the bytes."""
         nbytes = 0
         for c in step.copies:
             _view(_piece(self.new[c.tensor], c.dst_piece), c.dst).copy_(
-                _view(_piece(self.old[c.tensor], c.src_piece), c.src)
+                _view(_piece(self._source(c.source)[c.tensor], c.src_piece), c.src)
             )
             nbytes += c.nbytes
         self.local += nbytes

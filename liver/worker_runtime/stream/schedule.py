@@ -32,6 +32,7 @@ from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device
 from liver.shared.model import TensorSpec
 from liver.shared.plan import Plan, TransferTask
+from liver.shared.redundancy import redundancy
 from liver.shared.views import Shard
 
 Region = tuple[tuple[int, int], ...]
@@ -44,6 +45,10 @@ class PlanMismatch(InputError):
 
 LOST_RANK: Final = -1
 """``GroupRanks.old`` of an old rank whose process is gone (a lost device): no process, no message."""
+
+OWN: Final = -1
+"""``PeerMessage.source`` / ``LocalCopy.source`` of a piece of this process's own old state (else the
+lost old rank it stands in for, whose peer copy holds the piece)."""
 
 
 class GroupRanks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -60,13 +65,14 @@ class GroupRanks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def by_device(cls, plan: Plan, lost: Collection[Device] = ()) -> GroupRanks:
         """The default numbering: one process per device, old devices in old rank order first, then the
-        devices only the new world uses in new rank order; ``lost`` devices have no process."""
+        devices only the new world uses in new rank order; ``lost`` devices have no process, but a lost
+        rank that stands in (:attr:`Plan.stand_ins`) is its keeper's process, which runs its sends."""
         order = devices_in_stream_order(plan, lost)
         index = {d: i for i, d in enumerate(order)}
-        return cls(
-            old=tuple(index.get(d, LOST_RANK) for d in plan.old.placement.devices),
-            new=tuple(index[d] for d in plan.new.placement.devices),
-        )
+        old = [index.get(d, LOST_RANK) for d in plan.old.placement.devices]
+        for rank, keeper in plan.stand_ins:
+            old[rank] = old[keeper]
+        return cls(old=tuple(old), new=tuple(index[d] for d in plan.new.placement.devices))
 
 
 def devices_in_stream_order(plan: Plan, lost: Collection[Device] = ()) -> tuple[Device, ...]:
@@ -97,6 +103,7 @@ class PeerMessage(NamedTuple):
     copy: bool  # sender: the region is not contiguous, so the piece goes from a contiguous copy
     staging_offset: int  # receiver: offset in the staging buffer, -1 when received in place
     piece: int = 0  # which of this side's local tensors of ``tensor`` (see ``Holding``) holds ``region``
+    source: int = OWN  # sender: the old rank whose state ``region`` is in (OWN: this process's own)
 
 
 class LocalCopy(NamedTuple):
@@ -108,6 +115,7 @@ class LocalCopy(NamedTuple):
     nbytes: int
     src_piece: int = 0
     dst_piece: int = 0
+    source: int = OWN  # the old rank whose state ``src`` is in (OWN: this process's own)
 
 
 class StreamStep(NamedTuple):
@@ -143,6 +151,7 @@ class Schedule(NamedTuple):
     new_rank: int | None
     group_rank: int
     old_shards: dict[int, Holding]  # every tensor this process's old rank holds, as its pieces
+    stand_in_shards: dict[int, dict[int, Holding]]  # lost old rank it stands in for -> its copied pieces
     new_shards: dict[int, Holding]  # every tensor its new rank holds
     layers: tuple[LayerWork, ...]
     unread_old: tuple[int, ...]  # old tensors no task of this plan reads from this process
@@ -273,17 +282,32 @@ def _check_identity(
         raise PlanMismatch(f"old_rank {old_rank} outside the old world of {n_old} ranks")
     if new_rank is not None and not 0 <= new_rank < n_new:
         raise PlanMismatch(f"new_rank {new_rank} outside the new world of {n_new} ranks")
+    standing = dict(plan.stand_ins)
     for field, got, want in (("group_ranks.old", ranks.old, n_old), ("group_ranks.new", ranks.new, n_new)):
         if len(got) != want:
             raise PlanMismatch(f"{field} has {len(got)} entries, the world has {want} ranks")
-        present = [g for g in got if g != LOST_RANK or field == "group_ranks.new"]
+        present = [
+            g
+            for r, g in enumerate(got)
+            if field == "group_ranks.new" or (g != LOST_RANK and r not in standing)
+        ]
         if len(set(present)) != len(present):
             raise PlanMismatch(f"{field} maps two ranks to one process: {list(got)}")
         bad = [g for g in present if not 0 <= g < group_size]
         if bad:
             raise PlanMismatch(f"{field} names group ranks {bad} outside a group of {group_size}")
+    for rank_, keeper in standing.items():
+        if (
+            0 <= rank_ < len(ranks.old)
+            and 0 <= keeper < len(ranks.old)
+            and ranks.old[rank_] != ranks.old[keeper]
+        ):
+            raise PlanMismatch(
+                f"group_ranks.old: old rank {rank_} stands in on {keeper}'s process, not elsewhere"
+            )
     for field, table, rank in (("old_rank", ranks.old, old_rank), ("new_rank", ranks.new, new_rank)):
-        here = [r for r, g in enumerate(table) if g == group_rank]
+        own = field == "new_rank"
+        here = [r for r, g in enumerate(table) if g == group_rank and (own or r not in standing)]
         if here != ([] if rank is None else [rank]):
             raise PlanMismatch(
                 f"{field} is {rank}, but group_ranks put {here or 'no rank'} of that world in this process "
@@ -314,6 +338,10 @@ def build_schedule(
     views = _Views(plan)
     old_shards = views.shards(old_rank, old=True)
     new_shards = views.shards(new_rank, old=False)
+    # The lost ranks whose sends this process runs from the peer copies it keeps.
+    standing = [r for r, k in plan.stand_ins if old_rank is not None and k == old_rank]
+    stand_in_shards = {r: _copied_shards(plan, views, r) for r in standing}
+    served = {old_rank, *standing} if old_rank is not None else set()
 
     def where(task: TransferTask, ti: int, box: Box) -> _Placed:
         t = tensors[ti]
@@ -348,7 +376,7 @@ def build_schedule(
     last_read: dict[int, tuple[int, int]] = {}
     by_step: dict[tuple[int, int], tuple[list[PeerMessage], list[PeerMessage], list[LocalCopy]]] = {}
     for task in plan.tasks:
-        sending = task.src == old_rank
+        sending = task.src in served
         receiving = task.dst == new_rank
         if not (sending or receiving):
             continue
@@ -363,9 +391,15 @@ def build_schedule(
                 f"but group_ranks put them in processes {src_g} and {dst_g}"
             )
         recvs, sends, copies = by_step.setdefault((task.layer, task.round), ([], [], []))
-        if sending:
+        source = OWN if task.src == old_rank else task.src
+        if sending and source == OWN:  # the peer copies are kept whole until the stream ends
             for ti, _box in task.slices:
                 last_read[ti] = (task.layer, task.round)
+        if sending and source != OWN and any(ti not in stand_in_shards[source] for ti, _ in task.slices):
+            raise PlanMismatch(
+                f"task layer {task.layer} {task.src}->{task.dst}: the peer copy of old rank {task.src} "
+                "does not hold every tensor it sends"
+            )
         for ti, box in task.slices:
             t = tensors[ti]
             k = (views.keys[ti], task.src, task.dst, box)
@@ -375,12 +409,16 @@ def build_schedule(
             if receiving:
                 received[ti] += p.elements
             if task.local:
-                copies.append(LocalCopy(ti, p.src, p.dst, p.elements * t.itemsize, p.src_piece, p.dst_piece))
+                copies.append(
+                    LocalCopy(ti, p.src, p.dst, p.elements * t.itemsize, p.src_piece, p.dst_piece, source)
+                )
                 continue
             if p.src_contiguous:  # one message, straight from the old storage
                 nbytes = p.elements * t.itemsize
                 if sending:
-                    sends.append(PeerMessage(dst_g, task.dst, ti, box, nbytes, p.src, False, -1, p.src_piece))
+                    sends.append(
+                        PeerMessage(dst_g, task.dst, ti, box, nbytes, p.src, False, -1, p.src_piece, source)
+                    )
                 else:
                     staged = not (direct_receive and p.dst_contiguous)
                     recvs.append(
@@ -397,7 +435,9 @@ def build_schedule(
                     src_region = _local(piece, s.box)
                     copy = not region_is_contiguous(src_region, s.local_shape)
                     sends.append(
-                        PeerMessage(dst_g, task.dst, ti, piece, nbytes, src_region, copy, -1, p.src_piece)
+                        PeerMessage(
+                            dst_g, task.dst, ti, piece, nbytes, src_region, copy, -1, p.src_piece, source
+                        )
                     )
                 else:
                     dst_region = _local(piece, d.box)
@@ -470,6 +510,7 @@ def build_schedule(
         new_rank,
         group_rank,
         old_shards,
+        stand_in_shards,
         new_shards,
         tuple(layers),
         unread,
@@ -477,6 +518,17 @@ def build_schedule(
         buffer,
         cap,
     )
+
+
+def _copied_shards(plan: Plan, views: _Views, rank: int) -> dict[int, Holding]:
+    """What the peer copy of lost old rank ``rank`` holds: its pieces of the tensors it copied."""
+    copied = redundancy(plan.model, plan.old.layout, plan.old.placement).copied[rank]
+    out: dict[int, Holding] = {}
+    for ti in copied:
+        pieces = views(ti, rank, old=True)
+        if pieces is not None:
+            out[ti] = pieces
+    return out
 
 
 def buffer_bytes(
