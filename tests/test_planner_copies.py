@@ -123,3 +123,33 @@ def test_a_stand_in_that_sends_what_its_copy_does_not_hold_is_refused() -> None:
     broken = plan.with_tasks([tampered if t == task else t for t in plan.tasks])
     report = verify_plan(broken, lost=B)
     assert not report.ok and any("does not hold every tensor" in e for e in report.errors)
+
+
+def test_the_transfer_service_puts_a_lost_ranks_tasks_in_its_keepers_slice() -> None:
+    from liver.services.transfer.core import plan_transfer
+    from liver.shared.messages import Candidate, TopologyPlanned
+
+    world = old_world("TP2,PP1,DP2")
+    new_layout = L("TP2,PP1,DP1")
+    msg = TopologyPlanned(
+        job_id="j",
+        event_id="e",
+        from_generation=1,
+        generation=2,
+        model=GPT.with_ddp(DIST),
+        from_layout=world.layout,
+        from_placement=world.placement,
+        layout=new_layout,
+        placement=Placement(A),
+        candidates=(Candidate(layout=new_layout, score=1.0, fits=True),),
+        explanation="a node lost",
+        lost=B,
+    )
+    out = plan_transfer(msg, budget_bytes=64 * 1024)
+    assert out.plan.stand_ins == ((2, 0), (3, 1))
+    by_device = {s.device: s for s in out.slices}
+    for lost_rank, keeper in out.plan.stand_ins:
+        keeper_slice = by_device[A[keeper]]
+        assert keeper_slice.stand_ins == out.plan.stand_ins
+        assert any(t.src == lost_rank for t in keeper_slice.tasks)
+        assert not by_device[B[lost_rank - 2]].tasks  # nothing runs on the lost devices

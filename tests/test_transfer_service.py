@@ -201,6 +201,7 @@ class DropsATask:
         opt: bool,
         *,
         lost: Collection[Device] = (),
+        copies: bool = False,
     ) -> Plan:
         plan = build_plan(model, old, new, budget, opt, lost=lost)
         return plan.with_tasks(plan.tasks[:-1])
@@ -288,6 +289,9 @@ def test_a_bad_budget_in_the_environment_is_named(value: str) -> None:
 # Rank 4 (TP rank 0 of stage 1, replica 0) ran on node001:0; its replica, rank 6, on node001:2.
 REPLICA_LOST = (OLD_DEVICES[4],)
 BOTH_REPLICAS_LOST = (OLD_DEVICES[4], OLD_DEVICES[6])
+# Rank 4 keeps its peer copy on rank 0 (node000:0): losing that too leaves its state nowhere.
+COPY_LOST_TOO = (OLD_DEVICES[0], *BOTH_REPLICAS_LOST)
+TWO_SURVIVORS = topology(ParallelLayout(tp=1, pp=2, dp=1), OLD_DEVICES[1:3])
 
 
 async def test_a_lost_devices_state_comes_from_its_surviving_replica(rig: Rig) -> None:
@@ -300,12 +304,20 @@ async def test_a_lost_devices_state_comes_from_its_surviving_replica(rig: Rig) -
     assert OLD_DEVICES[6] in sources
 
 
-async def test_state_held_only_by_lost_devices_is_a_transfer_planning_failure(conn: Conn) -> None:
+async def test_state_held_only_by_lost_devices_comes_from_its_peer_copy(rig: Rig) -> None:
+    await rig.publish(msgspec.structs.replace(SCALE_IN, lost=BOTH_REPLICAS_LOST))
+    out = await rig.planned.one(TransferPlanned)
+    plan = decode_plan(await rig.fetch(out.plan))
+    assert plan.stand_ins == ((4, 0),)  # rank 4 (node001:0) stands in, its tasks run on node000:0
+    assert verify_plan(plan, lost=BOTH_REPLICAS_LOST).ok
+
+
+async def test_state_whose_holders_and_copy_are_lost_is_a_transfer_planning_failure(conn: Conn) -> None:
     failures = await Collector.on(conn.nc, s.planning_failed(JOB))
     service = TransferService(FAST)
     async with running(service, conn.url):
         rig = await rig_for(conn, service)
-        await rig.publish(msgspec.structs.replace(SCALE_IN, lost=BOTH_REPLICAS_LOST))
+        await rig.publish(msgspec.structs.replace(TWO_SURVIVORS, lost=COPY_LOST_TOO))
         failed = await failures.one(PlanningFailed)
         assert (failed.job_id, failed.event_id, failed.generation, failed.stage) == (
             JOB,

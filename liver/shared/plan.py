@@ -26,10 +26,11 @@ context parallelism, expert parallelism and expert-TP to the layouts and experts
 tensor's ``expert``); version 4 the stand-ins (a lost rank's sends run by the keeper of its peer copy).
 Versions 1 to 3 are still read."""
 
-SLICE_SCHEMA_VERSION = 4
+SLICE_SCHEMA_VERSION = 5
 """The stored per-device slice's version (:class:`SliceFile`). Version 1 repeated both worlds in every
 slice; version 2 leaves them to the ``Prepare``, which every participant receives once; version 3 carries
-the model's geometry instead of its ``ModelSpec``; version 4 geometries with experts."""
+the model's geometry instead of its ``ModelSpec``; version 4 geometries with experts; version 5 the
+plan's stand-ins (a lost rank's tasks, in its keeper's slice)."""
 
 Slice = tuple[int, Box]
 """``(tensor index into Plan.tensors, global box)``: one hyper-rectangle of one tensor."""
@@ -298,6 +299,8 @@ class PlanSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     budget_bytes: int
     device: Device
     tasks: tuple[TransferTask, ...]
+    stand_ins: tuple[tuple[int, int], ...] = ()
+    """The plan's :attr:`Plan.stand_ins`: a keeper's slice holds its lost ranks' tasks too."""
 
     def to_plan(self) -> Plan:
         return Plan.of_tasks(
@@ -308,6 +311,7 @@ class PlanSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             tensors=self.model.tensors(self.optimizer),
             budget_bytes=self.budget_bytes,
             tasks=self.tasks,
+            stand_ins=self.stand_ins,
         )
 
     def stored(self, generation: int) -> SliceFile:
@@ -319,6 +323,7 @@ class PlanSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             budget_bytes=self.budget_bytes,
             device=self.device,
             tasks=self.tasks,
+            stand_ins=self.stand_ins,
         )
 
 
@@ -338,6 +343,7 @@ class SliceFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     budget_bytes: int
     device: Device
     tasks: tuple[TransferTask, ...]
+    stand_ins: tuple[tuple[int, int], ...] = ()
 
     def with_worlds(self, old: WorldConfig, new: WorldConfig) -> PlanSlice:
         return PlanSlice(
@@ -348,6 +354,7 @@ class SliceFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             budget_bytes=self.budget_bytes,
             device=self.device,
             tasks=self.tasks,
+            stand_ins=self.stand_ins,
         )
 
 

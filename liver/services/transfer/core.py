@@ -50,6 +50,7 @@ class Planner(Protocol):
         optimizer: bool,
         *,
         lost: Collection[Device] = (),
+        copies: bool = False,
     ) -> Plan: ...
 
 
@@ -94,7 +95,9 @@ def plan_transfer(
     new = WorldConfig(msg.layout, msg.placement)
     lost = msg.lost
     t0 = time.perf_counter()
-    plan = planner(model, old, new, budget_bytes, optimizer, lost=lost)
+    # Jobs keep peer copies unless their runtime turned them off (RuntimeOptions.copies): a recovery is
+    # planned from them where no survivor holds the state; a job without them falls back when it reads it.
+    plan = planner(model, old, new, budget_bytes, optimizer, lost=lost, copies=True)
     plan_seconds = time.perf_counter() - t0
     report = verify_plan(plan, lost=lost)
     verify_seconds = time.perf_counter() - t0 - plan_seconds
@@ -157,7 +160,7 @@ def device_slices(plan: Plan, optimizer: bool) -> tuple[PlanSlice, ...]:
     old_dev, new_dev = plan.old.placement.devices, plan.new.placement.devices
     tasks: dict[Device, list[TransferTask]] = {d: [] for d in (*old_dev, *new_dev)}
     for task in plan.tasks:
-        src, dst = old_dev[task.src], new_dev[task.dst]
+        src, dst = plan.src_device(task.src), new_dev[task.dst]  # a stand-in's tasks run on its keeper
         tasks[src].append(task)
         if dst != src:
             tasks[dst].append(task)
@@ -170,6 +173,7 @@ def device_slices(plan: Plan, optimizer: bool) -> tuple[PlanSlice, ...]:
             budget_bytes=plan.budget_bytes,
             device=device,
             tasks=tuple(mine),
+            stand_ins=plan.stand_ins,
         )
         for device, mine in tasks.items()
     )

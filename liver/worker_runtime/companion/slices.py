@@ -301,13 +301,23 @@ def check_slice(piece: SliceFile, prepare: Prepare, device: Device) -> None:
     if piece.budget_bytes < 1:
         _fail("$.budget_bytes", f"must be >= 1, got {piece.budget_bytes}")
     tensors = piece.model.tensors(piece.optimizer)
+    lost = set(prepare.lost)
+    keepers: dict[int, int] = {}
+    for i, (rank, keeper) in enumerate(piece.stand_ins):
+        at = f"$.stand_ins[{i}]"
+        if not (0 <= rank < len(old_devices) and 0 <= keeper < len(old_devices)):
+            _fail(at, f"ranks {rank}, {keeper} are not both in the old world of {len(old_devices)}")
+        if old_devices[rank] not in lost or old_devices[keeper] in lost:
+            _fail(at, f"old rank {rank} stands in on {keeper}: the first must be lost, the second not")
+        keepers[rank] = keeper
     for i, task in enumerate(piece.tasks):
         at = f"$.tasks[{i}]"
         if not 0 <= task.src < len(old_devices):
             _fail(f"{at}.src", f"rank {task.src} is outside the old world of {len(old_devices)}")
         if not 0 <= task.dst < len(new_devices):
             _fail(f"{at}.dst", f"rank {task.dst} is outside the new world of {len(new_devices)}")
-        src, dst = old_devices[task.src], new_devices[task.dst]
+        # A lost rank that stands in sends from its keeper's device.
+        src, dst = old_devices[keepers.get(task.src, task.src)], new_devices[task.dst]
         if device not in (src, dst):
             _fail(at, f"moves {src} -> {dst}; neither is this worker's device {device}")
         if task.local != (src == dst):
