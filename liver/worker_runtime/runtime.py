@@ -963,6 +963,10 @@ class LiveRuntime(Generic[T]):
             kept = keep(self._trainer)
         else:
             gc.collect()
+        if self._copies is not None:
+            # The sender may still be reading the last refresh from the kept tensors, which the
+            # recovery frees once it commits (a send to a lost keeper fails at once).
+            self._copies.settle()
         self._emit(
             RuntimeEvent(
                 generation=broken.generation, phase=ReshardPhase.PEER_LOST, iteration=abandoned.iteration

@@ -23,9 +23,10 @@ VERSION: Final = 1
 HELLO: Final = struct.Struct("!4sHxxQQ")  # magic, version, generation, sender rank
 HEADER: Final = struct.Struct("!QQ")  # iteration, payload bytes
 TRAILER: Final = struct.Struct("!I")  # CRC-32 of the payload
-DEFAULT_NICENESS: Final = 10
-"""How far below training the copies' threads run (``nice``): far enough that a busy core serves the
-training thread first, near enough that a refresh still finishes within a step."""
+DEFAULT_NICENESS: Final = 0
+"""How far below training the copies' threads run (``nice``). None by default: the update waits for the
+sender's read, so a sender starved by other processes' training threads (more processes than cores)
+would stall its own training; at ``nice`` 10 no gain showed in ``liver bench copies`` either."""
 MAX_PAYLOAD: Final = 1 << 44
 """A header announcing more than 16 TiB is garbage (no process's shard is that large)."""
 
