@@ -109,10 +109,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_the_survivors_of_a_lost_node_rebuild_every_shard_from_their_state_and_the_copies(case: str) -> None:
+def recovery_plan(case: str) -> Plan:
+    """Node b lost: the case's old world on a and b moves to its new one on a, from the copies."""
     model, old, new = CASES[case]
-    plan = build_plan(
+    return build_plan(
         model,
         WorldConfig(ParallelLayout.parse(old), Placement(A + B)),
         WorldConfig(ParallelLayout.parse(new), Placement(A)),
@@ -120,21 +120,18 @@ def test_the_survivors_of_a_lost_node_rebuild_every_shard_from_their_state_and_t
         lost=B,
         copies=True,
     )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_survivors_of_a_lost_node_rebuild_every_shard_from_their_state_and_the_copies(case: str) -> None:
+    plan = recovery_plan(case)
     assert plan.stand_ins
     outcomes = run_world(recover, 2, args=(plan, B), timeout_s=240)
     assert [o.unwrap() for o in outcomes] == [[], []]
 
 
 def test_a_keeper_without_the_copy_it_stands_in_with_is_refused_before_any_message() -> None:
-    model, old, new = CASES["distributed optimizer, TP2,DP2 -> TP2,DP1"]
-    plan = build_plan(
-        model,
-        WorldConfig(ParallelLayout.parse(old), Placement(A + B)),
-        WorldConfig(ParallelLayout.parse(new), Placement(A)),
-        budget_bytes=64 * 1024,
-        lost=B,
-        copies=True,
-    )
+    plan = recovery_plan("distributed optimizer, TP2,DP2 -> TP2,DP1")
 
     class NoGroup:
         def rank(self) -> int:
