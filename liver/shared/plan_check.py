@@ -27,7 +27,6 @@ The worker runtime can run it on its own part of a plan before executing it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Collection
@@ -37,9 +36,9 @@ import msgspec
 from liver.shared.boxes import Box, contains, disjoint_cover, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import Holding, holding, is_dp_sharded
-from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.layout import Device, ParallelLayout
 from liver.shared.plan import LayerClass, Plan, Slice, TransferTask
-from liver.shared.redundancy import redundancy
+from liver.shared.redundancy import copied_set, redundancy
 from liver.shared.views import expert_rank, holding_stages, world_shards
 
 
@@ -180,13 +179,8 @@ def _stand_ins_valid(plan: Plan, lost: frozenset[Device], fail: Callable[[str], 
 
 def _copy_holds(plan: Plan, src: int, slices: tuple[Slice, ...]) -> bool:
     """Whether a stand-in ``src``'s peer copy holds every tensor of ``slices``."""
-    copied = _copied(plan.model, plan.old.layout, plan.old.placement, src)
+    copied = copied_set(plan.model, plan.old.layout, plan.old.placement, src)
     return all(ti in copied for ti, _box in slices)
-
-
-@functools.lru_cache(maxsize=256)
-def _copied(model: ModelGeometry, layout: ParallelLayout, placement: Placement, rank: int) -> frozenset[int]:
-    return frozenset(redundancy(model, layout, placement).copied[rank])
 
 
 def _source_ok(plan: Plan, src: int, lost: frozenset[Device]) -> bool:

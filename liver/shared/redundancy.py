@@ -79,6 +79,14 @@ def copied_tensors(
     return _copied(model, layout, placement)[rank]
 
 
+@functools.lru_cache(maxsize=256)
+def copied_set(
+    model: ModelGeometry, layout: ParallelLayout, placement: Placement, rank: int
+) -> frozenset[int]:
+    """:func:`copied_tensors` as a set: what the planner and the checker ask of every slice."""
+    return frozenset(_copied(model, layout, placement)[rank])
+
+
 @functools.lru_cache(maxsize=32)
 def _copied(
     model: ModelGeometry, layout: ParallelLayout, placement: Placement

@@ -40,7 +40,7 @@ from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import LayerClass, Plan, Slice, TaskTemplate, WorldConfig
-from liver.shared.redundancy import NO_KEEPER, redundancy
+from liver.shared.redundancy import NO_KEEPER, copied_set, redundancy
 from liver.shared.views import (
     expert_rank,
     grid_of,
@@ -188,7 +188,7 @@ def stand_ins(model: ModelGeometry, old: WorldConfig, lost: Collection[Device]) 
         for r, k in enumerate(red.keepers)
         if devices[r] in gone and k != NO_KEEPER and devices[k] not in gone and red.copied[r]
     }
-    return StandIns(keepers, {r: frozenset(red.copied[r]) for r in keepers})
+    return StandIns(keepers, {r: copied_set(model, old.layout, old.placement, r) for r in keepers})
 
 
 def _check_lost(lost: Collection[Device], old: WorldConfig, new: WorldConfig) -> frozenset[Device]:

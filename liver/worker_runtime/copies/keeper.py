@@ -21,13 +21,11 @@ from typing import NamedTuple
 import structlog
 
 from .wire import (
-    DEFAULT_NICENESS,
     HEADER,
     MAX_PAYLOAD,
     TRAILER,
     CopyError,
     checksum,
-    lower_priority,
     read_hello,
     read_struct,
     recv_exactly,
@@ -61,11 +59,9 @@ class CopyKeeper:
         generation: int,
         sources: Collection[int],
         host: str = "0.0.0.0",
-        niceness: int = DEFAULT_NICENESS,
     ) -> None:
         self.generation = generation
         self.sources = frozenset(sources)
-        self.niceness = niceness
         self._listener = socket.create_server((host, 0))
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Condition()
@@ -131,7 +127,6 @@ class CopyKeeper:
             threading.Thread(target=self._serve, args=(conn,), name="liver-copies-recv", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        lower_priority(self.niceness)
         source = -1
         try:
             conn.settimeout(None)

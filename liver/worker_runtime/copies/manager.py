@@ -47,8 +47,7 @@ class CopyManager:
         self.build_timeout_s = build_timeout_s
         self.copies: PeerCopies | None = None
         self._broken_for: int | None = None  # a generation whose copies could not be made
-        self._trainer_id: int | None = None
-        self._state: Mapping[int, LocalTensor] | None = None
+        self._state: Mapping[int, LocalTensor] | None = None  # the generation's trainer's, once taken
 
     def at_boundary(
         self,
@@ -62,13 +61,12 @@ class CopyManager:
         copies = self._for(world)
         if copies is None or copies.sender is None:
             return
-        if id(trainer) != self._trainer_id:
-            # Live storage: views taken once per trainer stay the state (updates are in place).
+        if self._state is None:
+            # A generation has one trainer, updated in place: views of its storage taken at its first
+            # boundary stay its state.
             self._state = state_of(trainer)
-            self._trainer_id = id(trainer)
             if gate_updates is not None:
                 gate_updates(trainer, copies.gate)
-        assert self._state is not None
         try:
             copies.refresh(iteration, self._state)
         except CopyError as error:
@@ -86,7 +84,7 @@ class CopyManager:
         They are taken from the broken world's keeper, which takes no more refreshes from them, and must
         be of the ``iteration`` the survivors kept and intact (their sender's checksum); else
         :class:`~.wire.CopyError`, and the recovery falls back to the checkpoint."""
-        wanted = [r for r, keeper in plan.stand_ins if old_rank is not None and keeper == old_rank]
+        wanted = [r for r, keeper in plan.stand_ins if keeper == old_rank]
         if not wanted:
             return {}
         copies = self.copies
@@ -134,7 +132,7 @@ class CopyManager:
         if self._broken_for == world.generation:
             return None
         self.close()
-        self._trainer_id, self._state = None, None
+        self._state = None
         store = world.store
         try:
             self.copies = PeerCopies(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import structlog
 import torch
 
-from .wire import DEFAULT_NICENESS, HEADER, TRAILER, CopyError, checksum, hello, lower_priority
+from .wire import HEADER, TRAILER, CopyError, checksum, hello
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +61,6 @@ class CopySender:
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         connect_timeout_s: float = 30.0,
-        niceness: int = DEFAULT_NICENESS,
     ) -> None:
         if staging_bytes < 1:
             raise ValueError(f"`staging_bytes`: must be positive, got {staging_bytes}")
@@ -69,7 +68,6 @@ class CopySender:
         self.generation = generation
         self.rank = rank
         self.connect_timeout_s = connect_timeout_s
-        self.niceness = niceness
         pin = torch.cuda.is_available()  # only device memory is staged; host memory is sent as it is
         self._staging = torch.empty(staging_bytes if pin else 0, dtype=torch.uint8, pin_memory=pin)
         self._chunk = staging_bytes
@@ -136,7 +134,6 @@ class CopySender:
 
     # -- the thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
-        lower_priority(self.niceness)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._job is not None)

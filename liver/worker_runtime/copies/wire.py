@@ -8,11 +8,8 @@ the copy it has.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
 import struct
-import threading
 import zlib
 from typing import Final, NamedTuple
 
@@ -23,10 +20,6 @@ VERSION: Final = 1
 HELLO: Final = struct.Struct("!4sHxxQQ")  # magic, version, generation, sender rank
 HEADER: Final = struct.Struct("!QQ")  # iteration, payload bytes
 TRAILER: Final = struct.Struct("!I")  # CRC-32 of the payload
-DEFAULT_NICENESS: Final = 0
-"""How far below training the copies' threads run (``nice``). None by default: the update waits for the
-sender's read, so a sender starved by other processes' training threads (more processes than cores)
-would stall its own training; at ``nice`` 10 no gain showed in ``liver bench copies`` either."""
 MAX_PAYLOAD: Final = 1 << 44
 """A header announcing more than 16 TiB is garbage (no process's shard is that large)."""
 
@@ -38,16 +31,6 @@ class CopyError(HandoffError):
 class Hello(NamedTuple):
     generation: int
     rank: int
-
-
-def lower_priority(niceness: int) -> None:
-    """Run the calling thread ``niceness`` steps below the process's CPU priority (Linux schedules
-    threads one by one): the copies then take the CPU time that training leaves. Where that cannot be
-    set (another system, or no permission) the thread runs as it is."""
-    if niceness <= 0:
-        return
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
 def checksum(data: memoryview | bytes | bytearray, running: int = 0) -> int:

@@ -32,7 +32,7 @@ from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device
 from liver.shared.model import TensorSpec
 from liver.shared.plan import Plan, TransferTask
-from liver.shared.redundancy import redundancy
+from liver.shared.redundancy import copied_tensors
 from liver.shared.views import Shard
 
 Region = tuple[tuple[int, int], ...]
@@ -296,14 +296,14 @@ def _check_identity(
         bad = [g for g in present if not 0 <= g < group_size]
         if bad:
             raise PlanMismatch(f"{field} names group ranks {bad} outside a group of {group_size}")
-    for rank_, keeper in standing.items():
+    for lost_rank, keeper in standing.items():
         if (
-            0 <= rank_ < len(ranks.old)
+            0 <= lost_rank < len(ranks.old)
             and 0 <= keeper < len(ranks.old)
-            and ranks.old[rank_] != ranks.old[keeper]
+            and ranks.old[lost_rank] != ranks.old[keeper]
         ):
             raise PlanMismatch(
-                f"group_ranks.old: old rank {rank_} stands in on {keeper}'s process, not elsewhere"
+                f"group_ranks.old: old rank {lost_rank} stands in on {keeper}'s process, not elsewhere"
             )
     for field, table, rank in (("old_rank", ranks.old, old_rank), ("new_rank", ranks.new, new_rank)):
         own = field == "new_rank"
@@ -522,9 +522,8 @@ def build_schedule(
 
 def _copied_shards(plan: Plan, views: _Views, rank: int) -> dict[int, Holding]:
     """What the peer copy of lost old rank ``rank`` holds: its pieces of the tensors it copied."""
-    copied = redundancy(plan.model, plan.old.layout, plan.old.placement).copied[rank]
     out: dict[int, Holding] = {}
-    for ti in copied:
+    for ti in copied_tensors(plan.model, plan.old.layout, plan.old.placement, rank):
         pieces = views(ti, rank, old=True)
         if pieces is not None:
             out[ti] = pieces
