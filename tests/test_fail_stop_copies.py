@@ -1,14 +1,20 @@
 """A lost process whose state no survivor holds is recovered live from its peer copy.
 
-One real Megatron job of four processes on two nodes trains tiny-gpt with the distributed optimizer at
-TP2,PP1,DP2 (replica A on node a: p0, p1; replica B on node b: p2, p3). Each DP rank owns half of the
-Adam moments, which no other process holds; after every step each process's shard goes to the process
-at its place on the other node (p3's to p1). p3 dies in its third step: in one run as its optimizer step
-begins, in another in the forward of its second micro-batch (once its last refresh was read). The
-survivors are handed the recovery (TP1,PP1,DP3 on p0-p2, planned around the lost device with the
-copies: p3 "stands in", its sends run by p1 from the copy) and move to it without a checkpoint. The
-state right after the recovery equals, bit for bit, the state at the end of step 2 gathered from all
-four processes (p3's own saved before it died), and training goes on.
+One real Megatron job of four processes on two nodes (p0, p1 on node a; p2, p3 on node b) keeps, after
+every step, a copy of the state each process alone holds on the process at its place on the other node
+(p3's on p1). Three jobs: tiny-gpt with the distributed optimizer at TP2,PP1,DP2 (each DP rank owns half
+of the master weights and Adam moments), tiny-gpt with plain Adam at TP2,PP2,DP1 (no replica at all:
+p3's whole shard lives only in its copy), and tiny-moe with the distributed optimizer at DP4,EP2 (dense
+shards over DP4, expert shards over their expert-DP pair). p3 dies in its third step: as its optimizer
+step begins, or in the forward of its second micro-batch (once its last refresh was read). The survivors
+are handed the recovery (TP1,PP1,DP3 on p0-p2, planned around the lost device with the copies: p3
+"stands in", its sends run by p1 from the copy) and move to it without a checkpoint. The state right
+after the recovery equals, bit for bit, the state at the end of step 2 gathered from all four processes
+(p3's own saved before it died), and training goes on.
+
+In another run a bit of p3's copy flips in p1's memory before the recovery reads it: the copy fails its
+checksum, the recovery names the tensor and falls back to the durable checkpoint once (no second
+attempt), and training goes on from there.
 """
 
 from __future__ import annotations
@@ -16,25 +22,24 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgspec
 import pytest
 from live_chain import as_numpy, bit_identical, gather
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.model import PRESETS
+from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.plan import Plan, WorldConfig
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEVICES = (Device("a", 0), Device("a", 1), Device("b", 0), Device("b", 1))
-CONFIG = TrainConfig(global_batch_size=6, micro_batch_size=1, seq_length=16, use_distributed_optimizer=True)
-MODEL = PRESETS["tiny-gpt"]
-GEOMETRY = MODEL.geometry().with_ddp(CONFIG.ddp)
-OLD = ParallelLayout(tp=2, pp=1, dp=2)
+DIST_OPT = TrainConfig(global_batch_size=6, micro_batch_size=1, seq_length=16, use_distributed_optimizer=True)
 NEW = ParallelLayout(tp=1, pp=1, dp=3)
 VICTIM = 3
 KILLED_IN = 3
@@ -42,32 +47,84 @@ STEPS_AFTER = 2
 JOB = "copies-fail-stop"
 
 
-def recovery_plan() -> Plan:
+class Case(NamedTuple):
+    model: ModelSpec
+    config: TrainConfig
+    old: ParallelLayout
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return self.model.geometry().with_ddp(self.config.ddp)
+
+
+CASES = {
+    # Each DP rank's master weights and moments exist nowhere else.
+    "dist-opt": Case(PRESETS["tiny-gpt"], DIST_OPT, ParallelLayout(tp=2, pp=1, dp=2)),
+    # No replica at all: p3's whole shard (its half of stage 2, plain Adam) lives only in its copy.
+    "dp1": Case(
+        PRESETS["tiny-gpt"],
+        msgspec.structs.replace(DIST_OPT, use_distributed_optimizer=False),
+        ParallelLayout(tp=2, pp=2, dp=1),
+    ),
+    # Dense shards over DP4, the experts' shards over their expert-DP pair (p1, p3).
+    "moe-dist-opt": Case(
+        PRESETS["tiny-moe"],
+        msgspec.structs.replace(DIST_OPT, global_batch_size=12),  # DP4, then DP3
+        ParallelLayout(tp=1, pp=1, dp=4, ep=2),
+    ),
+}
+RUNS = [("dist-opt", "update"), ("dist-opt", "mid-step"), ("dp1", "update"), ("moe-dist-opt", "mid-step")]
+
+
+def recovery_plan(case: Case) -> Plan:
     from liver.services.transfer.planner import plan_resize
 
-    old = WorldConfig(OLD, Placement(DEVICES))
+    old = WorldConfig(case.old, Placement(DEVICES))
     return plan_resize(
-        GEOMETRY, old, NEW, DEVICES[:3], budget_bytes=256 * 1024, lost=[DEVICES[VICTIM]], copies=True
+        case.geometry, old, NEW, DEVICES[:3], budget_bytes=256 * 1024, lost=[DEVICES[VICTIM]], copies=True
     ).plan
 
 
-def process(proc: Proc, plan: Plan, when: str, saved: str) -> dict[str, Any]:
+CHECKPOINT_EVERY = 2
+CORRUPT_AT = 100  # a byte of p3's copy (in its first copied tensor), flipped in p1's memory
+
+
+def first_copied_tensor(case: Case) -> str:
+    from liver.shared.redundancy import copied_tensors
+
+    geometry = case.geometry
+    ti = copied_tensors(geometry, case.old, Placement(DEVICES), VICTIM)[0]
+    return geometry.tensors(optimizer=True)[ti].name
+
+
+def process(
+    proc: Proc, case: Case, plan: Plan, when: str, saved: str, root: str | None = None
+) -> dict[str, Any]:
     from live_chain import _quiet
 
     _quiet()
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.state import snapshot
     from liver.worker_runtime.peers import StepAbandoned
-    from liver.worker_runtime.runtime import LiveRuntime, ReshardPhase, RuntimeEvent, RuntimeOptions
+    from liver.worker_runtime.runtime import (
+        CheckpointOptions,
+        LiveRuntime,
+        ReshardPhase,
+        RuntimeEvent,
+        RuntimeOptions,
+    )
     from liver.worker_runtime.world import StoreAddress, WorldSpec
 
     address = StoreAddress("127.0.0.1", proc.store.port)
-    factory = MegatronJob(MODEL, CONFIG)
+    factory = MegatronJob(case.model, case.config)
     out: dict[str, Any] = {"trace": [], "snapshots": {}, "peer_lost": []}
 
     def on_event(event: RuntimeEvent) -> None:
         if event.phase is ReshardPhase.PEER_LOST:
             out["peer_lost"].append(event.iteration)
+            if root is not None and proc.rank == 1:  # p1 keeps p3's copy: a bit flips in its memory
+                copy = runtime.peer_copies.keeper.latest(VICTIM)
+                copy.data.obj[CORRUPT_AT] ^= 0x08
             runtime.request_resize(
                 1,
                 plan.new.layout,
@@ -85,8 +142,13 @@ def process(proc: Proc, plan: Plan, when: str, saved: str) -> dict[str, Any]:
         job=JOB,
         device=DEVICES[proc.rank],
         store=address,
-        initial=WorldSpec(job=JOB, generation=0, layout=OLD, placement=Placement(DEVICES)),
-        options=RuntimeOptions(control_timeout_s=120, build_timeout_s=180, recover_timeout_s=200),
+        initial=WorldSpec(job=JOB, generation=0, layout=case.old, placement=Placement(DEVICES)),
+        options=RuntimeOptions(
+            control_timeout_s=120,
+            build_timeout_s=180,
+            recover_timeout_s=200,
+            checkpoint=None if root is None else CheckpointOptions(root=root, every=CHECKPOINT_EVERY),
+        ),
         on_event=on_event,
     )
     trainer = runtime.step()
@@ -107,6 +169,7 @@ def process(proc: Proc, plan: Plan, when: str, saved: str) -> dict[str, Any]:
     out["generation"] = runtime.generation
     out["left"] = runtime.left
     out["history"] = [type(h).__name__ for h in runtime.history]
+    out["fallbacks"] = [(f.iteration, f.reached_iteration, f.reason) for f in runtime.fallbacks]
     runtime.close()
     return out
 
@@ -142,19 +205,21 @@ def _die_in_step(trainer: Any, runtime: Any, when: str) -> None:
     trainer.forward_step = dying_forward
 
 
-@pytest.fixture(scope="module", params=["update", "mid-step"])
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{c}-{w}" for c, w in RUNS])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    plan = recovery_plan()
+    name, when = request.param
+    case = CASES[name]
+    plan = recovery_plan(case)
     saved = str(tmp_path_factory.mktemp("victim") / "state.pkl")
-    outcomes = run_world(process, 4, args=(plan, request.param, saved), timeout_s=400, group_timeout_s=120)
+    outcomes = run_world(process, 4, args=(case, plan, when, saved), timeout_s=400, group_timeout_s=120)
     victim = outcomes[VICTIM]
     survivors = {o.rank: o.unwrap() for o in outcomes if o.rank != VICTIM}
     with open(saved, "rb") as fh:
         lost_state = pickle.load(fh)
     states = {r: s["snapshots"][KILLED_IN - 1] for r, s in survivors.items()} | {VICTIM: lost_state}
-    before = gather(states, OLD, GEOMETRY)
+    before = gather(states, case.old, case.geometry)
     new_rank = plan.new.placement.rank_on()
-    after = gather({new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items()}, NEW, GEOMETRY)
+    after = gather({new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items()}, NEW, case.geometry)
     return {"plan": plan, "victim": victim, "survivors": survivors, "before": before, "after": after}
 
 
@@ -177,3 +242,32 @@ def test_the_recovered_state_equals_the_last_completed_step_of_all_four_bit_for_
 def test_training_goes_on_on_the_new_world(runs: dict) -> None:
     trace = runs["survivors"][0]["trace"]
     assert [it for gen, it, _ in trace if gen == 1] == [KILLED_IN + i for i in range(STEPS_AFTER)]
+
+
+@pytest.fixture(scope="module")
+def corrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    case = CASES["dist-opt"]
+    saved = str(tmp_path_factory.mktemp("victim-corrupt") / "state.pkl")
+    root = str(tmp_path_factory.mktemp("checkpoints"))
+    args = (case, recovery_plan(case), "update", saved, root)
+    outcomes = run_world(process, 4, args=args, timeout_s=400, group_timeout_s=120)
+    assert outcomes[VICTIM].status == "died", outcomes[VICTIM]
+    return {o.rank: o.unwrap() for o in outcomes if o.rank != VICTIM}
+
+
+def test_a_copy_that_fails_its_checksum_is_named_and_the_job_falls_back_to_its_checkpoint_once(
+    corrupted: dict,
+) -> None:
+    name = first_copied_tensor(CASES["dist-opt"])
+    for rank, s in corrupted.items():
+        assert s["history"] == ["FallbackReport"], (rank, s["history"])
+        [(iteration, reached, _)] = s["fallbacks"]
+        assert (iteration, reached) == (CHECKPOINT_EVERY, KILLED_IN - 1), rank
+    keeper_reason = corrupted[1]["fallbacks"][0][2]
+    assert f"{name} fails its checksum" in keeper_reason and f"rank {VICTIM}" in keeper_reason
+
+
+def test_after_the_fallback_training_goes_on_from_the_checkpoint(corrupted: dict) -> None:
+    trace = corrupted[0]["trace"]
+    after = [it for gen, it, _ in trace if gen == corrupted[0]["generation"]]
+    assert after[0] == CHECKPOINT_EVERY + 1 and after[-1] == KILLED_IN + STEPS_AFTER - 1

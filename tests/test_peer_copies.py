@@ -8,9 +8,9 @@ import socket
 import pytest
 import torch
 
-from liver.worker_runtime.copies.keeper import CopyKeeper
+from liver.worker_runtime.copies.keeper import CopyKeeper, KeptCopy
 from liver.worker_runtime.copies.sender import CopySender
-from liver.worker_runtime.copies.wire import HEADER, TRAILER, hello
+from liver.worker_runtime.copies.wire import HEADER, MAX_TENSORS, TRAILER, hello, trailer
 
 WAIT_S = 30.0
 
@@ -26,6 +26,16 @@ def state(seed: int) -> list[torch.Tensor]:
 
 def as_bytes(tensors: list[torch.Tensor]) -> bytes:
     return b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def each_intact(kept: KeptCopy, tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor's bytes in the copy match the checksum its sender took."""
+    out, start = [], 0
+    for i, t in enumerate(tensors):
+        stop = start + t.numel() * t.element_size()
+        out.append(kept.intact(i, start, stop))
+        start = stop
+    return out
 
 
 @pytest.fixture
@@ -44,7 +54,7 @@ def test_a_refresh_arrives_whole_with_its_iteration_and_checksum(keeper: CopyKee
         kept = keeper.wait_for(1, 7, WAIT_S)
         assert kept is not None and kept.iteration == 7 and kept.generation == 3
         assert bytes(kept.data) == as_bytes(tensors)
-        assert kept.intact()
+        assert len(kept.checksums) == len(tensors) and each_intact(kept, tensors) == [True] * 3
     finally:
         sender.close()
 
@@ -63,15 +73,16 @@ def test_each_refresh_replaces_the_copy_once_complete(keeper: CopyKeeper) -> Non
         sender.close()
 
 
-def test_a_flipped_bit_in_a_kept_copy_is_detected(keeper: CopyKeeper) -> None:
+def test_a_flipped_bit_in_a_kept_copy_is_detected_in_its_tensor_only(keeper: CopyKeeper) -> None:
     sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
     try:
-        sender.refresh(2, state(2))
+        tensors = state(2)
+        sender.refresh(2, tensors)
         kept = keeper.wait_for(1, 2, WAIT_S)
-        assert kept is not None and kept.intact()
+        assert kept is not None and all(each_intact(kept, tensors))
         buffer = kept.data.obj
-        buffer[17] ^= 0x04  # host memory corrupted after the copy arrived
-        assert not kept.intact()
+        buffer[4017] ^= 0x04  # host memory corrupted after the copy arrived, in the second tensor
+        assert each_intact(kept, tensors) == [True, False, True]
     finally:
         sender.close()
 
@@ -99,9 +110,22 @@ def test_a_refresh_whose_bytes_differ_from_the_senders_checksum_is_not_intact(ke
     sock = raw_sender(keeper.port)
     try:
         payload = b"\x01" * 64  # corrupted in transit: the trailer is the checksum the sender took
-        sock.sendall(HEADER.pack(9, len(payload)) + payload + TRAILER.pack(12345))
+        sock.sendall(HEADER.pack(9, len(payload)) + payload + trailer([12345]))
         kept = keeper.wait_for(1, 9, WAIT_S)
-        assert kept is not None and kept.iteration == 9 and not kept.intact()
+        assert kept is not None and kept.iteration == 9 and not kept.intact(0, 0, len(payload))
+    finally:
+        sock.close()
+
+
+def test_a_trailer_announcing_more_tensors_than_any_shard_is_refused(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
+    sender.refresh(4, state(4))
+    assert keeper.wait_for(1, 4, WAIT_S) is not None
+    sender.close()
+    sock = raw_sender(keeper.port)
+    try:
+        sock.sendall(HEADER.pack(5, 8) + b"\x00" * 8 + TRAILER.pack(MAX_TENSORS + 1))
+        assert keeper.wait_for(1, 5, 2.0).iteration == 4  # the garbage refresh never replaces the copy
     finally:
         sock.close()
 
@@ -110,7 +134,7 @@ def test_a_connection_for_another_generation_or_rank_is_refused(keeper: CopyKeep
     for rank, generation in ((2, 3), (1, 4)):
         sock = raw_sender(keeper.port, rank, generation)
         try:
-            sock.sendall(HEADER.pack(1, 1) + b"x" + TRAILER.pack(0))
+            sock.sendall(HEADER.pack(1, 1) + b"x" + trailer([0]))
             assert sock.recv(1) == b""  # closed by the keeper
         except ConnectionResetError:
             pass  # closed by the keeper with our bytes unread

@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from liver.shared.collector import collector_paused
 from liver.shared.errors import HandoffError
+from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
@@ -153,8 +154,14 @@ class HandoffStage(StrEnum):
     PROGRESS = "progress"
     BUILD = "build"
     STREAM = "stream"
+    CHECK = "check"  # a recovery's state, before anything is built on it (checksums, finite values)
     LOAD = "load"
     COMMIT = "commit"
+
+
+class RecoveredStateInvalid(HandoffError):
+    """A recovery's state failed its check before the first step on the new world (the message names
+    the tensor): the recovery falls back to the durable checkpoint rather than train on it."""
 
 
 class HandoffAborted(HandoffError):
@@ -236,6 +243,10 @@ class KeptState:
     stand_ins: dict[int, dict[int, LocalTensor]] = field(default_factory=dict)
     """The peer copies this process sends from in the recovery: lost old rank -> its copied state, read
     from the keeper of the broken world (``Plan.stand_ins`` names the ranks; empty: none)."""
+    copy_failure: str | None = None
+    """Why a copy this process should send from cannot be used (the tensor that failed its checksum, a
+    copy of another iteration): the switch fails on it, in step with its peers, instead of the stream
+    waiting for sends that never come."""
 
     def dispose(self) -> None:
         """Free the kept tensors' storage (after the commit: the new trainer has its own). The peer
@@ -373,8 +384,13 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         t_built = time.perf_counter()
 
         stage = HandoffStage.STREAM
+        if h.kept is not None and h.kept.copy_failure is not None:
+            raise RecoveredStateInvalid(h.kept.copy_failure)
         result = _stream(h, old_rank, new_rank, into)
         t_stream = time.perf_counter()
+        if h.broken or h.lost:
+            stage = HandoffStage.CHECK
+            check_finite(h.plan.model, result.new_state)
 
         stage = HandoffStage.LOAD
         if new_trainer is not None:
@@ -439,6 +455,18 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         rebuild_s=round(report.rebuild_s, 4),
     )
     return new_trainer, report
+
+
+def check_finite(model: ModelGeometry, state: Mapping[int, LocalTensor]) -> None:
+    """:class:`RecoveredStateInvalid` naming the first tensor of ``state`` with a value that is not
+    finite. A recovery checks what it received before the first step: a NaN that a lost process left in
+    its shard (or a copy of it) would otherwise be trained on, and saved, and restarted from."""
+    tensors = model.tensors(optimizer=True)
+    for ti, value in state.items():
+        for piece in pieces_of(value):
+            if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                name = tensors[ti].name
+                raise RecoveredStateInvalid(f"the recovered {name} holds values that are not finite")
 
 
 def _stream(

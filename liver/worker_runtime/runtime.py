@@ -67,6 +67,7 @@ from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
 from liver.worker_runtime.copies.manager import CopyManager, CopyOptions
 from liver.worker_runtime.copies.peer import PeerCopies
+from liver.worker_runtime.copies.wire import CopyError
 from liver.worker_runtime.cut import NO_TARGET, CutVerdict, Readiness, vote
 from liver.worker_runtime.fallback import (
     CheckpointingFactory,
@@ -987,7 +988,13 @@ class LiveRuntime(Generic[T]):
                 if kept is not None and self._copies is not None:
                     old_rank = broken.placement.rank_on().get(self.device)
                     plan = prep.request.plan
-                    kept.stand_ins = self._copies.stand_ins(plan, broken, old_rank, abandoned.iteration)
+                    try:
+                        kept.stand_ins = self._copies.stand_ins(plan, broken, old_rank, abandoned.iteration)
+                    except CopyError as error:
+                        # Failed in the switch, where the peers fail with it at once (not here, where
+                        # they would wait for this process's sends until their timeout).
+                        kept.copy_failure = str(error)
+                        self._log.error("runtime.copy_unusable", reason=kept.copy_failure)
                 self._await_allowed(prep)
                 new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
                 handoff = self._handoff(

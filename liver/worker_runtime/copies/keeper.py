@@ -1,13 +1,12 @@
 """The receiving side of peer copies: one listening socket, a thread per source, two buffers each.
 
-A refresh is received into the source's spare buffer while its last complete copy stays readable;
-only a refresh read whole, with an iteration after the kept one's, is swapped in, marked with the
-checksum the sender took. The bytes are checked against it when they are used
-(:meth:`KeptCopy.intact`, before a recovery reads them), not at every refresh: on a node that trains,
-the CPU time of checksumming every refresh twice is the copies' largest cost, and a corruption in
-transit or in memory is caught the same way before anything is built on it. A source that dies
-mid-refresh therefore leaves its last complete copy, which is what a recovery reads
-(:meth:`CopyKeeper.latest`).
+A refresh is received into the source's spare buffer while its last complete copy stays readable; only a
+refresh read whole, with an iteration after the kept one's, is swapped in, marked with the checksums the
+sender took of each tensor. The bytes are checked against them when they are used (:func:`~.peer.unpack`,
+before a recovery reads them, naming a tensor that fails), not at every refresh: on a node that trains,
+the CPU time of checksumming every refresh twice is the copies' largest cost, and a corruption in transit
+or in memory is caught the same way before anything is built on it. A source that dies mid-refresh
+therefore leaves its last complete copy, which is what a recovery reads (:meth:`CopyKeeper.latest`).
 """
 
 from __future__ import annotations
@@ -20,16 +19,7 @@ from typing import NamedTuple
 
 import structlog
 
-from .wire import (
-    HEADER,
-    MAX_PAYLOAD,
-    TRAILER,
-    CopyError,
-    checksum,
-    read_hello,
-    read_struct,
-    recv_exactly,
-)
+from .wire import HEADER, MAX_PAYLOAD, CopyError, checksum, read_hello, read_trailer, recv_exactly
 
 log = structlog.get_logger(__name__)
 
@@ -43,12 +33,13 @@ class KeptCopy(NamedTuple):
     source: int
     generation: int
     iteration: int
-    checksum: int  # CRC-32 the sender took of the bytes it read
+    checksums: tuple[int, ...]  # CRC-32 the sender took of each tensor's bytes, in order
     data: memoryview  # read-only
 
-    def intact(self) -> bool:
-        """Whether the bytes still match the sender's checksum (host memory can flip a bit too)."""
-        return checksum(self.data) == self.checksum
+    def intact(self, index: int, start: int, stop: int) -> bool:
+        """Whether tensor ``index``, at bytes ``start:stop`` of the copy, still matches the checksum its
+        sender took (a bit can flip in transit or in host memory)."""
+        return index < len(self.checksums) and checksum(self.data[start:stop]) == self.checksums[index]
 
 
 class CopyKeeper:
@@ -170,7 +161,7 @@ class CopyKeeper:
         view = memoryview(spare)
         for start in range(0, nbytes, RECV_CHUNK):
             recv_exactly(conn, view[start : start + RECV_CHUNK])
-        (crc,) = read_struct(conn, TRAILER)
+        crcs = read_trailer(conn)
         with self._lock:
             if source not in self.sources:
                 return False  # stopped meanwhile: the kept copy stays as it was
@@ -181,7 +172,7 @@ class CopyKeeper:
                 )
                 self._spare[source] = spare
                 return True
-            self._copies[source] = KeptCopy(source, self.generation, iteration, crc, view.toreadonly())
+            self._copies[source] = KeptCopy(source, self.generation, iteration, crcs, view.toreadonly())
             if current is not None:
                 self._spare[source] = current.data.obj  # type: ignore[assignment]
             self._lock.notify_all()

@@ -137,15 +137,16 @@ class PeerCopies:
 def unpack(
     copy: KeptCopy, model: ModelGeometry, layout: ParallelLayout, placement: Placement
 ) -> dict[int, LocalTensor]:
-    """Rank ``copy.source``'s copied tensors as its local state would hold them (fresh tensors);
-    :class:`CopyError` when the bytes do not fit what that rank copies in this world, or no longer
-    match their checksum."""
-    if not copy.intact():
-        raise CopyError(f"the copy of rank {copy.source} (iteration {copy.iteration}) fails its checksum")
+    """Rank ``copy.source``'s copied tensors as its local state would hold them (fresh tensors).
+
+    Checked before anything is built on them: :class:`CopyError`, naming the tensor, when the bytes do
+    not fit what that rank copies in this world, a tensor no longer matches the checksum its sender
+    took, or holds a value that is not finite (a NaN copied is a NaN resumed from)."""
     tensors = model.tensors(optimizer=True)
     out: dict[int, LocalTensor] = {}
-    offset = 0
+    offset = index = 0
     data = copy.data
+    of = f"the peer copy of rank {copy.source} (iteration {copy.iteration})"
     for ti in copied_tensors(model, layout, placement, copy.source):
         t = tensors[ti]
         dtype = _TORCH_DTYPES[t.dtype]
@@ -153,11 +154,21 @@ def unpack(
         for shard in holding(t, model, layout, copy.source) or ():
             nbytes = math.prod(shard.local_shape) * t.itemsize
             if offset + nbytes > len(data):
-                raise CopyError(f"the copy of rank {copy.source} ends inside {t.name}")
+                raise CopyError(f"{of} ends inside {t.name}")
+            if not copy.intact(index, offset, offset + nbytes):
+                raise CopyError(
+                    f"{of}: {t.name} fails its checksum (its bytes changed after its sender read them)"
+                )
             raw = torch.frombuffer(bytearray(data[offset : offset + nbytes]), dtype=torch.uint8)
-            pieces.append(raw.view(dtype).reshape(shard.local_shape))
+            piece = raw.view(dtype).reshape(shard.local_shape)
+            if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                raise CopyError(f"{of}: {t.name} holds values that are not finite")
+            pieces.append(piece)
             offset += nbytes
+            index += 1
         out[ti] = tuple(pieces) if is_dp_sharded(t, model) else pieces[0]
-    if offset != len(data):
-        raise CopyError(f"the copy of rank {copy.source} has {len(data) - offset} bytes beyond its state")
+    if offset != len(data) or index != len(copy.checksums):
+        raise CopyError(
+            f"{of} has {len(data) - offset} bytes and {len(copy.checksums) - index} tensors beyond its state"
+        )
     return out

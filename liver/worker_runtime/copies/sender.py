@@ -1,12 +1,12 @@
 """The sending side of peer copies: a background thread that reads the live state after a step.
 
-The training thread hands it the tensors after each optimizer step (:meth:`CopySender.refresh`) and
-goes on; the thread checksums and sends them chunk by chunk: host memory as it is (the kernel copies
-it into the socket, no copy of ours), device memory through a pinned staging buffer of fixed size. The
-state changes again only at the next update, which first waits for :meth:`CopySender.wait_read`:
-until the thread has read the last chunk. A read that takes longer than the gate allows is cancelled rather
-than let the update tear it: the thread stops reading at once, drops the connection (the keeper keeps
-its older copy) and reconnects for the next refresh.
+The training thread hands it the tensors after each optimizer step (:meth:`CopySender.refresh`) and goes
+on; the thread checksums each tensor and sends them chunk by chunk: host memory as it is (the kernel
+copies it into the socket, no copy of ours), device memory through a pinned staging buffer of fixed size.
+The state changes again only at the next update, which first waits for :meth:`CopySender.wait_read`: until
+the thread has read the last chunk. A read that takes longer than the gate allows is cancelled rather than
+let the update tear it: the thread stops reading at once, drops the connection (the keeper keeps its older
+copy) and reconnects for the next refresh.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import structlog
 import torch
 
-from .wire import HEADER, TRAILER, CopyError, checksum, hello
+from .wire import HEADER, CopyError, checksum, hello, trailer
 
 log = structlog.get_logger(__name__)
 
@@ -190,8 +190,9 @@ class CopySender:
         total = sum(v.numel() for v in views)
         sock.sendall(HEADER.pack(iteration, total))
         size = self._chunk
-        crc = 0
+        crcs: list[int] = []
         for view in views:
+            crc = 0
             n = view.numel()
             host = None if view.is_cuda else host_bytes(view)
             for start in range(0, n, size):
@@ -208,5 +209,6 @@ class CopySender:
                 chunk = self._staging_view[: end - start]
                 crc = checksum(chunk, crc)
                 sock.sendall(chunk)
+            crcs.append(crc)
         self._finish_read()  # nothing of the live tensors is read any more: the update may go on
-        sock.sendall(TRAILER.pack(crc))
+        sock.sendall(trailer(crcs))

@@ -1,9 +1,10 @@
 """The framing of peer copies on a TCP connection (sender -> keeper).
 
 A connection opens with a hello (``LVRC``, the wire version, the job's generation and the sender's
-rank), then carries refreshes: a header (iteration, payload bytes), the payload, and a trailer with
-the payload's CRC-32. A refresh the keeper cannot read whole, or whose checksum differs, never replaces
-the copy it has.
+rank), then carries refreshes: a header (iteration, payload bytes), the payload (the copied tensors' bytes one
+after the other), and a trailer: how many tensors, then each one's CRC-32. A refresh the keeper cannot
+read whole never replaces the copy it has; the checksums are checked where the copy is used, so that a
+bad one names its tensor.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import Final, NamedTuple
 from liver.shared.errors import HandoffError
 
 MAGIC: Final = b"LVRC"
-VERSION: Final = 1
+VERSION: Final = 2
 HELLO: Final = struct.Struct("!4sHxxQQ")  # magic, version, generation, sender rank
 HEADER: Final = struct.Struct("!QQ")  # iteration, payload bytes
-TRAILER: Final = struct.Struct("!I")  # CRC-32 of the payload
+TRAILER: Final = struct.Struct("!I")  # how many tensors; each one's CRC-32 (a CRC struct) follows
+CRC: Final = struct.Struct("!I")
+MAX_TENSORS: Final = 1 << 24
+"""A trailer announcing more tensors than this is garbage (a rank of DeepSeek-V3 holds ~10^5)."""
 MAX_PAYLOAD: Final = 1 << 44
 """A header announcing more than 16 TiB is garbage (no process's shard is that large)."""
 
@@ -36,6 +40,21 @@ class Hello(NamedTuple):
 def checksum(data: memoryview | bytes | bytearray, running: int = 0) -> int:
     """CRC-32 of ``data`` continuing ``running`` (zlib's, about 3 GB/s here; releases the GIL)."""
     return zlib.crc32(data, running)
+
+
+def trailer(checksums: list[int]) -> bytes:
+    """The trailer of a refresh whose tensors have ``checksums``."""
+    return struct.pack(f"!I{len(checksums)}I", len(checksums), *checksums)
+
+
+def read_trailer(sock: socket.socket) -> tuple[int, ...]:
+    """The per-tensor checksums that end a refresh."""
+    (count,) = read_struct(sock, TRAILER)
+    if count > MAX_TENSORS:
+        raise CopyError(f"a refresh announces {count} tensors, more than any shard holds")
+    buf = bytearray(CRC.size * count)
+    recv_exactly(sock, memoryview(buf))
+    return struct.unpack(f"!{count}I", buf)
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:

@@ -13,6 +13,7 @@ other. How vocabulary padding is kept out of the state: see :mod:`.train`.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -93,6 +94,53 @@ def gpt_forward_step(
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(gpt_loss_func, batch["loss_mask"])
+
+
+def forget_tracked_groups() -> None:
+    """Drop the process groups Megatron's global loss trackers keep between steps (the MoE router's
+    aux-loss tracker stores its reduce groups, the data-parallel one for a global aux loss; so does
+    the MTP loss tracker). They outlive every trainer: a broken world's group kept there stays open,
+    and a survivor waiting in one of its collectives (a router's all-reduce met by the loss) waits for
+    its timeout instead of failing at once. The next step stores its own world's groups again."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    for entry in get_moe_layer_wise_logging_tracker().values():
+        entry["reduce_group"] = entry["avg_group"] = None
+    mtp = sys.modules.get("megatron.core.transformer.multi_token_prediction")
+    if mtp is not None:
+        tracker = mtp.MTPLossLoggingHelper.tracker
+        if tracker:
+            tracker["reduce_group"] = tracker["avg_group"] = None
+
+
+def _holds_graph(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn is not None
+    if isinstance(value, (list, tuple)):
+        return any(_holds_graph(item) for item in value)
+    return False
+
+
+def forget_step_tensors(chunks: Sequence[torch.nn.Module]) -> None:
+    """Drop the tensors of the last forward that modules, and the helpers they own, keep as
+    attributes between steps (an MoE token dispatcher keeps its routing probabilities, the output of
+    a masked select). Those tensors carry the step's autograd graph, whose gradient accumulators hold
+    DDP's hooks, which hold DDP: a cycle through C++ nodes that Python's collector cannot break, so
+    the broken world's groups would stay open. Parameters and buffers are leaves and stay."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            holders = [module]
+            holders.extend(
+                value
+                for value in vars(module).values()
+                if hasattr(value, "__dict__")
+                and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+                and type(value).__module__.startswith("megatron.")
+            )
+            for holder in holders:
+                for name, value in list(vars(holder).items()):
+                    if _holds_graph(value):
+                        setattr(holder, name, None)
 
 
 class MegatronTrainer:
@@ -327,6 +375,15 @@ class MegatronTrainer:
             for attr in _TRAINING_FUNCTIONS:
                 if getattr(config, attr, None) is not None:
                     setattr(config, attr, None)
+        forget_tracked_groups()
+        forget_step_tensors(self.model_chunks if "model_chunks" in self.__dict__ else ())
+        # DDP keeps the gradient accumulators its backward hooks sit on, and those hooks close over
+        # DDP: a cycle through autograd's C++ nodes, which Python's collector cannot see, so DDP (and
+        # every group it holds) would outlive the trainer. Let go of the accumulators: their hooks go.
+        for chunk in self.model_chunks if "model_chunks" in self.__dict__ else ():
+            accumulators = getattr(chunk, "grad_accs", None)
+            if isinstance(accumulators, list):
+                accumulators.clear()
         for name in (
             "model",
             "model_chunks",
