@@ -225,9 +225,35 @@ def test_fail_stop_to_more_devices_than_survive_is_refused_naming_the_flag() -> 
     assert rc == 2 and "--to" in err and "survive" in err
 
 
-def test_fail_stop_of_a_process_whose_state_no_replica_holds_is_refused() -> None:
-    rc, _, err = _run("--fail-stop", "--quick", "--from", "2,1,1", "--to", "1,1,1")
-    assert rc == 2 and "lost" in err
+@pytest.fixture(scope="module")
+def fail_stop_dist_opt() -> dict[str, Any]:
+    rc, out, err = _run("--fail-stop", "--distributed-optimizer", "--quick", "--json")
+    assert rc == 0, err[-3000:]
+    return json.loads(out)
+
+
+@pytest.mark.slow
+def test_fail_stop_with_the_distributed_optimizer_recovers_the_lost_shard_from_its_peer_copy(
+    fail_stop_dist_opt: dict[str, Any],
+) -> None:
+    report, live = fail_stop_dist_opt, fail_stop_dist_opt["live"]
+    assert report["config"]["use_distributed_optimizer"] is True
+    assert live["iteration"] == report["steps_before"] and live["from_copies"] == 1
+    assert all(c["passed"] for c in report["checks"] if c["level"] == "must")
+
+
+@pytest.mark.slow
+def test_fail_stop_with_copies_reports_their_steady_cost_and_host_memory_in_the_same_run(
+    fail_stop_dist_opt: dict[str, Any],
+) -> None:
+    copies, live = fail_stop_dist_opt["copies"], fail_stop_dist_opt["live"]
+    assert copies["overhead"] == pytest.approx(copies["step_s_with"] / copies["step_s_without"] - 1)
+    assert copies["kept_bytes_per_process"] == live["kept_bytes_per_process"] > 0
+
+
+@pytest.mark.slow
+def test_fail_stop_without_state_to_copy_measures_no_copies(fail_stop: dict[str, Any]) -> None:
+    assert fail_stop["copies"] is None and fail_stop["live"]["from_copies"] == 0
 
 
 # -- --fail-stop-at stream: the process lost in a handoff's stream ------------------------------------------

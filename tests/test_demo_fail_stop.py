@@ -67,3 +67,35 @@ def test_the_table_names_the_fail_stop(demo: Run) -> None:
 def test_no_process_the_demo_started_is_left_behind(demo: Run) -> None:
     _, result, mark = demo
     assert result.leftovers == [] and leftovers(mark) == []
+
+
+# -- --distributed-optimizer: the lost worker's optimizer shard exists nowhere else but in its peer copy ----
+
+
+@pytest.fixture(scope="module")
+def demo_dist_opt(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_demo(
+        tmp_path_factory.mktemp("demo-dist-opt"), "--short", "--fail-stop", "--distributed-optimizer"
+    )
+
+
+def test_with_the_distributed_optimizer_the_job_still_recovers_live_without_a_checkpoint(
+    demo_dist_opt: Run,
+) -> None:
+    done, result, _ = demo_dist_opt
+    assert done.returncode == 0, f"{result.error}\n{done.stderr[-4000:]}"
+    assert result.scenario == "short-fail-stop-distributed-optimizer"
+    recovery = result.generations[0]
+    assert recovery.trigger == "fail-stop node001" and recovery.outcome == "committed"
+    iterations = [p.iteration for p in result.steps]
+    assert iterations == list(range(1, len(iterations) + 1))  # no step lost, none repeated
+    assert recovery.cut_iteration == max(p.iteration for p in result.steps if p.generation == 0)
+
+
+def test_with_the_distributed_optimizer_the_lost_shard_comes_from_the_survivors_peer_copy(
+    demo_dist_opt: Run,
+) -> None:
+    _, result, _ = demo_dist_opt
+    log = (Path(result.out_dir) / "logs" / "w-node000-0.log").read_text()
+    cut = result.generations[0].cut_iteration
+    assert f'"generation":0,"rank":1,"iteration":{cut},"event":"copies.stand_in"' in log

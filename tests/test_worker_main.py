@@ -466,3 +466,24 @@ def test_liver_worker_refuses_job_arguments_without_a_job_factory(capsys: Any) -
     argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--job-arg", "data=/x"]
     assert worker_cmd.main(argv) == 2
     assert "--job-arg: arguments of a job factory, but no --job-factory is given" in capsys.readouterr().err
+
+
+def test_liver_worker_distributed_optimizer_shards_the_presets_optimizer_state() -> None:
+    from liver.cli import worker_cmd
+
+    parser = worker_cmd.argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby"]
+    settings = worker_cmd.settings_from(parser.parse_args([*argv, "--distributed-optimizer"]))
+    assert settings.train.use_distributed_optimizer
+    assert settings.make_job().model.distributed
+    assert not worker_cmd.settings_from(parser.parse_args(argv)).train.use_distributed_optimizer
+
+
+def test_liver_worker_refuses_the_distributed_optimizer_flag_beside_a_job_factory(capsys: Any) -> None:
+    from liver.cli import worker_cmd
+
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--distributed-optimizer"]
+    assert worker_cmd.main([*argv, "--job-factory", "my_job.py:make_job"]) == 2
+    err = capsys.readouterr().err
+    assert "--distributed-optimizer: a --job-factory job brings its own TrainConfig" in err

@@ -19,8 +19,8 @@ import time
 
 import msgspec
 
+from liver.bench.jobs import LARGE_CONFIG, LARGE_MODEL, QUICK_CONFIG
 from liver.bench.procs import run_procs
-from liver.bench.reconfig import LARGE_CONFIG, LARGE_MODEL, QUICK_CONFIG
 from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelRef, load_model
@@ -51,13 +51,9 @@ class _Run(msgspec.Struct, frozen=True, kw_only=True):
     kept_bytes: int
 
 
-class CopiesReport(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
-    layout: str
-    distributed_optimizer: bool
-    processes: int
-    steps: int
-    rounds: int
+class CopyCost(msgspec.Struct, frozen=True, kw_only=True):
+    """What peer copies cost one job's steady state, measured with against without in one run."""
+
     step_s_without: float  # median over runs of each run's median steady step (slowest rank)
     step_s_with: float
     overhead: float  # step_s_with / step_s_without - 1
@@ -69,6 +65,15 @@ class CopiesReport(msgspec.Struct, frozen=True, kw_only=True):
     gate_s_per_step: float  # mean wait of an update for the sender (slowest rank)
     copy_bytes_per_process: int  # sent each step (the largest)
     kept_bytes_per_process: int  # host memory of the copies a process keeps (the largest)
+
+
+class CopiesReport(CopyCost, frozen=True, kw_only=True):
+    model: str
+    layout: str
+    distributed_optimizer: bool
+    processes: int
+    steps: int
+    rounds: int
     checks: list[Check]
     cpus: int
     load_average: tuple[float, float]
@@ -179,6 +184,67 @@ def run(args: argparse.Namespace) -> int:
     rounds = 1 if args.quick else args.rounds
     warmup = min(args.warmup, steps - 1)
     before = load_average()
+    cost = measure_copies(
+        model,
+        layout,
+        config,
+        steps=steps,
+        warmup=warmup,
+        rounds=rounds,
+        threads=args.threads,
+        timeout_s=args.timeout,
+    )
+    checks = cost_checks(cost)
+    report = CopiesReport(
+        **msgspec.structs.asdict(cost),
+        model=model.name,
+        layout=layout.describe(),
+        distributed_optimizer=not args.plain,
+        processes=layout.world_size,
+        steps=steps,
+        rounds=rounds,
+        checks=checks,
+        cpus=os.cpu_count() or 1,
+        load_average=(before, load_average()),
+        host=machine(),
+    )
+    emit(report, args.json, _print)
+    return 0 if musts_passed(checks) else 1
+
+
+def cost_checks(cost: CopyCost) -> list[Check]:
+    """That copies were made (a must), and the issue's aim for their cost."""
+    copy_bytes, kept_bytes = cost.copy_bytes_per_process, cost.kept_bytes_per_process
+    return [
+        Check(
+            level="must",
+            what="copies were made (a process copies its shard to another node)",
+            passed=copy_bytes > 0 and kept_bytes > 0,
+            detail=f"{size(copy_bytes)} sent per step, {size(kept_bytes)} kept per process",
+        ),
+        Check(
+            level="aim",
+            what=f"steady step with copies < {AIM_OVERHEAD:.0%} slower",
+            passed=cost.overhead < AIM_OVERHEAD,
+            detail=f"{cost.overhead:+.1%} ({cost.step_s_with * 1e3:.0f} ms against "
+            f"{cost.step_s_without * 1e3:.0f} ms)",
+        ),
+    ]
+
+
+def measure_copies(
+    model: ModelRef,
+    layout: ParallelLayout,
+    config: TrainConfig,
+    *,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    threads: int = 1,
+    timeout_s: float = 900.0,
+) -> CopyCost:
+    """Run the job ``2 * rounds`` times, alternately without and with copies (off, on, on, off, ...),
+    one process per node, and compare their steady steps (after ``warmup`` steps of each run)."""
     with_runs: list[float] = []
     without_runs: list[float] = []
     cpu: dict[bool, list[float]] = {True: [], False: []}
@@ -195,9 +261,9 @@ def run(args: argparse.Namespace) -> int:
             steps=steps,
             warmup=warmup,
             store_port=0,
-            timeout_s=args.timeout,
+            timeout_s=timeout_s,
         )
-        results: list[_Run] = _launch(setup, layout.world_size, args)
+        results = _launch(setup, layout.world_size, threads, timeout_s)
         steady = max(statistics.median(r.step_s[warmup:]) for r in results)
         (with_runs if copies else without_runs).append(steady)
         cpu[copies].append(max(statistics.median(r.cpu_s[warmup:]) for r in results))
@@ -206,32 +272,11 @@ def run(args: argparse.Namespace) -> int:
             copy_bytes = max(r.copy_bytes for r in results)
             kept_bytes = max(r.kept_bytes for r in results)
     step_without, step_with = statistics.median(without_runs), statistics.median(with_runs)
-    overhead = step_with / step_without - 1
     cpu_without, cpu_with = statistics.median(cpu[False]), statistics.median(cpu[True])
-    checks = [
-        Check(
-            level="must",
-            what="copies were made (a process copies its shard to another node)",
-            passed=copy_bytes > 0 and kept_bytes > 0,
-            detail=f"{size(copy_bytes)} sent per step, {size(kept_bytes)} kept per process",
-        ),
-        Check(
-            level="aim",
-            what=f"steady step with copies < {AIM_OVERHEAD:.0%} slower",
-            passed=overhead < AIM_OVERHEAD,
-            detail=f"{overhead:+.1%} ({step_with * 1e3:.0f} ms against {step_without * 1e3:.0f} ms)",
-        ),
-    ]
-    report = CopiesReport(
-        model=model.name,
-        layout=layout.describe(),
-        distributed_optimizer=not args.plain,
-        processes=layout.world_size,
-        steps=steps,
-        rounds=rounds,
+    return CopyCost(
         step_s_without=step_without,
         step_s_with=step_with,
-        overhead=overhead,
+        overhead=step_with / step_without - 1,
         cpu_s_without=cpu_without,
         cpu_s_with=cpu_with,
         cpu_overhead=cpu_with / cpu_without - 1,
@@ -240,41 +285,40 @@ def run(args: argparse.Namespace) -> int:
         gate_s_per_step=statistics.mean(gates) if gates else 0.0,
         copy_bytes_per_process=copy_bytes,
         kept_bytes_per_process=kept_bytes,
-        checks=checks,
-        cpus=os.cpu_count() or 1,
-        load_average=(before, load_average()),
-        host=machine(),
     )
-    emit(report, args.json, _print)
-    return 0 if musts_passed(checks) else 1
 
 
-def _launch(setup: _Setup, n: int, args: argparse.Namespace) -> list[_Run]:
+def _launch(setup: _Setup, n: int, threads: int, timeout_s: float) -> list[_Run]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False)
     try:
         setup = msgspec.structs.replace(setup, store_port=store.port)
         return run_procs(
-            _worker, n, (setup,), timeout_s=args.timeout, threads=args.threads, preload=["liver.bench.copies"]
+            _worker, n, (setup,), timeout_s=timeout_s, threads=threads, preload=["liver.bench.copies"]
         )
     finally:
         del store
 
 
+def cost_lines(c: CopyCost) -> list[str]:
+    """The cost of copies as the report prints it (also under ``liver bench reconfig --fail-stop``)."""
+    return [
+        f"  steady step without copies   {c.step_s_without * 1e3:9.1f} ms  (runs: {_ms(c.runs_without)})",
+        f"  steady step with copies      {c.step_s_with * 1e3:9.1f} ms  (runs: {_ms(c.runs_with)})",
+        f"  with / without               {c.step_s_with / c.step_s_without:9.3f}x  ({c.overhead:+.1%})",
+        f"  CPU per step, without / with {c.cpu_s_without * 1e3:6.0f} / {c.cpu_s_with * 1e3:.0f} ms"
+        f"  ({c.cpu_overhead:+.1%}: every thread of a process)",
+        f"  updates waited for the sender {c.gate_s_per_step * 1e3:8.1f} ms per step",
+        f"  sent per step per process    {size(c.copy_bytes_per_process):>9}",
+        f"  kept per process (host)      {size(c.kept_bytes_per_process):>9}  (two buffers per source)",
+    ]
+
+
 def _print(r: CopiesReport) -> None:
     opt = "distributed optimizer" if r.distributed_optimizer else "plain Adam"
     print(f"peer copies: {r.model} at {r.layout} ({opt}), {r.processes} processes on {r.processes} nodes")
-    print(f"  steady step without copies   {r.step_s_without * 1e3:9.1f} ms  (runs: {_ms(r.runs_without)})")
-    print(f"  steady step with copies      {r.step_s_with * 1e3:9.1f} ms  (runs: {_ms(r.runs_with)})")
-    print(f"  with / without               {r.step_s_with / r.step_s_without:9.3f}x  ({r.overhead:+.1%})")
-    print(
-        f"  CPU per step, without / with {r.cpu_s_without * 1e3:6.0f} / {r.cpu_s_with * 1e3:.0f} ms"
-        f"  ({r.cpu_overhead:+.1%}: every thread of a process)"
-    )
-    print(f"  updates waited for the sender {r.gate_s_per_step * 1e3:8.1f} ms per step")
-    print(f"  sent per step per process    {size(r.copy_bytes_per_process):>9}")
-    print(f"  kept per process (host)      {size(r.kept_bytes_per_process):>9}  (two buffers per source)")
+    print("\n".join(cost_lines(r)))
     print(f"host: {r.cpus} CPUs, load average {r.load_average[0]:.1f} before, {r.load_average[1]:.1f} after")
     for c in r.checks:
         print(check_line(c))

@@ -36,9 +36,10 @@ import msgspec
 
 from liver.bench.procs import run_procs
 from liver.bench.restart import steady_step
-from liver.shared.layout import ParallelLayout, Placement, grid_devices
+from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelRef, ModelSpec
 from liver.shared.plan import Plan, WorldConfig
+from liver.shared.redundancy import redundancy
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = ["FailStopLive", "LossMoment", "measure_fail_stop"]
@@ -70,6 +71,8 @@ class FailStopLive(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     processes: int
     bytes_moved: int
     first_loss: float
+    from_copies: int  # lost ranks whose state no survivor held, read from a survivor's peer copy
+    kept_bytes_per_process: int  # host memory of the peer copies a process keeps (the largest)
 
 
 class _Setup(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,8 +99,14 @@ class _Result(msgspec.Struct, frozen=True, kw_only=True):
     step_ends: list[float]
 
 
-def _die_in_next_forward(trainer: Any, store: Any) -> None:
+def _die_in_next_forward(trainer: Any, store: Any, runtime: Any) -> None:
+    """Exit in the next forward, once the last refresh of this process's peer copy was read (a loss in
+    the refresh itself leaves its copy a step behind the survivors: not what this measures)."""
+
     def dying(data_iterator: Any, model: Any) -> Any:
+        copies = runtime.peer_copies
+        if copies is not None:
+            copies.gate()
         store.set(KILLED_AT_KEY, repr(time.time()))
         os._exit(17)
 
@@ -154,7 +163,7 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
     handed_out = first_end = first_loss = None
     while trainer is not None and first_end is None:
         if handoff is None and device == victim and trainer.iteration == setup.steps_before:
-            _die_in_next_forward(trainer, store)
+            _die_in_next_forward(trainer, store, runtime)
         if handoff is not None and trainer.iteration == setup.steps_before - 2:
             # Built now: the next boundary's vote builds the new trainer, the cut is steps_before.
             runtime.request_resize(1, handoff.new.layout, handoff.new.placement, handoff, address)
@@ -203,22 +212,29 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
     )
 
 
+def devices_of(layout: ParallelLayout) -> list[Device]:
+    """One process per node, as a node's loss takes a process with it; state that no process on
+    another node holds (the distributed optimizer's shard, all of a DP=1 job's) has a peer copy there."""
+    return grid_devices(layout.world_size, 1)
+
+
 def recovery_plan(model: ModelRef, old: ParallelLayout, new: ParallelLayout, config: TrainConfig) -> Plan:
     """The plan the transfer service would make: ``old`` on ``old.world_size`` devices, the last one
-    lost, ``new`` on the first survivors."""
+    lost, ``new`` on the first survivors, the lost state no survivor holds read from its peer copy."""
     from liver.services.transfer.planner import plan_resize
 
     if new.world_size > old.world_size - 1:
         raise ValueError(
             f"--to: {new.describe()} needs {new.world_size} devices, {old.world_size - 1} survive the loss"
         )
-    devices = grid_devices(1, old.world_size)
+    devices = devices_of(old)
     return plan_resize(
         model.model_geometry().with_ddp(config.ddp),
         WorldConfig(old, Placement(devices)),
         new,
         devices[: new.world_size],
         lost=[devices[-1]],
+        copies=True,
     ).plan
 
 
@@ -226,7 +242,7 @@ def reversal_plan(model: ModelRef, old: ParallelLayout, config: TrainConfig) -> 
     """A handoff that moves every byte: ``old`` on the same devices in reverse order."""
     from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, build_plan
 
-    devices = grid_devices(1, old.world_size)
+    devices = devices_of(old)
     return build_plan(
         model.model_geometry().with_ddp(config.ddp),
         WorldConfig(old, Placement(devices)),
@@ -309,4 +325,6 @@ def measure_fail_stop(
         processes=size,
         bytes_moved=sum(r.bytes_sent for r in results),
         first_loss=critical.first_loss,
+        from_copies=len(plan.stand_ins),
+        kept_bytes_per_process=max(redundancy(plan.model, old, plan.old.placement).kept_bytes),
     )

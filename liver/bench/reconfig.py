@@ -43,13 +43,16 @@ from typing import Any
 
 import msgspec
 
-from liver.bench.fail_stop import FailStopLive, LossMoment, measure_fail_stop
+from liver.bench.copies import CopyCost, cost_checks, cost_lines, measure_copies
+from liver.bench.fail_stop import FailStopLive, LossMoment, devices_of, measure_fail_stop
+from liver.bench.jobs import FULL_CONFIG, LARGE_CONFIG, LARGE_MODEL, MODEL_DEFAULT, QUICK_CONFIG
 from liver.bench.procs import ProcsError, run_procs
 from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
 from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart, steady_step
 from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelError, ModelRef, ModelSpec, load_model
 from liver.shared.plan import Plan, WorldConfig
+from liver.shared.redundancy import redundancy
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = [
@@ -63,25 +66,10 @@ __all__ = [
 ]
 
 AIM_RATIO = 25.0
+COPY_STEPS, COPY_STEPS_QUICK, COPY_WARMUP = 8, 4, 3
+"""``--fail-stop`` with copies: each run of the copies' cost (as ``liver bench copies``)."""
 JOB = "bench-reconfig"
 MAX_PROCESSES = 4
-MODEL_DEFAULT = "tiny-gpt"
-
-LARGE_MODEL = ModelSpec(
-    name="gpt-29m",
-    num_layers=8,
-    hidden_size=512,
-    ffn_hidden_size=2048,
-    num_attention_heads=8,
-    vocab_size=8192,
-    max_sequence_length=128,
-    params_dtype="float32",
-)
-"""``--large``: about 29 M parameters (470 MB of training state with fp32 Adam), still CPU-sized."""
-
-FULL_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=32)
-QUICK_CONFIG = TrainConfig(global_batch_size=2, micro_batch_size=1, seq_length=16)
-LARGE_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=128, corpus_vocab_size=1024)
 
 
 # -- reports ---------------------------------------------------------------------------------------------
@@ -573,6 +561,7 @@ class FailStopReport(msgspec.Struct, frozen=True, kw_only=True):
     restart: RestartBreakdown
     restart_downtime_s: float  # the restart's downtime less its checkpoint save (taken before the failure)
     ratio: float  # restart_downtime_s / live downtime
+    copies: CopyCost | None  # what the peer copies cost the job's steady state (None: it keeps none)
     checks: list[Check]
     cpus: int
     load_average: tuple[float, float]
@@ -617,6 +606,21 @@ def _run_fail_stop(
             threads=args.threads,
             timeout_s=args.timeout,
         )
+        copies = None
+        if max(
+            redundancy(spec.model_geometry().with_ddp(config.ddp), old, Placement(devices_of(old))).copy_bytes
+        ):
+            progress("reconfig", "the peer copies' steady-state cost: the job with and without them")
+            copies = measure_copies(
+                spec,
+                old,
+                config,
+                steps=COPY_STEPS_QUICK if args.quick else COPY_STEPS,
+                warmup=COPY_WARMUP,
+                rounds=1 if args.quick else 2,
+                threads=args.threads,
+                timeout_s=args.timeout,
+            )
     except (NoSurvivingSource, ValueError) as exc:
         print(f"liver bench reconfig: --fail-stop: {exc}", file=sys.stderr)
         return 2
@@ -624,6 +628,24 @@ def _run_fail_stop(
         print(f"liver bench reconfig: a measurement failed\n{exc}", file=sys.stderr)
         return 1
     restart_downtime = restart.downtime_s - restart.save_s
+    checks = [
+        Check(
+            level="must",
+            what="the survivors recover live, from the last completed step",
+            passed=live.iteration == steps_before,
+            detail=f"resumed after iteration {live.iteration}; the victim died " + _moment(at, steps_before),
+        )
+    ]
+    if copies is not None:
+        checks.append(
+            Check(
+                level="must",
+                what="the state no survivor held was read from peer copies",
+                passed=live.from_copies > 0,
+                detail=f"{live.from_copies} lost rank(s) stood in by their keeper",
+            )
+        )
+        checks.extend(cost_checks(copies))
     ratio = restart_downtime / live.downtime_s
     report = FailStopReport(
         quick=args.quick,
@@ -641,21 +663,25 @@ def _run_fail_stop(
         restart=restart,
         restart_downtime_s=restart_downtime,
         ratio=ratio,
-        checks=[
-            Check(
-                level="must",
-                what="the survivors recover live, from the last completed step",
-                passed=live.iteration == steps_before,
-                detail=f"resumed after iteration {live.iteration}; the victim died "
-                + _moment(at, steps_before),
-            )
-        ],
+        copies=copies,
+        checks=checks,
         cpus=os.cpu_count() or 0,
         load_average=(load_before, load_average()),
         host=f"{platform.machine()}, Python {platform.python_version()}",
     )
     emit(report, args.json, _print_fail_stop)
     return 0 if all(c.passed for c in report.checks if c.level == "must") else 1
+
+
+def _copies_lines(r: FailStopReport) -> list[str]:
+    if r.copies is None:
+        return ["(no peer copies: a survivor on another node holds every piece of the lost state)"]
+    return [
+        "",
+        f"peer copies ({r.live.from_copies} lost rank(s) read from one; the job with and without them, "
+        f"{r.live.processes} processes on as many nodes, in the same run)",
+        *cost_lines(r.copies),
+    ]
 
 
 def _moment(at: LossMoment, steps_before: int) -> str:
@@ -696,6 +722,7 @@ def _print_fail_stop(r: FailStopReport) -> None:
         f"  {'downtime':<22}{r.restart_downtime_s:9.3f} s   (plus the steps since that checkpoint, lost)",
         "",
         f"checkpoint restart / live recovery downtime: {r.ratio:,.1f}x",
+        *_copies_lines(r),
         f"host: {r.cpus} CPUs ({r.host}), load average {r.load_average[0]:.1f} before, "
         f"{r.load_average[1]:.1f} after; gloo, {r.threads} thread(s) per process",
     ]

@@ -31,7 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fail-stop",
         action="store_true",
-        help="no spot warning: kill a node's workers mid-training; the job recovers live from its replica",
+        help="no spot warning: kill a node's workers mid-training; the job recovers live from its replica "
+        "(with --distributed-optimizer, from the peer copies of the lost shards)",
+    )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="train with Megatron's distributed optimizer: each process alone holds its shard of the "
+        "optimizer state, and a node lost without notice is recovered from the peer copies kept on the "
+        "other node",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument(
@@ -61,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.timeout > 0:
             raise ValueError(f"--timeout: must be positive, got {args.timeout}")
         scenario = msgspec.structs.replace(scenario, timeout_s=args.timeout)
+    if args.distributed_optimizer:
+        train = msgspec.structs.replace(scenario.train, use_distributed_optimizer=True)
+        scenario = msgspec.structs.replace(scenario, train=train)
     console = Console(stderr=args.json)
     if not console.is_terminal:
         console = Console(stderr=args.json, width=TABLE_WIDTH)  # a log or a pipe: room for the table
@@ -68,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     result = run_demo(
         scenario,
         args.out,
-        name=("short" if args.short else "full") + ("-fail-stop" if args.fail_stop else ""),
+        name=("short" if args.short else "full")
+        + ("-fail-stop" if args.fail_stop else "")
+        + ("-distributed-optimizer" if args.distributed_optimizer else ""),
         console=console,
         live=not args.json,
     )

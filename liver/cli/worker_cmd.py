@@ -137,6 +137,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=4, help="global batch size in samples (default 4)")
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--seq-length", type=int, default=16, help="sequence length (default 16)")
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="the preset trains with Megatron's distributed optimizer (master weights and Adam moments "
+        "sharded over DP; a lost process's shard is recovered from its peer copy on another node)",
+    )
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
@@ -179,10 +185,18 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
     elif args.placement is not None or args.store is not None:
         raise ValueError("--placement/--store: a --standby worker is in no world yet")
     train = TrainConfig(
-        global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seq_length=args.seq_length
+        global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch,
+        seq_length=args.seq_length,
+        use_distributed_optimizer=args.distributed_optimizer,
     )
     if args.job_factory is not None and args.model is not None:
         raise ValueError("--model: a --job-factory job brings its own model")
+    if args.job_factory is not None and args.distributed_optimizer:
+        raise ValueError(
+            "--distributed-optimizer: a --job-factory job brings its own TrainConfig "
+            "(set use_distributed_optimizer there)"
+        )
     job_args = dict(args.job_arg)
     if len(job_args) != len(args.job_arg):
         raise ValueError("--job-arg: the same KEY is given twice")

@@ -219,7 +219,12 @@ async def _kill_node(
     event_id = planned()
     assert event_id is not None
     trigger = observer.killed(sc.reclaimed_node, event_id, killed_at)
-    progress.phase(f"{trigger.description}: live recovery from the surviving replica")
+    source = (
+        "the peer copies of their optimizer shards kept on the surviving node"
+        if sc.train.use_distributed_optimizer
+        else "the surviving replica"
+    )
+    progress.phase(f"{trigger.description}: live recovery from {source}")
     return trigger
 
 

@@ -73,7 +73,8 @@ def write_timeline(
     top.set_xlabel("iteration")
     top.set_ylabel("training loss")
     if "fail-stop" in result.scenario:
-        title = "LiveR: a lost worker recovered live from its replica, then a live scale-out"
+        source = "its peer copy" if "distributed-optimizer" in result.scenario else "its replica"
+        title = f"LiveR: a lost worker recovered live from {source}, then a live scale-out"
     else:
         title = "LiveR: live scale-in and scale-out of a Megatron-core GPT, training throughout"
     top.set_title(title)
