@@ -28,6 +28,8 @@ CASES = [
     (MOE, "TP1,PP1,DP4,EP2", 2, 2),
     (MOE.with_ddp(DIST), "TP1,PP1,DP4,EP2", 2, 2),
     (MOE.with_ddp(DIST), "TP1,PP2,DP2,EP2", 4, 1),
+    (GPT.with_ddp(DIST), "TP1,PP2,VPP2,DP2", 2, 2),
+    (GPT, "TP2,PP2,VPP2,DP1", 4, 1),
 ]
 
 

@@ -308,3 +308,63 @@ def test_node_redundancy_asks_for_nothing_on_a_single_node() -> None:
         PRESETS["tiny-gpt"], CHAOS_SETUP, CPU_SMALL, current, SIX[:2], redundancy="node"
     )
     assert decision.placement.devices and {d.node for d in decision.placement.devices} == {"node000"}
+
+
+# -- how the chosen world comes through a node lost without notice ------------------------------------------
+
+
+def test_a_world_whose_replicas_span_nodes_survives_a_node_loss_from_them_at_no_memory_cost() -> None:
+    from liver.services.topology.chooser import NodeLoss
+
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=3), Placement(SIX))
+    decision = choose_topology(GPT, CHAOS_SETUP, CPU_SMALL, current, SIX[:4], redundancy="node")
+    assert decision.layout.dp == 2 and decision.node_loss is NodeLoss.REPLICAS
+    assert decision.copies_host_bytes == 0
+    assert "recovered live from the replicas" in decision.explanation
+
+
+def test_with_the_distributed_optimizer_a_node_loss_is_survived_from_peer_copies_whose_memory_is_said() -> (
+    None
+):
+    from liver.services.topology.chooser import NodeLoss
+    from liver.shared.geometry import DdpSettings
+    from liver.shared.redundancy import redundancy
+
+    geometry = GPT.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=3), Placement(SIX))
+    decision = choose_topology(GPT, CHAOS_SETUP, CPU_SMALL, current, SIX[:4], geometry=geometry)
+    assert decision.node_loss is NodeLoss.COPIES
+    kept = redundancy(geometry, decision.layout, decision.placement).kept_bytes
+    assert decision.copies_host_bytes == max(kept) > 0
+    assert "peer copies" in decision.explanation and "host memory" in decision.explanation
+
+
+def test_a_world_on_one_node_survives_a_node_loss_only_from_the_checkpoint() -> None:
+    from liver.services.topology.chooser import NodeLoss
+
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=1), Placement(SIX[:2]))
+    decision = choose_topology(GPT, CHAOS_SETUP, CPU_SMALL, current, SIX[:2])
+    assert decision.node_loss is NodeLoss.CHECKPOINT
+    assert "leaves only the checkpoint" in decision.explanation
+
+
+def test_within_tolerance_a_world_that_survives_a_node_loss_beats_one_that_moves_fewer_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from liver.services.topology import chooser as chooser_module
+    from liver.services.topology.chooser import NodeLoss
+
+    current = _world(ParallelLayout(2, 1, 4))
+    plain = choose_topology(LLAMA, SETUP, FAST_LINKS, current, current.placement.devices)
+    assert plain.layout == current.layout and plain.bytes_moved == 0
+    original = chooser_module._Chooser.node_loss
+
+    def the_current_layout_dies_with_a_node(self, layout, placement):  # type: ignore[no-untyped-def]
+        if layout == current.layout:
+            return NodeLoss.CHECKPOINT, 0
+        return original(self, layout, placement)
+
+    monkeypatch.setattr(chooser_module._Chooser, "node_loss", the_current_layout_dies_with_a_node)
+    decision = choose_topology(LLAMA, SETUP, FAST_LINKS, current, current.placement.devices)
+    assert decision.layout != current.layout and decision.node_loss is not NodeLoss.CHECKPOINT
+    assert decision.tokens_per_s >= plain.tokens_per_s * 0.98

@@ -87,6 +87,22 @@ def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: i
     return tuple(t for v in range(layout.vpp) for t in chunk_parameters(geometry, layout, pp_rank, v))
 
 
+@functools.lru_cache(maxsize=256)
+def _stage_parameters_unordered(
+    geometry: ModelGeometry, layout: ParallelLayout
+) -> tuple[tuple[TensorSpec, ...], ...]:
+    """Each stage's parameters (those with a gradient, so in a DDP buffer) in the geometry's order:
+    the stages of a tensor asked once per world, not once per chunk."""
+    stages: list[list[TensorSpec]] = [[] for _ in range(layout.pp)]
+    for t in geometry.tensors(optimizer=False):
+        if t.role == "buffer":  # no gradient: in no DDP buffer
+            continue
+        for pp in holding_stages(t, geometry, layout):
+            stages[pp].append(t)
+    return tuple(tuple(ts) for ts in stages)
+
+
+@functools.lru_cache(maxsize=4096)
 def chunk_parameters(
     geometry: ModelGeometry, layout: ParallelLayout, pp_rank: int, vp_stage: int = 0
 ) -> tuple[TensorSpec, ...]:
@@ -108,12 +124,7 @@ def chunk_parameters(
     layers: list[TensorSpec] = []
     final: list[TensorSpec] = []
     replica: list[TensorSpec] = []
-    for t in geometry.tensors(optimizer=False):
-        if t.role == "buffer":  # no gradient: in no DDP buffer
-            continue
-        stages = holding_stages(t, geometry, layout)
-        if pp_rank not in stages:
-            continue
+    for t in _stage_parameters_unordered(geometry, layout)[pp_rank]:
         if t.home == "all":
             raise GeometryError(
                 f"{t.name}: a parameter on every pipeline stage has no place in Megatron's buffer order"

@@ -25,10 +25,11 @@ import functools
 import math
 from typing import NamedTuple
 
+from liver.shared.dist_opt import owned_pieces
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import ParallelLayout, Placement
-from liver.shared.views import grid_of, holding_stages
+from liver.shared.views import grid_of, holding_stages, view
 
 NO_KEEPER = -1
 """In :attr:`Redundancy.keepers`: the rank has nothing to copy (every piece it holds survives elsewhere)."""
@@ -59,13 +60,18 @@ def alike_holders(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayo
     """The ranks that hold the same piece of ``tensor`` as ``rank`` (``rank`` included): its replicas
     for replicated state; for state the distributed optimizer shards over DP the ranks that own alike
     (same replica index: the TP ranks of a TP-replicated tensor, every stage of a tied embedding)."""
-    grid = grid_of(tensor, layout)
-    tp, ep, replica, _pp = grid.place(rank)
-    tps = range(grid.tp) if tensor.rule == "replicated" else (tp,)
-    replicas = (replica,) if is_dp_sharded(tensor, model) else range(grid.replicas)
-    return [
-        grid.rank(q, ep, r, pp) for pp in holding_stages(tensor, model, layout) for q in tps for r in replicas
-    ]
+    return _alike(_kind(tensor, model, layout), rank)
+
+
+def _kind(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout) -> tuple:
+    """What the ranks that hold alike depend on: the grid, TP-replicated or not, DP-sharded or not, and
+    the stages."""
+    return (
+        grid_of(tensor, layout),
+        tensor.rule == "replicated",
+        is_dp_sharded(tensor, model),
+        holding_stages(tensor, model, layout),
+    )
 
 
 def _nodes(placement: Placement) -> list[str]:
@@ -94,25 +100,67 @@ def _copied(
     node = _nodes(placement)
     single = len(set(node)) == 1
     tensors = model.tensors(optimizer=True)
+    # Which ranks hold alike depends on a tensor only through its grid, whether it is TP-replicated or
+    # DP-sharded, and its stages: the verdict is asked once per such kind and rank, not per tensor
+    # (a 1,024-rank world of a large model holds half a million rank-tensor pairs).
+    kinds: dict[tuple, int] = {}
+    kind_of: list[int] = []
+    shapes: list[tuple] = []
+    for t in tensors:
+        shape = _kind(t, model, layout)
+        kind_of.append(kinds.setdefault(shape, len(kinds)))
+        if len(shapes) < len(kinds):
+            shapes.append(shape)
+    on_stage: list[list[int]] = [[] for _ in range(layout.pp)]
+    for ti, kind in enumerate(kind_of):
+        for pp in shapes[kind][3]:
+            on_stage[pp].append(ti)
+    dense = layout.grid(expert=False)
     out: list[list[int]] = [[] for _ in range(layout.world_size)]
-    # Ranks of one shard class hold the same tensors; the answer per tensor depends on where the alike
-    # holders run, so it is asked per rank, but the holdings only once per class.
-    held: dict[tuple[int, int, int, int], list[int]] = {}
+    verdicts: dict[tuple[int, int, int, int], tuple[int, int, bool]] = {}
+    # Ranks of one shard class view the same tensors, grouped by kind once per class; of the state the
+    # distributed optimizer shards, each DP rank holds the tensors its own range of the buffers covers.
+    viewed: dict[tuple[int, int, int, int], dict[int, list[int]]] = {}
     for rank in range(layout.world_size):
-        key = layout.shard_class(rank) if not model.distributed else (rank, 0, 0, 0)
-        mine = held.get(key)
+        key = layout.shard_class(rank)
+        mine = viewed.get(key)
         if mine is None:
-            mine = held[key] = [
-                ti for ti, t in enumerate(tensors) if holding(t, model, layout, rank) is not None
-            ]
-        for ti in mine:
-            alike = alike_holders(tensors[ti], model, layout, rank)
+            mine = viewed[key] = {}
+            for ti in on_stage[dense.place(rank)[3]]:
+                if view(tensors[ti], model, layout, rank) is not None:
+                    mine.setdefault(kind_of[ti], []).append(ti)
+        if model.distributed:
+            owned = owned_pieces(model, layout, rank)
+            mine = {
+                kind: [ti for ti in tis if owned.get(tensors[ti].param)] if shapes[kind][2] else tis
+                for kind, tis in mine.items()
+            }
+        for kind, tis in mine.items():
+            grid, replicated, dp_sharded, _stages = shapes[kind]
+            tp, ep, replica, _pp = grid.place(rank)
+            # The ranks that share these coordinates share one set of alike holders.
+            group = (kind, -1 if replicated else tp, ep, replica if dp_sharded else -1)
+            verdict = verdicts.get(group)
+            if verdict is None:
+                alike = _alike(shapes[kind], rank)
+                verdict = verdicts[group] = (len(alike), min(alike), len({node[r] for r in alike}) == 1)
+            count, lowest, one_node = verdict
             if single:  # only a process's loss can be survived: copy what no other process holds
-                if alike == [rank]:
-                    out[rank].append(ti)
-            elif min(alike) == rank and all(node[r] == node[rank] for r in alike):
-                out[rank].append(ti)  # dies with this node; its lowest holder copies it
-    return tuple(tuple(ts) for ts in out)
+                copy = count == 1
+            else:  # dies with this node; its lowest holder copies it
+                copy = lowest == rank and one_node
+            if copy:
+                out[rank].extend(tis)
+    return tuple(tuple(sorted(ts)) for ts in out)
+
+
+def _alike(shape: tuple, rank: int) -> list[int]:
+    """:func:`alike_holders` of every tensor of one kind (grid, replicated, DP-sharded, stages)."""
+    grid, replicated, dp_sharded, stages = shape
+    tp, ep, replica, _pp = grid.place(rank)
+    tps = range(grid.tp) if replicated else (tp,)
+    replicas = (replica,) if dp_sharded else range(grid.replicas)
+    return [grid.rank(q, ep, r, pp) for pp in stages for q in tps for r in replicas]
 
 
 def copy_keepers(placement: Placement, needs: tuple[bool, ...]) -> tuple[int, ...]:

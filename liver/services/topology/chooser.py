@@ -18,10 +18,13 @@ Rules of validity (each rejection names its rule in :attr:`CandidateScore.rule`)
 
 All devices are used when any layout allows it; otherwise the largest count that has a valid, fitting
 layout (a prime count of devices often has none), leaving the fewest devices idle, and the explanation
-says so. Among layouts within ``tolerance`` of the best estimated throughput the one whose placement
-moves the fewest bytes wins (the current layout on unchanged devices moves none), then the current
-layout, then the faster: a lower bound ranks them so only a few are placed, and each placement's bytes
-are exact (:func:`.placement.bytes_moved`).
+says so. Among layouts within ``tolerance`` of the best estimated throughput one whose world survives
+the loss of any one node without notice wins (from replicas on other nodes or from the peer copies
+the job keeps by default: any world on two nodes or more), then the one whose placement moves the
+fewest bytes (the current layout on unchanged devices moves none), then the current layout, then the
+faster: a lower bound ranks them so only a few are placed, and each placement's bytes are exact
+(:func:`.placement.bytes_moved`). The decision says how its world survives a node's loss
+(:class:`NodeLoss`) and the host memory its peer copies take (:mod:`liver.shared.redundancy`).
 
 Devices of the current world that are ``lost`` are not in ``devices`` (they can hold no new rank), and
 the transfer planner takes no state from them. The bytes-moved tie-break needs no change for that: it
@@ -34,6 +37,7 @@ needs all of it), so the transfer planner, which finds the tensor without a surv
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections import Counter
@@ -56,6 +60,7 @@ from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, 
 from liver.shared.messages import Candidate
 from liver.shared.model import ModelSpec
 from liver.shared.plan import WorldConfig
+from liver.shared.redundancy import redundancy as copy_redundancy
 
 from .cost import StepCost, step_cost
 from .memory import HardwareProfile, SetupError, TrainingSetup, memory_estimate
@@ -64,6 +69,15 @@ from .placement import node_local_placement
 Redundancy = Literal["none", "node"]
 """What the state must survive: nothing in particular, or the loss of any one node (see
 :func:`choose_topology`)."""
+
+
+class NodeLoss(enum.StrEnum):
+    """How a world's state comes through the loss of any one of its nodes without notice."""
+
+    REPLICAS = "replicas"  # a replica on another node holds every piece: nothing extra is kept
+    COPIES = "copies"  # what no replica holds is recovered from the peer copies kept on another node
+    CHECKPOINT = "checkpoint"  # one node holds the world: its loss leaves only the durable checkpoint
+
 
 MAX_VPP = 8
 """The most model chunks per stage the chooser considers (each chunk adds pipeline hand-offs)."""
@@ -127,6 +141,11 @@ class TopologyDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     feasible: int
     explanation: str
     planning_seconds: float
+    node_loss: NodeLoss = NodeLoss.CHECKPOINT
+    """How the chosen world recovers from a node lost without notice."""
+    copies_host_bytes: int = 0
+    """Host memory the peer copies take on the process that keeps the most (two buffers per copy; 0
+    when replicas on other nodes hold every piece)."""
 
     @property
     def world(self) -> WorldConfig:
@@ -207,6 +226,7 @@ class _Chooser:
         self.lost = frozenset(lost)
         self.surviving = set(current.placement.devices) - self.lost
         self._selections: dict[tuple[int, int], tuple[Device, ...] | None] = {}
+        self._node_loss: dict[tuple[ParallelLayout, Placement], tuple[NodeLoss, int]] = {}
 
     def select(self, count: int, group: int) -> tuple[Device, ...] | None:
         """``count`` devices in whole groups of ``group`` per node, or ``None`` when the nodes cannot
@@ -373,6 +393,20 @@ class _Chooser:
         world = WorldConfig(layout, placement)
         return all(not orphaned_shards(model, world, lost) for lost in nodes.values())
 
+    def node_loss(self, layout: ParallelLayout, placement: Placement) -> tuple[NodeLoss, int]:
+        """How the world of ``layout`` on ``placement`` comes through a node's loss (the job keeps peer
+        copies, as it does by default), and the copies' host memory on the process that keeps most."""
+        key = (layout, placement)
+        if key not in self._node_loss:
+            model = self.geometry if self.geometry is not None else self.model.geometry()
+            r = copy_redundancy(model, layout, placement)
+            kept = max(r.kept_bytes, default=0)
+            if len({d.node for d in placement.devices}) < 2:
+                self._node_loss[key] = (NodeLoss.CHECKPOINT, kept)
+            else:
+                self._node_loss[key] = (NodeLoss.COPIES if kept else NodeLoss.REPLICAS, kept)
+        return self._node_loss[key]
+
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout
         return local_lower_bound(self.model, self.current, scored.devices, layout)
@@ -452,9 +486,17 @@ def choose_topology(
 
     def preference(s: _Scored) -> tuple:
         lay = s.score.layout
-        return (placed[id(s)][1], lay != current.layout, -s.score.tokens_per_s, lay.tp, lay.pp)
+        lost_to_checkpoint = chooser.node_loss(lay, placed[id(s)][0])[0] is NodeLoss.CHECKPOINT
+        moved = placed[id(s)][1]
+        return (lost_to_checkpoint, moved, lay != current.layout, -s.score.tokens_per_s, lay.tp, lay.pp)
 
     winner = min((s for s in near if id(s) in placed), key=preference)
+    if preference(winner)[0] and len(chooser.nodes) > 1:
+        # The bytes bound left some candidates unplaced; one of them may survive a node's loss.
+        for _bound, i in bounded:
+            if id(near[i]) not in placed:
+                placed[id(near[i])] = chooser.place(near[i])
+        winner = min(near, key=preference)
     shown = feasible[:top] if any(s is winner for s in feasible[:top]) else [*feasible[: top - 1], winner]
     for s in shown:
         if id(s) not in placed:
@@ -462,13 +504,14 @@ def choose_topology(
     shown_scores = [msgspec.structs.replace(s.score, bytes_moved=placed[id(s)][1]) for s in shown]
     rejected = _most_instructive(scored, top)
     placement, moved = placed[id(winner)]
+    node_loss, copies_bytes = chooser.node_loss(winner.score.layout, placement)
     chosen = msgspec.structs.replace(winner.score, bytes_moved=moved)
     used = set(placement.devices)
     idle = tuple(d for d in devices if d not in used)
     fastest_bytes = placed[id(feasible[0])][1] if id(feasible[0]) in placed else None
     explanation = _explain(
         chooser, chosen, feasible[0].score, fastest_bytes, shown_scores, everything, scored, idle, tolerance
-    )
+    ) + _survival_words(node_loss, copies_bytes)
     return TopologyDecision(
         layout=chosen.layout,
         placement=placement,
@@ -482,6 +525,8 @@ def choose_topology(
         feasible=len(feasible),
         explanation=explanation,
         planning_seconds=time.perf_counter() - started,
+        node_loss=node_loss,
+        copies_host_bytes=copies_bytes,
     )
 
 
@@ -574,6 +619,17 @@ def _nothing_fits(model: ModelSpec, devices: tuple[Device, ...], everything: lis
     elif everything:
         text += f"; e.g. {everything[0].score.layout.describe()}: {everything[0].score.reason}"
     return text
+
+
+def _survival_words(node_loss: NodeLoss, copies_bytes: int) -> str:
+    if node_loss is NodeLoss.REPLICAS:
+        return " A node lost without notice is recovered live from the replicas on the other nodes."
+    if node_loss is NodeLoss.COPIES:
+        return (
+            " A node lost without notice is recovered live from the peer copies of what no replica holds "
+            f"({_size(copies_bytes)} of host memory on the process that keeps the most)."
+        )
+    return " One node holds the whole world: its loss leaves only the checkpoint."
 
 
 def _explain(
