@@ -101,3 +101,11 @@ def test_a_loss_no_replica_covers_is_recovered_live_from_the_survivors_peer_copy
 
 def test_no_checkpoint_fallback_is_decided_for_that_loss(dp1_loss: UnreplicatedLoss) -> None:
     assert dp1_loss.fallbacks == 0
+
+
+def test_only_a_kill_inside_the_victims_copy_refresh_is_run_again(dp1_loss: UnreplicatedLoss) -> None:
+    # The known gap (the copy a step behind the survivors): a new attempt, never a pass without recovery.
+    from liver.chaos.real import ATTEMPTS
+
+    assert dp1_loss.in_refresh < ATTEMPTS
+    assert len(list(Path(dp1_loss.log_dir).glob("attempt-*"))) == dp1_loss.in_refresh + 1

@@ -74,11 +74,13 @@ def test_a_copy_holding_a_nan_is_refused_with_the_tensor_named() -> None:
         unpack(kept_copy(pieces), MODEL, LAYOUT, PLACEMENT)
 
 
-def test_a_copy_with_fewer_checksums_than_tensors_is_refused() -> None:
+def test_a_copy_with_fewer_checksums_than_pieces_is_refused_saying_so() -> None:
     pieces = pieces_of_copy()
     copy = kept_copy(pieces)
     short = copy._replace(checksums=copy.checksums[:-1])
-    with pytest.raises(CopyError, match="fails its checksum"):
+    with pytest.raises(
+        CopyError, match=rf"carries {len(short.checksums)} checksums, none for {pieces[-1][0]}"
+    ):
         unpack(short, MODEL, LAYOUT, PLACEMENT)
 
 

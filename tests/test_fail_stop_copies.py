@@ -184,11 +184,12 @@ def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
 
 def _die_in_step(trainer: Any, runtime: Any, when: str) -> None:
     """Exit inside the next step: as its update begins (the last refresh was read before it), or in the
-    forward of its second micro-batch once the last refresh was read (a loss in the refresh itself
-    leaves the copy a step behind: not this test's case)."""
+    forward of its second micro-batch once the last refresh was sent whole (a loss in the refresh
+    itself leaves the copy a step behind: not this test's case)."""
     if when == "update":
 
         def dying(*args: Any, **kwargs: Any) -> Any:
+            assert runtime.peer_copies.wait_sent(trainer.iteration, 60.0)  # read is not yet sent whole
             os._exit(17)
 
         trainer.optimizer.step = dying
@@ -198,7 +199,7 @@ def _die_in_step(trainer: Any, runtime: Any, when: str) -> None:
     def dying_forward(data_iterator: Any, model: Any) -> Any:
         calls[0] += 1
         if calls[0] == 2:
-            runtime.peer_copies.gate()
+            assert runtime.peer_copies.wait_sent(trainer.iteration, 60.0)
             os._exit(17)
         return original(data_iterator, model)
 

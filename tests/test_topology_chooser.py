@@ -357,14 +357,14 @@ def test_within_tolerance_a_world_that_survives_a_node_loss_beats_one_that_moves
     current = _world(ParallelLayout(2, 1, 4))
     plain = choose_topology(LLAMA, SETUP, FAST_LINKS, current, current.placement.devices)
     assert plain.layout == current.layout and plain.bytes_moved == 0
-    original = chooser_module._Chooser.node_loss
+    original = chooser_module._Chooser.on_one_node
 
-    def the_current_layout_dies_with_a_node(self, layout, placement):  # type: ignore[no-untyped-def]
-        if layout == current.layout:
-            return NodeLoss.CHECKPOINT, 0
-        return original(self, layout, placement)
+    def the_current_world_dies_with_a_node(placement: Placement) -> bool:
+        return placement == current.placement or original(placement)
 
-    monkeypatch.setattr(chooser_module._Chooser, "node_loss", the_current_layout_dies_with_a_node)
+    monkeypatch.setattr(
+        chooser_module._Chooser, "on_one_node", staticmethod(the_current_world_dies_with_a_node)
+    )
     decision = choose_topology(LLAMA, SETUP, FAST_LINKS, current, current.placement.devices)
     assert decision.layout != current.layout and decision.node_loss is not NodeLoss.CHECKPOINT
     assert decision.tokens_per_s >= plain.tokens_per_s * 0.98

@@ -71,7 +71,7 @@ class FailStopLive(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     processes: int
     bytes_moved: int
     first_loss: float
-    from_copies: int  # lost ranks whose state no survivor held, read from a survivor's peer copy
+    from_copies: int  # lost ranks whose state a survivor sent from its peer copy (their own reports)
     kept_bytes_per_process: int  # host memory of the peer copies a process keeps (the largest)
 
 
@@ -97,16 +97,17 @@ class _Result(msgspec.Struct, frozen=True, kw_only=True):
     transfer_s: float
     bytes_sent: int
     step_ends: list[float]
+    stood_in: tuple[int, ...] = ()  # lost ranks this survivor sent from its peer copies
 
 
 def _die_in_next_forward(trainer: Any, store: Any, runtime: Any) -> None:
-    """Exit in the next forward, once the last refresh of this process's peer copy was read (a loss in
-    the refresh itself leaves its copy a step behind the survivors: not what this measures)."""
+    """Exit in the next forward, once the last refresh of this process's peer copy was sent whole (a
+    loss in the refresh itself leaves its copy a step behind the survivors: not what this measures)."""
 
     def dying(data_iterator: Any, model: Any) -> Any:
         copies = runtime.peer_copies
-        if copies is not None:
-            copies.gate()
+        if copies is not None and not copies.wait_sent(trainer.iteration, 60.0):
+            raise RuntimeError(f"the copy of iteration {trainer.iteration} was not sent within 60 s")
         store.set(KILLED_AT_KEY, repr(time.time()))
         os._exit(17)
 
@@ -209,10 +210,11 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
         transfer_s=report.transfer_s,
         bytes_sent=report.bytes_sent,
         step_ends=step_ends,
+        stood_in=report.stood_in,
     )
 
 
-def devices_of(layout: ParallelLayout) -> list[Device]:
+def devices_of(layout: ParallelLayout) -> tuple[Device, ...]:
     """One process per node, as a node's loss takes a process with it; state that no process on
     another node holds (the distributed optimizer's shard, all of a DP=1 job's) has a peer copy there."""
     return grid_devices(layout.world_size, 1)
@@ -265,7 +267,8 @@ def measure_fail_stop(
 ) -> FailStopLive:
     """Run the job at ``old``, kill its last process mid-step (or in a handoff's stream), recover live
     to ``new``, and time it. Raises the planner's ``NoSurvivingSource`` when the lost process held
-    state no replica has, and ``ValueError`` for a loss in a stream with fewer than 2 steps before."""
+    state that neither a survivor nor a peer copy has, and ``ValueError`` for a loss in a stream with
+    fewer than 2 steps before."""
     from liver.worker_runtime.world import host_store
 
     spec = ModelRef.of(model)
@@ -325,6 +328,6 @@ def measure_fail_stop(
         processes=size,
         bytes_moved=sum(r.bytes_sent for r in results),
         first_loss=critical.first_loss,
-        from_copies=len(plan.stand_ins),
+        from_copies=len({rank for r in results for rank in r.stood_in}),
         kept_bytes_per_process=max(redundancy(plan.model, old, plan.old.placement).kept_bytes),
     )

@@ -114,6 +114,8 @@ def chunk_parameters(
     first stage or the last chunk of the last stage, as Megatron's ``pre_process``/``post_process``
     with ``vp_stage`` place it."""
     last = layout.pp - 1
+    if not 0 <= pp_rank < layout.pp:
+        raise LayoutError(f"pp_rank {pp_rank}: {layout.describe()} has {layout.pp} pipeline stage(s)")
     if not 0 <= vp_stage < layout.vpp:
         raise LayoutError(
             f"vp_stage {vp_stage}: {layout.describe()} has {layout.vpp} model chunk(s) per stage"

@@ -226,6 +226,7 @@ class SwitchReport(msgspec.Struct, kw_only=True):
     schedule_s: float = 0.0  # building the transfer schedule in the pause (part of transfer_s); 0: prepared
     prebuild_s: float | None = None  # the new trainer's build before the cut (training stood still)
     prebuild_iteration: int | None = None  # the boundary it was built at (None: a joiner, not training)
+    stood_in: tuple[int, ...] = ()  # lost old ranks whose state this process sent from its peer copies
 
 
 @dataclass
@@ -386,6 +387,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         stage = HandoffStage.STREAM
         if h.kept is not None and h.kept.copy_failure is not None:
             raise RecoveredStateInvalid(h.kept.copy_failure)
+        stood_in = tuple(sorted(h.kept.stand_ins)) if h.kept is not None else ()
         result = _stream(h, old_rank, new_rank, into)
         t_stream = time.perf_counter()
         if h.broken or h.lost:
@@ -445,6 +447,7 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         schedule_s=stats.schedule_seconds,
         prebuild_s=None if h.prebuilt is None else h.prebuilt.seconds,
         prebuild_iteration=None if h.prebuilt is None else h.prebuilt.iteration,
+        stood_in=stood_in,
     )
     bound.info(
         "handoff.committed",

@@ -988,6 +988,7 @@ class LiveRuntime(Generic[T]):
                 if kept is not None and self._copies is not None:
                     old_rank = broken.placement.rank_on().get(self.device)
                     plan = prep.request.plan
+                    kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
                     try:
                         kept.stand_ins = self._copies.stand_ins(plan, broken, old_rank, abandoned.iteration)
                     except CopyError as error:

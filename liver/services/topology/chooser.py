@@ -226,7 +226,6 @@ class _Chooser:
         self.lost = frozenset(lost)
         self.surviving = set(current.placement.devices) - self.lost
         self._selections: dict[tuple[int, int], tuple[Device, ...] | None] = {}
-        self._node_loss: dict[tuple[ParallelLayout, Placement], tuple[NodeLoss, int]] = {}
 
     def select(self, count: int, group: int) -> tuple[Device, ...] | None:
         """``count`` devices in whole groups of ``group`` per node, or ``None`` when the nodes cannot
@@ -393,19 +392,20 @@ class _Chooser:
         world = WorldConfig(layout, placement)
         return all(not orphaned_shards(model, world, lost) for lost in nodes.values())
 
+    @staticmethod
+    def on_one_node(placement: Placement) -> bool:
+        """A world on one node survives that node's loss only from the checkpoint; any other survives
+        from replicas or the peer copies (:meth:`node_loss`, which also weighs their memory)."""
+        return len({d.node for d in placement.devices}) < 2
+
     def node_loss(self, layout: ParallelLayout, placement: Placement) -> tuple[NodeLoss, int]:
         """How the world of ``layout`` on ``placement`` comes through a node's loss (the job keeps peer
         copies, as it does by default), and the copies' host memory on the process that keeps most."""
-        key = (layout, placement)
-        if key not in self._node_loss:
-            model = self.geometry if self.geometry is not None else self.model.geometry()
-            r = copy_redundancy(model, layout, placement)
-            kept = max(r.kept_bytes, default=0)
-            if len({d.node for d in placement.devices}) < 2:
-                self._node_loss[key] = (NodeLoss.CHECKPOINT, kept)
-            else:
-                self._node_loss[key] = (NodeLoss.COPIES if kept else NodeLoss.REPLICAS, kept)
-        return self._node_loss[key]
+        model = self.geometry if self.geometry is not None else self.model.geometry()
+        kept = max(copy_redundancy(model, layout, placement).kept_bytes, default=0)
+        if self.on_one_node(placement):
+            return NodeLoss.CHECKPOINT, kept
+        return (NodeLoss.COPIES if kept else NodeLoss.REPLICAS), kept
 
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout
@@ -486,7 +486,7 @@ def choose_topology(
 
     def preference(s: _Scored) -> tuple:
         lay = s.score.layout
-        lost_to_checkpoint = chooser.node_loss(lay, placed[id(s)][0])[0] is NodeLoss.CHECKPOINT
+        lost_to_checkpoint = chooser.on_one_node(placed[id(s)][0])
         moved = placed[id(s)][1]
         return (lost_to_checkpoint, moved, lay != current.layout, -s.score.tokens_per_s, lay.tp, lay.pp)
 

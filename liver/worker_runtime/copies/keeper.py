@@ -33,11 +33,13 @@ class KeptCopy(NamedTuple):
     source: int
     generation: int
     iteration: int
-    checksums: tuple[int, ...]  # CRC-32 the sender took of each tensor's bytes, in order
+    checksums: tuple[
+        int, ...
+    ]  # CRC-32 the sender took of each piece's bytes (a tensor, or a DP shard's part)
     data: memoryview  # read-only
 
     def intact(self, index: int, start: int, stop: int) -> bool:
-        """Whether tensor ``index``, at bytes ``start:stop`` of the copy, still matches the checksum its
+        """Whether piece ``index``, at bytes ``start:stop`` of the copy, still matches the checksum its
         sender took (a bit can flip in transit or in host memory)."""
         return index < len(self.checksums) and checksum(self.data[start:stop]) == self.checksums[index]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
 import structlog
@@ -24,6 +24,10 @@ from liver.shared.model import as_geometry
 from .peer import LocalTensor, PeerCopies, reachable_host, unpack
 from .sender import DEFAULT_STAGING_BYTES
 from .wire import CopyError
+
+IN_REFRESH: Final = "the loss hit its refresh"
+"""Said when a lost rank's copy is one iteration behind the survivors: it died between its update and
+the end of its copy's refresh, which no recovery covers yet (the survivors cannot go back a step)."""
 
 log = structlog.get_logger(__name__)
 
@@ -104,9 +108,10 @@ class CopyManager:
             if kept is None:
                 raise CopyError(f"no complete peer copy of old rank {rank} arrived before it was lost")
             if kept.iteration != iteration:
+                behind = f" ({IN_REFRESH})" if kept.iteration == iteration - 1 else ""
                 raise CopyError(
                     f"the peer copy of old rank {rank} is of iteration {kept.iteration}, the survivors kept "
-                    f"iteration {iteration}"
+                    f"iteration {iteration}{behind}"
                 )
             out[rank] = unpack(kept, copies.model, copies.layout, copies.placement)
             log.info("copies.stand_in", generation=broken.generation, rank=rank, iteration=iteration)

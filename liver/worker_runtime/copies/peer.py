@@ -124,6 +124,10 @@ class PeerCopies:
         ``gate_timeout_s``, or the sender failed; the keeper keeps an older copy)."""
         return True if self.sender is None else self.sender.wait_read(self.gate_timeout_s)
 
+    def wait_sent(self, iteration: int, timeout: float | None = None) -> bool:
+        """Until this process's copy of ``iteration`` was sent whole (True without a sender)."""
+        return True if self.sender is None else self.sender.wait_sent(iteration, timeout)
+
     def kept(self, source: int) -> KeptCopy | None:
         return None if self.keeper is None else self.keeper.latest(source)
 
@@ -155,6 +159,8 @@ def unpack(
             nbytes = math.prod(shard.local_shape) * t.itemsize
             if offset + nbytes > len(data):
                 raise CopyError(f"{of} ends inside {t.name}")
+            if index >= len(copy.checksums):
+                raise CopyError(f"{of} carries {len(copy.checksums)} checksums, none for {t.name}")
             if not copy.intact(index, offset, offset + nbytes):
                 raise CopyError(
                     f"{of}: {t.name} fails its checksum (its bytes changed after its sender read them)"
@@ -169,6 +175,6 @@ def unpack(
         out[ti] = tuple(pieces) if is_dp_sharded(t, model) else pieces[0]
     if offset != len(data) or index != len(copy.checksums):
         raise CopyError(
-            f"{of} has {len(data) - offset} bytes and {len(copy.checksums) - index} tensors beyond its state"
+            f"{of} has {len(data) - offset} bytes and {len(copy.checksums) - index} pieces beyond its state"
         )
     return out

@@ -1,8 +1,9 @@
 """The sending side of peer copies: a background thread that reads the live state after a step.
 
 The training thread hands it the tensors after each optimizer step (:meth:`CopySender.refresh`) and goes
-on; the thread checksums each tensor and sends them chunk by chunk: host memory as it is (the kernel
-copies it into the socket, no copy of ours), device memory through a pinned staging buffer of fixed size.
+on; the thread checksums each piece (a local tensor, or a DP-sharded part of one) and sends them chunk
+by chunk: host memory as it is (the kernel copies it into the socket, no copy of ours), device memory
+through a pinned staging buffer of fixed size.
 The state changes again only at the next update, which first waits for :meth:`CopySender.wait_read`: until
 the thread has read the last chunk. A read that takes longer than the gate allows is cancelled rather than
 let the update tear it: the thread stops reading at once, drops the connection (the keeper keeps its older
@@ -116,6 +117,16 @@ class CopySender:
         self._log.warning("copies.read_cancelled", timeout_s=timeout)
         return False
 
+    def wait_sent(self, iteration: int, timeout: float | None = None) -> bool:
+        """Block until the refresh of ``iteration`` was sent whole (its trailer is in the socket, which
+        the kernel delivers even if this process exits next); False after ``timeout``, a failure or a
+        close."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self.sent_iteration == iteration or self.failure is not None or self._closed, timeout
+            )
+            return self.sent_iteration == iteration
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -144,7 +155,9 @@ class CopySender:
                 self._job = None
             try:
                 self._send(iteration, views)
-                self.sent_iteration = iteration
+                with self._cond:
+                    self.sent_iteration = iteration
+                    self._cond.notify_all()
             except _Cancelled:
                 self._drop_connection()
             except OSError as error:

@@ -43,12 +43,13 @@ def checksum(data: memoryview | bytes | bytearray, running: int = 0) -> int:
 
 
 def trailer(checksums: list[int]) -> bytes:
-    """The trailer of a refresh whose tensors have ``checksums``."""
+    """The trailer of a refresh whose pieces (one per local tensor, or per DP-sharded piece of one)
+    have ``checksums``."""
     return struct.pack(f"!I{len(checksums)}I", len(checksums), *checksums)
 
 
 def read_trailer(sock: socket.socket) -> tuple[int, ...]:
-    """The per-tensor checksums that end a refresh."""
+    """The per-piece checksums that end a refresh."""
     (count,) = read_struct(sock, TRAILER)
     if count > MAX_TENSORS:
         raise CopyError(f"a refresh announces {count} tensors, more than any shard holds")
