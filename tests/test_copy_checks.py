@@ -93,3 +93,44 @@ def test_a_recovered_state_with_an_infinity_names_the_tensor() -> None:
 
 def test_a_finite_recovered_state_passes_whatever_its_integer_tensors_hold() -> None:
     check_finite(MODEL, {0: torch.ones(3), 1: torch.tensor([2**62], dtype=torch.int64)})
+
+
+def own_copy(nan_in_local: bool = False) -> tuple[KeptCopy, dict[int, torch.Tensor], str]:
+    """Rank SOURCE's own copy as its sender keeps it: what it sends (checksummed), then the rest of the
+    tensors it holds (those a replica on another node holds too), with the values of each tensor."""
+    tensors = MODEL.tensors(optimizer=True)
+    held = [ti for ti, t in enumerate(tensors) if holding(t, MODEL, LAYOUT, SOURCE) is not None]
+    copied = set(copied_tensors(MODEL, LAYOUT, PLACEMENT, SOURCE))
+    local = [ti for ti in held if ti not in copied]
+    g = torch.Generator().manual_seed(1)
+    values: dict[int, torch.Tensor] = {}
+    raw: list[bytes] = []
+    for ti in [*sorted(copied), *local]:
+        t = tensors[ti]
+        (shard,) = holding(t, MODEL, LAYOUT, SOURCE) or ()
+        values[ti] = torch.randn(shard.local_shape, generator=g).to(getattr(torch, t.dtype))
+        raw.append(values[ti].reshape(-1).view(torch.uint8).numpy().tobytes())
+    bad = next(ti for ti in local if values[ti].is_floating_point())
+    if nan_in_local:
+        values[bad].view(-1)[0] = float("nan")
+        raw[len(copied) + local.index(bad)] = values[bad].reshape(-1).view(torch.uint8).numpy().tobytes()
+    crcs = tuple(checksum(r) for r in raw[: len(copied)])
+    data = memoryview(bytearray(b"".join(raw))).toreadonly()
+    return KeptCopy(SOURCE, 0, 4, crcs, data), values, tensors[bad].name
+
+
+def test_a_processs_own_copy_unpacks_to_every_tensor_it_holds() -> None:
+    from liver.worker_runtime.copies.peer import unpack_own
+
+    copy, values, _ = own_copy()
+    state = unpack_own(copy, list(values), MODEL, LAYOUT, PLACEMENT)
+    assert sorted(state) == sorted(values)
+    assert all(torch.equal(state[ti], values[ti]) for ti in values)
+
+
+def test_an_own_copy_with_a_nan_in_what_only_replicas_hold_names_the_tensor() -> None:
+    from liver.worker_runtime.copies.peer import unpack_own
+
+    copy, values, name = own_copy(nan_in_local=True)
+    with pytest.raises(CopyError, match=rf"{name} holds values that are not finite"):
+        unpack_own(copy, list(values), MODEL, LAYOUT, PLACEMENT)

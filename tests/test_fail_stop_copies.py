@@ -6,11 +6,14 @@ every step, a copy of the state each process alone holds on the process at its p
 of the master weights and Adam moments), tiny-gpt with plain Adam at TP2,PP2,DP1 (no replica at all:
 p3's whole shard lives only in its copy), and tiny-moe with the distributed optimizer at DP4,EP2 (dense
 shards over DP4, expert shards over their expert-DP pair). p3 dies in its third step: as its optimizer
-step begins, or in the forward of its second micro-batch (once its last refresh was read). The survivors
+step begins, or in the forward of its second micro-batch (once its last refresh was sent whole). The survivors
 are handed the recovery (TP1,PP1,DP3 on p0-p2, planned around the lost device with the copies: p3
 "stands in", its sends run by p1 from the copy) and move to it without a checkpoint. The state right
 after the recovery equals, bit for bit, the state at the end of step 2 gathered from all four processes
-(p3's own saved before it died), and training goes on.
+(p3's own saved before it died), and training goes on. In the "refresh" runs p3 dies instead as the
+refresh of its copy after step 2 begins: p1 keeps p3's copy of step 1 while the survivors completed
+step 2, so they agree to go back to step 1 (each from its own copy of that refresh), and the state after
+the recovery equals, bit for bit, the state at the end of step 1 of all four; step 2 is trained again.
 
 In another run a bit of p3's copy flips in p1's memory before the recovery reads it: the copy fails its
 checksum, the recovery names the tensor and falls back to the durable checkpoint once (no second
@@ -73,7 +76,20 @@ CASES = {
         ParallelLayout(tp=1, pp=1, dp=4, ep=2),
     ),
 }
-RUNS = [("dist-opt", "update"), ("dist-opt", "mid-step"), ("dp1", "update"), ("moe-dist-opt", "mid-step")]
+RUNS = [
+    ("dist-opt", "update"),
+    ("dist-opt", "mid-step"),
+    ("dist-opt", "refresh"),
+    ("dp1", "update"),
+    ("dp1", "refresh"),
+    ("moe-dist-opt", "mid-step"),
+]
+
+
+def resumed(when: str) -> int:
+    """The iteration the survivors resume from: the last completed, or the one before when p3 died
+    in its copy's refresh (its copy a step behind theirs)."""
+    return KILLED_IN - 2 if when == "refresh" else KILLED_IN - 1
 
 
 def recovery_plan(case: Case) -> Plan:
@@ -153,8 +169,10 @@ def process(
     )
     trainer = runtime.step()
     while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
-        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1:
+        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when != "refresh":
             _die_in_step(trainer, runtime, when)
+        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 2 and when == "refresh":
+            _die_in_refresh(runtime.peer_copies.sender, KILLED_IN - 1)
         try:
             result = trainer.train_step()
         except StepAbandoned:
@@ -162,7 +180,7 @@ def process(
             continue
         out["trace"].append((runtime.generation, result.iteration, result.loss))
         out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
-        if proc.rank == VICTIM and result.iteration == KILLED_IN - 1:
+        if proc.rank == VICTIM and result.iteration == resumed(when):
             with open(saved, "wb") as fh:  # what dies with p3, for the test to check the recovery against
                 pickle.dump(out["snapshots"][result.iteration], fh)
         trainer = _next(runtime, out, snapshot)
@@ -180,6 +198,19 @@ def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
     if trainer is not None and runtime.generation != before:
         out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
     return trainer
+
+
+def _die_in_refresh(sender: Any, iteration: int) -> None:
+    """Exit as the copy's refresh of ``iteration`` begins, after that iteration's update: its keeper
+    keeps the copy of the iteration before, which the survivors have left behind."""
+    send = sender._send
+
+    def dying(at: int, *args: Any) -> Any:
+        if at == iteration:
+            os._exit(17)
+        return send(at, *args)
+
+    sender._send = dying
 
 
 def _die_in_step(trainer: Any, runtime: Any, when: str) -> None:
@@ -217,11 +248,18 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     survivors = {o.rank: o.unwrap() for o in outcomes if o.rank != VICTIM}
     with open(saved, "rb") as fh:
         lost_state = pickle.load(fh)
-    states = {r: s["snapshots"][KILLED_IN - 1] for r, s in survivors.items()} | {VICTIM: lost_state}
+    states = {r: s["snapshots"][resumed(when)] for r, s in survivors.items()} | {VICTIM: lost_state}
     before = gather(states, case.old, case.geometry)
     new_rank = plan.new.placement.rank_on()
     after = gather({new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items()}, NEW, case.geometry)
-    return {"plan": plan, "victim": victim, "survivors": survivors, "before": before, "after": after}
+    return {
+        "plan": plan,
+        "victim": victim,
+        "survivors": survivors,
+        "before": before,
+        "after": after,
+        "resumed": resumed(when),
+    }
 
 
 def test_the_plan_reads_the_lost_processs_shard_from_its_copy(runs: dict) -> None:
@@ -231,9 +269,9 @@ def test_the_plan_reads_the_lost_processs_shard_from_its_copy(runs: dict) -> Non
 def test_the_survivors_recover_live_without_a_checkpoint(runs: dict) -> None:
     assert runs["victim"].status == "died" and runs["victim"].exitcode == 17
     for rank, s in runs["survivors"].items():
-        assert s["peer_lost"] == [KILLED_IN - 1], rank
+        assert s["peer_lost"] == [KILLED_IN - 1], rank  # each kept the last step it completed
         assert s["history"] == ["SwitchReport"] and s["generation"] == 1, rank
-        assert s["after_iteration"] == KILLED_IN - 1
+        assert s["after_iteration"] == runs["resumed"]
 
 
 def test_the_recovered_state_equals_the_last_completed_step_of_all_four_bit_for_bit(runs: dict) -> None:
@@ -242,7 +280,8 @@ def test_the_recovered_state_equals_the_last_completed_step_of_all_four_bit_for_
 
 def test_training_goes_on_on_the_new_world(runs: dict) -> None:
     trace = runs["survivors"][0]["trace"]
-    assert [it for gen, it, _ in trace if gen == 1] == [KILLED_IN + i for i in range(STEPS_AFTER)]
+    after = [it for gen, it, _ in trace if gen == 1]
+    assert after == list(range(runs["resumed"] + 1, KILLED_IN + STEPS_AFTER))
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,40 @@ def test_each_refresh_replaces_the_copy_once_complete(keeper: CopyKeeper) -> Non
         sender.close()
 
 
+def test_a_sender_keeps_its_own_state_of_the_last_two_refreshes_sent_whole(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1, staging_bytes=1000)
+    try:
+        replicated = [torch.arange(50, dtype=torch.float32)]  # what replicas hold: kept here, not sent
+        for it in range(1, 4):
+            sender.refresh(it, state(it), [replicated[0] + it])
+            assert sender.wait_sent(it, WAIT_S)
+        assert sender.own(1) is None  # only the last two
+        for it in (2, 3):
+            own = sender.own(it)
+            assert own is not None
+            assert bytes(own[0]) == as_bytes([*state(it), replicated[0] + it])
+        kept = keeper.wait_for(1, 3, WAIT_S)
+        assert kept is not None and own[1] == kept.checksums  # the last one, as it was sent
+    finally:
+        sender.close()
+
+
+def test_a_refresh_given_up_keeps_the_own_state_of_the_one_before() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))  # a keeper that accepts but never reads
+    sender = CopySender(("127.0.0.1", listener.getsockname()[1]), 3, 1, staging_bytes=1 << 16)
+    try:
+        sender.refresh(1, state(1))  # small: fits in the socket buffers, sent whole
+        assert sender.wait_sent(1, WAIT_S)
+        sender.refresh(2, [torch.zeros(64 << 20, dtype=torch.uint8)])  # far more than they take
+        assert not sender.wait_read(0.5)  # given up: the refresh of 2 is never sent whole
+        own = sender.own(1)
+        assert own is not None and bytes(own[0]) == as_bytes(state(1))
+        assert sender.own(2) is None
+    finally:
+        sender.close()
+        listener.close()
+
+
 def test_a_flipped_bit_in_a_kept_copy_is_detected_in_its_tensor_only(keeper: CopyKeeper) -> None:
     sender = CopySender(("127.0.0.1", keeper.port), 3, 1)
     try:

@@ -3,6 +3,8 @@ is copied, once, to a process on another node, spread so that no process keeps m
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from liver.services.transfer.planner import orphaned_shards
@@ -109,3 +111,19 @@ def test_one_node_keeps_copies_of_what_no_other_process_holds_on_the_next_proces
     assert r.keepers == (1, 0) and all(r.copied) and not r.survives_node_loss
     plain = redundancy(GPT, *world("TP1,PP1,DP2", 1, 2))
     assert plain.copied == ((), ()) and not plain.survives_node_loss
+
+
+@pytest.mark.parametrize(("model", "text", "nodes", "per_node"), CASES)
+def test_a_rank_that_sends_a_copy_keeps_its_whole_state_of_the_last_two_refreshes(
+    model, text, nodes, per_node
+) -> None:
+    layout, placement = world(text, nodes, per_node)
+    r = redundancy(model, layout, placement)
+    for rank in range(layout.world_size):
+        held = sum(
+            math.prod(p.local_shape) * t.itemsize
+            for t in model.tensors(optimizer=True)
+            for p in holding(t, model, layout, rank) or ()
+        )
+        assert r.own_bytes[rank] == (0 if r.keepers[rank] == NO_KEEPER else 2 * held), rank
+        assert r.host_bytes[rank] == r.kept_bytes[rank] + r.own_bytes[rank]

@@ -49,6 +49,7 @@ class _Run(msgspec.Struct, frozen=True, kw_only=True):
     gate_s: float  # mean time an update waited for the sender, over the measured steps
     copy_bytes: int
     kept_bytes: int
+    own_bytes: int
 
 
 class CopyCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +66,7 @@ class CopyCost(msgspec.Struct, frozen=True, kw_only=True):
     gate_s_per_step: float  # mean wait of an update for the sender (slowest rank)
     copy_bytes_per_process: int  # sent each step (the largest)
     kept_bytes_per_process: int  # host memory of the copies a process keeps (the largest)
+    own_bytes_per_process: int  # host memory of a process's own copies, to go back a step (the largest)
 
 
 class CopiesReport(CopyCost, frozen=True, kw_only=True):
@@ -117,9 +119,10 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Run:
         if trainer.before_update and not isinstance(trainer.before_update[-1], _Timed):
             trainer.before_update[-1] = _Timed(trainer.before_update[-1], waits)
     copies = runtime.peer_copies
-    copy_bytes = kept_bytes = 0
+    copy_bytes = kept_bytes = own_bytes = 0
     if copies is not None:
         copy_bytes, kept_bytes = copies.plan.copy_bytes[rank], copies.plan.kept_bytes[rank]
+        own_bytes = copies.plan.own_bytes[rank]
     runtime.close()
     measured = waits[-(setup.steps - setup.warmup) :] if setup.steps > setup.warmup else []
     return _Run(
@@ -129,6 +132,7 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Run:
         gate_s=statistics.mean(measured) if measured else 0.0,
         copy_bytes=copy_bytes,
         kept_bytes=kept_bytes,
+        own_bytes=own_bytes,
     )
 
 
@@ -249,7 +253,7 @@ def measure_copies(
     without_runs: list[float] = []
     cpu: dict[bool, list[float]] = {True: [], False: []}
     gates: list[float] = []
-    copy_bytes = kept_bytes = 0
+    copy_bytes = kept_bytes = own_bytes = 0
     order = [False, True, True, False] * rounds
     for k, copies in enumerate(order[: 2 * rounds]):
         progress("copies", f"run {k + 1}/{2 * rounds}: {'with' if copies else 'without'} copies")
@@ -271,6 +275,7 @@ def measure_copies(
             gates.append(max(r.gate_s for r in results))
             copy_bytes = max(r.copy_bytes for r in results)
             kept_bytes = max(r.kept_bytes for r in results)
+            own_bytes = max(r.own_bytes for r in results)
     step_without, step_with = statistics.median(without_runs), statistics.median(with_runs)
     cpu_without, cpu_with = statistics.median(cpu[False]), statistics.median(cpu[True])
     return CopyCost(
@@ -285,6 +290,7 @@ def measure_copies(
         gate_s_per_step=statistics.mean(gates) if gates else 0.0,
         copy_bytes_per_process=copy_bytes,
         kept_bytes_per_process=kept_bytes,
+        own_bytes_per_process=own_bytes,
     )
 
 
@@ -312,6 +318,8 @@ def cost_lines(c: CopyCost) -> list[str]:
         f"  updates waited for the sender {c.gate_s_per_step * 1e3:8.1f} ms per step",
         f"  sent per step per process    {size(c.copy_bytes_per_process):>9}",
         f"  kept per process (host)      {size(c.kept_bytes_per_process):>9}  (two buffers per source)",
+        f"  own copies per process (host){size(c.own_bytes_per_process):>9}  (its whole state, last two "
+        "refreshes: a recovery goes back a step)",
     ]
 
 

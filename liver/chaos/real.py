@@ -547,8 +547,9 @@ class UnreplicatedLoss(msgspec.Struct, kw_only=True):
     """Checkpoint-fallback aborts the coordinator published (0 expected)."""
     log_dir: str
     in_refresh: int = 0
-    """Earlier attempts whose kill landed in the victim's copy refresh (its copy a step behind the
-    survivors: a known gap, which no recovery covers yet), each run again from the start."""
+    """Earlier attempts whose kill landed in the victim's copy refresh and whose survivors could not go
+    back to the iteration of its copy (which they do when each still has its own copy of it), each run
+    again from the start."""
 
     @property
     def passed(self) -> bool:
@@ -566,7 +567,7 @@ UNREPLICATED_LIMIT_S: Final = 60.0
 """From the kill to training again: the probe of the world, planning, and the move from the copy."""
 ATTEMPTS: Final = 3
 """Runs of :func:`run_unreplicated_loss` at most: an attempt whose kill lands in the victim's copy
-refresh (a known gap) is run again, and counted."""
+refresh and whose survivors cannot go back a step is run again, and counted."""
 STEPS_BEFORE_LOSS: Final = 2
 """Steps the job trains before the kill: its processes' first peer copies exist after the first."""
 
@@ -640,7 +641,7 @@ def run_unreplicated_loss(
             result = asyncio.run(scenario())
             if result.recovered_live or not _lost_in_refresh(here):
                 return msgspec.structs.replace(result, in_refresh=attempt, log_dir=str(where))
-            progress(f"the kill landed in the victim's copy refresh ({IN_REFRESH}); again from the start")
+            progress(f"the kill landed in the victim's copy refresh ({IN_REFRESH}) for good; again")
         return msgspec.structs.replace(result, in_refresh=ATTEMPTS, log_dir=str(where))
 
 

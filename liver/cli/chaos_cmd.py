@@ -190,8 +190,8 @@ def _unreplicated(args: argparse.Namespace, progress: Callable[[str], None]) -> 
     )
     if result.in_refresh:
         print(
-            f"({result.in_refresh} earlier attempt(s) killed the victim inside its copy's refresh, whose "
-            "copy was then a step behind the survivors: a known gap, run again)"
+            f"({result.in_refresh} earlier attempt(s) killed the victim inside its copy's refresh and "
+            "the survivors could not go back to its copy's iteration: run again)"
         )
     print("as expected" if result.passed else "FAILED")
     return 0 if result.passed else 1

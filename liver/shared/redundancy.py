@@ -50,6 +50,15 @@ class Redundancy(NamedTuple):
     survives_node_loss: bool
     """Whether the copies and the replicas together survive the loss of any one node (``False`` on a
     one-node world: its copies survive the loss of a process only)."""
+    own_bytes: tuple[int, ...] = ()
+    """Per rank that sends a copy, the host memory of its own copies: its whole state as its last two
+    refreshes read it (what the survivors go back to when a lost rank's copy is a step behind)."""
+
+    @property
+    def host_bytes(self) -> tuple[int, ...]:
+        """Per rank, all the host memory the copies take there: those it keeps and its own."""
+        own = self.own_bytes or (0,) * len(self.kept_bytes)
+        return tuple(k + o for k, o in zip(self.kept_bytes, own, strict=True))
 
     def sources(self, rank: int) -> tuple[int, ...]:
         """The ranks whose copies ``rank`` keeps."""
@@ -207,4 +216,34 @@ def redundancy(model: ModelGeometry, layout: ParallelLayout, placement: Placemen
     nodes = _nodes(placement)
     single = len(set(nodes)) == 1
     covered = all(k != NO_KEEPER for k, c in zip(keepers, copied) if c)
-    return Redundancy(copied, keepers, copy_bytes, tuple(kept), covered and not single)
+    own = [0] * layout.world_size
+    if any(keeper != NO_KEEPER for keeper in keepers):
+        own = [0 if k == NO_KEEPER else 2 * held for k, held in zip(keepers, _held_bytes(model, layout))]
+    return Redundancy(copied, keepers, copy_bytes, tuple(kept), covered and not single, tuple(own))
+
+
+def _held_bytes(model: ModelGeometry, layout: ParallelLayout) -> list[int]:
+    """Per rank, the bytes of all the state it holds: what it replicates per shard class, and of the
+    state the distributed optimizer shards, what its own range of the buffers covers."""
+    tensors = model.tensors(optimizer=True)
+    on_stage: list[list[TensorSpec]] = [[] for _ in range(layout.pp)]
+    sharded_itemsize: dict[str, int] = {}  # a parameter's DP-sharded state: bytes per element
+    for t in tensors:
+        if is_dp_sharded(t, model):
+            sharded_itemsize[t.param] = sharded_itemsize.get(t.param, 0) + t.itemsize
+            continue
+        for pp in holding_stages(t, model, layout):
+            on_stage[pp].append(t)
+    dense = layout.grid(expert=False)
+    per_class: dict[tuple[int, int, int, int], int] = {}
+    out = []
+    for rank in range(layout.world_size):
+        key = layout.shard_class(rank)
+        if key not in per_class:
+            per_class[key] = sum(_piece_bytes(t, model, layout, rank) for t in on_stage[dense.place(rank)[3]])
+        held = per_class[key]
+        if model.distributed:
+            for param, pieces in owned_pieces(model, layout, rank).items():
+                held += sum(math.prod(p.local_shape) for p in pieces) * sharded_itemsize.get(param, 0)
+        out.append(held)
+    return out

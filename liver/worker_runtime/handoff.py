@@ -254,8 +254,16 @@ class KeptState:
         copies' tensors own their bytes and go with the last reference."""
         for value in self.state.values():
             for tensor in value if isinstance(value, tuple) else (value,):
-                tensor.untyped_storage().resize_(0)
+                storage = tensor.untyped_storage()
+                if storage.resizable():  # not one read back from a copy's bytes: those go with it
+                    storage.resize_(0)
         self.state, self.stand_ins = {}, {}
+
+    def go_back(self, state: dict[int, LocalTensor], progress: bytes) -> None:
+        """Replace the kept state by an older iteration's (the survivors resume from the iteration a
+        lost peer's copy holds, a step behind theirs)."""
+        self.dispose()
+        self.state, self.progress = state, progress
 
 
 @dataclass

@@ -65,7 +65,7 @@ import torch
 from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
-from liver.worker_runtime.copies.manager import CopyManager, CopyOptions
+from liver.worker_runtime.copies.manager import IN_REFRESH, CopyManager, CopyOptions
 from liver.worker_runtime.copies.peer import PeerCopies
 from liver.worker_runtime.copies.wire import CopyError
 from liver.worker_runtime.cut import NO_TARGET, CutVerdict, Readiness, vote
@@ -102,6 +102,7 @@ from liver.worker_runtime.world import (
     WorldError,
     WorldSpec,
     build_world,
+    connect_store,
 )
 
 __all__ = [
@@ -557,6 +558,7 @@ class LiveRuntime(Generic[T]):
                 iteration,
                 getattr(self.factory, "copy_state", self.factory.local_state),
                 getattr(self.factory, "gate_updates", None),
+                getattr(self.factory, "progress", None),
             )
         if iteration % self.options.vote_every:
             return self._trainer
@@ -976,6 +978,7 @@ class LiveRuntime(Generic[T]):
         if abandoned.torn:
             raise abandoned
         give_up_at = time.monotonic() + self.options.recover_timeout_s
+        at = abandoned.iteration  # the iteration of the state this process holds
         while True:
             prep = self._wait_for_recovery(abandoned, give_up_at)
             if not prep.started:
@@ -985,22 +988,30 @@ class LiveRuntime(Generic[T]):
             try:
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
                 self._prebuild(prep, None)
-                if kept is not None and self._copies is not None:
+                if self._copies is not None:
                     old_rank = broken.placement.rank_on().get(self.device)
-                    plan = prep.request.plan
-                    kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
+                    if kept is not None:
+                        kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
                     try:
-                        kept.stand_ins = self._copies.stand_ins(plan, broken, old_rank, abandoned.iteration)
+                        cut = self._agree_on_cut(prep, broken, old_rank, at, kept)
+                        if kept is not None and cut != at:
+                            kept.go_back(*self._copies.own_state(cut, list(kept.state)))
+                            self._log.warning(
+                                "runtime.went_back", generation=broken.generation, iteration=cut
+                            )
+                            at = cut
+                        if kept is not None:
+                            kept.stand_ins = self._copies.stand_ins(prep.request.plan, broken, old_rank, at)
                     except CopyError as error:
+                        if kept is None:
+                            raise WorldError(str(error)) from None
                         # Failed in the switch, where the peers fail with it at once (not here, where
                         # they would wait for this process's sends until their timeout).
                         kept.copy_failure = str(error)
                         self._log.error("runtime.copy_unusable", reason=kept.copy_failure)
                 self._await_allowed(prep)
                 new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
-                handoff = self._handoff(
-                    prep, new_world, abandoned.iteration, self.options.control_timeout_s, kept=kept
-                )
+                handoff = self._handoff(prep, new_world, at, self.options.control_timeout_s, kept=kept)
                 entered = True
                 new_trainer, report = switch(handoff, lost_at)
             except (HandoffAborted, WorldError, TimeoutError, RuntimeError) as error:
@@ -1036,6 +1047,46 @@ class LiveRuntime(Generic[T]):
         assert handoff is not None
         self._broken = None
         return self._committed(prep, report, handoff.new_world, new_trainer)
+
+    def _agree_on_cut(
+        self, prep: Preparation, broken: WorldSpec, old_rank: int | None, at: int, kept: KeptState | None
+    ) -> int:
+        """The iteration every survivor resumes from: its own (``at``), or the one before when a lost
+        peer's copy, which some survivor sends from, is a step behind (the loss hit its refresh) and
+        every survivor still has its own copy of that iteration. Each survivor offers the iterations it
+        can resume from in the recovery's store and takes the latest all offer; none:
+        :class:`~.copies.wire.CopyError`."""
+        assert self._copies is not None
+        offer = {at}
+        if kept is not None and self._copies.can_go_back(at - 1):
+            offer.add(at - 1)
+        behind = ""
+        copies = self._copies.stand_in_copies(prep.request.plan, broken, old_rank) if kept is not None else {}
+        for rank, copy in copies.items():
+            offer &= {copy.iteration}
+            if copy.iteration != at:
+                behind = (
+                    f"the peer copy of old rank {rank} is of iteration {copy.iteration}, this process's {at}"
+                )
+        lost = set(prep.request.lost)
+        survivors = [r for r, d in enumerate(broken.placement.devices) if d not in lost]
+        key = f"{self.job}/g{prep.generation}/recovery/cut"
+        try:
+            store = connect_store(prep.request.store, timedelta(seconds=self.options.control_timeout_s))
+            store.set(f"{key}/{old_rank}", ",".join(str(i) for i in sorted(offer)))
+            store.wait([f"{key}/{r}" for r in survivors])
+            offers = {r: store.get(f"{key}/{r}").decode() for r in survivors}
+        except (RuntimeError, OSError, TimeoutError) as error:  # the store refused or timed out
+            raise CopyError(f"the survivors' offers of an iteration to resume from: {error}") from None
+        common = set(offer)
+        for text in offers.values():
+            common &= {int(i) for i in text.split(",") if i}
+        if not common:
+            why = f"{behind} ({IN_REFRESH}) and " if behind else ""
+            raise CopyError(
+                f"{why}the survivors can resume from no common iteration (offers by old rank: {offers})"
+            )
+        return max(common)
 
     def _no_recovery_for(self) -> str | None:
         """Why no live recovery will come for the broken world (the caller holds the lock), or None."""

@@ -144,8 +144,9 @@ class TopologyDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     node_loss: NodeLoss = NodeLoss.CHECKPOINT
     """How the chosen world recovers from a node lost without notice."""
     copies_host_bytes: int = 0
-    """Host memory the peer copies take on the process that keeps the most (two buffers per copy; 0
-    when replicas on other nodes hold every piece)."""
+    """Host memory the peer copies take on the process where they take the most: the copy it keeps of
+    a peer and its own whole state, each as the last two refreshes read it (0 when replicas on other
+    nodes hold every piece)."""
 
     @property
     def world(self) -> WorldConfig:
@@ -402,10 +403,11 @@ class _Chooser:
         """How the world of ``layout`` on ``placement`` comes through a node's loss (the job keeps peer
         copies, as it does by default), and the copies' host memory on the process that keeps most."""
         model = self.geometry if self.geometry is not None else self.model.geometry()
-        kept = max(copy_redundancy(model, layout, placement).kept_bytes, default=0)
+        r = copy_redundancy(model, layout, placement)
+        host = max(r.host_bytes, default=0)
         if self.on_one_node(placement):
-            return NodeLoss.CHECKPOINT, kept
-        return (NodeLoss.COPIES if kept else NodeLoss.REPLICAS), kept
+            return NodeLoss.CHECKPOINT, host
+        return (NodeLoss.COPIES if any(r.kept_bytes) else NodeLoss.REPLICAS), host
 
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout

@@ -4,14 +4,18 @@ every iteration boundary, gated before every update.
 A world's copies are built at its first boundary (every rank of it reaches that boundary together),
 refreshed at each later one with the state the iteration left, and kept when the world breaks: a
 recovery reads the lost ranks' copies from them (the old generation's keepers) before the new world's
-copies replace them. Copies never stop training: a copy that cannot be made (a peer that does not
+copies replace them. A lost rank that died in its copy's refresh leaves a copy one step behind the
+survivors; each sender also keeps its own whole state as its last two refreshes read it
+(:meth:`~.sender.CopySender.own`) and the boundaries' progress, so that every survivor can go back to
+that iteration (:meth:`CopyManager.can_go_back`, :meth:`CopyManager.own_state`; the runtime has them
+agree on it). Copies never stop training: a copy that cannot be made (a peer that does not
 publish its keeper, a local state without a tensor it should copy) is logged and the job runs without
 that protection, as it did before copies existed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from typing import Annotated, Any, Final
 
@@ -21,13 +25,17 @@ import structlog
 from liver.shared.geometry import ModelGeometry
 from liver.shared.model import as_geometry
 
-from .peer import LocalTensor, PeerCopies, reachable_host, unpack
+from .keeper import KeptCopy
+from .peer import LocalTensor, PeerCopies, reachable_host, unpack, unpack_own
 from .sender import DEFAULT_STAGING_BYTES
 from .wire import CopyError
 
 IN_REFRESH: Final = "the loss hit its refresh"
-"""Said when a lost rank's copy is one iteration behind the survivors: it died between its update and
-the end of its copy's refresh, which no recovery covers yet (the survivors cannot go back a step)."""
+"""Said when a lost rank's copy is one iteration behind the survivors (it died between its update and
+the end of its copy's refresh) and the survivors could not all go back to that iteration."""
+
+PROGRESS_KEPT: Final = 3
+"""Boundaries whose training progress is remembered: a recovery may go back one iteration."""
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +60,7 @@ class CopyManager:
         self.copies: PeerCopies | None = None
         self._broken_for: int | None = None  # a generation whose copies could not be made
         self._state: Mapping[int, LocalTensor] | None = None  # the generation's trainer's, once taken
+        self._progress: dict[int, Any] = {}  # iteration -> the trainer's progress at that boundary
 
     def at_boundary(
         self,
@@ -60,11 +69,17 @@ class CopyManager:
         iteration: int,
         state_of: Callable[[object], Mapping[int, LocalTensor]],
         gate_updates: Callable[[object, Callable[[], bool]], None] | None,
+        progress_of: Callable[[object], Any] | None = None,
     ) -> None:
-        """The iteration ``iteration`` of ``trainer`` (in ``world``) completed: send its copy."""
+        """The iteration ``iteration`` of ``trainer`` (in ``world``) completed: send its copy (and
+        remember the trainer's progress, which going back to this iteration needs)."""
         copies = self._for(world)
         if copies is None or copies.sender is None:
             return
+        if progress_of is not None:
+            self._progress[iteration] = progress_of(trainer)
+            for old in sorted(self._progress)[:-PROGRESS_KEPT]:
+                del self._progress[old]
         if self._state is None:
             # A generation has one trainer, updated in place: views of its storage taken at its first
             # boundary stay its state.
@@ -80,14 +95,10 @@ class CopyManager:
         if gate_updates is None:
             copies.gate()  # no hook before the update: read now, on the training thread
 
-    def stand_ins(
-        self, plan: Any, broken: Any, old_rank: int | None, iteration: int
-    ) -> dict[int, dict[int, LocalTensor]]:
-        """The copies this process (``old_rank`` of the ``broken`` world, a ``WorldSpec``) sends from in
-        the recovery ``plan``, as local states: each lost rank ``plan.stand_ins`` has it keep for.
-        They are taken from the broken world's keeper, which takes no more refreshes from them, and must
-        be of the ``iteration`` the survivors kept and intact (their sender's checksum); else
-        :class:`~.wire.CopyError`, and the recovery falls back to the checkpoint."""
+    def stand_in_copies(self, plan: Any, broken: Any, old_rank: int | None) -> dict[int, KeptCopy]:
+        """The last complete copies of the lost ranks this process (``old_rank`` of the ``broken``
+        world, a ``WorldSpec``) stands in for in the recovery ``plan`` (``Plan.stand_ins``); its keeper
+        takes no more refreshes from them. :class:`~.wire.CopyError` when one is missing."""
         wanted = [r for r, keeper in plan.stand_ins if keeper == old_rank]
         if not wanted:
             return {}
@@ -102,20 +113,54 @@ class CopyManager:
                 f"the recovery reads the peer copies of old ranks {wanted} here, but this process keeps "
                 f"none of generation {broken.generation}"
             )
-        out: dict[int, dict[int, LocalTensor]] = {}
+        out: dict[int, KeptCopy] = {}
         for rank in wanted:
             kept = copies.keeper.stop(rank)
             if kept is None:
                 raise CopyError(f"no complete peer copy of old rank {rank} arrived before it was lost")
+            out[rank] = kept
+        return out
+
+    def stand_ins(
+        self, plan: Any, broken: Any, old_rank: int | None, iteration: int
+    ) -> dict[int, dict[int, LocalTensor]]:
+        """The copies this process sends from in the recovery ``plan`` (:meth:`stand_in_copies`), as
+        local states. They must be of ``iteration``, the one the survivors resume from, and intact
+        (their sender's checksums, finite values); else :class:`~.wire.CopyError`, and the recovery
+        falls back to the checkpoint."""
+        out: dict[int, dict[int, LocalTensor]] = {}
+        for rank, kept in self.stand_in_copies(plan, broken, old_rank).items():
             if kept.iteration != iteration:
                 behind = f" ({IN_REFRESH})" if kept.iteration == iteration - 1 else ""
                 raise CopyError(
-                    f"the peer copy of old rank {rank} is of iteration {kept.iteration}, the survivors kept "
-                    f"iteration {iteration}{behind}"
+                    f"the peer copy of old rank {rank} is of iteration {kept.iteration}, the survivors "
+                    f"resume from iteration {iteration}{behind}"
                 )
-            out[rank] = unpack(kept, copies.model, copies.layout, copies.placement)
+            assert self.copies is not None
+            out[rank] = unpack(kept, self.copies.model, self.copies.layout, self.copies.placement)
             log.info("copies.stand_in", generation=broken.generation, rank=rank, iteration=iteration)
         return out
+
+    def can_go_back(self, iteration: int) -> bool:
+        """Whether this process can resume from ``iteration``: its own copy of that refresh (every
+        tensor it holds) is still kept, and its progress at that boundary known."""
+        copies = self.copies
+        if copies is None or copies.sender is None or iteration not in self._progress:
+            return False
+        return copies.sender.own(iteration) is not None
+
+    def own_state(self, iteration: int, held: Collection[int]) -> tuple[dict[int, LocalTensor], Any]:
+        """This process's state (the tensors ``held``) and progress at ``iteration``, from its own copy
+        (:meth:`can_go_back` first); :class:`~.wire.CopyError` when it fails its checks."""
+        copies = self.copies
+        assert copies is not None and copies.sender is not None
+        own = copies.sender.own(iteration)
+        if own is None:
+            raise CopyError(f"this process's own copy of iteration {iteration} is gone")
+        data, checksums = own
+        kept = KeptCopy(copies.rank, copies.generation, iteration, checksums, memoryview(data).toreadonly())
+        state = unpack_own(kept, held, copies.model, copies.layout, copies.placement)
+        return state, self._progress[iteration]
 
     def settle(self) -> None:
         """Wait until the last refresh was read (before the trainer's tensors may be freed)."""

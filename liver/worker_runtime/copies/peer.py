@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 
 import structlog
@@ -117,7 +117,9 @@ class PeerCopies:
             tensors = [piece for ti in self.copied for piece in pieces_of(state[ti])]
         except KeyError as missing:
             raise CopyError(f"the local state has no tensor {missing} that rank {self.rank} copies") from None
-        self.sender.refresh(iteration, tensors)
+        copied = set(self.copied)
+        local = [piece for ti in sorted(state) if ti not in copied for piece in pieces_of(state[ti])]
+        self.sender.refresh(iteration, tensors, local)
 
     def gate(self) -> bool:
         """Before an update: wait until the last refresh was read (False: given up after
@@ -136,6 +138,49 @@ class PeerCopies:
             self.sender.close()
         if self.keeper is not None:
             self.keeper.close()
+
+
+def unpack_own(
+    copy: KeptCopy,
+    held: Collection[int],
+    model: ModelGeometry,
+    layout: ParallelLayout,
+    placement: Placement,
+) -> dict[int, LocalTensor]:
+    """Rank ``copy.source``'s own copy (what it sent, then the rest of the tensors it holds, ``held``)
+    as its local state: the sent part checked as :func:`unpack` checks a peer's, the rest for finite
+    values (it never left the process)."""
+    tensors = model.tensors(optimizer=True)
+    copied = set(copied_tensors(model, layout, placement, copy.source))
+    sent = sum(
+        math.prod(shard.local_shape) * tensors[ti].itemsize
+        for ti in copied
+        for shard in holding(tensors[ti], model, layout, copy.source) or ()
+    )
+    out = unpack(copy._replace(data=copy.data[:sent]), model, layout, placement)
+    offset = sent
+    for ti in sorted(set(held) - copied):
+        t = tensors[ti]
+        dtype = _TORCH_DTYPES[t.dtype]
+        pieces = []
+        for shard in holding(t, model, layout, copy.source) or ():
+            nbytes = math.prod(shard.local_shape) * t.itemsize
+            if offset + nbytes > len(copy.data):
+                raise CopyError(f"the own copy of rank {copy.source} ends inside {t.name}")
+            raw = torch.frombuffer(bytearray(copy.data[offset : offset + nbytes]), dtype=torch.uint8)
+            piece = raw.view(dtype).reshape(shard.local_shape)
+            if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
+                raise CopyError(
+                    f"the own copy of rank {copy.source}: {t.name} holds values that are not finite"
+                )
+            pieces.append(piece)
+            offset += nbytes
+        out[ti] = tuple(pieces) if is_dp_sharded(t, model) else pieces[0]
+    if offset != len(copy.data):
+        raise CopyError(
+            f"the own copy of rank {copy.source} has {len(copy.data) - offset} bytes beyond its state"
+        )
+    return out
 
 
 def unpack(

@@ -7,7 +7,10 @@ through a pinned staging buffer of fixed size.
 The state changes again only at the next update, which first waits for :meth:`CopySender.wait_read`: until
 the thread has read the last chunk. A read that takes longer than the gate allows is cancelled rather than
 let the update tear it: the thread stops reading at once, drops the connection (the keeper keeps its older
-copy) and reconnects for the next refresh.
+copy) and reconnects for the next refresh. While it reads, the thread also keeps what it read, with
+the rest of the rank's state (what replicas on other nodes hold, which is not sent), as this rank's own
+copy: the last two refreshes sent whole (:meth:`CopySender.own`), what the survivors go back to when a
+lost peer died in its refresh.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class CopySender:
         self._staging_view = memoryview(self._staging.numpy())
         self._cond = threading.Condition()
         self._reading = threading.Lock()  # held while a chunk is copied out of the live tensors
-        self._job: tuple[int, list[torch.Tensor]] | None = None
+        self._job: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._read = True  # the last refresh's tensors were read (or given up)
         self._cancel = False
         self._closed = False
@@ -83,20 +86,27 @@ class CopySender:
         self.failure: CopyError | None = None
         self.sent_iteration: int | None = None
         """The last iteration sent whole (acknowledged by nothing: the keeper checks it)."""
+        self._own: list[tuple[int, bytearray, tuple[int, ...]]] = []  # the last two sent whole
+        """This rank's own state as its last two refreshes read it (oldest first; what it sent, then the
+        rest of its state): what a recovery goes back to when a lost peer's copy is a step behind."""
         self.cancelled = 0
         self._log = log.bind(generation=generation, rank=rank, keeper=f"{address[0]}:{address[1]}")
         self._thread = threading.Thread(target=self._run, name=f"liver-copies-send-{rank}", daemon=True)
         self._thread.start()
 
-    def refresh(self, iteration: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Send ``tensors`` (the state after ``iteration``) in the background. Call :meth:`wait_read`
-        before anything changes them."""
+    def refresh(
+        self, iteration: int, tensors: Sequence[torch.Tensor], local: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Send ``tensors`` (the state after ``iteration``) in the background, and keep them with
+        ``local`` (the rest of this rank's state, which its replicas hold) as this rank's own copy. Call
+        :meth:`wait_read` before anything changes them."""
         views = [byte_view(t) for t in tensors]
+        local_views = [byte_view(t) for t in local]
         with self._cond:
             if self._closed or self.failure is not None:
                 return
             self._cond.wait_for(lambda: self._read)
-            self._job = (iteration, views)
+            self._job = (iteration, views, local_views)
             self._read = False
             self._cancel = False
             self._cond.notify_all()
@@ -116,6 +126,15 @@ class CopySender:
         self.cancelled += 1
         self._log.warning("copies.read_cancelled", timeout_s=timeout)
         return False
+
+    def own(self, iteration: int) -> tuple[bytes | bytearray, tuple[int, ...]] | None:
+        """This rank's own copy of ``iteration`` (its bytes and checksums) if it is one of the last two
+        sent whole; call it once the sender is settled (nothing is being sent)."""
+        with self._cond:
+            for it, data, crcs in self._own:
+                if it == iteration:
+                    return data, crcs
+        return None
 
     def wait_sent(self, iteration: int, timeout: float | None = None) -> bool:
         """Block until the refresh of ``iteration`` was sent whole (its trailer is in the socket, which
@@ -151,10 +170,10 @@ class CopySender:
                 if self._closed:
                     break
                 assert self._job is not None
-                iteration, views = self._job
+                iteration, views, local = self._job
                 self._job = None
             try:
-                self._send(iteration, views)
+                self._send(iteration, views, local)
                 with self._cond:
                     self.sent_iteration = iteration
                     self._cond.notify_all()
@@ -195,7 +214,7 @@ class CopySender:
             self._sock = sock
         return self._sock
 
-    def _send(self, iteration: int, views: list[torch.Tensor]) -> None:
+    def _send(self, iteration: int, views: list[torch.Tensor], local: list[torch.Tensor]) -> None:
         """One refresh: host memory is sent as it is, chunk by chunk (the kernel copies it into the
         socket, so reading ends with the last send); device memory goes through the staging buffer
         (reading ends with the last copy out of it)."""
@@ -204,6 +223,8 @@ class CopySender:
         sock.sendall(HEADER.pack(iteration, total))
         size = self._chunk
         crcs: list[int] = []
+        own = self._own_buffer(total + sum(v.numel() for v in local))
+        at = 0
         for view in views:
             crc = 0
             n = view.numel()
@@ -216,12 +237,40 @@ class CopySender:
                     if host is not None:
                         chunk = host[start:end]
                         crc = checksum(chunk, crc)
+                        own[at : at + end - start] = chunk
+                        at += end - start
                         sock.sendall(chunk)
                         continue
                     self._staging[: end - start].copy_(view[start:end])
                 chunk = self._staging_view[: end - start]
                 crc = checksum(chunk, crc)
+                own[at : at + end - start] = chunk
+                at += end - start
                 sock.sendall(chunk)
             crcs.append(crc)
+        for view in local:  # kept here only: no checksum, it never leaves this process's memory
+            n = view.numel()
+            for start in range(0, n, size):
+                end = min(start + size, n)
+                with self._reading:
+                    if self._cancel:
+                        raise _Cancelled
+                    if view.is_cuda:
+                        self._staging[: end - start].copy_(view[start:end])
+                        own[at : at + end - start] = self._staging_view[: end - start]
+                    else:
+                        own[at : at + end - start] = host_bytes(view)[start:end]
+                at += end - start
         self._finish_read()  # nothing of the live tensors is read any more: the update may go on
         sock.sendall(trailer(crcs))
+        with self._cond:
+            self._own = [*self._own[-1:], (iteration, own, tuple(crcs))]
+
+    def _own_buffer(self, total: int) -> bytearray:
+        """The buffer this refresh's own copy goes into: the older of the two kept, which is dropped
+        now (a recovery needs at most the last two refreshes, and the last is not touched)."""
+        with self._cond:
+            if len(self._own) < 2:
+                return bytearray(total)
+            (_, oldest, _), self._own = self._own[0], self._own[1:]
+        return oldest if len(oldest) == total else bytearray(total)
