@@ -5,7 +5,8 @@ handoff), and a whole node killed without notice.
 
 Specification, read back from the bus and the workers' own metrics: every event ends in exactly one
 outcome, every spot warning in a commit that leaves the warned node, every loss in a live recovery
-training again within the run's limit, iterations never go back, and no worker exits non-zero unless
+training again within the run's limit, iterations never go back (a recovery from a copy a step behind
+trains that step again, once), and no worker exits non-zero unless
 the run killed it.
 """
 

@@ -38,7 +38,8 @@ class Invariant(StrEnum):
     LIVE_RECOVERY = "live_recovery"
     """A lost worker or node whose state a replica holds is recovered live, training again in time."""
     ITERATIONS = "iterations"
-    """No worker's iterations ever go back."""
+    """No worker's iterations ever go back, but for one step trained again by the first step of a new
+    generation (a recovery whose lost worker died in its copy's refresh goes back a step)."""
     EXITS = "exits"
     """No worker exits non-zero unless the run killed it."""
 

@@ -13,7 +13,8 @@ handoff can have a training process of the staying world killed in its middle (:
 The checker adds what only real processes can break (:func:`check_real`): every spot warning ends in a
 commit that leaves the warned node, every loss ends in a live recovery (a commit without the lost
 devices, never a checkpoint fallback) within :data:`RECOVERY_LIMIT_S`, iterations never go back in any
-worker's metrics, and no worker exits non-zero unless the run killed it.
+worker's metrics (but for the one step a recovery from a copy a step behind trains again), and no
+worker exits non-zero unless the run killed it.
 """
 
 from __future__ import annotations
@@ -696,8 +697,15 @@ def check_real(
                 )
             )
     for path in sorted(metrics_dir.glob("*.jsonl")):
-        iterations = [r["iteration"] for r in _steps_of(path)]
-        if any(b <= a for a, b in itertools.pairwise(iterations)):
+        steps = _steps_of(path)
+        iterations = [r["iteration"] for r in steps]
+        # A recovery whose lost rank died in its copy's refresh goes back one step: the new generation
+        # trains the last step of the old one again. Nothing else repeats or goes back.
+        if any(
+            b["iteration"] < a["iteration"]
+            or (b["iteration"] == a["iteration"] and b.get("generation") == a.get("generation"))
+            for a, b in itertools.pairwise(steps)
+        ):
             out.append(
                 Violation(
                     invariant=Invariant.ITERATIONS,
