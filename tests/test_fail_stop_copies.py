@@ -12,7 +12,8 @@ are handed the recovery (TP1,PP1,DP3 on p0-p2, planned around the lost device wi
 after the recovery equals, bit for bit, the state at the end of step 2 gathered from all four processes
 (p3's own saved before it died), and training goes on. In the "refresh" runs p3 dies instead as the
 refresh of its copy after step 2 begins: p1 keeps p3's copy of step 1 while the survivors completed
-step 2, so they agree to go back to step 1 (each from its own copy of that refresh), and the state after
+step 2, so they agree to go back to step 1 (each from its own copy of that refresh: the job keeps them,
+``CopyOptions.go_back``), and the state after
 the recovery equals, bit for bit, the state at the end of step 1 of all four; step 2 is trained again.
 
 In another run a bit of p3's copy flips in p1's memory before the recovery reads it: the copy fails its
@@ -119,6 +120,7 @@ def process(
     from live_chain import _quiet
 
     _quiet()
+    from liver.worker_runtime.copies.manager import CopyOptions
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.state import snapshot
     from liver.worker_runtime.peers import StepAbandoned
@@ -160,6 +162,7 @@ def process(
         store=address,
         initial=WorldSpec(job=JOB, generation=0, layout=case.old, placement=Placement(DEVICES)),
         options=RuntimeOptions(
+            copies=CopyOptions(go_back=True),  # a loss in a refresh goes back a step
             control_timeout_s=120,
             build_timeout_s=180,
             recover_timeout_s=200,

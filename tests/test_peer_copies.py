@@ -74,7 +74,7 @@ def test_each_refresh_replaces_the_copy_once_complete(keeper: CopyKeeper) -> Non
 
 
 def test_a_sender_keeps_its_own_state_of_the_last_two_refreshes_sent_whole(keeper: CopyKeeper) -> None:
-    sender = CopySender(("127.0.0.1", keeper.port), 3, 1, staging_bytes=1000)
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1, staging_bytes=1000, keep_own=True)
     try:
         replicated = [torch.arange(50, dtype=torch.float32)]  # what replicas hold: kept here, not sent
         for it in range(1, 4):
@@ -91,9 +91,19 @@ def test_a_sender_keeps_its_own_state_of_the_last_two_refreshes_sent_whole(keepe
         sender.close()
 
 
+def test_a_sender_keeps_no_own_state_unless_asked(keeper: CopyKeeper) -> None:
+    sender = CopySender(("127.0.0.1", keeper.port), 3, 1, staging_bytes=1000)
+    try:
+        sender.refresh(1, state(1), [torch.zeros(10)])
+        assert sender.wait_sent(1, WAIT_S) and sender.own(1) is None
+    finally:
+        sender.close()
+
+
 def test_a_refresh_given_up_keeps_the_own_state_of_the_one_before() -> None:
     listener = socket.create_server(("127.0.0.1", 0))  # a keeper that accepts but never reads
-    sender = CopySender(("127.0.0.1", listener.getsockname()[1]), 3, 1, staging_bytes=1 << 16)
+    address = ("127.0.0.1", listener.getsockname()[1])
+    sender = CopySender(address, 3, 1, staging_bytes=1 << 16, keep_own=True)
     try:
         sender.refresh(1, state(1))  # small: fits in the socket buffers, sent whole
         assert sender.wait_sent(1, WAIT_S)

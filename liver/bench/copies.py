@@ -36,6 +36,7 @@ class _Setup(msgspec.Struct, frozen=True, kw_only=True):
     config: TrainConfig
     layout: ParallelLayout
     copies: bool
+    go_back: bool
     steps: int
     warmup: int
     store_port: int
@@ -84,6 +85,7 @@ class CopiesReport(CopyCost, frozen=True, kw_only=True):
 
 def _worker(rank: int, size: int, setup: _Setup) -> _Run:
     from liver.shared.logs import configure_logging
+    from liver.worker_runtime.copies.manager import CopyOptions
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.megatron.source import source_of
     from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
@@ -96,6 +98,8 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Run:
     options = RuntimeOptions(control_timeout_s=setup.timeout_s, build_timeout_s=setup.timeout_s)
     if not setup.copies:
         options = msgspec.structs.replace(options, copies=None)
+    elif setup.go_back:
+        options = msgspec.structs.replace(options, copies=CopyOptions(go_back=True))
     runtime = LiveRuntime(
         factory,
         job=JOB,
@@ -122,7 +126,7 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Run:
     copy_bytes = kept_bytes = own_bytes = 0
     if copies is not None:
         copy_bytes, kept_bytes = copies.plan.copy_bytes[rank], copies.plan.kept_bytes[rank]
-        own_bytes = copies.plan.own_bytes[rank]
+        own_bytes = copies.plan.own_bytes[rank] if setup.go_back else 0
     runtime.close()
     measured = waits[-(setup.steps - setup.warmup) :] if setup.steps > setup.warmup else []
     return _Run(
@@ -159,6 +163,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plain", action="store_true", help="plain Adam instead of the distributed optimizer"
     )
+    parser.add_argument(
+        "--go-back",
+        action="store_true",
+        help="copies that can go back a step (each process keeps its own state of the last two refreshes)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8, quick 4)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of a run left out (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs without and with (default 2)")
@@ -192,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         layout,
         config,
+        go_back=args.go_back,
         steps=steps,
         warmup=warmup,
         rounds=rounds,
@@ -246,6 +256,7 @@ def measure_copies(
     rounds: int,
     threads: int = 1,
     timeout_s: float = 900.0,
+    go_back: bool = False,
 ) -> CopyCost:
     """Run the job ``2 * rounds`` times, alternately without and with copies (off, on, on, off, ...),
     one process per node, and compare their steady steps (after ``warmup`` steps of each run)."""
@@ -262,6 +273,7 @@ def measure_copies(
             config=config,
             layout=layout,
             copies=copies,
+            go_back=go_back,
             steps=steps,
             warmup=warmup,
             store_port=0,
@@ -318,8 +330,8 @@ def cost_lines(c: CopyCost) -> list[str]:
         f"  updates waited for the sender {c.gate_s_per_step * 1e3:8.1f} ms per step",
         f"  sent per step per process    {size(c.copy_bytes_per_process):>9}",
         f"  kept per process (host)      {size(c.kept_bytes_per_process):>9}  (two buffers per source)",
-        f"  own copies per process (host){size(c.own_bytes_per_process):>9}  (its whole state, last two "
-        "refreshes: a recovery goes back a step)",
+        f"  own copies per process (host){size(c.own_bytes_per_process):>9}  (with --go-back: its whole "
+        "state, last two refreshes)",
     ]
 
 

@@ -144,9 +144,9 @@ class TopologyDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     node_loss: NodeLoss = NodeLoss.CHECKPOINT
     """How the chosen world recovers from a node lost without notice."""
     copies_host_bytes: int = 0
-    """Host memory the peer copies take on the process where they take the most: the copy it keeps of
-    a peer and its own whole state, each as the last two refreshes read it (0 when replicas on other
-    nodes hold every piece)."""
+    """Host memory the peer copies take on the process that keeps the most (two buffers per copy; 0
+    when replicas on other nodes hold every piece). Copies that can go back a step
+    (``CopyOptions.go_back``) also keep each process's own state twice (``Redundancy.own_bytes``)."""
 
     @property
     def world(self) -> WorldConfig:
@@ -404,7 +404,7 @@ class _Chooser:
         copies, as it does by default), and the copies' host memory on the process that keeps most."""
         model = self.geometry if self.geometry is not None else self.model.geometry()
         r = copy_redundancy(model, layout, placement)
-        host = max(r.host_bytes, default=0)
+        host = max(r.kept_bytes, default=0)
         if self.on_one_node(placement):
             return NodeLoss.CHECKPOINT, host
         return (NodeLoss.COPIES if any(r.kept_bytes) else NodeLoss.REPLICAS), host

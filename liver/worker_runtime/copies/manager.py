@@ -48,6 +48,11 @@ class CopyOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     gate_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     """How long an update waits for the last refresh to be read before giving that refresh up (the
     keeper then keeps the older copy)."""
+    go_back: bool = False
+    """Keep each process's own whole state as its last two refreshes read it, so that a loss in a copy's
+    refresh (the lost rank's copy a step behind the survivors) goes back a step instead of falling back
+    to the checkpoint. It costs twice the process's state in host memory and a copy of it per step:
+    +13% of the steady step for gpt-29m on a 2-core VM, where the copies' threads share the cores."""
 
 
 class CopyManager:
@@ -196,6 +201,7 @@ class CopyManager:
                 host=reachable_host(store.host, store.port),
                 staging_bytes=self.options.staging_bytes,
                 gate_timeout_s=self.options.gate_timeout_s,
+                keep_own=self.options.go_back,
                 timeout=timedelta(seconds=self.build_timeout_s),
             )
         except Exception as error:  # a store that times out, a keeper that cannot listen: no copies

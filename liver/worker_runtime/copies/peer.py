@@ -69,6 +69,7 @@ class PeerCopies:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         gate_timeout_s: float = 60.0,
         timeout: timedelta = timedelta(seconds=120),
+        keep_own: bool = False,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -99,7 +100,9 @@ class PeerCopies:
                 self._log.error("copies.keeper_unavailable", keeper=keeper)
             else:
                 at, _, port = address.rpartition(":")
-                self.sender = CopySender((at, int(port)), generation, rank, staging_bytes=staging_bytes)
+                self.sender = CopySender(
+                    (at, int(port)), generation, rank, staging_bytes=staging_bytes, keep_own=keep_own
+                )
         self._log.info(
             "copies.ready",
             keeper=keeper,
@@ -117,8 +120,10 @@ class PeerCopies:
             tensors = [piece for ti in self.copied for piece in pieces_of(state[ti])]
         except KeyError as missing:
             raise CopyError(f"the local state has no tensor {missing} that rank {self.rank} copies") from None
-        copied = set(self.copied)
-        local = [piece for ti in sorted(state) if ti not in copied for piece in pieces_of(state[ti])]
+        local: list[torch.Tensor] = []
+        if self.sender.keep_own:
+            copied = set(self.copied)
+            local = [piece for ti in sorted(state) if ti not in copied for piece in pieces_of(state[ti])]
         self.sender.refresh(iteration, tensors, local)
 
     def gate(self) -> bool:

@@ -65,6 +65,7 @@ class CopySender:
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         connect_timeout_s: float = 30.0,
+        keep_own: bool = False,
     ) -> None:
         if staging_bytes < 1:
             raise ValueError(f"`staging_bytes`: must be positive, got {staging_bytes}")
@@ -72,6 +73,7 @@ class CopySender:
         self.generation = generation
         self.rank = rank
         self.connect_timeout_s = connect_timeout_s
+        self.keep_own = keep_own
         pin = torch.cuda.is_available()  # only device memory is staged; host memory is sent as it is
         self._staging = torch.empty(staging_bytes if pin else 0, dtype=torch.uint8, pin_memory=pin)
         self._chunk = staging_bytes
@@ -223,7 +225,7 @@ class CopySender:
         sock.sendall(HEADER.pack(iteration, total))
         size = self._chunk
         crcs: list[int] = []
-        own = self._own_buffer(total + sum(v.numel() for v in local))
+        own = self._own_buffer(total + sum(v.numel() for v in local)) if self.keep_own else None
         at = 0
         for view in views:
             crc = 0
@@ -237,18 +239,20 @@ class CopySender:
                     if host is not None:
                         chunk = host[start:end]
                         crc = checksum(chunk, crc)
-                        own[at : at + end - start] = chunk
-                        at += end - start
+                        if own is not None:
+                            own[at : at + end - start] = chunk
+                            at += end - start
                         sock.sendall(chunk)
                         continue
                     self._staging[: end - start].copy_(view[start:end])
                 chunk = self._staging_view[: end - start]
                 crc = checksum(chunk, crc)
-                own[at : at + end - start] = chunk
-                at += end - start
+                if own is not None:
+                    own[at : at + end - start] = chunk
+                    at += end - start
                 sock.sendall(chunk)
             crcs.append(crc)
-        for view in local:  # kept here only: no checksum, it never leaves this process's memory
+        for view in local if own is not None else ():  # kept here only: no checksum, never sent
             n = view.numel()
             for start in range(0, n, size):
                 end = min(start + size, n)
@@ -263,8 +267,9 @@ class CopySender:
                 at += end - start
         self._finish_read()  # nothing of the live tensors is read any more: the update may go on
         sock.sendall(trailer(crcs))
-        with self._cond:
-            self._own = [*self._own[-1:], (iteration, own, tuple(crcs))]
+        if own is not None:
+            with self._cond:
+                self._own = [*self._own[-1:], (iteration, own, tuple(crcs))]
 
     def _own_buffer(self, total: int) -> bytearray:
         """The buffer this refresh's own copy goes into: the older of the two kept, which is dropped
