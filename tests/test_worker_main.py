@@ -487,3 +487,15 @@ def test_liver_worker_refuses_the_distributed_optimizer_flag_beside_a_job_factor
     assert worker_cmd.main([*argv, "--job-factory", "my_job.py:make_job"]) == 2
     err = capsys.readouterr().err
     assert "--distributed-optimizer: a --job-factory job brings its own TrainConfig" in err
+
+
+def test_liver_worker_copies_go_back_keeps_the_processs_own_state_for_a_step_back() -> None:
+    from liver.cli import worker_cmd
+
+    parser = worker_cmd.argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby"]
+    on = worker_cmd.settings_from(parser.parse_args([*argv, "--copies-go-back"])).runtime_options()
+    off = worker_cmd.settings_from(parser.parse_args(argv)).runtime_options()
+    assert on.copies is not None and on.copies.go_back
+    assert off.copies is not None and not off.copies.go_back  # copies, without going back

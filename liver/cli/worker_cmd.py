@@ -143,6 +143,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the preset trains with Megatron's distributed optimizer (master weights and Adam moments "
         "sharded over DP; a lost process's shard is recovered from its peer copy on another node)",
     )
+    p.add_argument(
+        "--copies-go-back",
+        action="store_true",
+        help="keep this process's own state of the last two copy refreshes, so that a process lost in "
+        "its copy's refresh is recovered a step back instead of from the checkpoint (host memory: twice "
+        "the process's state)",
+    )
     p.add_argument("--heartbeat-s", type=float, default=2.0, help="seconds between heartbeats")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
@@ -233,6 +240,7 @@ def _settings(
         checkpoint_keep=args.checkpoint_keep,
         checkpoint_resume=not args.fresh_start,
         metrics_port=args.metrics_port,
+        copies_go_back=args.copies_go_back,
     )
 
 

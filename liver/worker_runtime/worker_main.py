@@ -139,6 +139,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     was restarted); False: from scratch."""
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     """Serve the companion's Prometheus metrics on this port (0: a free one); None: none."""
+    copies_go_back: bool = False
+    """The peer copies also keep this process's own state of the last two refreshes, so that a loss in
+    a copy's refresh goes back a step instead of to the checkpoint (``CopyOptions.go_back``)."""
 
     def __post_init__(self) -> None:
         validate_token(self.job_id, "job_id")
@@ -180,6 +183,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def runtime_options(self) -> RuntimeOptions:
         """How this worker's runtime waits, and where it checkpoints."""
+        from liver.worker_runtime.copies.manager import CopyOptions
         from liver.worker_runtime.fallback import CheckpointOptions
         from liver.worker_runtime.runtime import RuntimeOptions
 
@@ -191,11 +195,14 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 keep_last=self.checkpoint_keep,
                 resume=self.checkpoint_resume,
             )
-        return RuntimeOptions(
+        options = RuntimeOptions(
             control_timeout_s=self.control_timeout_s,
             build_timeout_s=self.build_timeout_s,
             checkpoint=checkpoint,
         )
+        if self.copies_go_back:
+            options = msgspec.structs.replace(options, copies=CopyOptions(go_back=True))
+        return options
 
     def make_job(self) -> MegatronJob:
         """The job this worker trains: the preset on synthetic data, or the user's own job from its
