@@ -120,17 +120,13 @@ def own_copy(nan_in_local: bool = False) -> tuple[KeptCopy, dict[int, torch.Tens
 
 
 def test_a_processs_own_copy_unpacks_to_every_tensor_it_holds() -> None:
-    from liver.worker_runtime.copies.peer import unpack_own
-
     copy, values, _ = own_copy()
-    state = unpack_own(copy, list(values), MODEL, LAYOUT, PLACEMENT)
+    state = unpack(copy, MODEL, LAYOUT, PLACEMENT, held=list(values))
     assert sorted(state) == sorted(values)
     assert all(torch.equal(state[ti], values[ti]) for ti in values)
 
 
 def test_an_own_copy_with_a_nan_in_what_only_replicas_hold_names_the_tensor() -> None:
-    from liver.worker_runtime.copies.peer import unpack_own
-
     copy, values, name = own_copy(nan_in_local=True)
     with pytest.raises(CopyError, match=rf"{name} holds values that are not finite"):
-        unpack_own(copy, list(values), MODEL, LAYOUT, PLACEMENT)
+        unpack(copy, MODEL, LAYOUT, PLACEMENT, held=list(values))

@@ -13,7 +13,7 @@ from liver.shared.holdings import holding
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
 from liver.shared.model import PRESETS
 from liver.shared.plan import WorldConfig
-from liver.shared.redundancy import NO_KEEPER, alike_holders, redundancy
+from liver.shared.redundancy import NO_KEEPER, alike_holders, own_copy_bytes, redundancy
 
 GPT = PRESETS["tiny-gpt"].geometry()
 MOE = PRESETS["tiny-moe"].geometry()
@@ -119,11 +119,11 @@ def test_a_rank_that_sends_a_copy_keeps_its_whole_state_of_the_last_two_refreshe
 ) -> None:
     layout, placement = world(text, nodes, per_node)
     r = redundancy(model, layout, placement)
+    own = own_copy_bytes(model, layout, placement)
     for rank in range(layout.world_size):
         held = sum(
             math.prod(p.local_shape) * t.itemsize
             for t in model.tensors(optimizer=True)
             for p in holding(t, model, layout, rank) or ()
         )
-        assert r.own_bytes[rank] == (0 if r.keepers[rank] == NO_KEEPER else 2 * held), rank
-        assert r.host_bytes[rank] == r.kept_bytes[rank] + r.own_bytes[rank]
+        assert own[rank] == (0 if r.keepers[rank] == NO_KEEPER else 2 * held), rank

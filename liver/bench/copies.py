@@ -24,6 +24,7 @@ from liver.bench.procs import run_procs
 from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelRef, load_model
+from liver.shared.redundancy import own_copy_bytes
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 JOB = "bench-copies"
@@ -126,7 +127,8 @@ def _worker(rank: int, size: int, setup: _Setup) -> _Run:
     copy_bytes = kept_bytes = own_bytes = 0
     if copies is not None:
         copy_bytes, kept_bytes = copies.plan.copy_bytes[rank], copies.plan.kept_bytes[rank]
-        own_bytes = copies.plan.own_bytes[rank] if setup.go_back else 0
+        if setup.go_back:
+            own_bytes = own_copy_bytes(copies.model, copies.layout, copies.placement)[rank]
     runtime.close()
     measured = waits[-(setup.steps - setup.warmup) :] if setup.steps > setup.warmup else []
     return _Run(

@@ -88,7 +88,7 @@ def stage_parameters(geometry: ModelGeometry, layout: ParallelLayout, pp_rank: i
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_parameters_unordered(
+def _parameters_by_stage(
     geometry: ModelGeometry, layout: ParallelLayout
 ) -> tuple[tuple[TensorSpec, ...], ...]:
     """Each stage's parameters (those with a gradient, so in a DDP buffer) in the geometry's order:
@@ -126,7 +126,7 @@ def chunk_parameters(
     layers: list[TensorSpec] = []
     final: list[TensorSpec] = []
     replica: list[TensorSpec] = []
-    for t in _stage_parameters_unordered(geometry, layout)[pp_rank]:
+    for t in _parameters_by_stage(geometry, layout)[pp_rank]:
         if t.home == "all":
             raise GeometryError(
                 f"{t.name}: a parameter on every pipeline stage has no place in Megatron's buffer order"

@@ -50,15 +50,6 @@ class Redundancy(NamedTuple):
     survives_node_loss: bool
     """Whether the copies and the replicas together survive the loss of any one node (``False`` on a
     one-node world: its copies survive the loss of a process only)."""
-    own_bytes: tuple[int, ...] = ()
-    """Per rank that sends a copy, the host memory of its own copies: its whole state as its last two
-    refreshes read it (what the survivors go back to when a lost rank's copy is a step behind)."""
-
-    @property
-    def host_bytes(self) -> tuple[int, ...]:
-        """Per rank, all the host memory the copies take there: those it keeps and its own."""
-        own = self.own_bytes or (0,) * len(self.kept_bytes)
-        return tuple(k + o for k, o in zip(self.kept_bytes, own, strict=True))
 
     def sources(self, rank: int) -> tuple[int, ...]:
         """The ranks whose copies ``rank`` keeps."""
@@ -216,10 +207,16 @@ def redundancy(model: ModelGeometry, layout: ParallelLayout, placement: Placemen
     nodes = _nodes(placement)
     single = len(set(nodes)) == 1
     covered = all(k != NO_KEEPER for k, c in zip(keepers, copied) if c)
-    own = [0] * layout.world_size
-    if any(keeper != NO_KEEPER for keeper in keepers):
-        own = [0 if k == NO_KEEPER else 2 * held for k, held in zip(keepers, _held_bytes(model, layout))]
-    return Redundancy(copied, keepers, copy_bytes, tuple(kept), covered and not single, tuple(own))
+    return Redundancy(copied, keepers, copy_bytes, tuple(kept), covered and not single)
+
+
+def own_copy_bytes(model: ModelGeometry, layout: ParallelLayout, placement: Placement) -> tuple[int, ...]:
+    """Per rank, the host memory of its own copies when copies go back a step (``CopyOptions.go_back``):
+    a rank that sends a copy keeps its whole state as its last two refreshes read it; 0 for the others."""
+    keepers = redundancy(model, layout, placement).keepers
+    if all(keeper == NO_KEEPER for keeper in keepers):
+        return (0,) * layout.world_size
+    return tuple(0 if k == NO_KEEPER else 2 * held for k, held in zip(keepers, _held_bytes(model, layout)))
 
 
 def _held_bytes(model: ModelGeometry, layout: ParallelLayout) -> list[int]:

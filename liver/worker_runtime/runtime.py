@@ -50,6 +50,7 @@ The runtime never imports the services: plans come in from outside.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -65,6 +66,7 @@ import torch
 from liver.shared.errors import HandoffError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
+from liver.worker_runtime.copies.keeper import KeptCopy
 from liver.worker_runtime.copies.manager import IN_REFRESH, CopyManager, CopyOptions
 from liver.worker_runtime.copies.peer import PeerCopies
 from liver.worker_runtime.copies.wire import CopyError
@@ -988,23 +990,17 @@ class LiveRuntime(Generic[T]):
             try:
                 prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
                 self._prebuild(prep, None)
-                if self._copies is not None:
-                    old_rank = broken.placement.rank_on().get(self.device)
-                    if kept is not None:
-                        kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
+                if self._copies is not None and kept is None:  # nothing to go back with or send from
                     try:
-                        cut = self._agree_on_cut(prep, broken, old_rank, at, kept)
-                        if kept is not None and cut != at:
-                            kept.go_back(*self._copies.own_state(cut, list(kept.state)))
-                            self._log.warning(
-                                "runtime.went_back", generation=broken.generation, iteration=cut
-                            )
-                            at = cut
-                        if kept is not None:
-                            kept.stand_ins = self._copies.stand_ins(prep.request.plan, broken, old_rank, at)
+                        self._agree_on_cut(prep, broken, {at})
                     except CopyError as error:
-                        if kept is None:
-                            raise WorldError(str(error)) from None
+                        raise WorldError(str(error)) from None
+                elif self._copies is not None:
+                    assert kept is not None
+                    kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
+                    try:
+                        at = self._recover_copies(prep, broken, at, kept)
+                    except CopyError as error:
                         # Failed in the switch, where the peers fail with it at once (not here, where
                         # they would wait for this process's sends until their timeout).
                         kept.copy_failure = str(error)
@@ -1048,26 +1044,47 @@ class LiveRuntime(Generic[T]):
         self._broken = None
         return self._committed(prep, report, handoff.new_world, new_trainer)
 
-    def _agree_on_cut(
-        self, prep: Preparation, broken: WorldSpec, old_rank: int | None, at: int, kept: KeptState | None
-    ) -> int:
-        """The iteration every survivor resumes from: its own (``at``), or the one before when a lost
-        peer's copy, which some survivor sends from, is a step behind (the loss hit its refresh) and
-        every survivor still has its own copy of that iteration. Each survivor offers the iterations it
-        can resume from in the recovery's store and takes the latest all offer; none:
-        :class:`~.copies.wire.CopyError`."""
+    def _recover_copies(self, prep: Preparation, broken: WorldSpec, at: int, kept: KeptState) -> int:
+        """The iteration this recovery resumes from (:meth:`_agree_on_cut`), with ``kept`` taken back to
+        it when that is the one before (from this process's own copy) and the peer copies it stands in
+        with unpacked. :class:`~.copies.wire.CopyError` when a copy is missing, behind for good or bad;
+        the offer is made either way, so that no peer waits for it."""
         assert self._copies is not None
-        offer = {at}
-        if kept is not None and self._copies.can_go_back(at - 1):
-            offer.add(at - 1)
-        behind = ""
-        copies = self._copies.stand_in_copies(prep.request.plan, broken, old_rank) if kept is not None else {}
-        for rank, copy in copies.items():
+        offer = {at, at - 1} if self._copies.can_go_back(at - 1) else {at}
+        old_rank = broken.placement.rank_on().get(self.device)
+        missing: CopyError | None = None
+        copies: dict[int, KeptCopy] = {}
+        try:
+            copies = self._copies.stand_in_copies(prep.request.plan, broken, old_rank)
+        except CopyError as error:
+            missing, offer = error, set()
+        behind = [r for r, copy in copies.items() if copy.iteration == at - 1]
+        for copy in copies.values():
             offer &= {copy.iteration}
-            if copy.iteration != at:
-                behind = (
-                    f"the peer copy of old rank {rank} is of iteration {copy.iteration}, this process's {at}"
-                )
+        if missing is not None:
+            with contextlib.suppress(CopyError):  # it offered nothing: its peers fail with it
+                self._agree_on_cut(prep, broken, offer)
+            raise missing
+        why = f"the peer copy of old rank {behind[0]} is a step behind ({IN_REFRESH}) and " if behind else ""
+        cut = self._agree_on_cut(prep, broken, offer, why)
+        if cut != at:
+            kept.go_back(*self._copies.own_state(cut, list(kept.state)))
+            self._log.warning("runtime.went_back", generation=broken.generation, iteration=cut)
+        kept.stand_ins = self._copies.stand_ins(copies, broken.generation, cut)
+        return cut
+
+    def _agree_on_cut(
+        self,
+        prep: Preparation,
+        broken: WorldSpec,
+        offer: set[int],
+        why: str = "",
+    ) -> int:
+        """The iteration every survivor resumes from: the latest all of them offer in the recovery's
+        store (each its own, and the one before when it still has its own copy of it; a keeper whose
+        copy of a lost peer is a step behind, the loss having hit its refresh, only that one). None in
+        common: :class:`~.copies.wire.CopyError`, after ``why``."""
+        old_rank = broken.placement.rank_on().get(self.device)
         lost = set(prep.request.lost)
         survivors = [r for r, d in enumerate(broken.placement.devices) if d not in lost]
         key = f"{self.job}/g{prep.generation}/recovery/cut"
@@ -1082,7 +1099,6 @@ class LiveRuntime(Generic[T]):
         for text in offers.values():
             common &= {int(i) for i in text.split(",") if i}
         if not common:
-            why = f"{behind} ({IN_REFRESH}) and " if behind else ""
             raise CopyError(
                 f"{why}the survivors can resume from no common iteration (offers by old rank: {offers})"
             )

@@ -146,7 +146,7 @@ class TopologyDecision(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     copies_host_bytes: int = 0
     """Host memory the peer copies take on the process that keeps the most (two buffers per copy; 0
     when replicas on other nodes hold every piece). Copies that can go back a step
-    (``CopyOptions.go_back``) also keep each process's own state twice (``Redundancy.own_bytes``)."""
+    (``CopyOptions.go_back``) also keep each process's own state twice (``own_copy_bytes``)."""
 
     @property
     def world(self) -> WorldConfig:

@@ -2,7 +2,7 @@
 
 A refresh is received into the source's spare buffer while its last complete copy stays readable; only a
 refresh read whole, with an iteration after the kept one's, is swapped in, marked with the checksums the
-sender took of each tensor. The bytes are checked against them when they are used (:func:`~.peer.unpack`,
+sender took of each piece. The bytes are checked against them when they are used (:func:`~.peer.unpack`,
 before a recovery reads them, naming a tensor that fails), not at every refresh: on a node that trains,
 the CPU time of checksumming every refresh twice is the copies' largest cost, and a corruption in transit
 or in memory is caught the same way before anything is built on it. A source that dies mid-refresh
@@ -33,9 +33,8 @@ class KeptCopy(NamedTuple):
     source: int
     generation: int
     iteration: int
-    checksums: tuple[
-        int, ...
-    ]  # CRC-32 the sender took of each piece's bytes (a tensor, or a DP shard's part)
+    checksums: tuple[int, ...]
+    """CRC-32 the sender took of each piece's bytes (a local tensor, or a DP-sharded part of one)."""
     data: memoryview  # read-only
 
     def intact(self, index: int, start: int, stop: int) -> bool:

@@ -79,6 +79,7 @@ class PeerCopies:
         self.gate_timeout_s = gate_timeout_s
         self.plan: Redundancy = redundancy(model, layout, placement)
         self.copied = self.plan.copied[rank]
+        self._not_sent: list[int] | None = None  # what this rank holds but does not send, once known
         self._log = log.bind(generation=generation, rank=rank)
         sources = self.plan.sources(rank)
         self.keeper: CopyKeeper | None = None
@@ -122,8 +123,9 @@ class PeerCopies:
             raise CopyError(f"the local state has no tensor {missing} that rank {self.rank} copies") from None
         local: list[torch.Tensor] = []
         if self.sender.keep_own:
-            copied = set(self.copied)
-            local = [piece for ti in sorted(state) if ti not in copied for piece in pieces_of(state[ti])]
+            if self._not_sent is None:  # a generation's local state holds the same tensors every step
+                self._not_sent = sorted(set(state) - set(self.copied))
+            local = [piece for ti in self._not_sent for piece in pieces_of(state[ti])]
         self.sender.refresh(iteration, tensors, local)
 
     def gate(self) -> bool:
@@ -145,63 +147,29 @@ class PeerCopies:
             self.keeper.close()
 
 
-def unpack_own(
+def unpack(
     copy: KeptCopy,
-    held: Collection[int],
     model: ModelGeometry,
     layout: ParallelLayout,
     placement: Placement,
+    held: Collection[int] = (),
 ) -> dict[int, LocalTensor]:
-    """Rank ``copy.source``'s own copy (what it sent, then the rest of the tensors it holds, ``held``)
-    as its local state: the sent part checked as :func:`unpack` checks a peer's, the rest for finite
-    values (it never left the process)."""
-    tensors = model.tensors(optimizer=True)
-    copied = set(copied_tensors(model, layout, placement, copy.source))
-    sent = sum(
-        math.prod(shard.local_shape) * tensors[ti].itemsize
-        for ti in copied
-        for shard in holding(tensors[ti], model, layout, copy.source) or ()
-    )
-    out = unpack(copy._replace(data=copy.data[:sent]), model, layout, placement)
-    offset = sent
-    for ti in sorted(set(held) - copied):
-        t = tensors[ti]
-        dtype = _TORCH_DTYPES[t.dtype]
-        pieces = []
-        for shard in holding(t, model, layout, copy.source) or ():
-            nbytes = math.prod(shard.local_shape) * t.itemsize
-            if offset + nbytes > len(copy.data):
-                raise CopyError(f"the own copy of rank {copy.source} ends inside {t.name}")
-            raw = torch.frombuffer(bytearray(copy.data[offset : offset + nbytes]), dtype=torch.uint8)
-            piece = raw.view(dtype).reshape(shard.local_shape)
-            if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
-                raise CopyError(
-                    f"the own copy of rank {copy.source}: {t.name} holds values that are not finite"
-                )
-            pieces.append(piece)
-            offset += nbytes
-        out[ti] = tuple(pieces) if is_dp_sharded(t, model) else pieces[0]
-    if offset != len(copy.data):
-        raise CopyError(
-            f"the own copy of rank {copy.source} has {len(copy.data) - offset} bytes beyond its state"
-        )
-    return out
-
-
-def unpack(
-    copy: KeptCopy, model: ModelGeometry, layout: ParallelLayout, placement: Placement
-) -> dict[int, LocalTensor]:
-    """Rank ``copy.source``'s copied tensors as its local state would hold them (fresh tensors).
+    """Rank ``copy.source``'s copied tensors as its local state would hold them (fresh tensors); with
+    ``held`` (the rank's own copy, :meth:`~.sender.CopySender.own`) also the rest of the tensors it
+    holds, which follow what it sent and never left the process.
 
     Checked before anything is built on them: :class:`CopyError`, naming the tensor, when the bytes do
-    not fit what that rank copies in this world, a tensor no longer matches the checksum its sender
-    took, or holds a value that is not finite (a NaN copied is a NaN resumed from)."""
+    not fit what that rank copies in this world, a sent tensor no longer matches the checksum its
+    sender took, or a tensor holds a value that is not finite (a NaN copied is a NaN resumed from)."""
     tensors = model.tensors(optimizer=True)
+    copied = copied_tensors(model, layout, placement, copy.source)
+    rest = sorted(set(held) - set(copied))
     out: dict[int, LocalTensor] = {}
     offset = index = 0
     data = copy.data
-    of = f"the peer copy of rank {copy.source} (iteration {copy.iteration})"
-    for ti in copied_tensors(model, layout, placement, copy.source):
+    whose = "own" if held else "peer"
+    of = f"the {whose} copy of rank {copy.source} (iteration {copy.iteration})"
+    for ti, sent in [*((ti, True) for ti in copied), *((ti, False) for ti in rest)]:
         t = tensors[ti]
         dtype = _TORCH_DTYPES[t.dtype]
         pieces = []
@@ -209,19 +177,20 @@ def unpack(
             nbytes = math.prod(shard.local_shape) * t.itemsize
             if offset + nbytes > len(data):
                 raise CopyError(f"{of} ends inside {t.name}")
-            if index >= len(copy.checksums):
-                raise CopyError(f"{of} carries {len(copy.checksums)} checksums, none for {t.name}")
-            if not copy.intact(index, offset, offset + nbytes):
-                raise CopyError(
-                    f"{of}: {t.name} fails its checksum (its bytes changed after its sender read them)"
-                )
+            if sent:
+                if index >= len(copy.checksums):
+                    raise CopyError(f"{of} carries {len(copy.checksums)} checksums, none for {t.name}")
+                if not copy.intact(index, offset, offset + nbytes):
+                    raise CopyError(
+                        f"{of}: {t.name} fails its checksum (its bytes changed after its sender read them)"
+                    )
+                index += 1
             raw = torch.frombuffer(bytearray(data[offset : offset + nbytes]), dtype=torch.uint8)
             piece = raw.view(dtype).reshape(shard.local_shape)
             if piece.is_floating_point() and not bool(torch.isfinite(piece).all()):
                 raise CopyError(f"{of}: {t.name} holds values that are not finite")
             pieces.append(piece)
             offset += nbytes
-            index += 1
         out[ti] = tuple(pieces) if is_dp_sharded(t, model) else pieces[0]
     if offset != len(data) or index != len(copy.checksums):
         raise CopyError(

@@ -227,7 +227,8 @@ class CopySender:
         crcs: list[int] = []
         own = self._own_buffer(total + sum(v.numel() for v in local)) if self.keep_own else None
         at = 0
-        for view in views:
+        pieces = [*((v, True) for v in views), *((v, False) for v in (local if own is not None else ()))]
+        for view, sent in pieces:  # what is not sent (replicas hold it) is kept here only, unchecksummed
             crc = 0
             n = view.numel()
             host = None if view.is_cuda else host_bytes(view)
@@ -238,33 +239,20 @@ class CopySender:
                         raise _Cancelled
                     if host is not None:
                         chunk = host[start:end]
-                        crc = checksum(chunk, crc)
-                        if own is not None:
-                            own[at : at + end - start] = chunk
-                            at += end - start
-                        sock.sendall(chunk)
-                        continue
-                    self._staging[: end - start].copy_(view[start:end])
-                chunk = self._staging_view[: end - start]
-                crc = checksum(chunk, crc)
-                if own is not None:
-                    own[at : at + end - start] = chunk
-                    at += end - start
-                sock.sendall(chunk)
-            crcs.append(crc)
-        for view in local if own is not None else ():  # kept here only: no checksum, never sent
-            n = view.numel()
-            for start in range(0, n, size):
-                end = min(start + size, n)
-                with self._reading:
-                    if self._cancel:
-                        raise _Cancelled
-                    if view.is_cuda:
-                        self._staging[: end - start].copy_(view[start:end])
-                        own[at : at + end - start] = self._staging_view[: end - start]
                     else:
-                        own[at : at + end - start] = host_bytes(view)[start:end]
-                at += end - start
+                        self._staging[: end - start].copy_(view[start:end])
+                        chunk = self._staging_view[: end - start]
+                    if own is not None:
+                        own[at : at + end - start] = chunk
+                        at += end - start
+                    if sent and host is not None:  # the kernel reads the live memory: under the lock
+                        crc = checksum(chunk, crc)
+                        sock.sendall(chunk)
+                if sent and host is None:  # the staging buffer is ours: sent outside the lock
+                    crc = checksum(chunk, crc)
+                    sock.sendall(chunk)
+            if sent:
+                crcs.append(crc)
         self._finish_read()  # nothing of the live tensors is read any more: the update may go on
         sock.sendall(trailer(crcs))
         if own is not None:

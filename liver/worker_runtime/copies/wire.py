@@ -1,10 +1,10 @@
 """The framing of peer copies on a TCP connection (sender -> keeper).
 
 A connection opens with a hello (``LVRC``, the wire version, the job's generation and the sender's
-rank), then carries refreshes: a header (iteration, payload bytes), the payload (the copied tensors' bytes one
-after the other), and a trailer: how many tensors, then each one's CRC-32. A refresh the keeper cannot
-read whole never replaces the copy it has; the checksums are checked where the copy is used, so that a
-bad one names its tensor.
+rank), then carries refreshes: a header (iteration, payload bytes), the payload (the copied pieces'
+bytes one after the other: a local tensor, or a DP-sharded part of one), and a trailer: how many
+pieces, then each one's CRC-32. A refresh the keeper cannot read whole never replaces the copy it has;
+the checksums are checked where the copy is used, so that a bad one names its tensor.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ MAGIC: Final = b"LVRC"
 VERSION: Final = 2
 HELLO: Final = struct.Struct("!4sHxxQQ")  # magic, version, generation, sender rank
 HEADER: Final = struct.Struct("!QQ")  # iteration, payload bytes
-TRAILER: Final = struct.Struct("!I")  # how many tensors; each one's CRC-32 (a CRC struct) follows
+TRAILER: Final = struct.Struct("!I")  # how many pieces; each one's CRC-32 (a CRC struct) follows
 CRC: Final = struct.Struct("!I")
 MAX_TENSORS: Final = 1 << 24
-"""A trailer announcing more tensors than this is garbage (a rank of DeepSeek-V3 holds ~10^5)."""
+"""A trailer announcing more pieces than this is garbage (a rank of DeepSeek-V3 holds ~10^5 tensors)."""
 MAX_PAYLOAD: Final = 1 << 44
 """A header announcing more than 16 TiB is garbage (no process's shard is that large)."""
 
@@ -52,7 +52,7 @@ def read_trailer(sock: socket.socket) -> tuple[int, ...]:
     """The per-piece checksums that end a refresh."""
     (count,) = read_struct(sock, TRAILER)
     if count > MAX_TENSORS:
-        raise CopyError(f"a refresh announces {count} tensors, more than any shard holds")
+        raise CopyError(f"a refresh announces {count} pieces, more than any shard holds")
     buf = bytearray(CRC.size * count)
     recv_exactly(sock, memoryview(buf))
     return struct.unpack(f"!{count}I", buf)

@@ -367,20 +367,22 @@ class MegatronTrainer:
         if self.abandoned is None:
             raise RuntimeError("drop_world: the trainer's world is not broken")
         self.abandoned.__traceback__ = None
+        built = "model_chunks" in self.__dict__
+        wrapped = self.model_chunks if built else []  # the DDP-wrapped chunks
         # The model's TransformerConfig outlives the modules (class-level caches keep it) and holds the
         # training functions set at build: the optimizer's loss scaling, DDP's no_sync and grad sync.
         # Those hold the optimizer and DDP, which hold the groups: cut them.
-        for chunk in self.chunks if "model_chunks" in self.__dict__ else ():
+        for chunk in self.chunks if built else ():
             config = chunk.config
             for attr in _TRAINING_FUNCTIONS:
                 if getattr(config, attr, None) is not None:
                     setattr(config, attr, None)
         forget_tracked_groups()
-        forget_step_tensors(self.model_chunks if "model_chunks" in self.__dict__ else ())
+        forget_step_tensors(wrapped)
         # DDP keeps the gradient accumulators its backward hooks sit on, and those hooks close over
         # DDP: a cycle through autograd's C++ nodes, which Python's collector cannot see, so DDP (and
         # every group it holds) would outlive the trainer. Let go of the accumulators: their hooks go.
-        for chunk in self.model_chunks if "model_chunks" in self.__dict__ else ():
+        for chunk in wrapped:
             accumulators = getattr(chunk, "grad_accs", None)
             if isinstance(accumulators, list):
                 accumulators.clear()
@@ -395,6 +397,7 @@ class MegatronTrainer:
             "_forward_backward",
         ):
             self.__dict__.pop(name, None)
+        del wrapped
 
     def sync_params(self) -> None:
         """Gather the parameters the distributed optimizer updated on other DP ranks now, when a step
