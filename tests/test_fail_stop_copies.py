@@ -18,7 +18,9 @@ the recovery equals, bit for bit, the state at the end of step 1 of all four; st
 
 In another run a bit of p3's copy flips in p1's memory before the recovery reads it: the copy fails its
 checksum, the recovery names the tensor and falls back to the durable checkpoint once (no second
-attempt), and training goes on from there.
+attempt), and training goes on from there. In a last one p3 dies as its very first refresh begins: p1
+has no copy of it at all, offers no iteration to resume from, and its peers fail with it at once (no
+common iteration, not a timeout of their wait for its offer), falling back to the checkpoint once.
 """
 
 from __future__ import annotations
@@ -115,7 +117,13 @@ def first_copied_tensor(case: Case) -> str:
 
 
 def process(
-    proc: Proc, case: Case, plan: Plan, when: str, saved: str, root: str | None = None
+    proc: Proc,
+    case: Case,
+    plan: Plan,
+    when: str,
+    saved: str,
+    root: str | None = None,
+    every: int = CHECKPOINT_EVERY,
 ) -> dict[str, Any]:
     from live_chain import _quiet
 
@@ -135,12 +143,16 @@ def process(
 
     address = StoreAddress("127.0.0.1", proc.store.port)
     factory = MegatronJob(case.model, case.config)
+    if proc.rank == VICTIM and when == "first-refresh":  # before the sender exists: patch its class
+        from liver.worker_runtime.copies.sender import CopySender
+
+        _die_in_refresh(CopySender, 1)
     out: dict[str, Any] = {"trace": [], "snapshots": {}, "peer_lost": []}
 
     def on_event(event: RuntimeEvent) -> None:
         if event.phase is ReshardPhase.PEER_LOST:
             out["peer_lost"].append(event.iteration)
-            if root is not None and proc.rank == 1:  # p1 keeps p3's copy: a bit flips in its memory
+            if root is not None and when == "update" and proc.rank == 1:  # a bit of p3's copy flips in p1
                 copy = runtime.peer_copies.keeper.latest(VICTIM)
                 copy.data.obj[CORRUPT_AT] ^= 0x08
             runtime.request_resize(
@@ -166,13 +178,13 @@ def process(
             control_timeout_s=120,
             build_timeout_s=180,
             recover_timeout_s=200,
-            checkpoint=None if root is None else CheckpointOptions(root=root, every=CHECKPOINT_EVERY),
+            checkpoint=None if root is None else CheckpointOptions(root=root, every=every),
         ),
         on_event=on_event,
     )
     trainer = runtime.step()
     while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
-        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when != "refresh":
+        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when in ("update", "mid-step"):
             _die_in_step(trainer, runtime, when)
         if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 2 and when == "refresh":
             _die_in_refresh(runtime.peer_copies.sender, KILLED_IN - 1)
@@ -207,11 +219,12 @@ def _die_in_refresh(sender: Any, iteration: int) -> None:
     """Exit as the copy's refresh of ``iteration`` begins, after that iteration's update: its keeper
     keeps the copy of the iteration before, which the survivors have left behind."""
     send = sender._send
+    bound = not isinstance(sender, type)
 
-    def dying(at: int, *args: Any) -> Any:
-        if at == iteration:
+    def dying(*args: Any) -> Any:
+        if args[0 if bound else 1] == iteration:
             os._exit(17)
-        return send(at, *args)
+        return send(*args)
 
     sender._send = dying
 
@@ -308,6 +321,26 @@ def test_a_copy_that_fails_its_checksum_is_named_and_the_job_falls_back_to_its_c
         assert (iteration, reached) == (CHECKPOINT_EVERY, KILLED_IN - 1), rank
     keeper_reason = corrupted[1]["fallbacks"][0][2]
     assert f"{name} fails its checksum" in keeper_reason and f"rank {VICTIM}" in keeper_reason
+
+
+def test_a_survivor_without_the_lost_copy_offers_nothing_and_its_peers_fail_with_it_at_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    case = CASES["dist-opt"]
+    saved = str(tmp_path_factory.mktemp("victim-first") / "state.pkl")
+    root = str(tmp_path_factory.mktemp("checkpoints-first"))
+    args = (case, recovery_plan(case), "first-refresh", saved, root, 1)
+    outcomes = run_world(process, 4, args=args, timeout_s=400, group_timeout_s=120)
+    assert outcomes[VICTIM].status == "died", outcomes[VICTIM]
+    survivors = {o.rank: o.unwrap() for o in outcomes if o.rank != VICTIM}
+    for rank, s in survivors.items():
+        assert s["history"] == ["FallbackReport"], (rank, s["history"])
+        [(iteration, reached, reason)] = s["fallbacks"]
+        assert (iteration, reached) == (1, 1), (rank, reason)
+        if rank == 1:  # the keeper: the copy it should stand in with is missing
+            assert f"no complete peer copy of old rank {VICTIM}" in reason, reason
+        else:
+            assert "no common iteration" in reason and "timed out" not in reason.lower(), (rank, reason)
 
 
 def test_after_the_fallback_training_goes_on_from_the_checkpoint(corrupted: dict) -> None:
