@@ -2282,6 +2282,27 @@ def test_the_geometry_the_first_world_announces_goes_with_every_topology_request
     assert d.pop(RequestTopology).request.geometry == own
 
 
+def test_a_job_that_keeps_no_peer_copies_says_so_in_every_topology_request() -> None:
+    d = Driver()
+    for rank, device in enumerate(WORLD):
+        d.hello(device, generation=0, rank=rank)
+    d.feed(
+        WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), peer_copies=False)
+    )
+    d.write()
+    assert d.kv.record is not None and not d.kv.record.peer_copies
+    d.warn("evt-1", "node001")
+    d.write()
+    assert not d.pop(RequestTopology).request.peer_copies
+
+
+def test_a_job_keeps_peer_copies_unless_its_world_says_otherwise() -> None:
+    d = started_with(MODEL.geometry())
+    d.warn("evt-1", "node001")
+    d.write()
+    assert d.pop(RequestTopology).request.peer_copies
+
+
 def test_a_world_restarted_without_a_geometry_keeps_the_recorded_one() -> None:
     own = MODEL.geometry()
     d = started_with(own)

@@ -125,13 +125,13 @@ def test_a_stand_in_that_sends_what_its_copy_does_not_hold_is_refused() -> None:
     assert not report.ok and any("does not hold every tensor" in e for e in report.errors)
 
 
-def test_the_transfer_service_puts_a_lost_ranks_tasks_in_its_keepers_slice() -> None:
-    from liver.services.transfer.core import plan_transfer
+def node_b_lost(peer_copies: bool = True):
+    """The transfer service's input: a dist-opt TP2,DP2 world on nodes a and b, node b lost."""
     from liver.shared.messages import Candidate, TopologyPlanned
 
     world = old_world("TP2,PP1,DP2")
     new_layout = L("TP2,PP1,DP1")
-    msg = TopologyPlanned(
+    return TopologyPlanned(
         job_id="j",
         event_id="e",
         from_generation=1,
@@ -144,8 +144,14 @@ def test_the_transfer_service_puts_a_lost_ranks_tasks_in_its_keepers_slice() -> 
         candidates=(Candidate(layout=new_layout, score=1.0, fits=True),),
         explanation="a node lost",
         lost=B,
+        peer_copies=peer_copies,
     )
-    out = plan_transfer(msg, budget_bytes=64 * 1024)
+
+
+def test_the_transfer_service_puts_a_lost_ranks_tasks_in_its_keepers_slice() -> None:
+    from liver.services.transfer.core import plan_transfer
+
+    out = plan_transfer(node_b_lost(), budget_bytes=64 * 1024)
     assert out.plan.stand_ins == ((2, 0), (3, 1))
     by_device = {s.device: s for s in out.slices}
     for lost_rank, keeper in out.plan.stand_ins:
@@ -153,3 +159,10 @@ def test_the_transfer_service_puts_a_lost_ranks_tasks_in_its_keepers_slice() -> 
         assert keeper_slice.stand_ins == out.plan.stand_ins
         assert any(t.src == lost_rank for t in keeper_slice.tasks)
         assert not by_device[B[lost_rank - 2]].tasks  # nothing runs on the lost devices
+
+
+def test_the_transfer_service_plans_nothing_from_copies_a_job_does_not_keep() -> None:
+    from liver.services.transfer.core import plan_transfer
+
+    with pytest.raises(NoSurvivingSource, match="exp_avg"):
+        plan_transfer(node_b_lost(peer_copies=False), budget_bytes=64 * 1024)

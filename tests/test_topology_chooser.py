@@ -339,6 +339,36 @@ def test_with_the_distributed_optimizer_a_node_loss_is_survived_from_peer_copies
     assert "peer copies" in decision.explanation and "host memory" in decision.explanation
 
 
+def test_a_job_without_peer_copies_survives_a_node_loss_only_from_replicas_or_the_checkpoint() -> None:
+    from liver.services.topology.chooser import NodeLoss
+    from liver.shared.geometry import DdpSettings
+
+    geometry = GPT.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=3), Placement(SIX))
+    decision = choose_topology(GPT, CHAOS_SETUP, CPU_SMALL, current, SIX[:4], geometry=geometry, copies=False)
+    assert decision.node_loss is NodeLoss.CHECKPOINT and decision.copies_host_bytes == 0
+    assert "keeps no peer copies" in decision.explanation
+
+
+def test_peer_copies_beyond_the_profiles_host_memory_budget_leave_only_the_checkpoint() -> None:
+    from liver.services.topology.chooser import NodeLoss
+    from liver.shared.geometry import DdpSettings
+
+    geometry = GPT.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
+    current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=3), Placement(SIX))
+    roomy = choose_topology(GPT, CHAOS_SETUP, CPU_SMALL, current, SIX[:4], geometry=geometry)
+    needed = roomy.copies_host_bytes
+    fits = msgspec.structs.replace(CPU_SMALL, copies_budget_bytes=needed)
+    assert (
+        choose_topology(GPT, CHAOS_SETUP, fits, current, SIX[:4], geometry=geometry).node_loss
+        is NodeLoss.COPIES
+    )
+    tight = msgspec.structs.replace(CPU_SMALL, copies_budget_bytes=needed - 1)
+    decision = choose_topology(GPT, CHAOS_SETUP, tight, current, SIX[:4], geometry=geometry)
+    assert decision.node_loss is NodeLoss.CHECKPOINT and decision.copies_host_bytes == needed
+    assert "more than the" in decision.explanation and "cpu-small profile allows" in decision.explanation
+
+
 def test_a_world_on_one_node_survives_a_node_loss_only_from_the_checkpoint() -> None:
     from liver.services.topology.chooser import NodeLoss
 

@@ -197,6 +197,13 @@ def test_lost_devices_hold_no_rank_and_travel_on_in_the_answer() -> None:
     assert decode(encode(planned), TopologyPlanned).lost == (WORLD[3],)
 
 
+def test_whether_the_job_keeps_peer_copies_travels_on_in_the_answer() -> None:
+    for kept in (True, False):
+        planned = answer(ask(remove=(), lost=(WORLD[3],), peer_copies=kept), PROFILE, SETTINGS, NOW).message
+        assert isinstance(planned, TopologyPlanned)
+        assert decode(encode(planned), TopologyPlanned).peer_copies is kept
+
+
 def test_a_lost_device_with_a_surviving_replica_is_planned_around_from_the_answer_alone() -> None:
     # WORLD[3] ran TP rank 1 of replica 1; WORLD[1] holds the same shard.
     planned = answer(ask(remove=(), lost=(WORLD[3],)), PROFILE, SETTINGS, NOW).message

@@ -499,3 +499,44 @@ def test_liver_worker_copies_go_back_keeps_the_processs_own_state_for_a_step_bac
     off = worker_cmd.settings_from(parser.parse_args(argv)).runtime_options()
     assert on.copies is not None and on.copies.go_back
     assert off.copies is not None and not off.copies.go_back  # copies, without going back
+
+
+def test_liver_worker_no_copies_keeps_none_and_says_so_in_its_world_announcement() -> None:
+    from liver.cli import worker_cmd
+
+    parser = worker_cmd.argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--no-copies"]
+    settings = worker_cmd.settings_from(parser.parse_args(argv))
+    assert settings.runtime_options().copies is None and not settings.copies
+
+
+def test_liver_worker_copies_host_bytes_is_the_copies_budget() -> None:
+    from liver.cli import worker_cmd
+
+    parser = worker_cmd.argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--copies-host-bytes", "1000000"]
+    copies = worker_cmd.settings_from(parser.parse_args(argv)).runtime_options().copies
+    assert copies is not None and copies.host_budget_bytes == 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (
+            ["--no-copies", "--copies-go-back"],
+            "--copies-go-back: an option of the peer copies, which --no-copies",
+        ),
+        (["--no-copies", "--copies-host-bytes", "5"], "--copies-host-bytes: an option of the peer copies"),
+        (["--copies-host-bytes", "-5"], "--copies-host-bytes: must not be negative"),
+    ],
+)
+def test_liver_worker_refuses_copy_options_that_contradict_each_other(
+    extra: list[str], named: str, capsys: Any
+) -> None:
+    from liver.cli import worker_cmd
+
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", *extra]
+    assert worker_cmd.main(argv) == 2
+    assert named in capsys.readouterr().err

@@ -81,6 +81,9 @@ FIELD_FLAGS: dict[str, str] = {
     "checkpoint_dir": "--checkpoint-dir",
     "checkpoint_every": "--checkpoint-every",
     "metrics_port": "--metrics-port",
+    "copies_go_back": "--copies-go-back",
+    "copies_host_bytes": "--copies-host-bytes",
+    "copies": "--no-copies",
 }
 """The flag that sets each of :class:`~liver.worker_runtime.worker_main.WorkerSettings`' fields, for
 errors: a user of ``liver worker`` knows the flags, not the fields."""
@@ -142,6 +145,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the preset trains with Megatron's distributed optimizer (master weights and Adam moments "
         "sharded over DP; a lost process's shard is recovered from its peer copy on another node)",
+    )
+    p.add_argument(
+        "--no-copies",
+        action="store_true",
+        help="keep no peer copies (the planners are told: a node lost without notice whose state no "
+        "replica holds then falls back to the checkpoint at once)",
+    )
+    p.add_argument(
+        "--copies-host-bytes",
+        type=int,
+        metavar="BYTES",
+        help="host memory this process's peer copies may take (default: half the host's available "
+        "memory over the job's processes on it); a keeper whose copies do not fit keeps none",
     )
     p.add_argument(
         "--copies-go-back",
@@ -240,6 +256,8 @@ def _settings(
         checkpoint_keep=args.checkpoint_keep,
         checkpoint_resume=not args.fresh_start,
         metrics_port=args.metrics_port,
+        copies=not args.no_copies,
+        copies_host_bytes=args.copies_host_bytes,
         copies_go_back=args.copies_go_back,
     )
 

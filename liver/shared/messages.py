@@ -349,6 +349,8 @@ class TopologyRequest(Message, kw_only=True, tag="topology_request"):
     geometry: ModelGeometry | None = None
     """The job's own model geometry, as its world announced it (:class:`WorldStarted`): the chosen
     layout must suit it and the plan moves it. ``None``: the planner's configured model."""
+    peer_copies: bool = True
+    """Whether the job keeps peer copies, as its world announced it (:class:`WorldStarted`)."""
 
     def _validate(self) -> None:
         if self.generation <= self.from_generation:
@@ -408,6 +410,9 @@ class TopologyPlanned(Message, kw_only=True, tag="topology_planned"):
     explanation: Explanation
     deadline: Timestamp | None = None
     lost: tuple[Device, ...] = ()
+    peer_copies: bool = True
+    """Whether the current world keeps peer copies (:class:`WorldStarted`): the transfer planner reads
+    a ``lost`` device's state from its copy only then."""
 
     def _validate(self) -> None:
         if self.generation <= self.from_generation:
@@ -619,6 +624,10 @@ class WorldStarted(Message, kw_only=True, tag="world_started"):
     every later plan moves exactly these tensors. ``None``: the planners use the model the topology
     planner is configured with for the job (a preset); a world started after a fallback may leave it
     out and the one recorded stays."""
+    peer_copies: bool = True
+    """Whether the job's processes keep peer copies of the state a node would take with it
+    (``RuntimeOptions.copies``): only then may a recovery read a lost process's state from its copy;
+    a job without them whose loss no replica covers is answered at planning that it falls back."""
 
     def _validate(self) -> None:
         _check_world(self.layout, self.placement, "placement")

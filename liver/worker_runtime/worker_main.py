@@ -139,6 +139,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     was restarted); False: from scratch."""
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] | None = None
     """Serve the companion's Prometheus metrics on this port (0: a free one); None: none."""
+    copies: bool = True
+    """Keep peer copies of the state a node would take with it (``RuntimeOptions.copies``); the first
+    world's announcement tells the planners, so a job without them is never planned from them."""
+    copies_host_bytes: Annotated[int, Meta(ge=0)] | None = None
+    """Host memory this process's peer copies may take (``CopyOptions.host_budget_bytes``; None: half
+    the host's available memory over the world's processes on it)."""
     copies_go_back: bool = False
     """The peer copies also keep this process's own state of the last two refreshes, so that a loss in
     a copy's refresh goes back a step instead of to the checkpoint (``CopyOptions.go_back``)."""
@@ -151,6 +157,11 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("`checkpoint_every`: needs `checkpoint_dir`, where the checkpoints go")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"`metrics_port`: {self.metrics_port} is not a port number (0-65535)")
+        if self.copies_host_bytes is not None and self.copies_host_bytes < 0:
+            raise ValueError(f"`copies_host_bytes`: must not be negative, got {self.copies_host_bytes}")
+        if not self.copies and (self.copies_go_back or self.copies_host_bytes is not None):
+            field = "copies_go_back" if self.copies_go_back else "copies_host_bytes"
+            raise ValueError(f"`{field}`: an option of the peer copies, which `copies` turns off")
         if self.worker_id:
             validate_token(self.worker_id, "worker_id")
         if self.job_factory is None and self.model not in PRESETS:
@@ -200,9 +211,12 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             build_timeout_s=self.build_timeout_s,
             checkpoint=checkpoint,
         )
-        if self.copies_go_back:
-            options = msgspec.structs.replace(options, copies=CopyOptions(go_back=True))
-        return options
+        copies = (
+            CopyOptions(go_back=self.copies_go_back, host_budget_bytes=self.copies_host_bytes)
+            if self.copies
+            else None
+        )
+        return msgspec.structs.replace(options, copies=copies)
 
     def make_job(self) -> MegatronJob:
         """The job this worker trains: the preset on synthetic data, or the user's own job from its
@@ -509,6 +523,7 @@ class _Worker:
             layout=layout,
             placement=placement,
             geometry=self.geometry,
+            peer_copies=s.copies,
         )
         asyncio.run(publish_world_started(message, self.url, self.environ, timeout_s=s.announce_timeout_s))
 

@@ -729,6 +729,7 @@ class Coordinator:
                 issued=event.generation,
                 last_outcome=None if record is None else record.last_outcome,
                 geometry=event.geometry or (None if record is None else record.geometry),
+                peer_copies=event.peer_copies,
                 settled=() if record is None else record.settled,
             ),
             Wait.WORLD_WRITE,
@@ -955,6 +956,7 @@ class Coordinator:
             target_devices=targets[-1] if targets else None,
             deadline=h.deadline,
             geometry=self._record.geometry,
+            peer_copies=self._record.peer_copies,
         )
         self._emit(RequestTopology(request=request))
 

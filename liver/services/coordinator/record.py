@@ -206,6 +206,9 @@ class GenerationRecord(Message, kw_only=True, tag="generation_record"):
     geometry: ModelGeometry | None = None
     """The job's model geometry from its ``WorldStarted`` (kept across generations and fallbacks); every
     topology request carries it."""
+    peer_copies: bool = True
+    """Whether the job keeps peer copies, from its latest ``WorldStarted``; every topology request
+    carries it."""
     settled: Annotated[tuple[SettledEvent, ...], Meta(max_length=MAX_SETTLED_IN_RECORD)] = ()
     """The latest events settled, oldest first: written in the same compare-and-set as the outcome that
     settles them, so that no coordinator, however many restarts later, runs an event twice."""

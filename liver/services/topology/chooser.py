@@ -24,7 +24,9 @@ the job keeps by default: any world on two nodes or more), then the one whose pl
 fewest bytes (the current layout on unchanged devices moves none), then the current layout, then the
 faster: a lower bound ranks them so only a few are placed, and each placement's bytes are exact
 (:func:`.placement.bytes_moved`). The decision says how its world survives a node's loss
-(:class:`NodeLoss`) and the host memory its peer copies take (:mod:`liver.shared.redundancy`).
+(:class:`NodeLoss`) and the host memory its peer copies take (:mod:`liver.shared.redundancy`); a job
+that keeps no copies (``copies=False``), or copies beyond the hardware profile's host-memory budget
+(``HardwareProfile.copies_budget_bytes``), survive only from replicas on other nodes.
 
 Devices of the current world that are ``lost`` are not in ``devices`` (they can hold no new rank), and
 the transfer planner takes no state from them. The bytes-moved tie-break needs no change for that: it
@@ -76,7 +78,8 @@ class NodeLoss(enum.StrEnum):
 
     REPLICAS = "replicas"  # a replica on another node holds every piece: nothing extra is kept
     COPIES = "copies"  # what no replica holds is recovered from the peer copies kept on another node
-    CHECKPOINT = "checkpoint"  # one node holds the world: its loss leaves only the durable checkpoint
+    CHECKPOINT = "checkpoint"  # only the durable checkpoint: one node holds the world, or what no
+    # replica holds has no peer copy (the job keeps none, or they do not fit the host-memory budget)
 
 
 MAX_VPP = 8
@@ -211,9 +214,11 @@ class _Chooser:
         inter_node_weight: float,
         lost: Collection[Device] = (),
         geometry: ModelGeometry | None = None,
+        copies: bool = True,
     ) -> None:
         self.model = model
         self.geometry = geometry
+        self.copies = copies
         self.setup = setup
         self.hardware = hardware
         self.current = current
@@ -395,19 +400,35 @@ class _Chooser:
 
     @staticmethod
     def on_one_node(placement: Placement) -> bool:
-        """A world on one node survives that node's loss only from the checkpoint; any other survives
-        from replicas or the peer copies (:meth:`node_loss`, which also weighs their memory)."""
         return len({d.node for d in placement.devices}) < 2
 
+    def lost_to_checkpoint(self, layout: ParallelLayout, placement: Placement) -> bool:
+        """Whether a node's loss leaves the world of ``layout`` on ``placement`` only the checkpoint.
+        A world on one node always; any other survives from replicas or peer copies when the job keeps
+        copies and no host-memory budget is counted, which needs no look at its state."""
+        if self.on_one_node(placement):
+            return True
+        if self.copies and self.hardware.copies_budget_bytes is None:
+            return False
+        return self.node_loss(layout, placement)[0] is NodeLoss.CHECKPOINT
+
     def node_loss(self, layout: ParallelLayout, placement: Placement) -> tuple[NodeLoss, int]:
-        """How the world of ``layout`` on ``placement`` comes through a node's loss (the job keeps peer
-        copies, as it does by default), and the copies' host memory on the process that keeps most."""
+        """How the world of ``layout`` on ``placement`` comes through a node's loss, and the host
+        memory its peer copies take on the process that keeps most (0 when the job keeps none)."""
         model = self.geometry if self.geometry is not None else self.model.geometry()
         r = copy_redundancy(model, layout, placement)
-        host = max(r.kept_bytes, default=0)
-        if self.on_one_node(placement):
+        if not any(r.kept_bytes):
+            return (NodeLoss.CHECKPOINT if self.on_one_node(placement) else NodeLoss.REPLICAS), 0
+        if not self.copies:
+            return NodeLoss.CHECKPOINT, 0
+        host = max(r.kept_bytes)
+        if self.on_one_node(placement) or not self.copies_fit(host):
             return NodeLoss.CHECKPOINT, host
-        return (NodeLoss.COPIES if any(r.kept_bytes) else NodeLoss.REPLICAS), host
+        return NodeLoss.COPIES, host
+
+    def copies_fit(self, host_bytes: int) -> bool:
+        budget = self.hardware.copies_budget_bytes
+        return budget is None or host_bytes <= budget
 
     def lower_bound(self, scored: _Scored) -> int:
         layout = scored.score.layout
@@ -429,6 +450,7 @@ def choose_topology(
     lost: Collection[Device] = (),
     geometry: ModelGeometry | None = None,
     redundancy: Redundancy = "none",
+    copies: bool = True,
 ) -> TopologyDecision:
     """The target layout and placement for ``model`` on ``devices`` (surviving and added devices),
     coming from ``current`` of which the ``lost`` devices are gone (see the module docstring). Raises
@@ -455,6 +477,7 @@ def choose_topology(
         inter_node_weight,
         lost,
         geometry,
+        copies,
     )
     everything = chooser.evaluate_count(len(devices))
     scored = everything
@@ -488,7 +511,7 @@ def choose_topology(
 
     def preference(s: _Scored) -> tuple:
         lay = s.score.layout
-        lost_to_checkpoint = chooser.on_one_node(placed[id(s)][0])
+        lost_to_checkpoint = chooser.lost_to_checkpoint(lay, placed[id(s)][0])
         moved = placed[id(s)][1]
         return (lost_to_checkpoint, moved, lay != current.layout, -s.score.tokens_per_s, lay.tp, lay.pp)
 
@@ -513,7 +536,7 @@ def choose_topology(
     fastest_bytes = placed[id(feasible[0])][1] if id(feasible[0]) in placed else None
     explanation = _explain(
         chooser, chosen, feasible[0].score, fastest_bytes, shown_scores, everything, scored, idle, tolerance
-    ) + _survival_words(node_loss, copies_bytes)
+    ) + _survival_words(chooser, node_loss, placement, copies_bytes)
     return TopologyDecision(
         layout=chosen.layout,
         placement=placement,
@@ -623,7 +646,7 @@ def _nothing_fits(model: ModelSpec, devices: tuple[Device, ...], everything: lis
     return text
 
 
-def _survival_words(node_loss: NodeLoss, copies_bytes: int) -> str:
+def _survival_words(chooser: _Chooser, node_loss: NodeLoss, placement: Placement, copies_bytes: int) -> str:
     if node_loss is NodeLoss.REPLICAS:
         return " A node lost without notice is recovered live from the replicas on the other nodes."
     if node_loss is NodeLoss.COPIES:
@@ -631,7 +654,18 @@ def _survival_words(node_loss: NodeLoss, copies_bytes: int) -> str:
             " A node lost without notice is recovered live from the peer copies of what no replica holds "
             f"({_size(copies_bytes)} of host memory on the process that keeps the most)."
         )
-    return " One node holds the whole world: its loss leaves only the checkpoint."
+    if chooser.on_one_node(placement):
+        return " One node holds the whole world: its loss leaves only the checkpoint."
+    if not chooser.copies:
+        return (
+            " The job keeps no peer copies and some state is held on one node only: a node lost without "
+            "notice leaves only the checkpoint."
+        )
+    return (
+        f" The peer copies of what no replica holds would take {_size(copies_bytes)} of host memory on "
+        f"the process that keeps the most, more than the {_size(chooser.hardware.copies_budget_bytes or 0)} "
+        f"the {chooser.hardware.name} profile allows: a node lost without notice leaves only the checkpoint."
+    )
 
 
 def _explain(

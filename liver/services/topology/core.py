@@ -127,6 +127,7 @@ def answer(
             lost=request.lost,
             geometry=request.geometry,
             redundancy=settings.redundancy,
+            copies=request.peer_copies,
         )
     except (TopologyError, SetupError) as exc:
         return Answer(failed(request, str(exc)), None)
@@ -145,5 +146,6 @@ def answer(
         explanation=explanation,
         deadline=request.deadline,
         lost=request.lost,
+        peer_copies=request.peer_copies,
     )
     return Answer(planned, decision)

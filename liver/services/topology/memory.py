@@ -111,6 +111,10 @@ class HardwareProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """Fraction of device memory kept free for allocator fragmentation and temporary buffers."""
     reserved_bytes: Annotated[int, Meta(ge=0)] = 0
     """Fixed memory training cannot use: CUDA context, NCCL communicators and workspaces."""
+    copies_budget_bytes: Annotated[int, Meta(ge=0)] | None = None
+    """Host memory the peer copies one process keeps may take (``CopyOptions.host_budget_bytes``): a
+    layout whose copies need more survives a node's loss only from the checkpoint. None: not counted
+    (each worker still checks its own host's available memory when it builds its copies)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -121,6 +125,7 @@ class HardwareProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
             ("inter_node_bandwidth", self.inter_node_bandwidth > 0),
             ("memory_margin", 0 <= self.memory_margin < 1),
             ("reserved_bytes", self.reserved_bytes >= 0),
+            ("copies_budget_bytes", self.copies_budget_bytes is None or self.copies_budget_bytes >= 0),
         )
         for field, ok in checks:
             if not ok:
@@ -141,6 +146,7 @@ H100_80GB = HardwareProfile(
     inter_node_bandwidth=45e9,  # one 400 Gb/s NDR port per GPU (50 GB/s), ~90% achieved
     memory_margin=0.1,
     reserved_bytes=2 * GiB,
+    copies_budget_bytes=128 * GiB,  # half of a DGX H100's 2 TiB of host memory per GPU
 )
 """A DGX-H100-like node: 8 GPUs on NVLink, one InfiniBand NIC per GPU."""
 

@@ -95,9 +95,9 @@ def plan_transfer(
     new = WorldConfig(msg.layout, msg.placement)
     lost = msg.lost
     t0 = time.perf_counter()
-    # Jobs keep peer copies unless their runtime turned them off (RuntimeOptions.copies): a recovery is
-    # planned from them where no survivor holds the state; a job without them falls back when it reads it.
-    plan = planner(model, old, new, budget_bytes, optimizer, lost=lost, copies=True)
+    # A recovery is planned from the peer copies where no survivor holds the state, unless the job's
+    # world announced that it keeps none (RuntimeOptions.copies): then such a loss fails here, at once.
+    plan = planner(model, old, new, budget_bytes, optimizer, lost=lost, copies=msg.peer_copies)
     plan_seconds = time.perf_counter() - t0
     report = verify_plan(plan, lost=lost)
     verify_seconds = time.perf_counter() - t0 - plan_seconds

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Annotated, Any, Final
 
 import msgspec
+import psutil
 import structlog
 
 from liver.shared.geometry import ModelGeometry
@@ -48,6 +49,12 @@ class CopyOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     gate_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     """How long an update waits for the last refresh to be read before giving that refresh up (the
     keeper then keeps the older copy)."""
+    host_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Host memory the copies of one process may take: those it keeps for its peers (double-buffered)
+    and, with ``go_back``, its own. None: half the host's available memory when a world's copies are
+    built, shared evenly by the world's processes on this node. A keeper whose copies do not fit keeps
+    none (its peers train without that protection; logged ``copies.no_room``); own copies that do not
+    fit beside them are not kept."""
     go_back: bool = False
     """Keep each process's own whole state as its last two refreshes read it, so that a loss in a copy's
     refresh (the lost rank's copy a step behind the survivors) goes back a step instead of falling back
@@ -178,6 +185,15 @@ class CopyManager:
             self.copies.close()
             self.copies = None
 
+    def host_budget(self, placement: Any, rank: int) -> int:
+        """The host memory rank ``rank``'s copies may take in a world on ``placement``
+        (``CopyOptions.host_budget_bytes``)."""
+        if self.options.host_budget_bytes is not None:
+            return self.options.host_budget_bytes
+        node = placement.devices[rank].node
+        local = sum(d.node == node for d in placement.devices)
+        return psutil.virtual_memory().available // (2 * local)
+
     def _drop(self, generation: int) -> None:
         self.close()
         self._broken_for = generation
@@ -203,6 +219,7 @@ class CopyManager:
                 staging_bytes=self.options.staging_bytes,
                 gate_timeout_s=self.options.gate_timeout_s,
                 keep_own=self.options.go_back,
+                host_budget_bytes=self.host_budget(world.placement, world.rank),
                 timeout=timedelta(seconds=self.build_timeout_s),
             )
         except Exception as error:  # a store that times out, a keeper that cannot listen: no copies

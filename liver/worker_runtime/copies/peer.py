@@ -2,7 +2,10 @@
 
 Every process of a world builds its :class:`PeerCopies` when the world is built: it publishes its
 keeper's address in the job's store (under the world's namespace) before it looks up its own keeper's,
-so no process waits for one that waits for it. The bytes of a copy are the copied tensors'
+so no process waits for one that waits for it. What it keeps must fit its host-memory budget: a keeper
+whose sources' copies do not fit keeps none (it publishes that it is unavailable, and its sources run
+without the protection, as when it cannot listen), and own copies that do not fit beside them are not
+kept (no going back a step). The bytes of a copy are the copied tensors'
 (:func:`~liver.shared.redundancy.copied_tensors`) local pieces in tensor order, each piece as its
 holding lays it out; :func:`unpack` reads them back as a local state, without asking the sender.
 """
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout, Placement
-from liver.shared.redundancy import NO_KEEPER, Redundancy, copied_tensors, redundancy
+from liver.shared.redundancy import NO_KEEPER, Redundancy, copied_tensors, own_copy_bytes, redundancy
 
 from .keeper import CopyKeeper, KeptCopy
 from .sender import DEFAULT_STAGING_BYTES, CopySender
@@ -32,7 +35,7 @@ log = structlog.get_logger(__name__)
 LocalTensor = torch.Tensor | tuple[torch.Tensor, ...]
 
 UNAVAILABLE = "-"
-"""A keeper's store entry when it could not listen: its sources send nothing."""
+"""A keeper's store entry when it could not listen or has no room: its sources send nothing."""
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -70,6 +73,7 @@ class PeerCopies:
         gate_timeout_s: float = 60.0,
         timeout: timedelta = timedelta(seconds=120),
         keep_own: bool = False,
+        host_budget_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -82,15 +86,31 @@ class PeerCopies:
         self._not_sent: list[int] | None = None  # what this rank holds but does not send, once known
         self._log = log.bind(generation=generation, rank=rank)
         sources = self.plan.sources(rank)
+        kept_bytes = self.plan.kept_bytes[rank]
+        budget = math.inf if host_budget_bytes is None else host_budget_bytes
         self.keeper: CopyKeeper | None = None
         if sources:
             # Published either way, so that no sender waits for a keeper that will not listen.
-            try:
-                self.keeper = CopyKeeper(generation, sources)
-                store.set(f"{namespace}/copies/{rank}", f"{host}:{self.keeper.port}")
-            except OSError as error:
+            if kept_bytes > budget:
                 store.set(f"{namespace}/copies/{rank}", UNAVAILABLE)
-                self._log.error("copies.no_keeper", reason=str(error))
+                self._log.error(
+                    "copies.no_room", sources=list(sources), kept_bytes=kept_bytes, budget_bytes=budget
+                )
+                kept_bytes = 0
+            else:
+                try:
+                    self.keeper = CopyKeeper(generation, sources)
+                    store.set(f"{namespace}/copies/{rank}", f"{host}:{self.keeper.port}")
+                except OSError as error:
+                    store.set(f"{namespace}/copies/{rank}", UNAVAILABLE)
+                    self._log.error("copies.no_keeper", reason=str(error))
+        if keep_own:
+            own = own_copy_bytes(model, layout, placement)[rank]
+            if kept_bytes + own > budget:
+                self._log.warning(
+                    "copies.no_room_to_go_back", own_bytes=own, kept_bytes=kept_bytes, budget_bytes=budget
+                )
+                keep_own = False
         self.sender: CopySender | None = None
         keeper = self.plan.keepers[rank]
         if keeper != NO_KEEPER:
