@@ -15,6 +15,11 @@ refresh of its copy after step 2 begins: p1 keeps p3's copy of step 1 while the 
 step 2, so they agree to go back to step 1 (each from its own copy of that refresh: the job keeps them,
 ``CopyOptions.go_back``), and the state after
 the recovery equals, bit for bit, the state at the end of step 1 of all four; step 2 is trained again.
+In the "after-vote" runs p3 dies right after the commit vote of its third step, which the others passed
+with it: they update, and the survivors end at different iterations. With plain Adam all three finish
+step 3; with the distributed optimizer p1 is torn (its parameter all-gather with p3 fails after its
+update began) while p0 and p2 finish step 3. They agree on step 2, each going back to (p1: mending its
+state from) its own copy of it, and the state after the recovery equals step 2 of all four, bit for bit.
 
 In another run a bit of p3's copy flips in p1's memory before the recovery reads it: the copy fails its
 checksum, the recovery names the tensor and falls back to the durable checkpoint once (no second
@@ -83,8 +88,10 @@ RUNS = [
     ("dist-opt", "update"),
     ("dist-opt", "mid-step"),
     ("dist-opt", "refresh"),
+    ("dist-opt", "after-vote"),
     ("dp1", "update"),
     ("dp1", "refresh"),
+    ("dp1", "after-vote"),
     ("moe-dist-opt", "mid-step"),
 ]
 
@@ -93,6 +100,16 @@ def resumed(when: str) -> int:
     """The iteration the survivors resume from: the last completed, or the one before when p3 died
     in its copy's refresh (its copy a step behind theirs)."""
     return KILLED_IN - 2 if when == "refresh" else KILLED_IN - 1
+
+
+def kept_at(case: Case, when: str, rank: int) -> int:
+    """The iteration survivor ``rank`` completed when it found p3 lost. After p3's commit vote the
+    others update: with plain Adam all of them finish step 3; with the distributed optimizer p1, which
+    gathers parameters with p3, is torn inside step 3 (it reports 2, and mends its state from its own
+    copy of it), while p0 and p2 finish it."""
+    if when != "after-vote" or (rank == 1 and case.config.use_distributed_optimizer):
+        return KILLED_IN - 1
+    return KILLED_IN
 
 
 def recovery_plan(case: Case) -> Plan:
@@ -184,7 +201,11 @@ def process(
     )
     trainer = runtime.step()
     while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
-        if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 1 and when in ("update", "mid-step"):
+        if (
+            proc.rank == VICTIM
+            and trainer.iteration == KILLED_IN - 1
+            and when in ("update", "mid-step", "after-vote")
+        ):
             _die_in_step(trainer, runtime, when)
         if proc.rank == VICTIM and trainer.iteration == KILLED_IN - 2 and when == "refresh":
             _die_in_refresh(runtime.peer_copies.sender, KILLED_IN - 1)
@@ -233,6 +254,15 @@ def _die_in_step(trainer: Any, runtime: Any, when: str) -> None:
     """Exit inside the next step: as its update begins (the last refresh was read before it), or in the
     forward of its second micro-batch once the last refresh was sent whole (a loss in the refresh
     itself leaves the copy a step behind: not this test's case)."""
+    if when == "after-vote":  # the others passed the vote with it: they update, then need it again
+
+        def gone(*_: Any) -> None:
+            assert runtime.peer_copies.wait_sent(trainer.iteration, 60.0)
+            os._exit(17)
+
+        for inner in trainer._inner_optimizers():
+            inner.register_step_pre_hook(gone)  # after the trainer's own hook, the commit vote
+        return
     if when == "update":
 
         def dying(*args: Any, **kwargs: Any) -> Any:
@@ -275,6 +305,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "before": before,
         "after": after,
         "resumed": resumed(when),
+        "when": when,
+        "case": case,
     }
 
 
@@ -285,7 +317,9 @@ def test_the_plan_reads_the_lost_processs_shard_from_its_copy(runs: dict) -> Non
 def test_the_survivors_recover_live_without_a_checkpoint(runs: dict) -> None:
     assert runs["victim"].status == "died" and runs["victim"].exitcode == 17
     for rank, s in runs["survivors"].items():
-        assert s["peer_lost"] == [KILLED_IN - 1], rank  # each kept the last step it completed
+        assert s["peer_lost"] == [kept_at(runs["case"], runs["when"], rank)], (
+            rank
+        )  # the last step it completed
         assert s["history"] == ["SwitchReport"] and s["generation"] == 1, rank
         assert s["after_iteration"] == runs["resumed"]
 

@@ -964,7 +964,10 @@ class LiveRuntime(Generic[T]):
         # reason this runs outside any except block: a caught failure's frames hold them too.
         keep = getattr(self.factory, "keep_state", None)
         kept: KeptState | None = None
-        if keep is not None and not abandoned.torn:
+        # A torn state (a loss after the update began) is whole again from this process's own copy of
+        # the iteration it completed, where the copies keep one (CopyOptions.go_back).
+        mend = abandoned.torn and self._copies is not None and self._copies.can_go_back(abandoned.iteration)
+        if keep is not None and (mend or not abandoned.torn):
             kept = keep(self._trainer)
         else:
             gc.collect()
@@ -977,7 +980,7 @@ class LiveRuntime(Generic[T]):
                 generation=broken.generation, phase=ReshardPhase.PEER_LOST, iteration=abandoned.iteration
             )
         )
-        if abandoned.torn:
+        if abandoned.torn and kept is None:
             raise abandoned
         give_up_at = time.monotonic() + self.options.recover_timeout_s
         at = abandoned.iteration  # the iteration of the state this process holds
@@ -999,7 +1002,7 @@ class LiveRuntime(Generic[T]):
                     assert kept is not None
                     kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
                     try:
-                        at = self._recover_copies(prep, broken, at, kept)
+                        at = self._recover_copies(prep, broken, at, kept, torn=abandoned.torn)
                     except CopyError as error:
                         # Failed in the switch, where the peers fail with it at once (not here, where
                         # they would wait for this process's sends until their timeout).
@@ -1044,9 +1047,12 @@ class LiveRuntime(Generic[T]):
         self._broken = None
         return self._committed(prep, report, handoff.new_world, new_trainer)
 
-    def _recover_copies(self, prep: Preparation, broken: WorldSpec, at: int, kept: KeptState) -> int:
+    def _recover_copies(
+        self, prep: Preparation, broken: WorldSpec, at: int, kept: KeptState, *, torn: bool = False
+    ) -> int:
         """The iteration this recovery resumes from (:meth:`_agree_on_cut`), with ``kept`` taken back to
-        it when that is the one before (from this process's own copy) and the peer copies it stands in
+        it from this process's own copy when that is the one before, or when ``kept`` is ``torn`` (an
+        update began: its own copy of ``at`` is the state whole), and the peer copies it stands in
         with unpacked. :class:`~.copies.wire.CopyError` when a copy is missing, behind for good or bad;
         the offer is made either way, so that no peer waits for it."""
         assert self._copies is not None
@@ -1067,9 +1073,9 @@ class LiveRuntime(Generic[T]):
             raise missing
         why = f"the peer copy of old rank {behind[0]} is a step behind ({IN_REFRESH}) and " if behind else ""
         cut = self._agree_on_cut(prep, broken, offer, why)
-        if cut != at:
+        if cut != at or torn:
             kept.go_back(*self._copies.own_state(cut, list(kept.state)))
-            self._log.warning("runtime.went_back", generation=broken.generation, iteration=cut)
+            self._log.warning("runtime.went_back", generation=broken.generation, iteration=cut, torn=torn)
         kept.stand_ins = self._copies.stand_ins(copies, broken.generation, cut)
         return cut
 

@@ -72,7 +72,7 @@ class CopyManager:
         self.build_timeout_s = build_timeout_s
         self.copies: PeerCopies | None = None
         self._broken_for: int | None = None  # a generation whose copies could not be made
-        self._state: Mapping[int, LocalTensor] | None = None  # the generation's trainer's, once taken
+        self._gated = False  # the generation's trainer waits for the copies' reads before its updates
         self._progress: dict[int, Any] = {}  # iteration -> the trainer's progress at that boundary
 
     def at_boundary(
@@ -93,14 +93,16 @@ class CopyManager:
             self._progress[iteration] = progress_of(trainer)
             for old in sorted(self._progress)[:-PROGRESS_KEPT]:
                 del self._progress[old]
-        if self._state is None:
-            # A generation has one trainer, updated in place: views of its storage taken at its first
-            # boundary stay its state.
-            self._state = state_of(trainer)
+        if not self._gated:
+            self._gated = True
             if gate_updates is not None:
                 gate_updates(trainer, copies.gate)
+        # Taken at every boundary: most of it are views of the trainer's storage, updated in place, but
+        # not all (the Adam step is a scalar made from the optimizer's own, and a copy of the first
+        # boundary's would take a process back to the wrong step).
+        state = state_of(trainer)
         try:
-            copies.refresh(iteration, self._state)
+            copies.refresh(iteration, state)
         except CopyError as error:
             log.error("copies.disabled", generation=world.generation, reason=str(error))
             self._drop(world.generation)
@@ -204,7 +206,7 @@ class CopyManager:
         if self._broken_for == world.generation:
             return None
         self.close()
-        self._state = None
+        self._gated = False
         store = world.store
         try:
             self.copies = PeerCopies(
