@@ -24,7 +24,8 @@ The layout rules are Megatron-core 0.16.1's (``_ParamAndGradBuffer.__init__`` an
   ``pad_buckets_for_high_nccl_busbw``), where ``dp`` is the size of the group that shards the buffer:
   DP x CP for dense parameters, expert-DP for the expert buffers (experts with EP > 1 have buffers of
   their own, and a distributed optimizer of their own over expert-DP; at EP 1 they share the dense
-  ones).
+  ones); with ``num_distributed_optimizer_instances = k`` that group is ``1/k`` of it (consecutive DP
+  ranks), and the ``k`` groups hold the same shards (:func:`shard_group`).
 
 A rule restated can drift, so tests compare :func:`owned_ranges` with the ranges Megatron's own
 optimizer computes for presets and user models at many layouts, and every rank checks its real
@@ -55,6 +56,7 @@ __all__ = [
     "owned_boxes",
     "owned_pieces",
     "owned_ranges",
+    "shard_group",
     "stage_parameters",
 ]
 
@@ -217,7 +219,7 @@ def _chunk_buffers(
         by_dtype.setdefault((expert, t.dtype), []).append((t, math.prod(shard.local_shape)))
     out = []
     for expert in (False, True):
-        group = layout.grid(expert).replicas
+        group = layout.grid(expert).replicas // ddp.instances
         divisor = math.lcm(group, BUCKET_ALIGNMENT)
         if ddp.pad_buckets_for_high_nccl_busbw:
             divisor = math.lcm(divisor, HIGH_BUSBW_ALIGNMENT)
@@ -269,6 +271,13 @@ def _one_buffer(
     return BufferLayout(dtype, tuple(slots), tuple(buckets))
 
 
+def shard_group(geometry: ModelGeometry, replicas: int) -> int:
+    """How many ranks of ``replicas`` (DP x CP, or expert-DP) the distributed optimizer shards a buffer
+    over: consecutive replica indices, ``replicas / k`` of them with ``k`` instances; replica ``r``
+    owns what ``r`` modulo that size owns, ``k`` owners per piece."""
+    return replicas // geometry.ddp.instances
+
+
 def owned_ranges(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> dict[str, tuple[int, int]]:
     """The range of each parameter's flattened local tensor whose optimizer state ``rank`` owns, by
     parameter name; parameters of its stage that it owns nothing of are absent."""
@@ -276,11 +285,11 @@ def owned_ranges(geometry: ModelGeometry, layout: ParallelLayout, rank: int) -> 
         raise GeometryError("ddp.distributed_optimizer: ownership ranges exist only for it")
     out: dict[str, tuple[int, int]] = {}
     for buffer in buffer_layouts(geometry, layout, rank):
-        grid = layout.grid(buffer.expert)
-        share = grid.place(rank)[2]
+        group = shard_group(geometry, layout.grid(buffer.expert).replicas)
+        share = layout.grid(buffer.expert).place(rank)[2] % group
         for slot in buffer.params:
             lo, hi = buffer.buckets[slot.bucket]
-            size = (hi - lo) // grid.replicas
+            size = (hi - lo) // group
             own_lo = lo + share * size
             a, b = max(slot.start, own_lo), min(slot.end, own_lo + size)
             if a < b:

@@ -168,12 +168,26 @@ class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     ``bucket_size`` is in elements and only applies with ``overlap_grad_reduce``, as in Megatron
     (``None`` there means its default, ``max(40_000_000, 1_000_000 * dp)``).
+    ``num_distributed_optimizer_instances`` (Megatron's "partial distributed optimizer") shards the
+    state over consecutive groups of ``dp * cp / k`` DP ranks (expert-DP: ``edp / k``) and replicates
+    it across the ``k`` groups: every shard is held ``k`` times.
     """
 
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     bucket_size: _Positive | None = None
     pad_buckets_for_high_nccl_busbw: bool = False
+    num_distributed_optimizer_instances: Annotated[int, Meta(ge=1, le=MAX_DIM)] = 1
+
+    def __post_init__(self) -> None:
+        k = self.num_distributed_optimizer_instances
+        if not isinstance(k, int) or k < 1:
+            raise GeometryError(f"ddp.num_distributed_optimizer_instances: must be at least 1, got {k!r}")
+
+    @property
+    def instances(self) -> int:
+        """How many times the distributed optimizer's state is held (1 without it)."""
+        return self.num_distributed_optimizer_instances if self.distributed_optimizer else 1
 
     def canonical(self) -> DdpSettings:
         """The settings as far as they decide the state's layout: all defaults without the distributed
@@ -393,6 +407,14 @@ def _check_layout(g: ModelGeometry, layout: ParallelLayout) -> None:
             )
     elif layout.ep > 1 or layout.etp is not None:
         raise LayoutError(f"{layout.describe()}: expert parallelism needs a model with experts")
+    k = g.ddp.instances
+    if k > 1:
+        for size, what in ((layout.dp * layout.cp, "dp*cp"), (layout.edp, "edp")):
+            if size % k:
+                raise LayoutError(
+                    f"{layout.describe()}: {what} ({size}) is not divisible by the distributed "
+                    f"optimizer's {k} instances (ddp.num_distributed_optimizer_instances)"
+                )
     for p in g.parameters:
         dim = _SPLIT_DIM.get(p.rule)
         size, what = (layout.expert_tp, "etp") if p.expert else (tp, "tp")

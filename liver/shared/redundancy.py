@@ -25,7 +25,7 @@ import functools
 import math
 from typing import NamedTuple
 
-from liver.shared.dist_opt import owned_pieces
+from liver.shared.dist_opt import owned_pieces, shard_group
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import ParallelLayout, Placement
@@ -59,17 +59,19 @@ class Redundancy(NamedTuple):
 def alike_holders(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout, rank: int) -> list[int]:
     """The ranks that hold the same piece of ``tensor`` as ``rank`` (``rank`` included): its replicas
     for replicated state; for state the distributed optimizer shards over DP the ranks that own alike
-    (same replica index: the TP ranks of a TP-replicated tensor, every stage of a tied embedding)."""
+    (the same share: the TP ranks of a TP-replicated tensor, every stage of a tied embedding, and the
+    rank at the same place in each other instance of the optimizer)."""
     return _alike(_kind(tensor, model, layout), rank)
 
 
 def _kind(tensor: TensorSpec, model: ModelGeometry, layout: ParallelLayout) -> tuple:
-    """What the ranks that hold alike depend on: the grid, TP-replicated or not, DP-sharded or not, and
-    the stages."""
+    """What the ranks that hold alike depend on: the grid, TP-replicated or not, the group the
+    distributed optimizer shards it over (0: not DP-sharded), and the stages."""
+    grid = grid_of(tensor, layout)
     return (
-        grid_of(tensor, layout),
+        grid,
         tensor.rule == "replicated",
-        is_dp_sharded(tensor, model),
+        shard_group(model, grid.replicas) if is_dp_sharded(tensor, model) else 0,
         holding_stages(tensor, model, layout),
     )
 
@@ -136,10 +138,10 @@ def _copied(
                 for kind, tis in mine.items()
             }
         for kind, tis in mine.items():
-            grid, replicated, dp_sharded, _stages = shapes[kind]
+            grid, replicated, sharded_over, _stages = shapes[kind]
             tp, ep, replica, _pp = grid.place(rank)
             # The ranks that share these coordinates share one set of alike holders.
-            group = (kind, -1 if replicated else tp, ep, replica if dp_sharded else -1)
+            group = (kind, -1 if replicated else tp, ep, replica % sharded_over if sharded_over else -1)
             verdict = verdicts.get(group)
             if verdict is None:
                 alike = _alike(shapes[kind], rank)
@@ -155,11 +157,12 @@ def _copied(
 
 
 def _alike(shape: tuple, rank: int) -> list[int]:
-    """:func:`alike_holders` of every tensor of one kind (grid, replicated, DP-sharded, stages)."""
-    grid, replicated, dp_sharded, stages = shape
+    """:func:`alike_holders` of every tensor of one kind (grid, replicated, shard group, stages)."""
+    grid, replicated, group, stages = shape
     tp, ep, replica, _pp = grid.place(rank)
     tps = range(grid.tp) if replicated else (tp,)
-    replicas = (replica,) if dp_sharded else range(grid.replicas)
+    # DP-sharded: the ranks that own the same share, one per instance of the distributed optimizer.
+    replicas = range(replica % group, grid.replicas, group) if group else range(grid.replicas)
     return [grid.rank(q, ep, r, pp) for pp in stages for q in tps for r in replicas]
 
 

@@ -28,7 +28,7 @@ from typing import Annotated, Literal, NamedTuple, get_args
 import msgspec
 from msgspec import Meta
 
-from liver.shared.dist_opt import buffer_layouts
+from liver.shared.dist_opt import buffer_layouts, shard_group
 from liver.shared.errors import InputError
 from liver.shared.geometry import Home, ModelGeometry
 from liver.shared.holdings import is_dp_sharded
@@ -247,13 +247,14 @@ def _state_by_home(
 def _owned_optimizer_bytes(model: ModelGeometry, layout: ParallelLayout, stage: int) -> int:
     """A rank's share of its stage's master weights and moments under the distributed optimizer: every
     bucket is cut into equal ranges over the group that shards it (DP x CP, or expert-DP for the
-    expert buffers), so each rank owns ``numel / group`` of each buffer (padding included), in fp32,
+    expert buffers; ``1/k`` of it with ``k`` instances of the optimizer), so each rank owns
+    ``numel / group`` of each buffer (padding included), in fp32,
     with a master copy when the buffer's parameters are 16-bit."""
     total = 0
     for buffer in buffer_layouts(model, layout, layout.rank_of(0, 0, stage)):
         numel = buffer.buckets[-1][1] if buffer.buckets else 0
         per_element = 4 * (2 if buffer.dtype == "float32" else 3)
-        total += numel // layout.grid(buffer.expert).replicas * per_element
+        total += numel // shard_group(model, layout.grid(buffer.expert).replicas) * per_element
     return total
 
 

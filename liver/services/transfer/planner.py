@@ -33,7 +33,7 @@ import msgspec
 
 from liver.shared.boxes import Box, intersect, split, volume
 from liver.shared.collector import collector_paused
-from liver.shared.dist_opt import owned_boxes
+from liver.shared.dist_opt import owned_boxes, shard_group
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.holdings import holding, is_dp_sharded
@@ -277,9 +277,10 @@ def _tensor_index(model: ModelGeometry) -> dict[str, int]:
 def _lost_owners(
     model: ModelGeometry, old: WorldConfig, lost: frozenset[Device], stand: StandIns
 ) -> list[ShardClass]:
-    """Under the distributed optimizer each piece of the optimizer state has one owner (its DP rank, or
-    expert-DP rank for an expert's): the state of a lost owner is lost, unless it is TP-replicated or a
-    tied embedding, whose replicas own alike and one of which survives."""
+    """Under the distributed optimizer each piece of the optimizer state has one owner per instance of
+    the optimizer (its DP rank, or expert-DP rank for an expert's): the state of a lost owner is lost,
+    unless another instance's owner survives, or it is TP-replicated or a tied embedding, whose
+    replicas own alike and one of which survives."""
     layout, devices = old.layout, old.placement.devices
     out = []
     for rank, device in enumerate(devices):
@@ -292,7 +293,9 @@ def _lost_owners(
             tp, ep, replica, _pp = grid.place(rank)
             stages = holding_stages(t, model, layout)
             tps = range(grid.tp) if t.rule == "replicated" else (tp,)
-            replicas = [grid.rank(q, ep, replica, pp) for pp in stages for q in tps]
+            group = shard_group(model, grid.replicas)
+            shares = range(replica % group, grid.replicas, group)  # one per instance of the optimizer
+            replicas = [grid.rank(q, ep, r, pp) for pp in stages for q in tps for r in shares]
             if all(devices[r] in lost for r in replicas) and not any(stand.has(r, ti) for r in replicas):
                 out.append(ShardClass(stages, ep if t.expert >= 0 else -1, tp, t.name))
                 break
@@ -659,21 +662,29 @@ def _owner_ranks(
     replicated: bool,
     first: tuple[int, int],
     alive: Sequence[bool],
+    group: int | None = None,
+    near: int | None = None,
 ) -> list[int]:
-    """One owner per replica index (DP, or expert-DP on the expert ``grid``) and per TP rank, unless
-    the tensor is TP-replicated: from the replica ``first`` (stage, TP rank) names when it survives,
-    else from the first surviving one."""
+    """One owner per share (a replica index, DP or expert-DP on the expert ``grid``, of the first
+    ``group``: with several instances of the distributed optimizer each share is owned once in each)
+    and per TP rank, unless the tensor is TP-replicated: from the replica ``first`` (stage, TP rank)
+    names and the instance of replica ``near`` when they survive, else from the first surviving one."""
+    group = group or grid.replicas
     stage_order = [first[0], *(pp for pp in stages if pp != first[0])]
     out = []
-    for replica in range(grid.replicas):
+    for share in range(group):
+        replicas = list(range(share, grid.replicas, group))
+        if near is not None:
+            mine = share + (near // group) * group
+            replicas.sort(key=lambda r: r != mine)
         if replicated:
             tp_order = [first[1], *(tp for tp in range(grid.tp) if tp != first[1])]
-            ranks = [grid.rank(tp, ep, replica, pp) for pp in stage_order for tp in tp_order]
-            out += [r for r in ranks if alive[r]][:1]
+            ranks = [grid.rank(tp, ep, r, pp) for r in replicas for pp in stage_order for tp in tp_order]
+            out += [x for x in ranks if alive[x]][:1]
             continue
         for tp in range(grid.tp):
-            ranks = [grid.rank(tp, ep, replica, pp) for pp in stage_order]
-            out += [r for r in ranks if alive[r]][:1]
+            ranks = [grid.rank(tp, ep, r, pp) for r in replicas for pp in stage_order]
+            out += [x for x in ranks if alive[x]][:1]
     return out
 
 
@@ -717,7 +728,9 @@ def _owned_chunks(
                 first = (place[3], place[0])
             else:
                 first = (s_old[0], ng.place(dst)[0] % og.tp)
-            sources = _owner_ranks(og, ep_old, s_old, replicated, first, alive_t)
+            near = place[2] if place is not None else None
+            group = shard_group(model, og.replicas)
+            sources = _owner_ranks(og, ep_old, s_old, replicated, first, alive_t, group, near)
             for piece in owned_boxes(model, nl, dst).get(t.param, ()):
                 for src in sources:
                     for box in owned_boxes(model, ol, src).get(t.param, ()):

@@ -1,0 +1,89 @@
+"""Megatron's partial distributed optimizer (``num_distributed_optimizer_instances = k``): the state is
+sharded over consecutive groups of ``dp * cp / k`` DP ranks and held once in each of the ``k`` groups.
+The planners take a shard from any instance that survives, so a loss that another instance covers
+needs neither a peer copy nor the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from liver.services.transfer.planner import NoSurvivingSource, build_plan
+from liver.shared.dist_opt import owned_ranges, shard_group
+from liver.shared.geometry import DdpSettings, GeometryError
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
+from liver.shared.model import PRESETS
+from liver.shared.plan import WorldConfig
+from liver.shared.plan_check import verify_plan
+from liver.shared.redundancy import NO_KEEPER, redundancy
+
+GPT = PRESETS["tiny-gpt"].geometry()
+MOE = PRESETS["tiny-moe"].geometry()
+TWO = DdpSettings(distributed_optimizer=True, num_distributed_optimizer_instances=2)
+ONE = DdpSettings(distributed_optimizer=True)
+DP4 = ParallelLayout(tp=1, pp=1, dp=4)
+A = (Device("a", 0), Device("a", 1))
+B = (Device("b", 0), Device("b", 1))
+
+
+def test_each_share_is_owned_once_in_every_instance() -> None:
+    model = GPT.with_ddp(TWO)
+    assert shard_group(model, 4) == 2
+    ranges = [owned_ranges(model, DP4, r) for r in range(4)]
+    assert ranges[0] == ranges[2] and ranges[1] == ranges[3] and ranges[0] != ranges[1]
+
+
+def test_two_instances_of_dp4_shard_as_one_instance_of_dp2() -> None:
+    dp2 = ParallelLayout(tp=1, pp=1, dp=2)
+    assert owned_ranges(GPT.with_ddp(TWO), DP4, 1) == owned_ranges(GPT.with_ddp(ONE), dp2, 1)
+
+
+def test_a_layout_whose_dp_the_instances_do_not_divide_is_refused_naming_the_setting() -> None:
+    with pytest.raises(LayoutError, match="num_distributed_optimizer_instances"):
+        GPT.with_ddp(TWO).check_layout(ParallelLayout(tp=1, pp=1, dp=3))
+
+
+def test_instances_need_at_least_one() -> None:
+    with pytest.raises(GeometryError, match="num_distributed_optimizer_instances"):
+        DdpSettings(distributed_optimizer=True, num_distributed_optimizer_instances=0)
+
+
+def test_instances_mean_nothing_without_the_distributed_optimizer() -> None:
+    plain = DdpSettings(num_distributed_optimizer_instances=2)
+    assert plain.instances == 1 and plain.canonical() == DdpSettings()
+
+
+def test_instances_on_different_nodes_survive_a_node_loss_without_copies() -> None:
+    r = redundancy(GPT.with_ddp(TWO), DP4, Placement(A + B))  # instance 0 on a, instance 1 on b
+    assert r.keepers == (NO_KEEPER,) * 4 and r.survives_node_loss and not any(r.kept_bytes)
+
+
+def test_instances_on_one_node_each_share_still_needs_a_copy() -> None:
+    placement = Placement((A[0], B[0], A[1], B[1]))  # shares 0 (ranks 0, 2) both on a
+    r = redundancy(GPT.with_ddp(TWO), DP4, placement)
+    assert r.copied[0] and r.copied[1] and not r.copied[2] and not r.copied[3]  # the lower holder copies
+    assert r.survives_node_loss
+
+
+@pytest.mark.parametrize("model", [GPT.with_ddp(TWO), MOE.with_ddp(TWO)], ids=["gpt", "moe"])
+def test_a_lost_node_is_planned_from_the_other_instance_and_verifies(model) -> None:
+    old = WorldConfig(DP4, Placement(A + B))
+    plan = build_plan(model, old, WorldConfig(ParallelLayout(tp=1, pp=1, dp=2), Placement(A)), lost=B)
+    assert plan.stand_ins == ()
+    assert verify_plan(plan, lost=B).ok
+
+
+def test_a_share_lost_in_every_instance_cannot_be_planned() -> None:
+    model = GPT.with_ddp(TWO)
+    old = WorldConfig(DP4, Placement(A + B))
+    with pytest.raises(NoSurvivingSource, match="exp_avg"):
+        new = WorldConfig(ParallelLayout(tp=1, pp=1, dp=2), Placement((A[0], B[0])))
+        build_plan(model, old, new, lost=(A[1], B[1]))  # share 1's owners, in both instances
+
+
+def test_a_reshard_with_two_owners_per_share_verifies() -> None:
+    # The verifier proves each new rank receives each piece exactly once, though two old ranks own it.
+    old = WorldConfig(DP4, Placement(A + B))
+    new = WorldConfig(ParallelLayout(tp=2, pp=1, dp=2), Placement(A + B))
+    for model in (GPT.with_ddp(TWO), MOE.with_ddp(TWO)):
+        plan = build_plan(model, old, new)
+        assert verify_plan(plan).ok
