@@ -87,3 +87,42 @@ def test_a_reshard_with_two_owners_per_share_verifies() -> None:
     for model in (GPT.with_ddp(TWO), MOE.with_ddp(TWO)):
         plan = build_plan(model, old, new)
         assert verify_plan(plan).ok
+
+
+def test_the_world_builds_the_instance_groups_as_megatron_does() -> None:
+    from liver.worker_runtime.world import GroupKind, group_members
+
+    tp2 = ParallelLayout(tp=2, pp=1, dp=4)
+    assert group_members(tp2, GroupKind.INTRA_DP_CP, 2) == ((0, 2), (4, 6), (1, 3), (5, 7))
+    assert group_members(tp2, GroupKind.INTER_DIST_OPT, 2) == ((0, 4), (2, 6), (1, 5), (3, 7))
+    assert group_members(tp2, GroupKind.DIST_OPT_INSTANCE, 2) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    pp2 = ParallelLayout(tp=1, pp=2, dp=4)
+    assert group_members(pp2, GroupKind.DIST_OPT_INSTANCE, 2) == ((0, 1, 4, 5), (2, 3, 6, 7))
+
+
+def test_with_one_instance_the_instance_groups_are_the_plain_ones() -> None:
+    from liver.worker_runtime.world import GroupKind, alias_of, group_members
+
+    assert group_members(DP4, GroupKind.INTRA_DP_CP) == ()
+    assert alias_of(DP4, GroupKind.INTRA_DP_CP) is GroupKind.DP
+    assert alias_of(DP4, GroupKind.DIST_OPT_INSTANCE) is GroupKind.WORLD
+
+
+def test_a_world_whose_dp_the_instances_do_not_divide_is_refused_naming_the_field() -> None:
+    from liver.worker_runtime.world import WorldSpec
+
+    devices = Placement((*A, B[0]))
+    with pytest.raises(ValueError, match="`instances`"):
+        WorldSpec(
+            job="j", generation=0, layout=ParallelLayout(tp=1, pp=1, dp=3), placement=devices, instances=2
+        )
+
+
+def test_a_train_config_with_instances_needs_the_distributed_optimizer() -> None:
+    from liver.worker_runtime.megatron.train_config import TrainConfig
+
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        TrainConfig(num_distributed_optimizer_instances=2)
+    assert (
+        TrainConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2).ddp.instances == 2
+    )

@@ -136,8 +136,11 @@ def check_request(
             raise ValueError(f"`lost`: device {gone} is lost, but the new world runs on it")
     if device in lost_devices:
         raise ValueError(f"`lost`: names this process's own device {device}")
-    old = WorldSpec(job=job, generation=from_generation, layout=plan.old.layout, placement=plan.old.placement)
-    new = WorldSpec(job=job, generation=generation, layout=layout, placement=placement)
+    k = job_model.ddp.instances  # the groups of a distributed optimizer's instances are the world's
+    old = WorldSpec(
+        job=job, generation=from_generation, layout=plan.old.layout, placement=plan.old.placement, instances=k
+    )
+    new = WorldSpec(job=job, generation=generation, layout=layout, placement=placement, instances=k)
     request = ResizeRequest(
         generation=generation,
         from_generation=from_generation,

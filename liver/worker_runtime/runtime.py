@@ -64,6 +64,7 @@ import structlog
 import torch
 
 from liver.shared.errors import HandoffError
+from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
 from liver.worker_runtime.copies.keeper import KeptCopy
@@ -286,6 +287,13 @@ class LiveRuntime(Generic[T]):
         self.job = job
         self.device = device
         self.options = options
+        if initial is not None:  # the world builds its distributed optimizer's instance groups too
+            ddp = getattr(getattr(factory, "model", None), "ddp", None)
+            instances = ddp.instances if isinstance(ddp, DdpSettings) else 1
+            try:
+                initial = msgspec.structs.replace(initial, instances=instances)
+            except ValueError as error:
+                raise ValueError(f"`initial.layout`: {str(error).partition(': ')[2]}") from None
         self._initial = initial if initial is not None and initial.rank_of(device) is not None else None
         self._initial_store = store
         self._on_event = on_event
@@ -1279,6 +1287,7 @@ class LiveRuntime(Generic[T]):
             generation=generation,
             layout=prep.request.layout,
             placement=prep.request.placement,
+            instances=prep.new.instances,
         )
         world = build_world(
             spec,

@@ -32,7 +32,7 @@ import time
 from collections.abc import Collection, Iterator, Mapping
 from datetime import timedelta
 from enum import StrEnum
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Final, Literal, NamedTuple
 
 import msgspec
 import structlog
@@ -96,12 +96,17 @@ class WorldSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     generation: int
     layout: ParallelLayout
     placement: Placement
+    instances: int = 1
+    """The instances of the job's distributed optimizer (Megatron's
+    ``num_distributed_optimizer_instances``): with more than one the world also builds the groups that
+    shard its state within an instance and reduce across them (:data:`INSTANCE_KINDS`)."""
 
     def __post_init__(self) -> None:
         validate_token(self.job, "job")
         if self.generation < 0:
             raise ValueError(f"`generation`: must not be negative, got {self.generation}")
         check_placement(self.layout, self.placement)
+        check_instances(self.layout, self.instances)
 
     @property
     def namespace(self) -> str:
@@ -142,6 +147,36 @@ class GroupKind(StrEnum):
     EDP = "edp"
     TP_EP = "tp_ep"
     TP_EP_PP = "tp_ep_pp"
+    INTRA_DP_CP = "intra_dp_cp"
+    INTRA_EDP = "intra_edp"
+    INTER_DIST_OPT = "inter_dist_opt"
+    DIST_OPT_INSTANCE = "dist_opt_instance"
+
+
+INSTANCE_KINDS: Final = {
+    GroupKind.INTRA_DP_CP: GroupKind.DP_CP,
+    GroupKind.INTRA_EDP: GroupKind.EDP,
+    GroupKind.INTER_DIST_OPT: GroupKind.SELF,
+    GroupKind.DIST_OPT_INSTANCE: GroupKind.WORLD,
+}
+"""The groups of a distributed optimizer with several instances (Megatron's partial distributed
+optimizer), and the kind that stands in for each with one: ``INTRA_DP_CP`` and ``INTRA_EDP`` shard the
+state (consecutive ``1/k`` of a DP x CP or expert-DP group), ``INTER_DIST_OPT`` reduces gradients across
+the instances (the same place in each expert-DP group's ``k`` blocks; Megatron uses the expert one for
+dense parameters too), ``DIST_OPT_INSTANCE`` is every rank of one instance (its grad norm)."""
+
+
+def check_instances(layout: ParallelLayout, instances: int) -> None:
+    """Raise ``ValueError`` naming ``instances`` when the layout's DP x CP or expert-DP does not split
+    into that many instances (as Megatron's ``initialize_model_parallel`` asserts)."""
+    if not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"`instances`: must be at least 1, got {instances!r}")
+    for size, what in ((layout.dp * layout.cp, "dp*cp"), (layout.edp, "edp")):
+        if size % instances:
+            raise ValueError(
+                f"`instances`: {layout.describe()}'s {what} ({size}) does not split into {instances} "
+                "distributed-optimizer instances"
+            )
 
 
 _DENSE_AXES: dict[GroupKind, tuple[str, ...]] = {
@@ -163,8 +198,12 @@ _EXPERT_AXES: dict[GroupKind, tuple[str, ...]] = {
 }
 
 
-def alias_of(layout: ParallelLayout, kind: GroupKind) -> GroupKind | None:
-    """The kind whose groups are exactly ``kind``'s in ``layout``, when ``kind`` need not be built."""
+def alias_of(layout: ParallelLayout, kind: GroupKind, instances: int = 1) -> GroupKind | None:
+    """The kind whose groups are exactly ``kind``'s in ``layout`` (with ``instances`` of the distributed
+    optimizer), when ``kind`` need not be built."""
+    if kind in INSTANCE_KINDS and instances == 1:
+        target = INSTANCE_KINDS[kind]
+        return alias_of(layout, target) or target
     same_tp = layout.expert_tp == layout.tp
     dense_experts = layout.ep == 1 and same_tp  # the expert numbering is the dense one
     no_cp = layout.cp == 1
@@ -195,16 +234,19 @@ def _axis_groups(layout: ParallelLayout, varying: tuple[str, ...], expert: bool)
     return sorted(out.values(), key=min)
 
 
-def group_members(layout: ParallelLayout, kind: GroupKind) -> tuple[tuple[int, ...], ...]:
-    """Every group of ``kind`` in ``layout``, each as its ranks in ascending order (Megatron's order);
-    none for a kind another stands in for (:func:`alias_of`).
+def group_members(layout: ParallelLayout, kind: GroupKind, instances: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Every group of ``kind`` in ``layout`` (with ``instances`` of the distributed optimizer), each as
+    its ranks in ascending order (Megatron's order); none for a kind another stands in for
+    (:func:`alias_of`).
 
     Groups are listed in a fixed order; a group's position in the list is its index in store keys.
     """
-    if alias_of(layout, kind) is not None:
+    if alias_of(layout, kind, instances) is not None:
         return ()
     last = layout.pp - 1
-    if kind is GroupKind.WORLD:
+    if kind in INSTANCE_KINDS:
+        groups = _instance_groups(layout, kind, instances)
+    elif kind is GroupKind.WORLD:
         groups: list[list[int]] = [list(range(layout.world_size))]
     elif kind in _DENSE_AXES:
         groups = _axis_groups(layout, _DENSE_AXES[kind], expert=False)
@@ -221,6 +263,24 @@ def group_members(layout: ParallelLayout, kind: GroupKind) -> tuple[tuple[int, .
     return tuple(tuple(sorted(g)) for g in groups)
 
 
+def _instance_groups(layout: ParallelLayout, kind: GroupKind, k: int) -> list[list[int]]:
+    """:data:`INSTANCE_KINDS` groups as Megatron's ``initialize_model_parallel`` makes them."""
+    dense = _axis_groups(layout, _DENSE_AXES[GroupKind.DP_CP], expert=False)
+    expert = _axis_groups(layout, _EXPERT_AXES[GroupKind.EDP], expert=True)
+    block = layout.edp // k
+    if kind is GroupKind.INTRA_DP_CP:
+        size = layout.dp * layout.cp // k
+        return [g[i : i + size] for g in dense for i in range(0, len(g), size)]
+    if kind is GroupKind.INTRA_EDP:
+        return [g[i : i + block] for g in expert for i in range(0, len(g), block)]
+    if kind is GroupKind.INTER_DIST_OPT:
+        return [g[j::block] for g in expert for j in range(block)]
+    by_instance: dict[int, list[int]] = {}
+    for r in range(layout.world_size):
+        by_instance.setdefault(layout.coords(r).edp // block, []).append(r)
+    return [by_instance[i] for i in sorted(by_instance)]
+
+
 def _first_stage(layout: ParallelLayout) -> range:
     return range(layout.world_size // layout.pp)
 
@@ -233,12 +293,12 @@ class GroupSlot(NamedTuple):
     ranks: tuple[int, ...]
 
 
-def memberships(layout: ParallelLayout, rank: int) -> list[GroupSlot]:
+def memberships(layout: ParallelLayout, rank: int, instances: int = 1) -> list[GroupSlot]:
     """The groups ``rank`` belongs to, in the global build order."""
     layout.coords(rank)  # validates the rank
     slots = []
     for kind in GroupKind:
-        for index, ranks in enumerate(group_members(layout, kind)):
+        for index, ranks in enumerate(group_members(layout, kind, instances)):
             if rank in ranks:
                 slots.append(GroupSlot(kind, index, ranks))
     return slots
@@ -454,21 +514,21 @@ class World:
         return dict(self._groups)
 
     def member_of(self, kind: GroupKind) -> bool:
-        return (alias_of(self.layout, kind) or kind) in self._groups
+        return (alias_of(self.layout, kind, self.spec.instances) or kind) in self._groups
 
     def group(self, kind: GroupKind) -> dist.ProcessGroup:
         """This process's group of ``kind`` (or of the kind that stands in for it, :func:`alias_of`);
         raises when released or when this rank has none."""
         if self._released:
             raise WorldError(f"generation {self.generation} was released; its groups are gone")
-        found = self._groups.get(alias_of(self.layout, kind) or kind)
+        found = self._groups.get(alias_of(self.layout, kind, self.spec.instances) or kind)
         if found is None:
             raise WorldError(f"rank {self.rank} of generation {self.generation} is in no {kind} group")
         return found.pg
 
     def ranks(self, kind: GroupKind) -> tuple[int, ...]:
         """The world ranks of this process's group of ``kind`` (group rank i is ``ranks[i]``)."""
-        found = self._groups.get(alias_of(self.layout, kind) or kind)
+        found = self._groups.get(alias_of(self.layout, kind, self.spec.instances) or kind)
         if found is None:
             raise WorldError(f"rank {self.rank} of generation {self.generation} is in no {kind} group")
         return found.slot.ranks
@@ -640,7 +700,7 @@ def _build_reserved(
     try:
         client = connect_store(store, timeout)
         namespace = dist.PrefixStore(spec.namespace, client)
-        for slot in memberships(spec.layout, rank):
+        for slot in memberships(spec.layout, rank, spec.instances):
             name = f"{spec.namespace}/{slot.kind}/{slot.index}"
             group_store = dist.PrefixStore(f"groups/{slot.kind}/{slot.index}", namespace)
             pg = _new_pg(group_store, slot.ranks.index(rank), len(slot.ranks), backend, device, timeout)

@@ -141,8 +141,10 @@ class ParallelGroups:
 
     ``embd`` (first and last stage of this rank's pipeline) is ``None`` on middle stages and
     ``pos_embd`` (first stage) on every later stage, as in ``parallel_state``. ``world`` is every rank
-    of the world: the one distributed-optimizer instance, over
-    which its grad norm is reduced. ``cp``, ``dp_cp`` and ``tp_cp`` are the context-parallel groups,
+    of the world. ``instances`` of the distributed optimizer (Megatron's partial distributed optimizer)
+    shard its state over ``intra_dp_cp`` / ``intra_edp`` and reduce gradients across ``inter_dist_opt``;
+    ``dist_opt_instance``, every rank of this one's instance, reduces the grad norm (with one instance:
+    ``dp_cp``, ``edp``, None and ``world``). ``cp``, ``dp_cp`` and ``tp_cp`` are the context-parallel groups,
     ``ep``, ``etp``, ``edp``, ``tp_ep`` and ``tp_ep_pp`` the expert groups (Megatron's second numbering,
     :mod:`liver.shared.layout`); in a layout without CP or EP they are the dense groups that stand in
     for them (:func:`liver.worker_runtime.world.alias_of`).
@@ -166,12 +168,35 @@ class ParallelGroups:
     edp: dist.ProcessGroup
     tp_ep: dist.ProcessGroup
     tp_ep_pp: dist.ProcessGroup
+    intra_dp_cp: dist.ProcessGroup
+    intra_edp: dist.ProcessGroup
+    dist_opt_instance: dist.ProcessGroup
+    inter_dist_opt: dist.ProcessGroup | None = None
+    instances: int = 1
 
     def __post_init__(self) -> None:
         layout = self.layout
         c = layout.coords(self.rank)
         tp, cp, dp, etp, ep = layout.tp, layout.cp, layout.dp, layout.expert_tp, layout.ep
+        k = self.instances
+        share, block = cp * dp // k, layout.edp // k
+        if (self.inter_dist_opt is None) != (k == 1):
+            raise MegatronBuildError(
+                f"rank {self.rank} of {layout.describe()}: {k} distributed-optimizer instances "
+                f"{'need' if k > 1 else 'have no use for'} an inter-instance group"
+            )
+        if self.inter_dist_opt is not None and (
+            self.inter_dist_opt.size() != k or self.inter_dist_opt.rank() != c.edp // block
+        ):
+            raise MegatronBuildError(
+                f"rank {self.rank} of {layout.describe()}: its inter_dist_opt group is rank "
+                f"{self.inter_dist_opt.rank()} of {self.inter_dist_opt.size()}, the layout says rank "
+                f"{c.edp // block} of {k}"
+            )
         for name, group, size, index in (
+            ("intra_dp_cp", self.intra_dp_cp, share, (c.cp + cp * c.dp) % share),
+            ("intra_edp", self.intra_edp, block, c.edp % block),
+            ("dist_opt_instance", self.dist_opt_instance, layout.world_size // k, None),
             ("tp", self.tp, tp, c.tp),
             ("pp", self.pp, layout.pp, c.pp),
             ("dp", self.dp, dp, c.dp),
@@ -187,7 +212,7 @@ class ParallelGroups:
             ("tp_ep", self.tp_ep, etp * ep, c.etp + etp * c.ep),
             ("tp_ep_pp", self.tp_ep_pp, etp * ep * layout.pp, c.etp + etp * (c.ep + ep * c.pp)),
         ):
-            if group.size() != size or group.rank() != index:
+            if group.size() != size or (index is not None and group.rank() != index):
                 raise MegatronBuildError(
                     f"rank {self.rank} of {layout.describe()}: its {name} group is rank {group.rank()} of "
                     f"{group.size()}, the layout says rank {index} of {size}"
@@ -235,9 +260,10 @@ class ParallelGroups:
             dp=self.dp,
             dp_cp=self.dp_cp,
             expt_dp=self.edp,
-            intra_dp_cp=self.dp_cp,
-            intra_expt_dp=self.edp,
-            intra_dist_opt=self.world,
+            intra_dp_cp=self.intra_dp_cp,
+            intra_expt_dp=self.intra_edp,
+            intra_dist_opt=self.dist_opt_instance,
+            **({} if self.inter_dist_opt is None else {"inter_dist_opt": self.inter_dist_opt}),
         )
 
 
@@ -247,7 +273,7 @@ def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
     return ParallelGroups(
         layout=layout,
         rank=dist.get_rank(),
-        world=parallel_state.get_intra_distributed_optimizer_instance_group(),
+        world=parallel_state.get_intra_distributed_optimizer_instance_group(),  # one instance: all
         tp=parallel_state.get_tensor_model_parallel_group(),
         pp=parallel_state.get_pipeline_model_parallel_group(),
         dp=parallel_state.get_data_parallel_group(),
@@ -263,6 +289,9 @@ def groups_from_parallel_state(layout: ParallelLayout) -> ParallelGroups:
         edp=parallel_state.get_expert_data_parallel_group(),
         tp_ep=parallel_state.get_expert_tensor_and_model_parallel_group(),
         tp_ep_pp=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
+        intra_dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        intra_edp=parallel_state.get_expert_data_parallel_group(),
+        dist_opt_instance=parallel_state.get_intra_distributed_optimizer_instance_group(),
     )
 
 
@@ -292,6 +321,11 @@ def groups_from_world(world: World) -> ParallelGroups:
         edp=world.group(GroupKind.EDP),
         tp_ep=world.group(GroupKind.TP_EP),
         tp_ep_pp=world.group(GroupKind.TP_EP_PP),
+        intra_dp_cp=world.group(GroupKind.INTRA_DP_CP),
+        intra_edp=world.group(GroupKind.INTRA_EDP),
+        dist_opt_instance=world.group(GroupKind.DIST_OPT_INSTANCE),
+        inter_dist_opt=world.group(GroupKind.INTER_DIST_OPT) if world.spec.instances > 1 else None,
+        instances=world.spec.instances,
     )
 
 

@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import _get_scalar_dtype
 
+from liver.shared.dist_opt import shard_group
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import SHARDED_ROLES, holding, is_dp_sharded, pieces_of
@@ -363,7 +364,10 @@ def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
         tp, _ep, replica, _pp = grid_of(t, layout).place(rank)
         tp_replica = tp if t.rule == "replicated" else 0
         pp_replica = int(t.home == "first+last" and stage == layout.pp - 1 and layout.pp > 1)
-        dp_replica = 0 if is_dp_sharded(t, geometry) else replica
+        # The distributed optimizer's owner of a piece is its main replica; with several instances of
+        # it, only the first instance's (as Megatron's own formats: the instance index).
+        group = shard_group(geometry, grid_of(t, layout).replicas)
+        dp_replica = replica // group if is_dp_sharded(t, geometry) else replica
         shards = []
         for piece, local in zip(pieces, pieces_of(value)):
             if piece.box is None:

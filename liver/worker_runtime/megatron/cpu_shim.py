@@ -27,7 +27,7 @@ import importlib
 import logging
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -251,7 +251,18 @@ _DEVICE_MODULES = (
 
 def _patch_training_devices() -> None:
     for module_name in _DEVICE_MODULES:
-        _give_module_cpu_device(module_name)
+        if module_name != _BUFFERS:
+            _give_module_cpu_device(module_name)
+    streams = {"Stream": _new_stream, "default_stream": _current_stream, "stream": _on_stream}
+    _give_module_cpu_cuda(
+        _BUFFERS, _CPU_FACTORIES, current_device=_current_device, synchronize=_no_op, **streams
+    )
+    _give_module_cpu_cuda(
+        "megatron.core.distributed.distributed_data_parallel", current_device=_current_device, **streams
+    )
+
+
+_BUFFERS = "megatron.core.distributed.param_and_grad_buffer"
 
 
 def _patch_device_type_checks() -> None:
@@ -301,9 +312,9 @@ def _new_stream(*args: Any, **kwargs: Any) -> _NoStream:
     return _NoStream()
 
 
-@contextlib.contextmanager
-def _on_stream(stream: Any) -> Iterator[None]:
-    yield
+def _on_stream(stream: Any) -> contextlib.nullcontext[None]:
+    """``torch.cuda.stream(s)``: nothing to switch; reusable, as DDP enters one such context twice."""
+    return contextlib.nullcontext()
 
 
 def _split_list(sizes: Any) -> Any:
@@ -431,7 +442,8 @@ _REGISTRY: tuple[tuple[ShimPatch, Callable[[], None]], ...] = (
             target="megatron.core.transformer.utils, "
             "megatron.core.models.common.embeddings.rotary_pos_embedding, "
             "megatron.core.pipeline_parallel.{p2p_communication,schedules}, "
-            "megatron.core.distributed.param_and_grad_buffer, megatron.core.optimizer.{optimizer,"
+            "megatron.core.distributed.{param_and_grad_buffer,distributed_data_parallel}, "
+            "megatron.core.optimizer.{optimizer,"
             "clip_grads,distrib_optimizer} (module view of torch: torch.cuda.current_device is the "
             "CPU, torch.cuda.synchronize returns at once, tensor factories put device='cuda' on the CPU)",
             why="A training step allocates on the GPU by name: the default causal attention mask "
@@ -441,7 +453,11 @@ _REGISTRY: tuple[tuple[ShimPatch, Callable[[], None]], ...] = (
             "contiguous grad (and distributed-optimizer param) buffers (current_device), the "
             "optimizers' loss scale and found-inf flags and clip_grads' norm accumulators "
             "(device='cuda'). p2p calls torch.cuda.synchronize after batch_isend_irecv to guard a NCCL "
-            "race; gloo's waits have already completed every CPU transfer when they return.",
+            "race; gloo's waits have already completed every CPU transfer when they return. With "
+            "several distributed-optimizer instances DDP makes a communication stream at build "
+            "(megatron.core.distributed.distributed_data_parallel) and, with overlap_grad_reduce, "
+            "reduces on it and waits for the default stream (the buffer's view of torch.cuda has "
+            "Stream, default_stream and a reusable stream context that do nothing).",
         ),
         _patch_training_devices,
     ),

@@ -41,6 +41,7 @@ def ddp_settings(trainer: MegatronTrainer) -> DdpSettings:
         overlap_grad_reduce=config.overlap_grad_reduce,
         bucket_size=trainer.config.bucket_size,
         pad_buckets_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+        num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
     ).canonical()
 
 

@@ -33,10 +33,10 @@ def parallel_state_values(groups: ParallelGroups) -> dict[str, Any]:
 
     layout, rank = groups.layout, groups.rank
     c = layout.coords(rank)
-    ranks = {slot.kind: list(slot.ranks) for slot in memberships(layout, rank)}
+    ranks = {slot.kind: list(slot.ranks) for slot in memberships(layout, rank, groups.instances)}
 
     def members(kind: GroupKind) -> list[int]:
-        return ranks[alias_of(layout, kind) or kind]
+        return ranks[alias_of(layout, kind, groups.instances) or kind]
 
     return {
         "_TENSOR_MODEL_PARALLEL_GROUP": groups.tp,
@@ -59,9 +59,9 @@ def parallel_state_values(groups: ParallelGroups) -> dict[str, Any]:
         "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": None,
         "_DATA_PARALLEL_GROUP_WITH_CP_AG": None,
         "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": members(GroupKind.DP_CP),
-        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": groups.dp_cp,
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": groups.intra_dp_cp,
         "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": None,
-        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": groups.world,
+        "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": groups.dist_opt_instance,
         "_MODEL_PARALLEL_GROUP": groups.mp,
         "_MODEL_PARALLEL_GLOBAL_RANKS": members(GroupKind.MP),
         "_TENSOR_AND_DATA_PARALLEL_GROUP": groups.tp_dp if layout.cp == 1 else None,
@@ -85,9 +85,9 @@ def parallel_state_values(groups: ParallelGroups) -> dict[str, Any]:
         "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": groups.tp_ep_pp,
         "_EXPERT_DATA_PARALLEL_GROUP": groups.edp,
         "_EXPERT_DATA_PARALLEL_GROUP_GLOO": None,
-        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": groups.edp,
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": groups.intra_edp,
         "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": None,
-        "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": None,
+        "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": groups.inter_dist_opt,
     }
 
 

@@ -237,6 +237,7 @@ def _build_trainer(
         use_distributed_optimizer=config.use_distributed_optimizer,
         overlap_param_gather=config.overlap_param_gather,
         bucket_size=config.bucket_size,
+        num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
     )
     # As Megatron-LM's get_model: a DDP per model chunk, the buckets of the first chunk's only.
     models = [

@@ -39,6 +39,9 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False  # the distributed optimizer's all-gather behind the next forward
     bucket_size: int | None = None
+    num_distributed_optimizer_instances: int = 1
+    """Megatron's partial distributed optimizer: the state is sharded within each of this many groups of
+    consecutive DP ranks and held once per group (DP x CP and expert-DP must divide by it)."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -62,6 +65,13 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size must be at least 1 when given, got {self.bucket_size}")
+        k = self.num_distributed_optimizer_instances
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_distributed_optimizer_instances must be at least 1, got {k!r}")
+        if k > 1 and not self.use_distributed_optimizer:
+            raise ValueError(
+                "num_distributed_optimizer_instances > 1 needs use_distributed_optimizer (as in Megatron)"
+            )
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
             raise ValueError(
                 "overlap_param_gather needs use_distributed_optimizer and overlap_grad_reduce "
@@ -75,6 +85,7 @@ class TrainConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             distributed_optimizer=self.use_distributed_optimizer,
             overlap_grad_reduce=self.overlap_grad_reduce,
             bucket_size=self.bucket_size,
+            num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
         ).canonical()
 
     def micro_batches_per_rank(self, dp: int) -> int:

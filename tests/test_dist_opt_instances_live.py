@@ -1,0 +1,169 @@
+"""A real Megatron job with two instances of its distributed optimizer (Megatron's
+``num_distributed_optimizer_instances = 2``) loses a node and recovers live from the other instance.
+
+Four processes on two nodes train tiny-gpt at TP1,PP1,DP4: the optimizer state is sharded over DP
+ranks {0, 1} (instance 0, node a) and again over {2, 3} (instance 1, node b). Every rank's optimizer is
+checked against LiveR's ownership as it is built. Node b dies in the update of step 3 (both processes,
+once their state of step 2 is saved for the test): the state nobody else held under one instance has a
+holder on node a, so no peer copy is kept or read, and the survivors move live to TP1,PP1,DP2 on node a
+(still two instances, of one rank each). The state right after the recovery equals, bit for bit, the
+state at the end of step 2 gathered from all four (both instances' shards agree), and training goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from typing import Any
+
+import pytest
+from live_chain import as_numpy, bit_identical, gather
+from mp_helpers import World as Proc
+from mp_helpers import run_world
+
+from liver.shared.layout import Device, ParallelLayout, Placement
+from liver.shared.model import PRESETS
+from liver.shared.plan import Plan, WorldConfig
+from liver.shared.redundancy import NO_KEEPER, redundancy
+from liver.worker_runtime.megatron.train_config import TrainConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+A = (Device("a", 0), Device("a", 1))
+B = (Device("b", 0), Device("b", 1))
+DEVICES = A + B
+MODEL = PRESETS["tiny-gpt"]
+CONFIG = TrainConfig(
+    global_batch_size=8,
+    micro_batch_size=1,
+    seq_length=16,
+    use_distributed_optimizer=True,
+    num_distributed_optimizer_instances=2,
+)
+GEOMETRY = MODEL.geometry().with_ddp(CONFIG.ddp)
+OLD = ParallelLayout(tp=1, pp=1, dp=4)
+NEW = ParallelLayout(tp=1, pp=1, dp=2)
+KILLED_IN = 3
+STEPS_AFTER = 2
+JOB = "instances-fail-stop"
+
+
+def recovery_plan() -> Plan:
+    from liver.services.transfer.planner import plan_resize
+
+    old = WorldConfig(OLD, Placement(DEVICES))
+    return plan_resize(GEOMETRY, old, NEW, A, budget_bytes=256 * 1024, lost=B, copies=True).plan
+
+
+def process(proc: Proc, plan: Plan, saved: str) -> dict[str, Any]:
+    from live_chain import _quiet
+
+    _quiet()
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.state import snapshot
+    from liver.worker_runtime.peers import StepAbandoned
+    from liver.worker_runtime.runtime import LiveRuntime, ReshardPhase, RuntimeEvent, RuntimeOptions
+    from liver.worker_runtime.world import StoreAddress, WorldSpec
+
+    address = StoreAddress("127.0.0.1", proc.store.port)
+    out: dict[str, Any] = {"trace": [], "snapshots": {}, "peer_lost": []}
+
+    def on_event(event: RuntimeEvent) -> None:
+        if event.phase is ReshardPhase.PEER_LOST:
+            out["peer_lost"].append(event.iteration)
+            runtime.request_resize(
+                1, plan.new.layout, plan.new.placement, plan, address, lost=B, switch_when_ready=False
+            )
+        if event.phase is ReshardPhase.READY and event.generation == 1:
+            threading.Thread(target=runtime.allow_switch, args=(1,), daemon=True).start()
+
+    runtime = LiveRuntime(
+        MegatronJob(MODEL, CONFIG),
+        job=JOB,
+        device=DEVICES[proc.rank],
+        store=address,
+        initial=WorldSpec(job=JOB, generation=0, layout=OLD, placement=Placement(DEVICES)),
+        options=RuntimeOptions(control_timeout_s=120, build_timeout_s=180, recover_timeout_s=200),
+        on_event=on_event,
+    )
+    trainer = runtime.step()
+    out["kept_copies"] = None
+    while trainer is not None and trainer.iteration < KILLED_IN + STEPS_AFTER - 1:
+        if proc.rank >= 2 and trainer.iteration == KILLED_IN - 1:
+            trainer.optimizer.step = lambda *a, **k: os._exit(17)  # node b goes as step 3 updates
+        try:
+            result = trainer.train_step()
+        except StepAbandoned:
+            trainer = _next(runtime, out, snapshot)
+            continue
+        out["trace"].append((runtime.generation, result.iteration, result.loss))
+        out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
+        if out["kept_copies"] is None and runtime.peer_copies is not None:
+            copies = runtime.peer_copies
+            out["kept_copies"] = (copies.keeper is not None, copies.sender is not None)
+        if proc.rank >= 2 and result.iteration == KILLED_IN - 1:
+            with open(f"{saved}.{proc.rank}", "wb") as fh:  # what dies with node b, to check against
+                pickle.dump(out["snapshots"][result.iteration], fh)
+        trainer = _next(runtime, out, snapshot)
+    out["generation"] = runtime.generation
+    out["history"] = [type(h).__name__ for h in runtime.history]
+    runtime.close()
+    return out
+
+
+def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
+    before = runtime.generation
+    trainer = runtime.step()
+    if trainer is not None and runtime.generation != before:
+        out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    plan = recovery_plan()
+    saved = str(tmp_path_factory.mktemp("node-b") / "state")
+    outcomes = run_world(process, 4, args=(plan, saved), timeout_s=400, group_timeout_s=120)
+    survivors = {o.rank: o.unwrap() for o in outcomes if o.rank < 2}
+    lost = {}
+    for rank in (2, 3):
+        assert outcomes[rank].status == "died" and outcomes[rank].exitcode == 17, outcomes[rank]
+        with open(f"{saved}.{rank}", "rb") as fh:
+            lost[rank] = pickle.load(fh)
+    states = {r: s["snapshots"][KILLED_IN - 1] for r, s in survivors.items()} | lost
+    new_rank = plan.new.placement.rank_on()
+    after = {new_rank[DEVICES[p]]: s["after"] for p, s in survivors.items()}
+    return {
+        "plan": plan,
+        "survivors": survivors,
+        "before": gather(states, OLD, GEOMETRY),
+        "after": gather(after, NEW, GEOMETRY),
+    }
+
+
+def test_the_other_instance_holds_what_a_node_takes_with_it_so_no_copy_is_kept() -> None:
+    r = redundancy(GEOMETRY, OLD, Placement(DEVICES))
+    assert r.keepers == (NO_KEEPER,) * 4 and r.survives_node_loss
+
+
+def test_the_recovery_plan_reads_nothing_from_copies(run: dict) -> None:
+    assert run["plan"].stand_ins == ()
+    for rank, s in run["survivors"].items():
+        assert s["kept_copies"] == (False, False), rank
+
+
+def test_the_survivors_recover_live_without_a_checkpoint(run: dict) -> None:
+    for rank, s in run["survivors"].items():
+        assert s["peer_lost"] == [KILLED_IN - 1], rank
+        assert s["history"] == ["SwitchReport"] and s["generation"] == 1, rank
+        assert s["after_iteration"] == KILLED_IN - 1
+
+
+def test_the_recovered_state_equals_the_last_completed_step_of_both_instances_bit_for_bit(run: dict) -> None:
+    assert bit_identical(run["before"], run["after"])
+
+
+def test_training_goes_on_with_two_instances_of_one_rank(run: dict) -> None:
+    trace = run["survivors"][0]["trace"]
+    assert [it for gen, it, _ in trace if gen == 1] == list(range(KILLED_IN, KILLED_IN + STEPS_AFTER))
