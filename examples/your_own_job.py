@@ -175,12 +175,18 @@ def after_switch(generation: int, trainer: Any) -> None:
         )
 
 
-def make_job(data: str, distributed_optimizer: str = "no", samples: str = "100000") -> MegatronJob:
+def make_job(
+    data: str, distributed_optimizer: str = "no", samples: str = "100000", optimizer_instances: str = "1"
+) -> MegatronJob:
     """LiveR: your model, data, optimizer, schedule and step, for every world the job moves to.
 
     ``liver worker --job-factory examples/your_own_job.py:make_job --job-arg data=PREFIX`` calls it in
-    every process (arguments are strings: ``--job-arg distributed_optimizer=yes``)."""
+    every process (arguments are strings: ``--job-arg distributed_optimizer=yes``; with it,
+    ``--job-arg optimizer_instances=2`` runs Megatron's partial distributed optimizer, whose second
+    instance holds what a lost node took, so nothing else is kept for it)."""
     distributed = distributed_optimizer.lower() in ("1", "yes", "true")
+    if not optimizer_instances.isdigit():
+        raise ValueError(f"optimizer_instances: a whole number, got {optimizer_instances!r}")
     geometry = derive_geometry(  # LiveR: the shard geometry, from sharded_state_dict() (before any world)
         model_provider,
         name="qk-norm-gpt",
@@ -189,7 +195,11 @@ def make_job(data: str, distributed_optimizer: str = "no", samples: str = "10000
         make_vocab_size_divisible_by=DIVISIBLE_BY,
     )
     train = TrainConfig(
-        global_batch_size=8, micro_batch_size=2, seq_length=32, use_distributed_optimizer=distributed
+        global_batch_size=8,
+        micro_batch_size=2,
+        seq_length=32,
+        use_distributed_optimizer=distributed,
+        num_distributed_optimizer_instances=int(optimizer_instances),
     )
     corpus = MegatronCorpus([data], seq_length=train.seq_length, num_samples=int(samples))
     return MegatronJob(

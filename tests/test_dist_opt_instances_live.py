@@ -167,3 +167,80 @@ def test_the_recovered_state_equals_the_last_completed_step_of_both_instances_bi
 def test_training_goes_on_with_two_instances_of_one_rank(run: dict) -> None:
     trace = run["survivors"][0]["trace"]
     assert [it for gen, it, _ in trace if gen == 1] == list(range(KILLED_IN, KILLED_IN + STEPS_AFTER))
+
+
+# -- a checkpoint of two instances ---------------------------------------------------------------------
+
+
+SAVED_AT = 2
+
+
+def saved_then_resumed(proc: Proc, root: str) -> dict[str, Any]:
+    """Train DP4 (two instances) to a checkpoint at step 2, then resume it on node a alone at DP2."""
+    from live_chain import _quiet
+
+    _quiet()
+    from liver.worker_runtime.fallback import CheckpointOptions
+    from liver.worker_runtime.megatron.job import MegatronJob
+    from liver.worker_runtime.megatron.state import snapshot
+    from liver.worker_runtime.runtime import LiveRuntime, RuntimeOptions
+    from liver.worker_runtime.world import StoreAddress, WorldSpec
+
+    address = StoreAddress("127.0.0.1", proc.store.port)
+    options = RuntimeOptions(checkpoint=CheckpointOptions(root=root, every=SAVED_AT), copies=None)
+    out: dict[str, Any] = {}
+    runtime = LiveRuntime(
+        MegatronJob(MODEL, CONFIG),
+        job=JOB,
+        device=DEVICES[proc.rank],
+        store=address,
+        initial=WorldSpec(job=JOB, generation=0, layout=OLD, placement=Placement(DEVICES)),
+        options=options,
+    )
+    trainer = runtime.step()
+    while trainer.iteration < SAVED_AT:
+        trainer.train_step()
+        trainer = runtime.step()  # saves at the boundary of step 2
+    out["saved"] = as_numpy(snapshot(trainer))
+    from liver.worker_runtime.megatron.checkpoint import _owned_sharded_state
+
+    out["main_replicas"] = sorted(
+        (key, sh.global_offset)
+        for key, shards in _owned_sharded_state(trainer).items()
+        for sh in shards
+        if not any(sh.replica_id)
+    )
+    runtime.close()
+    proc.group.barrier()  # every rank's part is written before anyone resumes
+    if proc.rank < 2:
+        resumed = LiveRuntime(
+            MegatronJob(MODEL, CONFIG),
+            job=JOB,
+            device=DEVICES[proc.rank],
+            store=address,
+            initial=WorldSpec(job=JOB, generation=1, layout=NEW, placement=Placement(A)),
+            options=options,
+        )
+        trainer = resumed.step()
+        out["resumed"], out["resumed_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
+        resumed.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("instances-checkpoints"))
+    return {o.rank: o.unwrap() for o in run_world(saved_then_resumed, 4, args=(root,), timeout_s=400)}
+
+
+def test_a_checkpoint_of_two_instances_resumes_at_another_dp_bit_for_bit(checkpointed: dict) -> None:
+    saved = gather({r: o["saved"] for r, o in checkpointed.items()}, OLD, GEOMETRY)
+    resumed = gather({r: checkpointed[r]["resumed"] for r in (0, 1)}, NEW, GEOMETRY)
+    assert checkpointed[0]["resumed_iteration"] == SAVED_AT
+    assert bit_identical(saved, resumed)
+
+
+def test_each_piece_of_two_instances_is_saved_by_one_rank_only(checkpointed: dict) -> None:
+    mains = [piece for o in checkpointed.values() for piece in o["main_replicas"]]
+    assert mains and len(mains) == len(set(mains))
+    assert not checkpointed[2]["main_replicas"] and not checkpointed[3]["main_replicas"]  # instance 1

@@ -540,3 +540,33 @@ def test_liver_worker_refuses_copy_options_that_contradict_each_other(
     argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", *extra]
     assert worker_cmd.main(argv) == 2
     assert named in capsys.readouterr().err
+
+
+def test_liver_worker_optimizer_instances_shards_the_presets_state_within_each_instance() -> None:
+    from liver.cli import worker_cmd
+
+    parser = worker_cmd.argparse.ArgumentParser()
+    worker_cmd.add_arguments(parser)
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", "--distributed-optimizer"]
+    settings = worker_cmd.settings_from(parser.parse_args([*argv, "--optimizer-instances", "2"]))
+    assert settings.make_job().model.ddp.instances == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--optimizer-instances", "2"], "--optimizer-instances: an option of the preset's --distributed"),
+        (
+            ["--distributed-optimizer", "--optimizer-instances", "0"],
+            "--optimizer-instances: must be at least 1",
+        ),
+    ],
+)
+def test_liver_worker_refuses_optimizer_instances_it_cannot_use(
+    extra: list[str], named: str, capsys: Any
+) -> None:
+    from liver.cli import worker_cmd
+
+    argv = ["--job", JOB, "--node", "n0", "--device", "0", "--standby", *extra]
+    assert worker_cmd.main(argv) == 2
+    assert named in capsys.readouterr().err

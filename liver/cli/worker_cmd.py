@@ -147,6 +147,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sharded over DP; a lost process's shard is recovered from its peer copy on another node)",
     )
     p.add_argument(
+        "--optimizer-instances",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --distributed-optimizer: Megatron's num_distributed_optimizer_instances (the state "
+        "sharded within K groups of DP ranks and held once in each; default 1)",
+    )
+    p.add_argument(
         "--no-copies",
         action="store_true",
         help="keep no peer copies (the planners are told: a node lost without notice whose state no "
@@ -207,11 +215,19 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
         )
     elif args.placement is not None or args.store is not None:
         raise ValueError("--placement/--store: a --standby worker is in no world yet")
+    if args.optimizer_instances < 1:
+        raise ValueError(f"--optimizer-instances: must be at least 1, got {args.optimizer_instances}")
+    if args.optimizer_instances != 1 and (args.job_factory is not None or not args.distributed_optimizer):
+        raise ValueError(
+            "--optimizer-instances: an option of the preset's --distributed-optimizer (a --job-factory "
+            "job sets num_distributed_optimizer_instances in its own TrainConfig)"
+        )
     train = TrainConfig(
         global_batch_size=args.global_batch,
         micro_batch_size=args.micro_batch,
         seq_length=args.seq_length,
         use_distributed_optimizer=args.distributed_optimizer,
+        num_distributed_optimizer_instances=args.optimizer_instances,
     )
     if args.job_factory is not None and args.model is not None:
         raise ValueError("--model: a --job-factory job brings its own model")
