@@ -34,7 +34,7 @@ class KeptCopy(NamedTuple):
     generation: int
     iteration: int
     checksums: tuple[int, ...]
-    """CRC-32 the sender took of each piece's bytes (a local tensor, or a DP-sharded part of one)."""
+    """CRC-32C the sender took of each piece's bytes (a local tensor, or a DP-sharded part of one)."""
     data: memoryview  # read-only
 
     def intact(self, index: int, start: int, stop: int) -> bool:

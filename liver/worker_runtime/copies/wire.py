@@ -3,7 +3,7 @@
 A connection opens with a hello (``LVRC``, the wire version, the job's generation and the sender's
 rank), then carries refreshes: a header (iteration, payload bytes), the payload (the copied pieces'
 bytes one after the other: a local tensor, or a DP-sharded part of one), and a trailer: how many
-pieces, then each one's CRC-32. A refresh the keeper cannot read whole never replaces the copy it has;
+pieces, then each one's CRC-32C. A refresh the keeper cannot read whole never replaces the copy it has;
 the checksums are checked where the copy is used, so that a bad one names its tensor.
 """
 
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import socket
 import struct
-import zlib
 from typing import Final, NamedTuple
+
+import crc32c
 
 from liver.shared.errors import HandoffError
 
 MAGIC: Final = b"LVRC"
-VERSION: Final = 2
+VERSION: Final = 3  # 3: CRC-32C (2: zlib's CRC-32)
 HELLO: Final = struct.Struct("!4sHxxQQ")  # magic, version, generation, sender rank
 HEADER: Final = struct.Struct("!QQ")  # iteration, payload bytes
-TRAILER: Final = struct.Struct("!I")  # how many pieces; each one's CRC-32 (a CRC struct) follows
+TRAILER: Final = struct.Struct("!I")  # how many pieces; each one's CRC-32C (a CRC struct) follows
 CRC: Final = struct.Struct("!I")
 MAX_TENSORS: Final = 1 << 24
 """A trailer announcing more pieces than this is garbage (a rank of DeepSeek-V3 holds ~10^5 tensors)."""
@@ -38,8 +39,10 @@ class Hello(NamedTuple):
 
 
 def checksum(data: memoryview | bytes | bytearray, running: int = 0) -> int:
-    """CRC-32 of ``data`` continuing ``running`` (zlib's, about 3 GB/s here; releases the GIL)."""
-    return zlib.crc32(data, running)
+    """CRC-32C (Castagnoli) of ``data`` continuing ``running``: the CPU's CRC instructions, about 13 GB/s
+    here against zlib's CRC-32 at 4 (the checksum was a fifth of the copies' CPU time), reading
+    buffers in place and releasing the GIL, as zlib does."""
+    return crc32c.crc32c(data, running)
 
 
 def trailer(checksums: list[int]) -> bytes:
