@@ -2,7 +2,8 @@
 ``num_distributed_optimizer_instances = 2``) loses a node and recovers live from the other instance.
 
 Four processes on two nodes train tiny-gpt at TP1,PP1,DP4: the optimizer state is sharded over DP
-ranks {0, 1} (instance 0, node a) and again over {2, 3} (instance 1, node b). Every rank's optimizer is
+ranks {0, 1} (instance 0, node a) and again over {2, 3} (instance 1, node b); and tiny-moe at DP4,EP2,
+whose experts' state is sharded over expert-DP (one rank per instance). Every rank's optimizer is
 checked against LiveR's ownership as it is built. Node b dies in the update of step 3 (both processes,
 once their state of step 2 is saved for the test): the state nobody else held under one instance has a
 holder on node a, so no peer copy is kept or read, and the survivors move live to TP1,PP1,DP2 on node a
@@ -47,16 +48,23 @@ NEW = ParallelLayout(tp=1, pp=1, dp=2)
 KILLED_IN = 3
 STEPS_AFTER = 2
 JOB = "instances-fail-stop"
+CASES = {
+    "gpt": (MODEL, OLD),
+    # Experts over EP2: their state sharded over expert-DP (2, one rank per instance), then EP1 at DP2.
+    "moe": (PRESETS["tiny-moe"], ParallelLayout(tp=1, pp=1, dp=4, ep=2)),
+}
 
 
-def recovery_plan() -> Plan:
+def recovery_plan(case: str) -> Plan:
     from liver.services.transfer.planner import plan_resize
 
-    old = WorldConfig(OLD, Placement(DEVICES))
-    return plan_resize(GEOMETRY, old, NEW, A, budget_bytes=256 * 1024, lost=B, copies=True).plan
+    model, layout = CASES[case]
+    old = WorldConfig(layout, Placement(DEVICES))
+    geometry = model.geometry().with_ddp(CONFIG.ddp)
+    return plan_resize(geometry, old, NEW, A, budget_bytes=256 * 1024, lost=B, copies=True).plan
 
 
-def process(proc: Proc, plan: Plan, saved: str) -> dict[str, Any]:
+def process(proc: Proc, plan: Plan, saved: str, case: str = "gpt") -> dict[str, Any]:
     from live_chain import _quiet
 
     _quiet()
@@ -78,12 +86,13 @@ def process(proc: Proc, plan: Plan, saved: str) -> dict[str, Any]:
         if event.phase is ReshardPhase.READY and event.generation == 1:
             threading.Thread(target=runtime.allow_switch, args=(1,), daemon=True).start()
 
+    model, layout = CASES[case]
     runtime = LiveRuntime(
-        MegatronJob(MODEL, CONFIG),
+        MegatronJob(model, CONFIG),
         job=JOB,
         device=DEVICES[proc.rank],
         store=address,
-        initial=WorldSpec(job=JOB, generation=0, layout=OLD, placement=Placement(DEVICES)),
+        initial=WorldSpec(job=JOB, generation=0, layout=layout, placement=Placement(DEVICES)),
         options=RuntimeOptions(control_timeout_s=120, build_timeout_s=180, recover_timeout_s=200),
         on_event=on_event,
     )
@@ -120,11 +129,14 @@ def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
     return trainer
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    plan = recovery_plan()
+@pytest.fixture(scope="module", params=sorted(CASES))
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    case = request.param
+    model, layout = CASES[case]
+    geometry = model.geometry().with_ddp(CONFIG.ddp)
+    plan = recovery_plan(case)
     saved = str(tmp_path_factory.mktemp("node-b") / "state")
-    outcomes = run_world(process, 4, args=(plan, saved), timeout_s=400, group_timeout_s=120)
+    outcomes = run_world(process, 4, args=(plan, saved, case), timeout_s=400, group_timeout_s=120)
     survivors = {o.rank: o.unwrap() for o in outcomes if o.rank < 2}
     lost = {}
     for rank in (2, 3):
@@ -137,13 +149,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "plan": plan,
         "survivors": survivors,
-        "before": gather(states, OLD, GEOMETRY),
-        "after": gather(after, NEW, GEOMETRY),
+        "before": gather(states, layout, geometry),
+        "after": gather(after, NEW, geometry),
+        "redundancy": redundancy(geometry, layout, Placement(DEVICES)),
     }
 
 
-def test_the_other_instance_holds_what_a_node_takes_with_it_so_no_copy_is_kept() -> None:
-    r = redundancy(GEOMETRY, OLD, Placement(DEVICES))
+def test_the_other_instance_holds_what_a_node_takes_with_it_so_no_copy_is_kept(run: dict) -> None:
+    r = run["redundancy"]
     assert r.keepers == (NO_KEEPER,) * 4 and r.survives_node_loss
 
 

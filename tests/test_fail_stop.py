@@ -8,7 +8,9 @@ updating while replica B cannot), in another right after its second step, before
 (the cut), in another at that moment while a handoff to TP1,PP1,DP3 on p1-p3 is prepared (its new
 trainer built, its switch not yet allowed: generation 1, dropped), and in the last while it streams its
 state in a handoff whose cut is the end of step 2 (generation 1: TP2,PP1,DP2 on p1-p4, p0 leaving and a
-fifth process p4 joining; it never commits). The survivors:
+fifth process p4 joining; it never commits), and in the last right after its second step while that
+same handoff's switch is allowed and its joiner waits to enter (the cut would be the boundary's vote:
+the joiner's entry breaks, and it must not read as a failure of the handoff). The survivors:
 
 - notice within moments (in a collective with p3, or when a peer that noticed lets go of the world's
   groups) and give the step (or the vote, or the handoff) up with their state as the end of step 2
@@ -69,7 +71,8 @@ CHAIN = Chain(
 )
 
 
-RECOVERY = {"mid-step": 1, "update": 1, "vote": 1, "prepared": 2, "stream": 2}
+RECOVERY = {"mid-step": 1, "update": 1, "vote": 1, "prepared": 2, "stream": 2, "switched": 2}
+WITH_JOINER = ("stream", "switched")
 """The recovery's generation: after a lost handoff, the one after the handoff's."""
 JOINER = PROCESSES  # p4: in no world until the stream run's handoff, then in its recovery
 
@@ -79,7 +82,7 @@ def recovery_plan(when: str) -> Plan:
 
     old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
     survivors = [d for i, d in enumerate(DEVICES[:PROCESSES]) if i != VICTIM]
-    if when == "stream":  # p0 leaves, the lost handoff's joiner comes in
+    if when in WITH_JOINER:  # p0 leaves, the lost handoff's joiner comes in
         survivors = [DEVICES[1], DEVICES[2], DEVICES[JOINER]]
     return plan_resize(
         CHAIN.geometry, old, NEW, survivors, budget_bytes=256 * 1024, lost=[DEVICES[VICTIM]]
@@ -220,7 +223,11 @@ def fail_stop_process(
         out["trace"].append((runtime.generation, result.iteration, result.loss, result.grad_norm))
         out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
         out["progress"][result.iteration] = factory.progress(trainer)
-        if proc.rank == VICTIM and result.iteration == KILLED_IN - 1 and when in ("vote", "prepared"):
+        if (
+            proc.rank == VICTIM
+            and result.iteration == KILLED_IN - 1
+            and when in ("vote", "prepared", "switched")
+        ):
             os._exit(17)  # after its step, before the boundary's vote
         trainer = _next(runtime, out, snapshot)
     out["history"] = [type(h).__name__ for h in runtime.history]
@@ -253,13 +260,13 @@ def _raises_again(trainer: Any) -> bool:
     return False
 
 
-@pytest.fixture(scope="module", params=["mid-step", "update", "vote", "prepared", "stream"])
+@pytest.fixture(scope="module", params=["mid-step", "update", "vote", "prepared", "stream", "switched"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     plan = recovery_plan(request.param)
-    handoff = handoff_plan(request.param) if request.param in ("prepared", "stream") else None
+    handoff = handoff_plan(request.param) if request.param in ("prepared", *WITH_JOINER) else None
     outcomes = run_world(
         fail_stop_process,
-        PROCESSES + (request.param == "stream"),
+        PROCESSES + (request.param in WITH_JOINER),
         args=(plan, DEVICES[VICTIM], request.param, handoff),
         timeout_s=300,
         group_timeout_s=120,
@@ -308,7 +315,7 @@ def test_a_broken_world_takes_only_a_recovery_that_names_the_lost_devices(runs: 
 
 def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict) -> None:
     for s in runs["survivors"].values():
-        if runs["when"] in ("vote", "prepared", "stream"):  # no step met it: the vote or the handoff did
+        if runs["when"] in ("vote", "prepared", *WITH_JOINER):  # no step met it: the vote or handoff did
             assert s["abandoned"] is None
             continue
         assert s["abandoned"]["iteration"] == KILLED_IN - 1
@@ -316,7 +323,7 @@ def test_a_step_that_meets_the_loss_is_abandoned_with_its_state_kept(runs: dict)
 
 
 def test_a_broken_trainer_refuses_every_later_step(runs: dict) -> None:
-    if runs["when"] in ("vote", "prepared", "stream"):
+    if runs["when"] in ("vote", "prepared", *WITH_JOINER):
         pytest.skip("no step met the loss")
     assert all(s["abandoned"]["again"] for s in runs["survivors"].values())
 

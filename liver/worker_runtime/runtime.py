@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 import msgspec
 import structlog
@@ -151,6 +151,11 @@ class NoLiveRecovery(HandoffError):
 
     def __reduce__(self) -> tuple[type, tuple[int, str]]:
         return (type(self), (self.iteration, self.reason))
+
+
+JOINERS_TOLD_S: Final = 10.0
+"""How long a joiner whose entry broke waits to hear that the old world lost a peer before the cut
+(and recovers live), and how long an old-world process tries to say so."""
 
 
 class RuntimeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -962,6 +967,7 @@ class LiveRuntime(Generic[T]):
             self._broken = broken
             stale = self._pending if self._pending is not None and not self._pending.request.lost else None
         if stale is not None:
+            self._tell_joiners(stale, broken, abandoned.iteration)
             self._forget(stale, "the world lost a peer")
             self._log.warning(
                 "runtime.handoff_dropped", generation=stale.generation, why="the world lost a peer"
@@ -1209,12 +1215,43 @@ class LiveRuntime(Generic[T]):
             )
             return outcome
 
+    def _tell_joiners(self, stale: Preparation, broken: WorldSpec, iteration: int) -> None:
+        """The world lost a peer while a handoff with joiners was prepared (its SWITCH may be out): say
+        in its store that the old world recovers live, so that its joiners, whose entry now breaks,
+        report the loss (and wait to be taken in by the recovery) instead of failing the handoff, which
+        the coordinator could not tell from a failure past the cut. In the background: the store's host
+        may be the lost process, and the recovery must not wait for it."""
+        if not set(stale.request.placement.devices) - set(broken.placement.devices):
+            return
+        outcome = HandoffOutcome(
+            verdict=OutcomeVerdict.RECOVER,
+            reached_iteration=iteration,
+            reason=f"generation {broken.generation} lost a peer before the cut",
+        )
+
+        def post() -> None:
+            try:
+                post_outcome(
+                    stale.request.store,
+                    self.job,
+                    stale.generation,
+                    outcome,
+                    timedelta(seconds=min(self.options.control_timeout_s, JOINERS_TOLD_S)),
+                )
+            except (RuntimeError, OSError) as error:  # a store that is gone: the joiners fail the entry
+                self._log.warning("runtime.joiners_not_told", generation=stale.generation, error=str(error))
+
+        threading.Thread(target=post, name="liver-tell-joiners", daemon=True).start()
+
     def _joiners_outcome(self, prep: Preparation, aborted: HandoffAborted) -> HandoffOutcome | None:
         """What the old world found, for a joiner whose handoff broke. One that broke while entering
-        never met the old world's processes past the cut: they gave the handoff up before it began; but
-        a recovery (a request naming lost devices) has no old world to go back to, whatever the stage."""
+        never met the old world's processes past the cut: they gave the handoff up before it began, and
+        only one that lost a peer says so (:meth:`_tell_joiners`: this waits a moment for that); a
+        recovery (a request naming lost devices) has no old world to go back to, whatever the stage."""
         if aborted.stage == HandoffStage.ENTER and not prep.request.lost:
-            return None
+            wait = timedelta(seconds=min(self.options.control_timeout_s, JOINERS_TOLD_S))
+            told = await_outcome(prep.request.store, self.job, prep.generation, wait)
+            return told if told is not None and told.verdict is OutcomeVerdict.RECOVER else None
         return await_outcome(
             prep.request.store,
             self.job,
