@@ -174,6 +174,32 @@ async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(
     assert got[0].generation is None and got[0].iteration is None
 
 
+async def test_after_a_peer_lost_ack_heartbeats_say_the_world_broke(
+    nats_server: NatsServer, job: str
+) -> None:
+    async with client(nats_server.url) as (nc, _):
+        beats = await Collector.on(nc, s.worker_heartbeat(job))
+        companion = Companion(
+            identity(job), RecordingHooks(), url=nats_server.url, world=GenerationRank(3, 0), settings=FAST
+        )
+        async with running(companion):
+            await beats.wait_for(1)
+            assert not decode(beats.messages[-1].data, Heartbeat).broken
+            companion.report("peer_lost", generation=3, iteration=9)
+
+            async def broken() -> bool:
+                return bool(beats.messages) and decode(beats.messages[-1].data, Heartbeat).broken
+
+            await eventually(broken, what="a beat saying the world broke")
+            companion.set_world(GenerationRank(4, 0))  # recovered: a new world, whole
+
+            async def whole() -> bool:
+                last = decode(beats.messages[-1].data, Heartbeat)
+                return last.generation == 4 and not last.broken
+
+            await eventually(whole, what="a beat from the recovered world")
+
+
 # -- commands ---------------------------------------------------------------------------------------------
 
 

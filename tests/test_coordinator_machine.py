@@ -272,6 +272,7 @@ class Driver:
         iteration: int | None = None,
         generation: int | None = None,
         rank: int | None = None,
+        broken: bool = False,
     ) -> list[Action]:
         w = worker(device)
         self.seq[w] = self.seq.get(w, 0) + 1 if seq is None else seq
@@ -285,6 +286,7 @@ class Driver:
                 iteration=iteration,
                 generation=generation,
                 rank=rank,
+                broken=broken,
             )
         )
 
@@ -2326,3 +2328,34 @@ def test_the_planners_answer_is_for_the_geometry_the_job_announced() -> None:
     d.warn("evt-1", "node001")
     d.write()
     assert d.pop(RequestTopology).request.geometry is None
+
+
+def test_restore_after_the_switch_recovers_live_when_the_survivors_say_their_old_world_broke() -> None:
+    d = started()
+    switching(d)
+    d.restart()
+    d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
+    for rank, dev in enumerate(WORLD[:3]):
+        d.beat(dev, generation=0, rank=rank, broken=True)  # they never committed: nobody did
+    d.tick()
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery", aborted
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[3],)
+
+
+def test_restore_after_the_switch_takes_a_peer_lost_from_the_old_world_as_no_commit() -> None:
+    d = started()
+    switching(d)
+    d.restart()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
+    for rank, dev in enumerate(WORLD[:3]):
+        d.beat(dev, generation=0, rank=rank)
+    d.tick()
+    if d.has(ProbeWorkers):
+        d.probe(gone=(WORLD[3],))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery", aborted

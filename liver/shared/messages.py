@@ -680,6 +680,10 @@ class Heartbeat(WorkerPresence, kw_only=True, tag="worker_heartbeat"):
 
     seq: NonNegative
     iteration: Iteration | None = None
+    broken: bool = False
+    """The world of ``generation`` lost a peer: this process keeps the state of its last completed
+    iteration and waits for a recovery (it said ``peer_lost``). A coordinator that restarted during a
+    switch, its acks lost, learns from it that the old world broke before anything committed."""
 
 
 class Prepare(Message, kw_only=True, tag="prepare"):

@@ -251,7 +251,12 @@ class _Handoff:
     stopped_in: GenerationPhase | None = None
     resumed: bool = False
     """Taken over from the record after a restart: acks sent meanwhile are lost, so whether a
-    participant committed is unknown (a loss then falls back rather than recover from the old world)."""
+    participant committed is unknown (a loss then falls back rather than recover from the old world),
+    until a participant says its old world broke (:attr:`old_world_broke`)."""
+    old_world_broke: bool = False
+    """A participant said (``peer_lost``, or a heartbeat marked ``broken``) that its world of the
+    generation before this one lost a peer: it never committed, so no participant did (the commit is a
+    collective of all of them) and the old world's survivors hold the cut's state."""
     outcome: GenerationAborted | None = None
     failure: str | None = None
     """A participant's failure past the switch, held while a probe finds out whether a member is gone
@@ -264,9 +269,10 @@ class _Handoff:
 
     @property
     def uncommitted(self) -> bool:
-        """No participant acked its switch, and no ack was lost to a restart: the commit (a collective
-        of every participant) has not happened, so the old world's survivors hold the cut's state (I4)."""
-        return not self.switched and not self.resumed
+        """No participant acked its switch, and no ack was lost to a restart or a participant says its
+        old world broke: the commit (a collective of every participant) has not happened, so the old
+        world's survivors hold the cut's state (I4)."""
+        return not self.switched and (not self.resumed or self.old_world_broke)
 
     @property
     def target(self) -> frozenset[Device] | None:
@@ -1559,6 +1565,8 @@ class Coordinator:
             self._send_prepares()
         if isinstance(event, Heartbeat):
             self._switched_by_heartbeat(event)
+            if event.broken:
+                self._old_world_broke(event.worker_id, event.generation)
 
     def _on_reconnected(self) -> None:
         """The bus was away: what this coordinator sent, and what workers acked, may be lost (worker
@@ -1610,10 +1618,27 @@ class Coordinator:
                 )
             )
 
+    def _old_world_broke(self, worker_id: str, generation: int | None) -> None:
+        """A participant of the switch in flight says its world of ``generation`` lost a peer: when that
+        is the handoff's old world, nothing committed (see :attr:`_Handoff.old_world_broke`)."""
+        h = self._handoff
+        if (
+            h is None
+            or h.old_world_broke
+            or self._phase is not GenerationPhase.SWITCH
+            or generation != h.from_generation
+            or worker_id not in h.participants
+            or self._lost(h.triggers) & self._world()  # a recovery: its old world was broken already
+        ):
+            return
+        h.old_world_broke = True
+        self._note("info", "old_world_broke_before_the_commit", worker_id=worker_id, generation=generation)
+
     def _on_peer_lost(self, event: WorkerStatus) -> None:
         """A worker says its world lost a peer (a collective failed outside a handoff). It cannot say
         which one; whoever it was stops beating, so every member of that world unheard for
         ``suspect_timeout_s`` is lost now instead of after the full heartbeat timeout."""
+        self._old_world_broke(event.worker_id, event.generation)
         member = self.membership.get(event.worker_id)
         h = self._handoff
         target = None if h is None else h.target

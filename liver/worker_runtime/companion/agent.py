@@ -200,6 +200,13 @@ class Presence:
 
     world: GenerationRank | None = None
     iteration: int | None = None
+    broken: int | None = None
+    """The generation whose world this process reported lost a peer (its last ``peer_lost`` ack)."""
+
+    @property
+    def world_broken(self) -> bool:
+        """Whether the world heartbeats speak for is the one that lost a peer."""
+        return self.world is not None and self.broken == self.world.generation
 
 
 @dataclass
@@ -362,6 +369,8 @@ class WorkerAgent:
                 )
         elif h is None:
             self._log.info("ack_for_unprepared_generation", generation=ack.generation, phase=ack.phase)
+        if ack.phase == WorkerPhase.PEER_LOST:
+            self.presence.broken = ack.generation
         self.counts.acks += 1
         self._spawn(self._send(s.worker_status(self.identity.job_id), ack), "ack")
 
@@ -592,6 +601,7 @@ class WorkerAgent:
                     rank=None if world is None else world.rank,
                     seq=self._seq,
                     iteration=iteration,
+                    broken=self.presence.world_broken,
                 )
                 self._seq += 1
                 self.counts.heartbeats += 1
