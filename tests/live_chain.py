@@ -210,6 +210,18 @@ def max_deviation(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> float:
     )
 
 
+def next_trainer(runtime: Any, out: dict[str, Any]) -> Any:
+    """The runtime's next trainer; into ``out`` the state right after a move (``after``) and its
+    iteration (``after_iteration``), the first time the trainer is on a new world."""
+    from liver.worker_runtime.megatron.state import snapshot
+
+    before = runtime.generation
+    trainer = runtime.step()
+    if trainer is not None and runtime.generation != before:
+        out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
+    return trainer
+
+
 def bit_identical(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(
         a[i].dtype == b[i].dtype and a[i].tobytes() == b[i].tobytes() for i in a

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 import pytest
-from live_chain import as_numpy, bit_identical, gather
+from live_chain import as_numpy, bit_identical, gather, next_trainer
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
@@ -104,7 +104,7 @@ def process(proc: Proc, plan: Plan, saved: str, case: str = "gpt") -> dict[str, 
         try:
             result = trainer.train_step()
         except StepAbandoned:
-            trainer = _next(runtime, out, snapshot)
+            trainer = next_trainer(runtime, out)
             continue
         out["trace"].append((runtime.generation, result.iteration, result.loss))
         out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
@@ -114,19 +114,11 @@ def process(proc: Proc, plan: Plan, saved: str, case: str = "gpt") -> dict[str, 
         if proc.rank >= 2 and result.iteration == KILLED_IN - 1:
             with open(f"{saved}.{proc.rank}", "wb") as fh:  # what dies with node b, to check against
                 pickle.dump(out["snapshots"][result.iteration], fh)
-        trainer = _next(runtime, out, snapshot)
+        trainer = next_trainer(runtime, out)
     out["generation"] = runtime.generation
     out["history"] = [type(h).__name__ for h in runtime.history]
     runtime.close()
     return out
-
-
-def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
-    before = runtime.generation
-    trainer = runtime.step()
-    if trainer is not None and runtime.generation != before:
-        out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
-    return trainer
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -43,6 +43,7 @@ from live_chain import (
     baseline_process,
     bit_identical,
     gather,
+    next_trainer,
 )
 from mp_helpers import World as Proc
 from mp_helpers import run_world
@@ -218,7 +219,7 @@ def fail_stop_process(
                 "noticed_s": time.perf_counter() - started,
                 "again": _raises_again(trainer),
             }
-            trainer = _next(runtime, out, snapshot)
+            trainer = next_trainer(runtime, out)
             continue
         out["trace"].append((runtime.generation, result.iteration, result.loss, result.grad_norm))
         out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
@@ -229,7 +230,7 @@ def fail_stop_process(
             and when in ("vote", "prepared", "switched")
         ):
             os._exit(17)  # after its step, before the boundary's vote
-        trainer = _next(runtime, out, snapshot)
+        trainer = next_trainer(runtime, out)
     out["history"] = [type(h).__name__ for h in runtime.history]
     out["generation"] = runtime.generation
     out["left"] = runtime.left
@@ -238,16 +239,6 @@ def fail_stop_process(
     out["report"] = None if report is None else {"pause_s": report.pause_s, "iteration": report.iteration}
     runtime.close()
     return out
-
-
-def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
-    """The runtime's next trainer; the state right after the move, the first time it is on the new world."""
-    before = runtime.generation
-    trainer = runtime.step()
-    if trainer is not None and runtime.generation != before:
-        out["after"] = as_numpy(snapshot(trainer))
-        out["after_iteration"] = trainer.iteration
-    return trainer
 
 
 def _raises_again(trainer: Any) -> bool:

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 import pytest
-from live_chain import as_numpy, bit_identical, gather
+from live_chain import as_numpy, bit_identical, gather, next_trainer
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
@@ -212,28 +212,20 @@ def process(
         try:
             result = trainer.train_step()
         except StepAbandoned:
-            trainer = _next(runtime, out, snapshot)
+            trainer = next_trainer(runtime, out)
             continue
         out["trace"].append((runtime.generation, result.iteration, result.loss))
         out["snapshots"][result.iteration] = as_numpy(snapshot(trainer))
         if proc.rank == VICTIM and result.iteration == resumed(when):
             with open(saved, "wb") as fh:  # what dies with p3, for the test to check the recovery against
                 pickle.dump(out["snapshots"][result.iteration], fh)
-        trainer = _next(runtime, out, snapshot)
+        trainer = next_trainer(runtime, out)
     out["generation"] = runtime.generation
     out["left"] = runtime.left
     out["history"] = [type(h).__name__ for h in runtime.history]
     out["fallbacks"] = [(f.iteration, f.reached_iteration, f.reason) for f in runtime.fallbacks]
     runtime.close()
     return out
-
-
-def _next(runtime: Any, out: dict[str, Any], snapshot: Any) -> Any:
-    before = runtime.generation
-    trainer = runtime.step()
-    if trainer is not None and runtime.generation != before:
-        out["after"], out["after_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
-    return trainer
 
 
 def _die_in_refresh(sender: Any, iteration: int) -> None:
