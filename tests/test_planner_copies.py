@@ -32,8 +32,9 @@ def old_world(text: str) -> WorldConfig:
 
 def test_the_distributed_optimizer_cannot_lose_a_node_without_copies() -> None:
     old = old_world("TP2,PP1,DP2")  # DP across the nodes: each node owns half of the Adam moments
-    with pytest.raises(NoSurvivingSource, match="exp_avg"):
+    with pytest.raises(NoSurvivingSource, match="exp_avg") as refused:
         build_plan(GPT.with_ddp(DIST), old, WorldConfig(L("TP2,PP1,DP1"), Placement(A)), lost=B)
+    assert set(refused.value.holders) <= set(B)  # the owners lost, not the survivors that own other shares
 
 
 @pytest.mark.parametrize(

@@ -143,8 +143,10 @@ def _build_plan(
     stand = stand_ins(model, old, lost) if copies else _NO_STAND_INS
     orphans = orphaned_shards(model, old, lost, stand)
     if orphans:
+        # A class of the distributed optimizer's state spans every DP replica, of which only the lost
+        # ones owned the piece that is gone: name those.
         holders = [old.placement.devices[r] for r in class_holders(old.layout, orphans[0])]
-        raise NoSurvivingSource(orphans[0].tensor, holders, lost)
+        raise NoSurvivingSource(orphans[0].tensor, [d for d in holders if d in lost], lost)
     streamer = _Streamer(tensors, budget_bytes)
     classes = tuple(
         LayerClass(c.layers, c.bases, streamer.stream(c.pairs, c.local, c.bases[0]), c.sources)
