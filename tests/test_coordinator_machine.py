@@ -2263,13 +2263,20 @@ test_random_event_sequences_keep_generations_unique_and_monotonic = RandomEvents
 # -- the job's own model geometry -------------------------------------------------------------------------
 
 
-def started_with(geometry: ModelGeometry) -> Driver:
-    """A job whose generation 0 announced ``geometry`` with its world."""
+def started_with(geometry: ModelGeometry | None, peer_copies: bool = True) -> Driver:
+    """A job whose generation 0 announced ``geometry`` with its world, and whether it keeps copies."""
     d = Driver()
     for rank, device in enumerate(WORLD):
         d.hello(device, generation=0, rank=rank)
     d.feed(
-        WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), geometry=geometry)
+        WorldStarted(
+            job_id=JOB,
+            generation=0,
+            layout=LAYOUT,
+            placement=Placement(WORLD),
+            geometry=geometry,
+            peer_copies=peer_copies,
+        )
     )
     d.write()
     return d
@@ -2285,13 +2292,7 @@ def test_the_geometry_the_first_world_announces_goes_with_every_topology_request
 
 
 def test_a_job_that_keeps_no_peer_copies_says_so_in_every_topology_request() -> None:
-    d = Driver()
-    for rank, device in enumerate(WORLD):
-        d.hello(device, generation=0, rank=rank)
-    d.feed(
-        WorldStarted(job_id=JOB, generation=0, layout=LAYOUT, placement=Placement(WORLD), peer_copies=False)
-    )
-    d.write()
+    d = started_with(None, peer_copies=False)
     assert d.kv.record is not None and not d.kv.record.peer_copies
     d.warn("evt-1", "node001")
     d.write()

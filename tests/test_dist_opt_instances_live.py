@@ -194,14 +194,18 @@ def saved_then_resumed(proc: Proc, root: str) -> dict[str, Any]:
     address = StoreAddress("127.0.0.1", proc.store.port)
     options = RuntimeOptions(checkpoint=CheckpointOptions(root=root, every=SAVED_AT), copies=None)
     out: dict[str, Any] = {}
-    runtime = LiveRuntime(
-        MegatronJob(MODEL, CONFIG),
-        job=JOB,
-        device=DEVICES[proc.rank],
-        store=address,
-        initial=WorldSpec(job=JOB, generation=0, layout=OLD, placement=Placement(DEVICES)),
-        options=options,
-    )
+
+    def runtime_in(generation: int, layout: ParallelLayout, devices: tuple[Device, ...]) -> LiveRuntime:
+        return LiveRuntime(
+            MegatronJob(MODEL, CONFIG),
+            job=JOB,
+            device=DEVICES[proc.rank],
+            store=address,
+            initial=WorldSpec(job=JOB, generation=generation, layout=layout, placement=Placement(devices)),
+            options=options,
+        )
+
+    runtime = runtime_in(0, OLD, DEVICES)
     trainer = runtime.step()
     while trainer.iteration < SAVED_AT:
         trainer.train_step()
@@ -218,14 +222,7 @@ def saved_then_resumed(proc: Proc, root: str) -> dict[str, Any]:
     runtime.close()
     proc.group.barrier()  # every rank's part is written before anyone resumes
     if proc.rank < 2:
-        resumed = LiveRuntime(
-            MegatronJob(MODEL, CONFIG),
-            job=JOB,
-            device=DEVICES[proc.rank],
-            store=address,
-            initial=WorldSpec(job=JOB, generation=1, layout=NEW, placement=Placement(A)),
-            options=options,
-        )
+        resumed = runtime_in(1, NEW, A)  # resumes from the checkpoint it finds
         trainer = resumed.step()
         out["resumed"], out["resumed_iteration"] = as_numpy(snapshot(trainer)), trainer.iteration
         resumed.close()

@@ -407,14 +407,7 @@ def _check_layout(g: ModelGeometry, layout: ParallelLayout) -> None:
             )
     elif layout.ep > 1 or layout.etp is not None:
         raise LayoutError(f"{layout.describe()}: expert parallelism needs a model with experts")
-    k = g.ddp.instances
-    if k > 1:
-        for size, what in ((layout.dp * layout.cp, "dp*cp"), (layout.edp, "edp")):
-            if size % k:
-                raise LayoutError(
-                    f"{layout.describe()}: {what} ({size}) is not divisible by the distributed "
-                    f"optimizer's {k} instances (ddp.num_distributed_optimizer_instances)"
-                )
+    layout.check_instances(g.ddp.instances)
     for p in g.parameters:
         dim = _SPLIT_DIM.get(p.rule)
         size, what = (layout.expert_tp, "etp") if p.expert else (tp, "tp")

@@ -230,6 +230,17 @@ class ParallelLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         chunks = (v * self.pp + stage for v in range(self.vpp))
         return tuple(range(starts[c], starts[c] + sizes[c]) for c in chunks)
 
+    def check_instances(self, instances: int) -> None:
+        """Raise :class:`LayoutError` when DP x CP or expert-DP does not split into ``instances`` of a
+        distributed optimizer (Megatron's ``num_distributed_optimizer_instances``), as Megatron's
+        ``initialize_model_parallel`` asserts."""
+        for size, what in ((self.dp * self.cp, "dp*cp"), (self.edp, "edp")):
+            if size % instances:
+                raise LayoutError(
+                    f"{self.describe()}: {what} ({size}) is not divisible by the distributed optimizer's "
+                    f"{instances} instances (num_distributed_optimizer_instances)"
+                )
+
     def check_micro_batches(self, micro_batches: int) -> None:
         """Raise :class:`LayoutError` when a rank's ``micro_batches`` per step cannot run this layout's
         schedule: Megatron's interleaved one (``vpp > 1``) runs them in groups of ``pp`` per chunk."""

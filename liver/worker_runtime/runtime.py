@@ -1215,6 +1215,11 @@ class LiveRuntime(Generic[T]):
             )
             return outcome
 
+    @property
+    def _joiners_told(self) -> timedelta:
+        """How long the word of an old world that lost a peer before the cut may take (both ways)."""
+        return timedelta(seconds=min(self.options.control_timeout_s, JOINERS_TOLD_S))
+
     def _tell_joiners(self, stale: Preparation, broken: WorldSpec, iteration: int) -> None:
         """The world lost a peer while a handoff with joiners was prepared (its SWITCH may be out): say
         in its store that the old world recovers live, so that its joiners, whose entry now breaks,
@@ -1236,7 +1241,7 @@ class LiveRuntime(Generic[T]):
                     self.job,
                     stale.generation,
                     outcome,
-                    timedelta(seconds=min(self.options.control_timeout_s, JOINERS_TOLD_S)),
+                    self._joiners_told,
                 )
             except (RuntimeError, OSError) as error:  # a store that is gone: the joiners fail the entry
                 self._log.warning("runtime.joiners_not_told", generation=stale.generation, error=str(error))
@@ -1249,8 +1254,7 @@ class LiveRuntime(Generic[T]):
         only one that lost a peer says so (:meth:`_tell_joiners`: this waits a moment for that); a
         recovery (a request naming lost devices) has no old world to go back to, whatever the stage."""
         if aborted.stage == HandoffStage.ENTER and not prep.request.lost:
-            wait = timedelta(seconds=min(self.options.control_timeout_s, JOINERS_TOLD_S))
-            told = await_outcome(prep.request.store, self.job, prep.generation, wait)
+            told = await_outcome(prep.request.store, self.job, prep.generation, self._joiners_told)
             return told if told is not None and told.verdict is OutcomeVerdict.RECOVER else None
         return await_outcome(
             prep.request.store,

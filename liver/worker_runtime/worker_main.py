@@ -206,17 +206,17 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 keep_last=self.checkpoint_keep,
                 resume=self.checkpoint_resume,
             )
-        options = RuntimeOptions(
-            control_timeout_s=self.control_timeout_s,
-            build_timeout_s=self.build_timeout_s,
-            checkpoint=checkpoint,
-        )
         copies = (
             CopyOptions(go_back=self.copies_go_back, host_budget_bytes=self.copies_host_bytes)
             if self.copies
             else None
         )
-        return msgspec.structs.replace(options, copies=copies)
+        return RuntimeOptions(
+            control_timeout_s=self.control_timeout_s,
+            build_timeout_s=self.build_timeout_s,
+            checkpoint=checkpoint,
+            copies=copies,
+        )
 
     def make_job(self) -> MegatronJob:
         """The job this worker trains: the preset on synthetic data, or the user's own job from its

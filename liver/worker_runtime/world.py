@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from liver.shared.errors import HandoffError
-from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
+from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, check_placement
 from liver.shared.subjects import validate_token
 
 log = structlog.get_logger(__name__)
@@ -167,16 +167,14 @@ dense parameters too), ``DIST_OPT_INSTANCE`` is every rank of one instance (its 
 
 
 def check_instances(layout: ParallelLayout, instances: int) -> None:
-    """Raise ``ValueError`` naming ``instances`` when the layout's DP x CP or expert-DP does not split
-    into that many instances (as Megatron's ``initialize_model_parallel`` asserts)."""
+    """Raise ``ValueError`` naming ``instances`` when the layout cannot take that many instances of a
+    distributed optimizer (:meth:`ParallelLayout.check_instances`)."""
     if not isinstance(instances, int) or instances < 1:
         raise ValueError(f"`instances`: must be at least 1, got {instances!r}")
-    for size, what in ((layout.dp * layout.cp, "dp*cp"), (layout.edp, "edp")):
-        if size % instances:
-            raise ValueError(
-                f"`instances`: {layout.describe()}'s {what} ({size}) does not split into {instances} "
-                "distributed-optimizer instances"
-            )
+    try:
+        layout.check_instances(instances)
+    except LayoutError as error:
+        raise ValueError(f"`instances`: {error}") from None
 
 
 _DENSE_AXES: dict[GroupKind, tuple[str, ...]] = {

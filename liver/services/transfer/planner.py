@@ -40,7 +40,7 @@ from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec, as_geometry
 from liver.shared.plan import LayerClass, Plan, Slice, TaskTemplate, WorldConfig
-from liver.shared.redundancy import NO_KEEPER, copied_set, redundancy
+from liver.shared.redundancy import NO_KEEPER, alike_holders, copied_set, redundancy
 from liver.shared.views import (
     expert_rank,
     grid_of,
@@ -291,14 +291,10 @@ def _lost_owners(
         for ti, t in enumerate(model.tensors(optimizer=True)):
             if not is_dp_sharded(t, model) or not holding(t, model, layout, rank):
                 continue
-            grid = grid_of(t, layout)
-            tp, ep, replica, _pp = grid.place(rank)
-            stages = holding_stages(t, model, layout)
-            tps = range(grid.tp) if t.rule == "replicated" else (tp,)
-            group = shard_group(model, grid.replicas)
-            shares = range(replica % group, grid.replicas, group)  # one per instance of the optimizer
-            replicas = [grid.rank(q, ep, r, pp) for pp in stages for q in tps for r in shares]
-            if all(devices[r] in lost for r in replicas) and not any(stand.has(r, ti) for r in replicas):
+            owners = alike_holders(t, model, layout, rank)
+            if all(devices[r] in lost for r in owners) and not any(stand.has(r, ti) for r in owners):
+                tp, ep, _replica, _pp = grid_of(t, layout).place(rank)
+                stages = holding_stages(t, model, layout)
                 out.append(ShardClass(stages, ep if t.expert >= 0 else -1, tp, t.name))
                 break
     return out
@@ -664,14 +660,13 @@ def _owner_ranks(
     replicated: bool,
     first: tuple[int, int],
     alive: Sequence[bool],
-    group: int | None = None,
-    near: int | None = None,
+    group: int,
+    near: int | None,
 ) -> list[int]:
     """One owner per share (a replica index, DP or expert-DP on the expert ``grid``, of the first
     ``group``: with several instances of the distributed optimizer each share is owned once in each)
     and per TP rank, unless the tensor is TP-replicated: from the replica ``first`` (stage, TP rank)
     names and the instance of replica ``near`` when they survive, else from the first surviving one."""
-    group = group or grid.replicas
     stage_order = [first[0], *(pp for pp in stages if pp != first[0])]
     out = []
     for share in range(group):

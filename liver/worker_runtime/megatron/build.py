@@ -172,13 +172,22 @@ class ParallelGroups:
     intra_edp: dist.ProcessGroup
     dist_opt_instance: dist.ProcessGroup
     inter_dist_opt: dist.ProcessGroup | None = None
-    instances: int = 1
+
+    @property
+    def instances(self) -> int:
+        """The distributed optimizer's instances: as many as the world holds of ``dist_opt_instance``."""
+        return self.layout.world_size // self.dist_opt_instance.size()
 
     def __post_init__(self) -> None:
         layout = self.layout
         c = layout.coords(self.rank)
         tp, cp, dp, etp, ep = layout.tp, layout.cp, layout.dp, layout.expert_tp, layout.ep
         k = self.instances
+        if k * self.dist_opt_instance.size() != layout.world_size or (cp * dp) % k or layout.edp % k:
+            raise MegatronBuildError(
+                f"rank {self.rank} of {layout.describe()}: its dist_opt_instance group of "
+                f"{self.dist_opt_instance.size()} does not split the world into instances the layout takes"
+            )
         share, block = cp * dp // k, layout.edp // k
         if (self.inter_dist_opt is None) != (k == 1):
             raise MegatronBuildError(
@@ -196,7 +205,6 @@ class ParallelGroups:
         for name, group, size, index in (
             ("intra_dp_cp", self.intra_dp_cp, share, (c.cp + cp * c.dp) % share),
             ("intra_edp", self.intra_edp, block, c.edp % block),
-            ("dist_opt_instance", self.dist_opt_instance, layout.world_size // k, None),
             ("tp", self.tp, tp, c.tp),
             ("pp", self.pp, layout.pp, c.pp),
             ("dp", self.dp, dp, c.dp),
@@ -212,7 +220,7 @@ class ParallelGroups:
             ("tp_ep", self.tp_ep, etp * ep, c.etp + etp * c.ep),
             ("tp_ep_pp", self.tp_ep_pp, etp * ep * layout.pp, c.etp + etp * (c.ep + ep * c.pp)),
         ):
-            if group.size() != size or (index is not None and group.rank() != index):
+            if group.size() != size or group.rank() != index:
                 raise MegatronBuildError(
                     f"rank {self.rank} of {layout.describe()}: its {name} group is rank {group.rank()} of "
                     f"{group.size()}, the layout says rank {index} of {size}"
@@ -325,7 +333,6 @@ def groups_from_world(world: World) -> ParallelGroups:
         intra_edp=world.group(GroupKind.INTRA_EDP),
         dist_opt_instance=world.group(GroupKind.DIST_OPT_INSTANCE),
         inter_dist_opt=world.group(GroupKind.INTER_DIST_OPT) if world.spec.instances > 1 else None,
-        instances=world.spec.instances,
     )
 
 
