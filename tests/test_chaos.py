@@ -19,7 +19,7 @@ import pytest
 from liver.chaos.checker import Invariant, check
 from liver.chaos.fuzz import SEMANTIC, Category, HostileMaker, channels, run_fuzz
 from liver.chaos.run import ChaosConfig, ChaosError, ChaosRun, run_chaos, summary
-from liver.chaos.schedule import SERVICES, ScheduleError, Target, make_schedule
+from liver.chaos.schedule import SERVICES, ScheduleError, Stage, Target, make_schedule
 from liver.services.coordinator.record import GenerationRecord
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
 from liver.shared.messages import AbortOutcome, GenerationAborted, GenerationCommitted, HandoffPhase
@@ -90,12 +90,21 @@ def test_every_service_and_the_server_are_killed_as_often_as_asked() -> None:
     assert set(SERVICES) <= set(targets)
 
 
+def test_a_restart_loss_is_a_kill_of_its_own_at_a_stage_the_coordinator_holds() -> None:
+    schedule = make_schedule(5, steps=8, kills=6, server_kills=1, worker_kills=1, restart_losses=2)
+    restarts = [kill for kill in schedule.kills if kill.target == Target.WORKER_IN_RESTART]
+    assert len(restarts) == 2 and all(k.stage in (Stage.PREPARE, Stage.SWITCH) for k in restarts)
+    assert [k.target for k in schedule.kills].count(Target.WORKER) == 1
+
+
 @pytest.mark.parametrize(
     ("numbers", "field"),
     [
         ({"steps": 0, "kills": 0, "server_kills": 0}, "steps"),
         ({"steps": 3, "kills": 4, "server_kills": 0}, "kills"),
         ({"steps": 3, "kills": 2, "server_kills": 3}, "server_kills"),
+        ({"steps": 3, "kills": 2, "server_kills": 1, "restart_losses": 2}, "restart_losses"),
+        ({"steps": 3, "kills": 2, "server_kills": 0, "restart_losses": -1}, "restart_losses"),
     ],
 )
 def test_a_schedule_that_cannot_be_made_names_the_field(numbers: dict[str, int], field: str) -> None:

@@ -1,7 +1,7 @@
 """``liver chaos --workers real``, CI-sized: real training processes (the tiny Megatron GPT on CPU, one
 ``liver worker`` per device, two per node on three loopback nodes) under a coordinator killed in the
 middle of a handoff, a training process killed without notice (once at a switch, once outside any
-handoff), and a whole node killed without notice.
+handoff, once at a switch while the coordinator is down), and a whole node killed without notice.
 
 Specification, read back from the bus and the workers' own metrics: every event ends in exactly one
 outcome, every spot warning in a commit that leaves the warned node, every loss in a live recovery
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 RESTART_AT_PREPARE = Kill(target=Target.COORDINATOR, stage=Stage.PREPARE, down_s=0.5)
 KILL_AT_SWITCH = Kill(target=Target.WORKER, stage=Stage.SWITCH, down_s=0.5)
+LOSS_IN_RESTART = Kill(target=Target.WORKER_IN_RESTART, stage=Stage.SWITCH, down_s=1.0)
 SCHEDULE = Schedule(
     seed=0,
     steps=(
@@ -43,6 +44,11 @@ SCHEDULE = Schedule(
         # goes out (the joiners' enter breaks on it: the survivors recover live around it).
         Step(index=3, draw=0.9, burst=False, kill=KILL_AT_SWITCH),
         Step(index=4, draw=0.7, burst=False, loss=Loss.NODE),  # kill -9 of every process of a node
+        Step(index=5, draw=0.9, burst=False),  # a node comes back: the world has a replica again
+        # The third node comes back; as the Switch goes out the coordinator is killed, and a training
+        # process of the staying world while it is down: the restarted one learns of the loss from the
+        # survivors (their heartbeats say their world broke; it asks every participant at once).
+        Step(index=6, draw=0.9, burst=False, kill=LOSS_IN_RESTART),
     ),
 )
 
@@ -72,8 +78,9 @@ def test_the_coordinator_killed_mid_handoff_costs_no_event(result: RealResult) -
 
 
 def test_every_loss_is_recovered_live_within_the_limit(result: RealResult) -> None:
-    assert [loss.kind for loss in result.losses] == [Loss.WORKER, Loss.WORKER, Loss.NODE]
+    assert [loss.kind for loss in result.losses] == [Loss.WORKER, Loss.WORKER, Loss.NODE, Loss.WORKER]
     assert result.kills.get(Target.WORKER.value) == 1  # the one at the switch
+    assert result.kills.get(Target.WORKER_IN_RESTART.value) == 1  # the one while the coordinator is down
     for loss in result.losses:
         assert loss.generation is not None and loss.training_s is not None
         assert loss.training_s < RECOVERY_LIMIT_S

@@ -1498,6 +1498,36 @@ def test_restore_before_the_switch_aborts_once_and_replans_the_same_triggers() -
     assert d.notes("duplicate_event_ignored")
 
 
+def test_after_a_restart_a_broken_world_awaits_its_silent_member_only_the_suspicion_window() -> None:
+    """The survivors' ``peer_lost`` went out while the coordinator was down: their heartbeats still say
+    their world broke, and a device not heard from since the restart is lost ``suspect_timeout_s`` later,
+    not at the end of the restart's full heartbeat window."""
+    d = started()
+    handoff_prepared(d)
+    d.restart()
+    d.write()
+    for rank, dev in enumerate(WORLD[:3]):
+        d.beat(dev, generation=0, rank=rank, broken=True)
+    assert len(d.notes("world_lost_a_peer")) == 1  # the first broken word of the generation, once
+    d.probe()  # the three that beat answer; WORLD[3] was never heard from, so it cannot be asked
+    d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
+    for rank, dev in enumerate(WORLD[:3]):
+        d.beat(dev, generation=0, rank=rank, broken=True)
+    d.tick()
+    assert CONFIG.suspect_timeout_s + 0.5 < CONFIG.heartbeat_timeout_s
+    (lost,) = d.notes("worker_lost")
+    assert lost.fields["device"] == str(WORLD[3]), lost
+
+
+def test_a_broken_heartbeat_of_a_world_whose_loss_is_known_asks_nothing_more() -> None:
+    d = started()
+    d.status(WORLD[0], 0, "peer_lost")
+    d.probe(gone=(WORLD[3],))
+    d.write()
+    d.beat(WORLD[1], generation=0, rank=1, broken=True)
+    assert len(d.notes("world_lost_a_peer")) == 1 and not d.has(ProbeWorkers)
+
+
 def test_restore_after_the_switch_intent_resumes_and_commits_once() -> None:
     d = started()
     switching(d)
@@ -2339,9 +2369,28 @@ def test_restore_after_the_switch_recovers_live_when_the_survivors_say_their_old
     for rank, dev in enumerate(WORLD[:3]):
         d.beat(dev, generation=0, rank=rank, broken=True)  # they never committed: nobody did
     d.tick()
+    d.probe(silent=(WORLD[3],))  # asked at the first broken word; the restart's window ran out first
     d.write()
     (aborted,) = d.published(GenerationAborted)
     assert aborted.outcome == "live_recovery", aborted
+    d.write()
+    assert d.pop(RequestTopology).request.lost == (WORLD[3],)
+
+
+def test_restore_after_the_switch_finds_the_silent_participant_gone_at_the_first_broken_word() -> None:
+    """The survivors' word that their old world broke has the restarted coordinator ask every participant
+    at once, the one it has not heard since its restart included: a loss known in a round trip, not
+    after the restart's heartbeat window."""
+    d = started()
+    switching(d)
+    d.restart()
+    d.beat(WORLD[0], generation=0, rank=0, broken=True)
+    (probe,) = [a for a in d.pending if isinstance(a, ProbeWorkers)]
+    assert worker(WORLD[3]) in probe.worker_ids
+    d.probe(gone=(WORLD[3],))
+    d.write()
+    (aborted,) = d.published(GenerationAborted)
+    assert aborted.outcome == "live_recovery" and "no connection to the bus" in aborted.reason, aborted
     d.write()
     assert d.pop(RequestTopology).request.lost == (WORLD[3],)
 

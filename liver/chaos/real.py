@@ -306,26 +306,41 @@ class RealChaosRun(ChaosRun):
             await asyncio.sleep(0.2)
 
     async def _kill(self, kill: Kill) -> None:
-        if kill.target != Target.WORKER:
+        if kill.target not in (Target.WORKER, Target.WORKER_IN_RESTART):
             await super()._kill(kill)
             return
-        await asyncio.wait(
-            [asyncio.ensure_future(self.watch.seen(kill.stage)), asyncio.ensure_future(self._ended.wait())],
-            timeout=30.0,
-            return_when=asyncio.FIRST_COMPLETED,
-        )
+        waits = [
+            asyncio.ensure_future(self.watch.seen(kill.stage)),
+            asyncio.ensure_future(self._ended.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=30.0, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
         staying = [d for d in self.current.placement.devices if d.node != self._leaving]
         survivable = [d for d in staying if self._survives((d,))]
         if not survivable:  # no replica of its state: not a live-recovery case
             self.progress(f"  (no worker kill: no staying worker of {self.world} has its state replicated)")
             return
         victim = survivable[-1]
-        self.kills[Target.WORKER.value] += 1
-        self.progress(f"  kill -9 the worker on {victim} at {kill.stage.value}")
-        self._kill_devices((victim,))
-        self.losses.append(
-            LossRecord(step=self._step_index, kind=Loss.WORKER, devices=(victim,), killed_at=time.time())
+
+        def kill_victim() -> None:
+            self.kills[kill.target.value] += 1
+            self._kill_devices((victim,))
+            self.losses.append(
+                LossRecord(step=self._step_index, kind=Loss.WORKER, devices=(victim,), killed_at=time.time())
+            )
+
+        if kill.target == Target.WORKER:
+            self.progress(f"  kill -9 the worker on {victim} at {kill.stage.value}")
+            kill_victim()
+            return
+        self.progress(
+            f"  kill -9 the coordinator at {kill.stage.value}, then the worker on {victim} while it is "
+            f"down; the coordinator back in {kill.down_s:.1f} s"
         )
+        await self._restart_service(Target.COORDINATOR, kill.down_s, kill_victim)
 
     async def step(self, step: Step) -> StepRecord:
         self._step_index = step.index

@@ -535,15 +535,24 @@ class ChaosRun:
             self.procs.server = self.procs.new_server()
             await asyncio.to_thread(self.procs.server.start)
             return
-        self.procs.killing.add(kill.target)
+        await self._restart_service(kill.target, kill.down_s)
+
+    async def _restart_service(
+        self, target: Target, down_s: float, while_down: Callable[[], None] | None = None
+    ) -> None:
+        """kill -9 one service, run ``while_down`` once it is gone, and start it again ``down_s`` later
+        (as its supervisor would)."""
+        self.procs.killing.add(target)
         try:
-            child = self.procs.services[kill.target]
+            child = self.procs.services[target]
             child.proc.kill()
             await asyncio.to_thread(child.proc.wait)
-            await asyncio.sleep(kill.down_s)
-            self.procs.start_service(kill.target)
+            if while_down is not None:
+                while_down()
+            await asyncio.sleep(down_s)
+            self.procs.start_service(target)
         finally:
-            self.procs.killing.discard(kill.target)
+            self.procs.killing.discard(target)
 
     async def step(self, step: Step) -> StepRecord:
         kind, nodes = self._choose(step)

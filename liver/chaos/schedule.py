@@ -19,7 +19,9 @@ from liver.shared.errors import InputError
 
 class Target(StrEnum):
     """What a kill hits: one of the four services, the nats-server itself, or (with real training
-    processes) one worker of the world that stays."""
+    processes) one worker of the world that stays, alone or while the coordinator is down
+    (``WORKER_IN_RESTART``: the coordinator is killed at the stage, and the worker before it is back, so
+    that the restarted coordinator learns of the loss only from what the survivors say)."""
 
     INGESTER = "ingester"
     TOPOLOGY = "topology"
@@ -27,6 +29,7 @@ class Target(StrEnum):
     COORDINATOR = "coordinator"
     SERVER = "nats-server"
     WORKER = "worker"
+    WORKER_IN_RESTART = "worker-in-restart"
 
 
 class Loss(StrEnum):
@@ -65,6 +68,7 @@ STAGES_OF: Final = {
     ),
     Target.SERVER: tuple(Stage),
     Target.WORKER: (Stage.PREPARE, Stage.SWITCH),
+    Target.WORKER_IN_RESTART: (Stage.PREPARE, Stage.SWITCH),
 }
 """The stages at which each target holds (or is about to take) the handoff's message: a kill there
 is a kill in the middle of its work, not between two of its messages."""
@@ -112,23 +116,31 @@ def make_schedule(
     server_kills: int,
     worker_kills: int = 0,
     losses: int = 0,
+    restart_losses: int = 0,
 ) -> Schedule:
-    """``steps`` events with ``kills`` of them carrying a kill, ``server_kills`` of those of the server
-    and ``worker_kills`` of a training process; ``losses`` other steps are losses without notice
-    (alternately one worker and a whole node). The last two need real training processes."""
+    """``steps`` events with ``kills`` of them carrying a kill, ``server_kills`` of those of the server,
+    ``worker_kills`` of a training process and ``restart_losses`` of a training process while the
+    coordinator, killed with it, is down; ``losses`` other steps are losses without notice (alternately
+    one worker and a whole node). The last three need real training processes."""
     if steps < 1:
         raise ScheduleError(f"`steps`: at least one, got {steps}")
     if not 0 <= kills <= steps:
         raise ScheduleError(f"`kills`: between 0 and the {steps} steps, got {kills}")
-    if not 0 <= server_kills + worker_kills <= kills:
-        special = server_kills + worker_kills
+    if min(server_kills, worker_kills, restart_losses) < 0:
+        raise ScheduleError("`server_kills`, `worker_kills` and `restart_losses`: none may be negative")
+    special = server_kills + worker_kills + restart_losses
+    if special > kills:
         raise ScheduleError(
-            f"`server_kills` + `worker_kills`: between 0 and the {kills} kills, got {special}"
+            f"`server_kills` + `worker_kills` + `restart_losses`: at most the {kills} kills, got {special}"
         )
     if not 0 <= losses <= steps - kills:
         raise ScheduleError(f"`losses`: between 0 and the {steps - kills} steps without a kill, got {losses}")
     rng = random.Random(seed)
-    targets = [Target.SERVER] * server_kills + [Target.WORKER] * worker_kills
+    targets = (
+        [Target.SERVER] * server_kills
+        + [Target.WORKER] * worker_kills
+        + [Target.WORKER_IN_RESTART] * restart_losses
+    )
     services = list(SERVICES)
     while len(targets) < kills:
         rng.shuffle(services)

@@ -43,6 +43,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--worker-kills", type=int, default=0, help="real: kills of a training process inside a handoff"
     )
     p.add_argument(
+        "--restart-losses",
+        type=int,
+        default=0,
+        help="real: kills of a training process inside a handoff while the coordinator, killed there "
+        "too, is down (of the --kills)",
+    )
+    p.add_argument(
         "--losses",
         type=int,
         default=0,
@@ -75,11 +82,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--outcome-timeout: must be > 0, got {args.outcome_timeout}")
     if args.nodes < 3:
         raise CliError(f"--nodes: at least 3 (a world of two and one to come back), got {args.nodes}")
-    if args.workers != "real" and (
-        args.worker_kills or args.losses or args.job_factory or args.job_arg or args.unreplicated_loss
-    ):
+    real_only = (args.worker_kills, args.restart_losses, args.losses, args.job_factory, args.job_arg)
+    if args.workers != "real" and (any(real_only) or args.unreplicated_loss):
         raise CliError(
-            "--worker-kills, --losses, --job-factory, --job-arg and --unreplicated-loss need --workers real"
+            "--worker-kills, --restart-losses, --losses, --job-factory, --job-arg and --unreplicated-loss "
+            "need --workers real"
         )
     try:
         schedule = make_schedule(
@@ -89,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             server_kills=args.server_kills,
             worker_kills=args.worker_kills,
             losses=args.losses,
+            restart_losses=args.restart_losses,
         )
     except ValueError as exc:
         raise CliError(str(exc).replace("`", "--").replace("_", "-")) from None

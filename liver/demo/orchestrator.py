@@ -129,6 +129,9 @@ def worker_settings(state: RunState, device: Device, rank0_port: int) -> WorkerS
         metrics=str(state.metrics_dir / f"{worker_name(device)}.jsonl"),
         stop_file=str(state.stop_file),
         heartbeat_s=sc.heartbeat_s,
+        # A kill can land in a copy's refresh (the lost shard's copy a step behind): going back a step
+        # keeps that recovery live too, where the demo has no checkpoint to fall back to.
+        copies_go_back=sc.fail_stop and sc.train.use_distributed_optimizer,
     )
 
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Final
@@ -323,6 +323,7 @@ class Coordinator:
         """A probe of a world's members in flight: its number, and when to stop waiting for it. No
         handoff begins meanwhile, so that every member found gone is planned around at once."""
         self._probes = 0
+        self._broken_heard: int | None = None  # a generation a heartbeat said broke, acted on once
 
     # -- what tests and the adapter may look at ---------------------------------------------------
 
@@ -1519,8 +1520,13 @@ class Coordinator:
                 begin=False,
             )
         for device in expired.missing:
+            window = (
+                "the suspicion window after its world lost a peer"
+                if device in expired.hurried
+                else (f"{timeout} s")
+            )
             self._on_lost(
-                device, f"no worker on {device} reported within {timeout} s of the restart", begin=False
+                device, f"no worker on {device} reported within {window} of the restart", begin=False
             )
         if any(m.device in self._world() for m in expired.lost):
             self._probe(self._world())  # its node's other workers may be gone too: one loss, one plan
@@ -1566,7 +1572,7 @@ class Coordinator:
         if isinstance(event, Heartbeat):
             self._switched_by_heartbeat(event)
             if event.broken:
-                self._old_world_broke(event.worker_id, event.generation)
+                self._heard_broken(event)
 
     def _on_reconnected(self) -> None:
         """The bus was away: what this coordinator sent, and what workers acked, may be lost (worker
@@ -1633,38 +1639,54 @@ class Coordinator:
             return
         h.old_world_broke = True
         self._note("info", "old_world_broke_before_the_commit", worker_id=worker_id, generation=generation)
+        # Whoever broke it may be one this coordinator has not heard since its restart: ask them all now
+        # instead of waiting out the restart's window for the silent ones.
+        self._probe(set(h.participants.values()) | set(self._world()), generation=generation)
 
     def _on_peer_lost(self, event: WorkerStatus) -> None:
+        self._peer_lost(event.worker_id, event.generation)
+
+    def _heard_broken(self, beat: Heartbeat) -> None:
+        """A heartbeat says its world lost a peer: the worker's ``peer_lost`` ack may have gone out while
+        this coordinator was down (worker traffic is not stored), so the first such word of a generation
+        counts as that ack, unless a loss in it is known already."""
+        self._old_world_broke(beat.worker_id, beat.generation)
+        if self._broken_heard == beat.generation or self._old_world_broken():
+            return
+        self._broken_heard = beat.generation
+        self._peer_lost(beat.worker_id, beat.generation)
+
+    def _peer_lost(self, worker_id: str, generation: int | None) -> None:
         """A worker says its world lost a peer (a collective failed outside a handoff). It cannot say
         which one; whoever it was stops beating, so every member of that world unheard for
-        ``suspect_timeout_s`` is lost now instead of after the full heartbeat timeout."""
-        self._old_world_broke(event.worker_id, event.generation)
-        member = self.membership.get(event.worker_id)
+        ``suspect_timeout_s`` is lost now instead of after the full heartbeat timeout (and a device not
+        heard from since a restart is awaited no longer than that)."""
+        self._old_world_broke(worker_id, generation)
+        member = self.membership.get(worker_id)
         h = self._handoff
         target = None if h is None else h.target
-        if h is not None and target and event.generation == h.generation and event.worker_id in h.switched:
+        if h is not None and target and generation == h.generation and worker_id in h.switched:
             # The new world lost a peer right after its commit, before this coordinator recorded it.
             marked = self.membership.suspect(target, self.config.suspect_timeout_s)
-            self._note("warning", "new_world_lost_a_peer", worker_id=event.worker_id, suspects=marked)
+            self._note("warning", "new_world_lost_a_peer", worker_id=worker_id, suspects=marked)
             self._probe(target, generation=h.generation)
             return
-        if self._record is None or not self._record.live or event.generation != self._record.generation:
-            self._note(
-                "debug", "stale_peer_lost_ignored", worker_id=event.worker_id, generation=event.generation
-            )
+        if self._record is None or not self._record.live or generation != self._record.generation:
+            self._note("debug", "stale_peer_lost_ignored", worker_id=worker_id, generation=generation)
             return
         joining = (
-            h is not None and event.worker_id in h.participants and h.from_generation == event.generation
+            h is not None and worker_id in h.participants and h.from_generation == generation
         )  # a joiner whose handoff broke on the loss
         if member is None or (member.device not in self._world() and not joining):
-            self._note("warning", "peer_lost_from_outsider_ignored", worker_id=event.worker_id)
+            self._note("warning", "peer_lost_from_outsider_ignored", worker_id=worker_id)
             return
         marked = self.membership.suspect(self._world(), self.config.suspect_timeout_s)
+        marked += self.membership.hurry(self._world(), self.now, self.config.suspect_timeout_s)
         self._note(
             "warning",
             "world_lost_a_peer",
-            worker_id=event.worker_id,
-            generation=event.generation,
+            worker_id=worker_id,
+            generation=generation,
             suspects=marked,
             within_s=self.config.suspect_timeout_s,
         )
@@ -1680,7 +1702,8 @@ class Coordinator:
         if self._probing is not None:
             return
         wanted = set(devices)
-        workers = tuple(sorted(m.worker_id for m in self.membership if m.device in wanted))
+        members = {m.worker_id for m in self.membership if m.device in wanted}
+        workers = tuple(sorted(members | set(self._awaited_participants(wanted))))
         if not workers:
             return
         if generation is None:
@@ -1697,6 +1720,20 @@ class Coordinator:
             )
         )
 
+    def _awaited_participants(self, devices: Collection[Device] | None = None) -> dict[str, Device]:
+        """The handoff's participants (on ``devices``) not heard since this coordinator's restart and
+        still awaited: the record names them, so a probe can ask for them by name."""
+        h = self._handoff
+        if h is None:
+            return {}
+        return {
+            worker_id: device
+            for worker_id, device in h.participants.items()
+            if (devices is None or device in devices)
+            and self.membership.get(worker_id) is None
+            and self.membership.is_expected(device, self.now)
+        }
+
     def _on_probed(self, event: WorkersProbed) -> None:
         """The members found gone are lost now, all of them before any handoff begins (an answer to a
         probe given up on still says who is gone)."""
@@ -1710,13 +1747,16 @@ class Coordinator:
             answered=len(event.answered),
             silent=list(event.silent),
         )
+        awaited = self._awaited_participants()
         for worker_id in event.gone:
             member = self.membership.remove(worker_id)
-            if member is None:
+            device = member.device if member is not None else awaited.get(worker_id)
+            if device is None:
                 continue  # already lost by its heartbeats
+            self.membership.unexpect(device)
             self._on_lost(
-                member.device,
-                f"worker {worker_id} on {member.device} has no connection to the bus (its process is gone)",
+                device,
+                f"worker {worker_id} on {device} has no connection to the bus (its process is gone)",
                 begin=False,
             )
         self._decide_failure()
