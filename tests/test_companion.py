@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 from bus_helpers import Collector, client, eventually, scrape
 from companion_helpers import (
@@ -151,6 +152,21 @@ async def test_hello_names_the_node_device_address_and_memory(nats_server: NatsS
     assert hello.device.node == "node000"
     assert hello.memory_bytes == 80 << 30
     assert (hello.generation, hello.rank) == (3, 2)
+
+
+async def test_the_companion_answers_a_probe_by_its_name_and_by_its_device_until_it_closes(
+    nats_server: NatsServer, job: str
+) -> None:
+    me = identity(job, DEVICES[1])
+    by_name = s.worker_probe(job, me.worker_id)
+    by_device = s.device_probe(job, me.device.node, me.device.index)
+    async with client(nats_server.url) as (nc, _):
+        async with running(Companion(me, RecordingHooks(), url=nats_server.url)):
+            for subject in (by_name, by_device):
+                await nc.request(subject, b"", timeout=10.0)
+        for subject in (by_name, by_device):  # a process that is gone has no subscriber left
+            with pytest.raises(nats.errors.NoRespondersError):
+                await nc.request(subject, b"", timeout=10.0)
 
 
 async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(

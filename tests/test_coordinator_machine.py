@@ -378,6 +378,7 @@ class Driver:
                 gone=tuple(w for w in action.worker_ids if w in gone_ids),
                 silent=tuple(w for w in action.worker_ids if w in silent_ids),
                 answered=tuple(w for w in action.worker_ids if w not in gone_ids | silent_ids),
+                gone_devices=tuple(d for d in action.devices if d in gone),
             )
         )
 
@@ -1509,7 +1510,7 @@ def test_after_a_restart_a_broken_world_awaits_its_silent_member_only_the_suspic
     for rank, dev in enumerate(WORLD[:3]):
         d.beat(dev, generation=0, rank=rank, broken=True)
     assert len(d.notes("world_lost_a_peer")) == 1  # the first broken word of the generation, once
-    d.probe()  # the three that beat answer; WORLD[3] was never heard from, so it cannot be asked
+    d.probe(silent=(WORLD[3],))  # the three that beat answer; nothing is heard of WORLD[3]
     d.now += timedelta(seconds=CONFIG.suspect_timeout_s + 0.5)
     for rank, dev in enumerate(WORLD[:3]):
         d.beat(dev, generation=0, rank=rank, broken=True)
@@ -1517,6 +1518,23 @@ def test_after_a_restart_a_broken_world_awaits_its_silent_member_only_the_suspic
     assert CONFIG.suspect_timeout_s + 0.5 < CONFIG.heartbeat_timeout_s
     (lost,) = d.notes("worker_lost")
     assert lost.fields["device"] == str(WORLD[3]), lost
+
+
+def test_after_a_restart_before_the_switch_a_device_no_record_names_is_asked_by_its_place() -> None:
+    """No record names the worker of a device of the world before the switch: the probe asks the device
+    itself, and one with no worker on the bus is lost in a round trip."""
+    d = started()
+    handoff_prepared(d)
+    d.restart()
+    d.write()
+    for rank, dev in enumerate(WORLD[:3]):
+        d.beat(dev, generation=0, rank=rank)
+    d.beat(WORLD[0], generation=0, rank=0, broken=True)
+    (probe,) = [a for a in d.pending if isinstance(a, ProbeWorkers)]
+    assert probe.devices == (WORLD[3],) and worker(WORLD[3]) not in probe.worker_ids
+    d.probe(gone=(WORLD[3],))
+    (lost,) = d.notes("worker_lost")
+    assert lost.fields["device"] == str(WORLD[3]) and "no worker on" in lost.fields["why"], lost
 
 
 def test_a_broken_heartbeat_of_a_world_whose_loss_is_known_asks_nothing_more() -> None:

@@ -49,6 +49,19 @@ def test_a_worker_command_subject_names_job_and_worker() -> None:
     assert s.worker_command("job-7", "w-3") == "liver.worker.cmd.job-7.w-3"
 
 
+def test_a_device_probe_is_not_caught_by_a_worker_probe_of_any_name() -> None:
+    device = s.device_probe("job-7", "node003", 1)
+    assert device == "liver.worker.probe.job-7.device.node003.1"
+    assert not _matches(s.worker_probe("job-7", "device"), device)
+    assert _matches("liver.worker.probe.>", device)  # the workers' permission covers it
+
+
+@pytest.mark.parametrize(("node", "index", "field"), [("n.1", 0, "node"), ("node000", -1, "index")])
+def test_a_device_probe_names_the_part_of_the_device_that_is_bad(node: str, index: int, field: str) -> None:
+    with pytest.raises(s.SubjectError, match=field):
+        s.device_probe("job-7", node, index)
+
+
 def test_the_job_broadcast_is_not_caught_by_the_per_worker_pattern() -> None:
     assert not _matches(s.worker_commands_any("job-7"), s.worker_commands("job-7"))
     assert _matches(s.worker_commands_any("job-7"), s.worker_command("job-7", "w-3"))

@@ -147,6 +147,17 @@ def worker_probe(job_id: str, worker_id: str) -> str:
     return f"liver.worker.probe.{validate_token(job_id, 'job_id')}.{validate_token(worker_id, 'worker_id')}"
 
 
+def device_probe(job_id: str, node: str, index: int) -> str:
+    """Coordinator -> the worker on one device, request/reply, as :func:`worker_probe` asks a worker by
+    name: a coordinator that restarted asks for a device of its world whose worker it has not heard
+    from, and whose name no record kept, the same question."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise SubjectError(f"index: a device index is a non-negative integer, got {index!r}")
+    return (
+        f"liver.worker.probe.{validate_token(job_id, 'job_id')}.device.{validate_token(node, 'node')}.{index}"
+    )
+
+
 def worker_commands_any(job_id: str) -> str:
     """Pattern matching the per-worker command subjects of one job (for permissions and monitoring)."""
     return f"liver.worker.cmd.{validate_token(job_id, 'job_id')}.*"

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from liver.shared.layout import Device
 from liver.shared.messages import (
     Abort,
     Generation,
@@ -76,6 +77,8 @@ class ProbeWorkers(Action):
     generation: Generation
     worker_ids: tuple[str, ...]
     timeout_s: float
+    devices: tuple[Device, ...] = ()
+    """Devices to ask by place, not by name: awaited since a restart, their worker named nowhere."""
 
 
 class WriteMembership(Action):

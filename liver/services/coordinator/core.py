@@ -1703,8 +1703,18 @@ class Coordinator:
             return
         wanted = set(devices)
         members = {m.worker_id for m in self.membership if m.device in wanted}
-        workers = tuple(sorted(members | set(self._awaited_participants(wanted))))
-        if not workers:
+        named = self._awaited_participants(wanted)
+        workers = tuple(sorted(members | set(named)))
+        nameless = tuple(
+            sorted(
+                d
+                for d in wanted
+                if self.membership.on_device(d) is None
+                and self.membership.is_expected(d, self.now)
+                and d not in named.values()
+            )
+        )
+        if not workers and not nameless:
             return
         if generation is None:
             generation = self._record.generation if self._record is not None else 0
@@ -1717,6 +1727,7 @@ class Coordinator:
                 generation=generation,
                 worker_ids=workers,
                 timeout_s=self.config.probe_timeout_s,
+                devices=nameless,
             )
         )
 
@@ -1743,7 +1754,7 @@ class Coordinator:
             "info",
             "workers_probed",
             probed_generation=event.generation,
-            gone=list(event.gone),
+            gone=list(event.gone) + [str(d) for d in event.gone_devices],
             answered=len(event.answered),
             silent=list(event.silent),
         )
@@ -1759,6 +1770,12 @@ class Coordinator:
                 f"worker {worker_id} on {device} has no connection to the bus (its process is gone)",
                 begin=False,
             )
+        for device in event.gone_devices:
+            if not self.membership.is_expected(device, self.now):
+                continue  # its worker spoke up meanwhile, or it was lost already
+            self.membership.unexpect(device)
+            why = f"no worker on {device} has a connection to the bus (its process is gone)"
+            self._on_lost(device, why, begin=False)
         self._decide_failure()
         self._begin()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from liver.shared.layout import Device
 from liver.shared.messages import (
     Heartbeat,
     Hello,
@@ -41,6 +42,8 @@ class WorkersProbed(msgspec.Struct, frozen=True, kw_only=True):
     gone: tuple[str, ...] = ()
     answered: tuple[str, ...] = ()
     silent: tuple[str, ...] = ()
+    gone_devices: tuple[Device, ...] = ()
+    """Of the devices asked by place (``ProbeWorkers.devices``), those with no worker on the bus."""
 
 
 class Tick(msgspec.Struct, frozen=True):

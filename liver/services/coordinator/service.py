@@ -571,27 +571,35 @@ class CoordinatorService(ConsumingService):
         assert self._nc is not None
         nc = self._nc
 
-        async def ask(worker_id: str) -> str:
+        async def ask(subject: str) -> str:
             try:
-                await nc.request(s.worker_probe(self.job_id, worker_id), b"", timeout=action.timeout_s)
+                await nc.request(subject, b"", timeout=action.timeout_s)
             except nats.errors.NoRespondersError:
                 return "gone"
             except Exception:  # a timeout, or the bus itself away: not evidence that the worker is gone
                 return "silent"
             return "answered"
 
-        first = dict(zip(action.worker_ids, await asyncio.gather(*map(ask, action.worker_ids)), strict=True))
-        doubtful = [w for w, found in first.items() if found == "gone"]
+        subjects = {w: s.worker_probe(self.job_id, w) for w in action.worker_ids}
+        subjects.update({d: s.device_probe(self.job_id, d.node, d.index) for d in action.devices})
+        first = dict(zip(subjects, await asyncio.gather(*map(ask, subjects.values())), strict=True))
+        doubtful = [k for k, found in first.items() if found == "gone"]
         if doubtful:
             await asyncio.sleep(PROBE_RECHECK_S)
-            first.update(zip(doubtful, await asyncio.gather(*map(ask, doubtful)), strict=True))
-        self.counts["probes"] += len(action.worker_ids)
+            again = await asyncio.gather(*(ask(subjects[k]) for k in doubtful))
+            first.update(zip(doubtful, again, strict=True))
+        self.counts["probes"] += len(subjects)
+
+        def named(found: str) -> tuple[str, ...]:
+            return tuple(w for w in action.worker_ids if first[w] == found)
+
         result = WorkersProbed(
             probe=action.probe,
             generation=action.generation,
-            gone=tuple(w for w, f in first.items() if f == "gone"),
-            answered=tuple(w for w, f in first.items() if f == "answered"),
-            silent=tuple(w for w, f in first.items() if f == "silent"),
+            gone=named("gone"),
+            answered=named("answered"),
+            silent=named("silent"),
+            gone_devices=tuple(d for d in action.devices if first[d] == "gone"),
         )
         with bind_message(job_id=self.job_id):
             await self._feed(result)

@@ -274,6 +274,10 @@ class WorkerAgent:
         for subject in subjects:
             self._subs.append(await self.nc.subscribe(subject, cb=self._on_command))
         self._subs.append(await self.nc.subscribe(s.worker_probe(job, worker), cb=self._on_probe))
+        device = self.identity.device
+        self._subs.append(
+            await self.nc.subscribe(s.device_probe(job, device.node, device.index), cb=self._on_probe)
+        )
         # Round trip: once start returns, the server has the subscriptions and no command can be missed.
         await self.nc.flush()
         self._running = True
