@@ -1537,6 +1537,23 @@ def test_after_a_restart_before_the_switch_a_device_no_record_names_is_asked_by_
     assert lost.fields["device"] == str(WORLD[3]) and "no worker on" in lost.fields["why"], lost
 
 
+def test_a_broken_heartbeat_heard_before_the_record_is_restored_does_not_use_up_the_word() -> None:
+    """The adapter subscribes before it reads the record: a broken heartbeat can reach a core with no
+    record yet. It is dropped as stale, and the next one, after the restore, is acted on."""
+    d = started()
+    handoff_prepared(d)
+    assert d.kv.record is not None
+    d.instances += 1
+    d.core = Coordinator(JOB, instance_id=d._instance(), config=d.config)
+    d.pending = []
+    d.beat(WORLD[0], generation=0, rank=0, broken=True)
+    assert not d.notes("world_lost_a_peer")
+    d._keep(d.core.restore(d.kv.record, d.kv.revision, d.now))
+    d.write()
+    d.beat(WORLD[0], generation=0, rank=0, broken=True)
+    assert len(d.notes("world_lost_a_peer")) == 1
+
+
 def test_a_broken_heartbeat_of_a_world_whose_loss_is_known_asks_nothing_more() -> None:
     d = started()
     d.status(WORLD[0], 0, "peer_lost")

@@ -51,12 +51,19 @@ def test_a_worker_command_subject_names_job_and_worker() -> None:
 
 def test_a_device_probe_is_not_caught_by_a_worker_probe_of_any_name() -> None:
     device = s.device_probe("job-7", "node003", 1)
-    assert device == "liver.worker.probe.job-7.device.node003.1"
+    assert device == f"liver.worker.probe.job-7.device.{b'node003'.hex()}.1"
     assert not _matches(s.worker_probe("job-7", "device"), device)
     assert _matches("liver.worker.probe.>", device)  # the workers' permission covers it
 
 
-@pytest.mark.parametrize(("node", "index", "field"), [("n.1", 0, "node"), ("node000", -1, "index")])
+def test_a_device_probe_takes_a_node_id_with_dots_and_slashes_as_one_token() -> None:
+    subject = s.device_probe("job-7", "aws:///us-east-1a/i-0abc.internal", 0)
+    assert len(subject.split(".")) == 7 and "/" not in subject and ":" not in subject
+
+
+@pytest.mark.parametrize(
+    ("node", "index", "field"), [("", 0, "node"), ("n" * 254, 0, "node"), ("node000", -1, "index")]
+)
 def test_a_device_probe_names_the_part_of_the_device_that_is_bad(node: str, index: int, field: str) -> None:
     with pytest.raises(s.SubjectError, match=field):
         s.device_probe("job-7", node, index)

@@ -34,6 +34,8 @@ TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,128}\Z"
 ``re.search``, so ``"job\n"`` would pass and then fail as a key."""
 
 _TOKEN = re.compile(TOKEN_PATTERN)
+MAX_NODE_CHARS: Final = 253
+"""The longest node id a message takes (a DNS name's limit)."""
 
 
 def validate_token(value: str, what: str = "id") -> str:
@@ -150,12 +152,13 @@ def worker_probe(job_id: str, worker_id: str) -> str:
 def device_probe(job_id: str, node: str, index: int) -> str:
     """Coordinator -> the worker on one device, request/reply, as :func:`worker_probe` asks a worker by
     name: a coordinator that restarted asks for a device of its world whose worker it has not heard
-    from, and whose name no record kept, the same question."""
+    from, and whose name no record kept, the same question. The node's id is in hex: node ids may be
+    DNS names or provider ids, whose dots and slashes a subject token cannot hold."""
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise SubjectError(f"index: a device index is a non-negative integer, got {index!r}")
-    return (
-        f"liver.worker.probe.{validate_token(job_id, 'job_id')}.device.{validate_token(node, 'node')}.{index}"
-    )
+    if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_CHARS:
+        raise SubjectError(f"node: a node id is 1-{MAX_NODE_CHARS} characters, got {node!r}")
+    return f"liver.worker.probe.{validate_token(job_id, 'job_id')}.device.{node.encode().hex()}.{index}"
 
 
 def worker_commands_any(job_id: str) -> str:

@@ -1649,18 +1649,18 @@ class Coordinator:
     def _heard_broken(self, beat: Heartbeat) -> None:
         """A heartbeat says its world lost a peer: the worker's ``peer_lost`` ack may have gone out while
         this coordinator was down (worker traffic is not stored), so the first such word of a generation
-        counts as that ack, unless a loss in it is known already."""
+        that is acted on counts as that ack, unless a loss in it is known already."""
         self._old_world_broke(beat.worker_id, beat.generation)
         if self._broken_heard == beat.generation or self._old_world_broken():
             return
-        self._broken_heard = beat.generation
-        self._peer_lost(beat.worker_id, beat.generation)
+        if self._peer_lost(beat.worker_id, beat.generation):
+            self._broken_heard = beat.generation
 
-    def _peer_lost(self, worker_id: str, generation: int | None) -> None:
+    def _peer_lost(self, worker_id: str, generation: int | None) -> bool:
         """A worker says its world lost a peer (a collective failed outside a handoff). It cannot say
         which one; whoever it was stops beating, so every member of that world unheard for
         ``suspect_timeout_s`` is lost now instead of after the full heartbeat timeout (and a device not
-        heard from since a restart is awaited no longer than that)."""
+        heard from since a restart is awaited no longer than that). Whether it was acted on."""
         self._old_world_broke(worker_id, generation)
         member = self.membership.get(worker_id)
         h = self._handoff
@@ -1670,16 +1670,16 @@ class Coordinator:
             marked = self.membership.suspect(target, self.config.suspect_timeout_s)
             self._note("warning", "new_world_lost_a_peer", worker_id=worker_id, suspects=marked)
             self._probe(target, generation=h.generation)
-            return
+            return True
         if self._record is None or not self._record.live or generation != self._record.generation:
             self._note("debug", "stale_peer_lost_ignored", worker_id=worker_id, generation=generation)
-            return
+            return False
         joining = (
             h is not None and worker_id in h.participants and h.from_generation == generation
         )  # a joiner whose handoff broke on the loss
         if member is None or (member.device not in self._world() and not joining):
             self._note("warning", "peer_lost_from_outsider_ignored", worker_id=worker_id)
-            return
+            return False
         marked = self.membership.suspect(self._world(), self.config.suspect_timeout_s)
         marked += self.membership.hurry(self._world(), self.now, self.config.suspect_timeout_s)
         self._note(
@@ -1694,6 +1694,7 @@ class Coordinator:
         if h is not None and h.target is not None:
             devices |= h.target  # a handoff in flight: its joiners may be the ones gone
         self._probe(devices)
+        return True
 
     def _probe(self, devices: Iterable[Device], generation: int | None = None) -> None:
         """Ask the workers on ``devices`` whether they are still there (one probe at a time): a process
@@ -1708,7 +1709,7 @@ class Coordinator:
         nameless = tuple(
             sorted(
                 d
-                for d in wanted
+                for d in wanted & set(self._world())  # not joiners: their absence breaks no world
                 if self.membership.on_device(d) is None
                 and self.membership.is_expected(d, self.now)
                 and d not in named.values()
