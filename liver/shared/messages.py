@@ -21,7 +21,7 @@ import bisect
 import re
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Final, Literal, NamedTuple
+from typing import Annotated, Final, Literal, NamedTuple, Protocol
 
 import msgspec
 from msgspec import Meta
@@ -178,6 +178,43 @@ def _check_world(layout: ParallelLayout, placement: Placement, field: str) -> No
         check_placement(layout, placement)
     except LayoutError as exc:
         raise _invalid(field, str(exc)) from None
+
+
+class _Resize(Protocol):
+    """What a message that takes the job from one world to the next says of both."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def from_generation(self) -> int: ...
+    @property
+    def from_layout(self) -> ParallelLayout: ...
+    @property
+    def from_placement(self) -> Placement: ...
+    @property
+    def layout(self) -> ParallelLayout: ...
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def lost(self) -> tuple[Device, ...]: ...
+
+
+def _check_resize(m: _Resize, old_world: str = "the old world") -> tuple[set[Device], set[Device]]:
+    """Both worlds valid, the new generation after the old, and every ``lost`` device one of the old
+    world's (``old_world`` in the message) that the new one does not use; the old and the new world's
+    devices."""
+    if m.generation <= m.from_generation:
+        raise _invalid("generation", f"{m.generation} must be after {m.from_generation}")
+    _check_world(m.from_layout, m.from_placement, "from_placement")
+    _check_world(m.layout, m.placement, "placement")
+    _check_devices(m.lost, "lost")
+    old, new = set(m.from_placement.devices), set(m.placement.devices)
+    for i, device in enumerate(m.lost):
+        if device not in old:
+            raise _invalid(f"lost[{i}]", f"device {device} is not in {old_world}")
+        if device in new:
+            raise _invalid(f"lost[{i}]", f"device {device} is lost but the new placement uses it")
+    return old, new
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
@@ -415,17 +452,7 @@ class TopologyPlanned(Message, kw_only=True, tag="topology_planned"):
     a ``lost`` device's state from its copy only then."""
 
     def _validate(self) -> None:
-        if self.generation <= self.from_generation:
-            raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
-        _check_world(self.from_layout, self.from_placement, "from_placement")
-        _check_world(self.layout, self.placement, "placement")
-        _check_devices(self.lost, "lost")
-        old, new = set(self.from_placement.devices), set(self.placement.devices)
-        for i, device in enumerate(self.lost):
-            if device not in old:
-                raise _invalid(f"lost[{i}]", f"device {device} is not in the current world")
-            if device in new:
-                raise _invalid(f"lost[{i}]", f"device {device} is lost but the new placement uses it")
+        _check_resize(self, "the current world")
 
 
 class ObjectRef(Part):
@@ -721,17 +748,7 @@ class Prepare(Message, kw_only=True, tag="prepare"):
     coordinator that does not know that worker's address; a worker then cannot prepare and fails."""
 
     def _validate(self) -> None:
-        if self.generation <= self.from_generation:
-            raise _invalid("generation", f"{self.generation} must be after {self.from_generation}")
-        _check_world(self.from_layout, self.from_placement, "from_placement")
-        _check_world(self.layout, self.placement, "placement")
-        _check_devices(self.lost, "lost")
-        old, new = set(self.from_placement.devices), set(self.placement.devices)
-        for i, device in enumerate(self.lost):
-            if device not in old:
-                raise _invalid(f"lost[{i}]", f"device {device} is not in the old world")
-            if device in new:
-                raise _invalid(f"lost[{i}]", f"device {device} is lost but the new placement uses it")
+        old, new = _check_resize(self)
         if self.slices.count != len(old | new):
             raise _invalid(
                 "slices.count",
