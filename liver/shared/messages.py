@@ -21,7 +21,7 @@ import bisect
 import re
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Final, Literal, NamedTuple, Protocol
+from typing import Annotated, Final, Literal, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -180,26 +180,9 @@ def _check_world(layout: ParallelLayout, placement: Placement, field: str) -> No
         raise _invalid(field, str(exc)) from None
 
 
-class _Resize(Protocol):
-    """What a message that takes the job from one world to the next says of both."""
-
-    @property
-    def generation(self) -> int: ...
-    @property
-    def from_generation(self) -> int: ...
-    @property
-    def from_layout(self) -> ParallelLayout: ...
-    @property
-    def from_placement(self) -> Placement: ...
-    @property
-    def layout(self) -> ParallelLayout: ...
-    @property
-    def placement(self) -> Placement: ...
-    @property
-    def lost(self) -> tuple[Device, ...]: ...
-
-
-def _check_resize(m: _Resize, old_world: str = "the old world") -> tuple[set[Device], set[Device]]:
+def _check_resize(
+    m: TopologyPlanned | Prepare, old_world: str = "the old world"
+) -> tuple[set[Device], set[Device]]:
     """Both worlds valid, the new generation after the old, and every ``lost`` device one of the old
     world's (``old_world`` in the message) that the new one does not use; the old and the new world's
     devices."""

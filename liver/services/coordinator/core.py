@@ -1520,13 +1520,11 @@ class Coordinator:
                 begin=False,
             )
         for device in expired.missing:
-            window = (
-                "the suspicion window after its world lost a peer"
-                if device in expired.hurried
-                else (f"{timeout} s")
-            )
             self._on_lost(
-                device, f"no worker on {device} reported within {window} of the restart", begin=False
+                device,
+                f"no worker on {device} reported since the restart (awaited {timeout} s, or the suspicion "
+                "window once its world lost a peer)",
+                begin=False,
             )
         if any(m.device in self._world() for m in expired.lost):
             self._probe(self._world())  # its node's other workers may be gone too: one loss, one plan
@@ -1650,10 +1648,10 @@ class Coordinator:
         """A heartbeat says its world lost a peer: the worker's ``peer_lost`` ack may have gone out while
         this coordinator was down (worker traffic is not stored), so the first such word of a generation
         that is acted on counts as that ack, unless a loss in it is known already."""
-        self._old_world_broke(beat.worker_id, beat.generation)
         if self._broken_heard == beat.generation or self._old_world_broken():
+            self._old_world_broke(beat.worker_id, beat.generation)
             return
-        if self._peer_lost(beat.worker_id, beat.generation):
+        if self._peer_lost(beat.worker_id, beat.generation):  # which tells _old_world_broke too
             self._broken_heard = beat.generation
 
     def _peer_lost(self, worker_id: str, generation: int | None) -> bool:

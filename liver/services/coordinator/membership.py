@@ -92,8 +92,6 @@ class Expired(msgspec.Struct, frozen=True, kw_only=True):
 
     lost: tuple[Member, ...] = ()
     missing: tuple[Device, ...] = ()
-    hurried: tuple[Device, ...] = ()
-    """Of ``missing``, those awaited only the suspicion window (:meth:`Membership.hurry`)."""
 
 
 class Membership:
@@ -107,7 +105,6 @@ class Membership:
         self._by_worker: dict[str, Member] = {}
         self._by_device: dict[Device, Member] = {}
         self._expected: dict[Device, datetime] = {}
-        self._hurried: set[Device] = set()
         self._version = 0
         # (deadline, worker id), one entry per hello or heartbeat; an entry whose worker has since been
         # seen again (or dropped) is stale and is discarded when it reaches the top. The core asks for
@@ -154,7 +151,6 @@ class Membership:
     def unexpect(self, device: Device) -> None:
         """Stop awaiting ``device`` (its worker was found gone by other means)."""
         self._expected.pop(device, None)
-        self._hurried.discard(device)
 
     def observe(self, presence: Hello | Heartbeat, now: datetime) -> Change:
         """Fold one hello or heartbeat in; raises :class:`MembershipError` for a contradiction."""
@@ -217,7 +213,6 @@ class Membership:
         hurried = 0
         for device in set(devices) & self._expected.keys():
             self._expected[device] = min(self._expected[device], cut)
-            self._hurried.add(device)
             hurried += 1
         return hurried
 
@@ -237,9 +232,7 @@ class Membership:
         missing = [d for d, deadline in self._expected.items() if now > deadline]
         for device in missing:
             del self._expected[device]
-        hurried = self._hurried.intersection(missing)
-        self._hurried -= hurried
-        return Expired(lost=tuple(lost), missing=tuple(sorted(missing)), hurried=tuple(sorted(hurried)))
+        return Expired(lost=tuple(lost), missing=tuple(sorted(missing)))
 
     def next_deadline(self) -> datetime | None:
         """The earliest moment :meth:`expire` could find something: when to tick next."""
@@ -272,7 +265,6 @@ class Membership:
         self._track(member)
         self._by_device[member.device] = member
         self._expected.pop(member.device, None)
-        self._hurried.discard(member.device)
         self._version += 1
         return member
 
