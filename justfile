@@ -9,7 +9,7 @@ setup:
 
 # run the whole test suite (what CI runs)
 test *args:
-    {{venv}}/bin/pytest -q {{args}}
+    {{venv}}/bin/pytest -q -n auto {{args}}
 
 # lint and check formatting
 lint:
