@@ -34,6 +34,16 @@ def nats_server() -> Iterator[NatsServer]:
         yield server
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(request: pytest.FixtureRequest) -> None:
+    """The fork server every multi-process test and benchmark shares, started with Megatron-core loaded
+    before any of them runs (see ``mp_helpers.start_fork_server``); not for a run without such tests."""
+    if any(item.get_closest_marker("slow") is not None for item in request.session.items):
+        from mp_helpers import start_fork_server
+
+        start_fork_server()
+
+
 # -- what a hung test was waiting for ----------------------------------------------------------------------
 # pytest-timeout prints the threads' stacks, which for an asyncio test show only the event loop waiting
 # in select(); the coroutine that never resumed is invisible. Shortly before it fires, print every

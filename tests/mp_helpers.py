@@ -34,6 +34,7 @@ PRELOAD = [
     # Megatron-core takes 7-25 s to import here; pay it once in the fork server, not per child.
     "megatron.core",
     "liver.worker_runtime.megatron.train",
+    "liver.worker_runtime.megatron.job",
 ]
 
 STORE_TIMEOUT_S = 120.0
@@ -42,6 +43,19 @@ world on a busy two-core machine may be off the CPU for a while."""
 
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
+
+
+def start_fork_server() -> None:
+    """Start the process's fork server now, with :data:`PRELOAD`.
+
+    There is one fork server per process, and the first user's preload list is the one it keeps: a
+    benchmark's ``run_procs`` (which preloads only torch) started first would leave every later world's
+    children to import Megatron-core themselves, seconds of CPU per child, which made the multi-process
+    tests two to four times slower in the full suite than alone."""
+    import multiprocessing.forkserver
+
+    _ctx.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
 
 
 def free_port() -> int:
