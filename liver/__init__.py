@@ -26,6 +26,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
     from liver.shared.plan import Plan, WorldConfig
     from liver.worker_runtime.companion.bridge import RuntimeBridge
     from liver.worker_runtime.companion.thread import Companion
+    from liver.worker_runtime.contract import (
+        BuildsForStream,
+        Checkpoints,
+        ChecksLayouts,
+        FeedsPeerCopies,
+        JobAbilities,
+        KeptState,
+        RecoversLive,
+        TrainerFactory,
+    )
     from liver.worker_runtime.copies.manager import CopyOptions
     from liver.worker_runtime.generations import HandoffState
     from liver.worker_runtime.handoff import HandoffAborted, HandoffFailed, SwitchReport
@@ -51,7 +61,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names
         ResizeRejected,
         RuntimeEvent,
         RuntimeOptions,
-        TrainerFactory,
     )
     from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings, run_worker
     from liver.worker_runtime.world import StoreAddress, WorldSpec, host_store
@@ -67,12 +76,20 @@ _LAZY: dict[str, str] = {
     "AbortReport": "liver.worker_runtime.runtime",
     "FallbackReport": "liver.worker_runtime.runtime",
     "ResizeRejected": "liver.worker_runtime.runtime",
-    "TrainerFactory": "liver.worker_runtime.runtime",
     "SwitchReport": "liver.worker_runtime.handoff",
     "HandoffAborted": "liver.worker_runtime.handoff",
     "HandoffFailed": "liver.worker_runtime.handoff",
     "StepAbandoned": "liver.worker_runtime.peers",
     "HandoffState": "liver.worker_runtime.generations",
+    # the job contract: what a job implements, and what each optional part unlocks
+    "BuildsForStream": "liver.worker_runtime.contract",
+    "Checkpoints": "liver.worker_runtime.contract",
+    "ChecksLayouts": "liver.worker_runtime.contract",
+    "FeedsPeerCopies": "liver.worker_runtime.contract",
+    "JobAbilities": "liver.worker_runtime.contract",
+    "KeptState": "liver.worker_runtime.contract",
+    "RecoversLive": "liver.worker_runtime.contract",
+    "TrainerFactory": "liver.worker_runtime.contract",
     # one training process on the bus (what `liver worker` runs)
     "WorkerSettings": "liver.worker_runtime.worker_main",
     "InitialWorld": "liver.worker_runtime.worker_main",
@@ -116,18 +133,24 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "AbortReport",
+    "BuildsForStream",
     "BusError",
     "CheckpointOptions",
+    "Checkpoints",
+    "ChecksLayouts",
     "Companion",
     "CopyOptions",
     "Device",
     "FallbackReport",
+    "FeedsPeerCopies",
     "HandoffAborted",
     "HandoffError",
     "HandoffFailed",
     "HandoffState",
     "InitialWorld",
     "InputError",
+    "JobAbilities",
+    "KeptState",
     "LayoutError",
     "LiveRuntime",
     "LiverError",
@@ -141,6 +164,7 @@ __all__ = [
     "Placement",
     "Plan",
     "PlanningError",
+    "RecoversLive",
     "ReshardPhase",
     "ResizeRejected",
     "RuntimeBridge",

@@ -81,3 +81,16 @@ def test_a_first_layout_the_users_model_cannot_take_is_refused_naming_the_layout
     )
     with pytest.raises(ValueError, match=r"`initial\.layout`"):
         settings.make_job()
+
+
+def test_the_megatron_job_implements_every_optional_part_of_the_job_contract() -> None:
+    from liver.worker_runtime.contract import (
+        BuildsForStream,
+        Checkpoints,
+        ChecksLayouts,
+        FeedsPeerCopies,
+        RecoversLive,
+    )
+
+    for protocol in (BuildsForStream, ChecksLayouts, RecoversLive, FeedsPeerCopies, Checkpoints):
+        assert issubclass(MegatronJob, protocol), protocol.__name__

@@ -6,7 +6,7 @@ gone) has lost state that only the old world held. The processes of the *new* wo
 layout was chosen without the lost device), so they restart there: they build the new layout's groups
 once more, under the next generation id (the failed generation's store keys are spent, and the
 coordinator expects a restarted world to carry an id newer than every one it issued), and load the
-checkpoint with reshape (:func:`liver.worker_runtime.megatron.checkpoint.fall_back_to_checkpoint`).
+checkpoint with reshape (:func:`liver.worker_runtime.megatron.checkpoint.restart_from_checkpoint`).
 
 Who decides. Only old-world members can tell a failed handoff (old world lost) from an aborted one (old
 world restored): a joiner sees the same broken stream either way. So every old-world process that ran
@@ -27,18 +27,16 @@ from __future__ import annotations
 
 from datetime import timedelta
 from enum import StrEnum
-from typing import Protocol, TypeVar
 
 import msgspec
 import structlog
 import torch.distributed as dist
 
 from liver.worker_runtime.handoff import HandoffFailed, HandoffStage, Role
-from liver.worker_runtime.world import StoreAddress, World, connect_store
+from liver.worker_runtime.world import StoreAddress, connect_store
 
 __all__ = [
     "CheckpointOptions",
-    "CheckpointingFactory",
     "FallbackReport",
     "HandoffOutcome",
     "NoCheckpointConfigured",
@@ -49,8 +47,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
 
 
 class CheckpointOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -76,28 +72,6 @@ class CheckpointOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
             raise ValueError(f"`checkpoint.every`: must be at least 1 or None, got {self.every}")
         if self.keep_last < 1:
             raise ValueError(f"`checkpoint.keep_last`: must be at least 1, got {self.keep_last}")
-
-
-class CheckpointingFactory(Protocol[T]):
-    """What a :class:`~.handoff.TrainerFactory` adds so that the runtime can checkpoint and fall back
-    (``MegatronJob`` has both)."""
-
-    def save_checkpoint(self, trainer: T, root: str, keep_last: int) -> str:
-        """Save ``trainer`` durably under ``root`` (a collective over its world); the checkpoint's path."""
-        ...
-
-    def resume_latest(self, world: World, root: str) -> tuple[T, str] | None:
-        """A trainer for this rank of ``world`` (already torch's default world) from the latest
-        checkpoint under ``root``, and its path; None when no rank finds one. A collective over
-        ``world``."""
-        ...
-
-    def fall_back(self, world: World, root: str, reached_iteration: int | None) -> tuple[T, str]:
-        """A trainer for this rank of ``world`` (already torch's default world) loaded from the latest
-        checkpoint under ``root`` as a move (see
-        :func:`~liver.worker_runtime.megatron.streams.resume_streams`), and that checkpoint's path. A
-        collective over ``world``."""
-        ...
 
 
 class OutcomeVerdict(StrEnum):

@@ -46,10 +46,10 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import structlog
@@ -60,9 +60,8 @@ from liver.shared.collector import collector_paused
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import pieces_of
-from liver.shared.layout import ParallelLayout
-from liver.shared.model import ModelSpec
 from liver.shared.plan import Plan
+from liver.worker_runtime.contract import BuildsForStream, KeptState, TrainerFactory
 from liver.worker_runtime.cut import enter_world
 from liver.worker_runtime.stream.executor import (
     GroupRanks,
@@ -82,60 +81,6 @@ from liver.worker_runtime.world import StreamGroup, World, allreduce
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-class TrainerFactory(Protocol[T]):
-    """How the runtime builds, reads and resumes the trainer of one world (``MegatronJob`` for Megatron).
-
-    A trainer is whatever the training loop steps (model, optimizer, data iterator). The runtime needs
-    its state as LiveR local state (tensor index into ``model.tensors()`` -> local tensor, or a tuple of
-    them for a holding of several pieces), and its non-tensor progress as bytes that mean the same in
-    every process. Optionally ``check_layout(layout)``: raise when the model built at ``layout`` would
-    not be what the plans move; the runtime runs it during a handoff's preparation, before the cut.
-    """
-
-    @property
-    def model(self) -> ModelSpec: ...
-
-    def build(self, world: World) -> T:
-        """A fresh trainer for this process's rank of ``world`` (already torch's default world)."""
-        ...
-
-    def warm_up(self, layout: ParallelLayout, rank: int) -> object:
-        """Build and step a throw-away trainer for ``rank`` of ``layout`` under a mock world."""
-        ...
-
-    def iteration(self, trainer: T) -> int:
-        """Completed training steps (the same number on every rank)."""
-        ...
-
-    def local_state(self, trainer: T) -> dict[int, LocalTensor]:
-        """The trainer's whole tensor state; views of its live storage where the tensor has one."""
-        ...
-
-    def progress(self, trainer: T) -> bytes:
-        """Iteration, data position and schedule: what a new rank must know besides tensors."""
-        ...
-
-    def resume(self, trainer: T, state: Mapping[int, LocalTensor], progress: bytes) -> None:
-        """Make a freshly built ``trainer`` continue from ``state`` and ``progress``."""
-        ...
-
-    def dispose(self, trainer: T) -> None:
-        """Free the memory of a trainer that will never step again (the old world's, after the commit),
-        without waiting for Python's garbage collector."""
-        ...
-
-    # Optional: ``build_for_stream(world)``, a trainer whose tensor values the stream will overwrite
-    # (so its build may skip initialising them), and ``storage(trainer)``, every tensor the trainer
-    # allocated (the new trainer's are touched before the cut, so that no page fault falls in the
-    # pause). Without them the runtime uses ``build`` and the tensors of ``local_state``.
-
-    def capture_rng(self) -> object:
-        """This process's random streams (restored when a handoff is rolled back)."""
-        ...
-
-    def restore_rng(self, captured: object) -> None: ...
 
 
 class Role(StrEnum):
@@ -227,43 +172,6 @@ class SwitchReport(msgspec.Struct, kw_only=True):
     prebuild_s: float | None = None  # the new trainer's build before the cut (training stood still)
     prebuild_iteration: int | None = None  # the boundary it was built at (None: a joiner, not training)
     stood_in: tuple[int, ...] = ()  # lost old ranks whose state this process sent from its peer copies
-
-
-@dataclass
-class KeptState:
-    """The training state of a process whose world broke (a lost peer), kept apart from its trainer.
-
-    The trainer's modules, DDP wrapper and optimizer hold the broken world's process groups, and a gloo
-    group closes its connections only when the last reference to it goes: as long as the trainer lives,
-    peers blocked in one of its collectives would wait for their timeout. So the runtime keeps only what
-    the recovery streams (the local state's tensors and the training progress) and lets the rest go
-    (``TrainerFactory.keep_state``, optional)."""
-
-    state: dict[int, LocalTensor]
-    progress: bytes
-    stand_ins: dict[int, dict[int, LocalTensor]] = field(default_factory=dict)
-    """The peer copies this process sends from in the recovery: lost old rank -> its copied state, read
-    from the keeper of the broken world (``Plan.stand_ins`` names the ranks; empty: none)."""
-    copy_failure: str | None = None
-    """Why a copy this process should send from cannot be used (the tensor that failed its checksum, a
-    copy of another iteration): the switch fails on it, in step with its peers, instead of the stream
-    waiting for sends that never come."""
-
-    def dispose(self) -> None:
-        """Free the kept tensors' storage (after the commit: the new trainer has its own). The peer
-        copies' tensors own their bytes and go with the last reference."""
-        for value in self.state.values():
-            for tensor in value if isinstance(value, tuple) else (value,):
-                storage = tensor.untyped_storage()
-                if storage.resizable():  # not one read back from a copy's bytes: those go with it
-                    storage.resize_(0)
-        self.state, self.stand_ins = {}, {}
-
-    def go_back(self, state: dict[int, LocalTensor], progress: bytes) -> None:
-        """Replace the kept state by an older iteration's (the survivors resume from the iteration a
-        lost peer's copy holds, a step behind theirs)."""
-        self.dispose()
-        self.state, self.progress = state, progress
 
 
 @dataclass
@@ -544,7 +452,7 @@ def prebuild(
         try:
             if new_world is not None:
                 new_world.adopt_as_default(timeout)
-                build = getattr(factory, "build_for_stream", None) or factory.build
+                build = factory.build_for_stream if isinstance(factory, BuildsForStream) else factory.build
                 trainer = build(new_world)
                 into = factory.local_state(trainer)
             built = time.perf_counter()
@@ -620,9 +528,8 @@ def _staging_device(stream: StreamGroup, into: dict[int, LocalTensor] | None) ->
 def _storage_of(
     factory: TrainerFactory[T], trainer: T, into: dict[int, LocalTensor] | None
 ) -> list[torch.Tensor]:
-    storage = getattr(factory, "storage", None)
-    if storage is not None:
-        return list(storage(trainer))
+    if isinstance(factory, BuildsForStream):
+        return list(factory.storage(trainer))
     return [piece for value in (into or {}).values() for piece in pieces_of(value)]
 
 

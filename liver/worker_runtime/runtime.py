@@ -64,16 +64,16 @@ import structlog
 import torch
 
 from liver.shared.errors import HandoffError
-from liver.shared.geometry import DdpSettings
+from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
+from liver.worker_runtime.contract import JobAbilities, KeptState, TrainerFactory
 from liver.worker_runtime.copies.keeper import KeptCopy
 from liver.worker_runtime.copies.manager import IN_REFRESH, CopyManager, CopyOptions
 from liver.worker_runtime.copies.peer import PeerCopies
 from liver.worker_runtime.copies.wire import CopyError
 from liver.worker_runtime.cut import NO_TARGET, CutVerdict, Readiness, vote
 from liver.worker_runtime.fallback import (
-    CheckpointingFactory,
     CheckpointOptions,
     FallbackReport,
     HandoffOutcome,
@@ -88,10 +88,8 @@ from liver.worker_runtime.handoff import (
     HandoffAborted,
     HandoffFailed,
     HandoffStage,
-    KeptState,
     Role,
     SwitchReport,
-    TrainerFactory,
     prebuild,
     switch,
 )
@@ -248,7 +246,8 @@ class LiveRuntime(Generic[T]):
     trains on). It is not called on a joiner, nor when the old world lost a process (a recovery).
     ``on_switch(generation, trainer)`` is called with the new world's trainer once the switch has
     committed, before its first step, on every process of the new world (in the thread that stepped).
-    ``options.checkpoint`` needs a factory that can checkpoint (:class:`~.fallback.CheckpointingFactory`).
+    ``options.checkpoint`` needs a factory that can checkpoint (:class:`~.contract.Checkpoints`). What
+    else the factory can do is found once, here (:class:`~.contract.JobAbilities`).
     """
 
     def __init__(
@@ -280,21 +279,20 @@ class LiveRuntime(Generic[T]):
                     f"({torch.cuda.device_count()} visible) for the NCCL backend"
                 )
             torch.cuda.set_device(device.index)
-        needs = ("save_checkpoint", "fall_back", "resume_latest")
-        if options.checkpoint is not None and not all(
-            callable(getattr(factory, name, None)) for name in needs
-        ):
+        abilities = JobAbilities.of(factory)
+        if options.checkpoint is not None and abilities.checkpointing is None:
             raise ValueError(
                 f"`options.checkpoint`: the factory {type(factory).__name__} cannot save or load "
                 "checkpoints (it needs save_checkpoint, fall_back and resume_latest)"
             )
         self.factory = factory
+        self.abilities = abilities
         self.job = job
         self.device = device
         self.options = options
         if initial is not None:  # the world builds its distributed optimizer's instance groups too
-            ddp = getattr(getattr(factory, "model", None), "ddp", None)
-            instances = ddp.instances if isinstance(ddp, DdpSettings) else 1
+            model = factory.model
+            instances = model.ddp.instances if isinstance(model, ModelGeometry) else 1
             try:
                 initial = msgspec.structs.replace(initial, instances=instances)
             except ValueError as error:
@@ -327,6 +325,7 @@ class LiveRuntime(Generic[T]):
         process had noticed the loss yet or not."""
         self.history: list[SwitchReport | AbortReport | FallbackReport] = []
         self._log = log.bind(job=job, device=str(device))
+        self._log.debug("runtime.job_abilities", factory=type(factory).__name__, abilities=abilities.names())
 
     # -- what the runtime is ------------------------------------------------------------------------------
     @property
@@ -491,11 +490,11 @@ class LiveRuntime(Generic[T]):
     def _layout_check(self, prep: Preparation) -> Callable[[], None] | None:
         """The factory's check of the new layout's model (``check_layout``, optional), run once per
         handoff, by the process that will hold new rank 0, beside training."""
-        check = getattr(self.factory, "check_layout", None)
-        if check is None or prep.request.placement.devices[0] != self.device:
+        checks = self.abilities.layout_checks
+        if checks is None or prep.request.placement.devices[0] != self.device:
             return None
         layout = prep.request.layout
-        return lambda: check(layout)
+        return lambda: checks.check_layout(layout)
 
     def allow_switch(self, generation: int) -> None:
         """The coordinator's SWITCH: ``generation`` may be switched to once every rank is ready."""
@@ -567,13 +566,14 @@ class LiveRuntime(Generic[T]):
         if lost is not None:  # recovered outside the except block: see _recover
             return self._recover(lost)
         if self._copies is not None:
+            feeds = self.abilities.peer_copies
             self._copies.at_boundary(
                 self._world,
                 self._trainer,
                 iteration,
-                getattr(self.factory, "copy_state", self.factory.local_state),
-                getattr(self.factory, "gate_updates", None),
-                getattr(self.factory, "progress", None),
+                self.factory.local_state if feeds is None else feeds.copy_state,
+                None if feeds is None else feeds.gate_updates,
+                self.factory.progress,
             )
         if iteration % self.options.vote_every:
             return self._trainer
@@ -689,7 +689,8 @@ class LiveRuntime(Generic[T]):
         checkpoint = self.options.checkpoint
         if checkpoint is None or not checkpoint.resume:
             return None
-        factory: CheckpointingFactory[T] = self.factory  # type: ignore[assignment]
+        factory = self.abilities.checkpointing
+        assert factory is not None  # options.checkpoint was checked against it
         resumed = factory.resume_latest(world, checkpoint.root)
         if resumed is None:
             return None
@@ -916,20 +917,19 @@ class LiveRuntime(Generic[T]):
         on a second process (the factory's ``survives_one_loss``); else None: the checkpoint, as
         before. Which peer is gone is the coordinator's to find; a loss the replicas do not cover after
         all ends the recovery's wait with its ``Abort(fallback=True)``."""
-        mark = getattr(self.factory, "abandon", None)
-        survives = getattr(self.factory, "survives_one_loss", None)
-        if trainer is None or mark is None or survives is None or self._world is None:
+        recovery = self.abilities.live_recovery
+        if trainer is None or recovery is None or self._world is None:
             return None
-        if getattr(self.factory, "keep_state", None) is None or not survives(self._world.layout):
+        if not recovery.survives_one_loss(self._world.layout):
             return None
-        abandoned: StepAbandoned = mark(trainer, iteration, f"generation {failed.generation}: {failed}")
+        abandoned = recovery.abandon(trainer, iteration, f"generation {failed.generation}: {failed}")
         return None if abandoned.torn else abandoned
 
     def _abandoned_step(self) -> StepAbandoned | None:
         """The trainer's abandoned step, when its last step met a lost peer (the factory's optional
         ``abandoned(trainer)``; ``MegatronJob`` has it)."""
-        abandoned = getattr(self.factory, "abandoned", None)
-        return abandoned(self._trainer) if abandoned is not None else None
+        recovery = self.abilities.live_recovery
+        return recovery.abandoned(self._trainer) if recovery is not None else None
 
     def _recover(self, abandoned: StepAbandoned) -> T | None:
         """The active world lost a peer outside a handoff: keep the state of the last completed iteration
@@ -947,9 +947,9 @@ class LiveRuntime(Generic[T]):
         assert self._world is not None and self._trainer is not None
         lost_at = time.perf_counter()
         broken = self._world.spec
-        mark = getattr(self.factory, "abandon", None)
-        if mark is not None and self._abandoned_step() is None:  # the vote or a checkpoint found the loss
-            abandoned = mark(self._trainer, abandoned.iteration, abandoned.reason)
+        recovery = self.abilities.live_recovery
+        if recovery is not None and self._abandoned_step() is None:  # the vote or a checkpoint found it
+            abandoned = recovery.abandon(self._trainer, abandoned.iteration, abandoned.reason)
         self._log.warning(
             "runtime.peer_lost",
             generation=broken.generation,
@@ -976,13 +976,12 @@ class LiveRuntime(Generic[T]):
         # Keep only the state: the trainer's objects hold the broken world's groups, whose connections
         # close (and wake the peers waiting in them) only once nothing refers to them. For the same
         # reason this runs outside any except block: a caught failure's frames hold them too.
-        keep = getattr(self.factory, "keep_state", None)
         kept: KeptState | None = None
         # A torn state (a loss after the update began) is whole again from this process's own copy of
         # the iteration it completed, where the copies keep one (CopyOptions.go_back).
         mend = abandoned.torn and self._copies is not None and self._copies.can_go_back(abandoned.iteration)
-        if keep is not None and (mend or not abandoned.torn):
-            kept = keep(self._trainer)
+        if recovery is not None and (mend or not abandoned.torn):
+            kept = recovery.keep_state(self._trainer)
         else:
             gc.collect()
         if self._copies is not None:
@@ -1187,7 +1186,8 @@ class LiveRuntime(Generic[T]):
         if self._saved_at == iteration:
             return
         assert self._trainer is not None
-        factory: CheckpointingFactory[T] = self.factory  # type: ignore[assignment]
+        factory = self.abilities.checkpointing
+        assert factory is not None  # options.checkpoint was checked against it
         started = time.perf_counter()
         path = factory.save_checkpoint(self._trainer, checkpoint.root, checkpoint.keep_last)
         self._saved_at = iteration
@@ -1337,7 +1337,8 @@ class LiveRuntime(Generic[T]):
             backend=self.options.backend,
             timeout=timedelta(seconds=self.options.build_timeout_s),
         )
-        factory: CheckpointingFactory[T] = self.factory  # type: ignore[assignment]
+        factory = self.abilities.checkpointing
+        assert factory is not None  # options.checkpoint was checked against it
         try:
             world.adopt_as_default(timedelta(seconds=self.options.control_timeout_s))
             trainer, path = factory.fall_back(world, checkpoint.root, reached)

@@ -22,7 +22,7 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.worker_runtime.handoff import KeptState
+from liver.worker_runtime.contract import KeptState
 from liver.worker_runtime.megatron.build import groups_from_world, initialize_parallel_state
 from liver.worker_runtime.megatron.data import Corpus
 from liver.worker_runtime.megatron.source import ModelSource, UserProvider, as_source
@@ -172,7 +172,7 @@ class MegatronJob:
 
     def keep_state(self, trainer: MegatronTrainer) -> KeptState:
         """The state and progress of a trainer whose world broke, with the trainer's hold on that world's
-        groups let go (see :class:`~liver.worker_runtime.handoff.KeptState`)."""
+        groups let go (see :class:`~liver.worker_runtime.contract.KeptState`)."""
         kept = KeptState(local_state(trainer), self.progress(trainer))
         trainer.drop_world()
         gc.collect()  # Megatron's modules hold reference cycles: the groups go only with a collection
