@@ -7,9 +7,13 @@ setup:
     python3.11 -m venv {{venv}}
     {{venv}}/bin/pip install -e '.[dev]'
 
-# run the whole test suite (what CI runs)
+# run the whole test suite on every core (what CI runs)
 test *args:
     {{venv}}/bin/pytest -q -n auto {{args}}
+
+# the fast tier: everything but the multi-process Megatron, benchmark and chaos tests
+test-fast *args:
+    {{venv}}/bin/pytest -q -n auto -m "not slow" {{args}}
 
 # lint and check formatting
 lint:

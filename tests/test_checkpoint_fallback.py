@@ -122,9 +122,9 @@ def _new_worlds(proc: Proc, root: str, out: dict[str, Any]) -> None:
     from liver.worker_runtime.megatron.checkpoint import (
         CheckpointError,
         check_replica_ids,
-        fall_back_to_checkpoint,
         latest_checkpoint,
         load_checkpoint,
+        restart_from_checkpoint,
     )
     from liver.worker_runtime.megatron.train import build_trainer
 
@@ -132,9 +132,10 @@ def _new_worlds(proc: Proc, root: str, out: dict[str, Any]) -> None:
     # The replacement waits here until the survivor has noticed the loss and arrives.
     world = _world(proc, 1, NEW, procs, timeout_s=180)
     groups = groups_from_world(world)
-    fallback = fall_back_to_checkpoint(
+    fallback = restart_from_checkpoint(
         root, SPEC, NEW, _config(), groups=groups, reached_iteration=STEPS_BEFORE_LOSS
     )
+    assert fallback is not None  # required: none found raises
     trainer = fallback.trainer
     out["fallback_checkpoint"] = fallback.checkpoint.name
     out["steps_lost"] = fallback.steps_lost

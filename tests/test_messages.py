@@ -510,3 +510,10 @@ def test_a_world_whose_layout_its_own_model_cannot_use_is_refused_naming_the_geo
     with pytest.raises(MessageError) as info:
         decode(msgspec.json.encode(data), m.WorldStarted)
     assert info.value.path == "$.geometry"
+
+
+def test_an_acks_details_are_exactly_the_worker_statuss_optional_fields() -> None:
+    from liver.shared.messages import AckDetails, WorkerStatus
+
+    addressing = {"schema_version", "job_id", "worker_id", "phase"}
+    assert set(AckDetails.__annotations__) == set(WorkerStatus.__struct_fields__) - addressing

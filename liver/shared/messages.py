@@ -21,7 +21,7 @@ import bisect
 import re
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Final, Literal, NamedTuple
+from typing import Annotated, Final, Literal, NamedTuple, TypedDict
 
 import msgspec
 from msgspec import Meta
@@ -804,6 +804,20 @@ class WorkerStatus(Message, kw_only=True, tag="worker_status"):
 
 
 # -- public: outcomes -------------------------------------------------------------------------------
+
+
+class AckDetails(TypedDict, total=False):
+    """What an ack may say besides its phase (the optional fields of ``WorkerStatus``): one definition
+    for every layer that passes an ack on (``Companion.report``, the agent's ``status``, the runtime
+    bridge's ``Reporter``)."""
+
+    generation: int | None
+    error: str | None
+    iteration: int | None
+    bytes_sent: int | None
+    bytes_received: int | None
+    pause_s: float | None
+    falling_back: bool
 
 
 class GenerationCommitted(Message, kw_only=True, tag="generation_committed"):

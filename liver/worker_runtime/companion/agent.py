@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol, Unpack
 
 import msgspec
 import nats.errors
@@ -49,6 +49,7 @@ from liver.shared.layout import Device
 from liver.shared.logs import bind_message
 from liver.shared.messages import (
     Abort,
+    AckDetails,
     Heartbeat,
     Hello,
     Message,
@@ -328,34 +329,21 @@ class WorkerAgent:
 
     # -- acks from the runtime --------------------------------------------------------------------------
 
-    def status(
-        self,
-        phase: WorkerPhase,
-        *,
-        generation: int | None = None,
-        error: str | None = None,
-        iteration: int | None = None,
-        bytes_sent: int | None = None,
-        bytes_received: int | None = None,
-        pause_s: float | None = None,
-        falling_back: bool = False,
-    ) -> WorkerStatus:
+    def status(self, phase: WorkerPhase, **details: Unpack[AckDetails]) -> WorkerStatus:
         """Build an ack (safe from any thread); ``generation`` defaults to the newest prepared one."""
+        generation = details.pop("generation", None)
         if generation is None:
             generation = self.latest_generation
             if generation is None:
                 raise ValueError("`generation`: no generation has been prepared; give it explicitly")
+        error = details.pop("error", None)
         return WorkerStatus(
             job_id=self.identity.job_id,
             worker_id=self.identity.worker_id,
             generation=generation,
             phase=phase,
             error=None if error is None else _clip(error),
-            iteration=iteration,
-            bytes_sent=bytes_sent,
-            bytes_received=bytes_received,
-            pause_s=pause_s,
-            falling_back=falling_back,
+            **details,
         )
 
     def report(self, ack: WorkerStatus) -> None:

@@ -41,12 +41,12 @@ coordinator that vanished; the coordinator enforces the real ones and sends ``Ab
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Final, Protocol
+from typing import Final, Protocol, Unpack
 
 import structlog
 
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase
+from liver.shared.messages import Abort, AckDetails, Prepare, Switch, WorkerPhase
 from liver.shared.plan import Plan
 from liver.worker_runtime.runtime import ReshardPhase, RuntimeEvent
 from liver.worker_runtime.world import StoreAddress
@@ -83,18 +83,7 @@ class ResizeTarget(Protocol):
 class Reporter(Protocol):
     """:meth:`~.thread.Companion.report`: hands an ack to the companion's thread; never blocks."""
 
-    def __call__(
-        self,
-        phase: WorkerPhase,
-        *,
-        generation: int | None = None,
-        error: str | None = None,
-        iteration: int | None = None,
-        bytes_sent: int | None = None,
-        bytes_received: int | None = None,
-        pause_s: float | None = None,
-        falling_back: bool = False,
-    ) -> None: ...
+    def __call__(self, phase: WorkerPhase, **details: Unpack[AckDetails]) -> None: ...
 
 
 def store_address(text: str | None) -> StoreAddress:

@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Unpack
 
 import nats
 import nats.errors
@@ -42,7 +42,7 @@ from nats.aio.client import Client
 
 from liver.shared.connection import connect_options
 from liver.shared.errors import BusError
-from liver.shared.messages import Abort, Prepare, Switch, WorkerPhase, WorkerStatus
+from liver.shared.messages import Abort, AckDetails, Prepare, Switch, WorkerPhase, WorkerStatus
 from liver.shared.metrics_http import MetricsServer
 from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
@@ -218,18 +218,7 @@ class Companion:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def report(
-        self,
-        phase: WorkerPhase,
-        *,
-        generation: int | None = None,
-        error: str | None = None,
-        iteration: int | None = None,
-        bytes_sent: int | None = None,
-        bytes_received: int | None = None,
-        pause_s: float | None = None,
-        falling_back: bool = False,
-    ) -> None:
+    def report(self, phase: WorkerPhase, **details: Unpack[AckDetails]) -> None:
         """Ack a phase of a handoff (``generation`` defaults to the newest prepared); never blocks.
 
         Raises ``ValueError`` for an ack that is not a valid message (a "failed" without an error); an
@@ -239,16 +228,7 @@ class Companion:
         agent = self._agent
         if agent is None:
             raise CompanionError("the companion is not started")
-        status = agent.status(
-            phase,
-            generation=generation,
-            error=error,
-            iteration=iteration,
-            bytes_sent=bytes_sent,
-            bytes_received=bytes_received,
-            pause_s=pause_s,
-            falling_back=falling_back,
-        )
+        status = agent.status(phase, **details)
         try:
             self._loop.call_soon_threadsafe(self._deliver, status)
         except RuntimeError:

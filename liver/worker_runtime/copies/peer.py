@@ -25,14 +25,13 @@ from liver.shared.geometry import ModelGeometry
 from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout, Placement
 from liver.shared.redundancy import NO_KEEPER, Redundancy, copied_tensors, own_copy_bytes, redundancy
+from liver.worker_runtime.stream.executor import LocalTensor
 
 from .keeper import CopyKeeper, KeptCopy
 from .sender import DEFAULT_STAGING_BYTES, CopySender
 from .wire import CopyError
 
 log = structlog.get_logger(__name__)
-
-LocalTensor = torch.Tensor | tuple[torch.Tensor, ...]
 
 UNAVAILABLE = "-"
 """A keeper's store entry when it could not listen or has no room: its sources send nothing."""

@@ -109,7 +109,6 @@ __all__ = [
     "PeriodicCheckpoints",
     "check_replica_ids",
     "checkpoint_name",
-    "fall_back_to_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "prune_checkpoints",
@@ -729,40 +728,6 @@ def _agree_on_latest(root: str | os.PathLike[str]) -> tuple[Path | None, Checkpo
     return checkpoint, manifest
 
 
-def fall_back_to_checkpoint(
-    root: str | os.PathLike[str],
-    spec: ModelSpec | ModelSource,
-    layout: ParallelLayout,
-    config: TrainConfig,
-    *,
-    groups: ParallelGroups,
-    corpus: Corpus | None = None,
-    reached_iteration: int | None = None,
-    hooks: TrainerHooks | None = None,
-) -> Fallback:
-    """Restart the job on ``layout`` from the last durable checkpoint under ``root`` (invariant I4).
-
-    For a handoff that cannot complete because ranks of the old world are gone: the survivors and any
-    replacements have formed the new world (``groups``, adopted as the default world; the old world is
-    the caller's to release) and call this together. Whatever the old world did after its last
-    checkpoint is lost and redone (``reached_iteration``, the last step it completed, gives
-    ``steps_lost``); the result trains exactly as a live switch into ``layout`` at the checkpoint's
-    iteration would (the random streams are reseeded as after a move, even at the saved layout).
-    """
-    fallback = restart_from_checkpoint(
-        root,
-        spec,
-        layout,
-        config,
-        groups=groups,
-        corpus=corpus,
-        reached_iteration=reached_iteration,
-        hooks=hooks,
-    )
-    assert fallback is not None  # required: no checkpoint raised
-    return fallback
-
-
 def restart_from_checkpoint(
     root: str | os.PathLike[str],
     spec: ModelSpec | ModelSource,
@@ -775,9 +740,17 @@ def restart_from_checkpoint(
     hooks: TrainerHooks | None = None,
     required: bool = True,
 ) -> Fallback | None:
-    """:func:`fall_back_to_checkpoint`; with ``required=False`` None when no rank finds a checkpoint
-    (a restarted job's first start, as Megatron's ``--load`` of an empty directory). A collective over
-    the default world; ranks that find different checkpoints raise."""
+    """Restart the job on ``layout`` from the last durable checkpoint under ``root`` (invariant I4).
+
+    For a handoff that cannot complete because ranks of the old world are gone: the survivors and any
+    replacements have formed the new world (``groups``, adopted as the default world; the old world is
+    the caller's to release) and call this together. Whatever the old world did after its last
+    checkpoint is lost and redone (``reached_iteration``, the last step it completed, gives
+    ``steps_lost``); the result trains exactly as a live switch into ``layout`` at the checkpoint's
+    iteration would (the random streams are reseeded as after a move, even at the saved layout).
+    Without a checkpoint it raises; with ``required=False`` it returns None instead (a restarted job's
+    first start, as Megatron's ``--load`` of an empty directory). A collective over the default world;
+    ranks that find different checkpoints raise."""
     from liver.worker_runtime.megatron.build import check_default_world
     from liver.worker_runtime.megatron.train import build_trainer
 
