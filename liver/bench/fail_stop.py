@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from liver.bench.procs import run_procs
+from liver.bench.jobs import LiveSetup, run_live_job
 from liver.bench.restart import steady_step
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelRef, ModelSpec
@@ -75,17 +75,6 @@ class FailStopLive(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     kept_bytes_per_process: int  # host memory of the peer copies a process keeps (the largest)
 
 
-class _Setup(msgspec.Struct, frozen=True, kw_only=True):
-    model: ModelRef
-    config: TrainConfig
-    plan: Plan
-    store_port: int
-    steps_before: int
-    steady_steps: int
-    timeout_s: float
-    handoff: Plan | None = None  # the handoff the process dies in (LossMoment.STREAM)
-
-
 class _Result(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     noticed: float
@@ -114,7 +103,7 @@ def _die_in_next_forward(trainer: Any, store: Any, runtime: Any) -> None:
     trainer.forward_step = dying
 
 
-def _worker(rank: int, size: int, setup: _Setup) -> _Result | None:
+def _worker(rank: int, size: int, setup: LiveSetup) -> _Result | None:
     """One process of the job: train; the last one dies in step ``steps_before + 1``; the others recover."""
     from datetime import timedelta
 
@@ -269,8 +258,6 @@ def measure_fail_stop(
     to ``new``, and time it. Raises the planner's ``NoSurvivingSource`` when the lost process held
     state that neither a survivor nor a peer copy has, and ``ValueError`` for a loss in a stream with
     fewer than 2 steps before."""
-    from liver.worker_runtime.world import host_store
-
     spec = ModelRef.of(model)
     plan = recovery_plan(spec, old, new, config)
     handoff = None
@@ -278,31 +265,22 @@ def measure_fail_stop(
         if steps_before < 2:
             raise ValueError("--steps-before: a loss in a handoff's stream needs at least 2 (build, cut)")
         handoff = reversal_plan(spec, old, config)
-    store = host_store()
-    setup = _Setup(
+    size = old.world_size
+    outcomes, values = run_live_job(
+        _worker,
+        size,
         model=spec,
         config=config,
         plan=plan,
-        store_port=store.port,
         steps_before=steps_before,
         steady_steps=steady_steps,
         timeout_s=timeout_s,
+        threads=threads,
         handoff=handoff,
+        may_die=(size - 1,),
+        read=(KILLED_AT_KEY,),
     )
-    size = old.world_size
-    try:
-        outcomes = run_procs(
-            _worker,
-            size,
-            (setup,),
-            timeout_s=timeout_s,
-            threads=threads,
-            preload=["megatron.core", "liver.worker_runtime.megatron.job", __name__],
-            may_die=(size - 1,),
-        )
-        killed_at = float(store.get(KILLED_AT_KEY).decode())
-    finally:
-        del store
+    killed_at = float(values[KILLED_AT_KEY].decode())
     results: list[_Result] = [r for r in outcomes if r is not None]
     new_world = [r for r in results if r.first_step_end is not None and r.handed_out is not None]
     if not new_world:

@@ -3,7 +3,14 @@ place, so that both measure the same model at the same sizes."""
 
 from __future__ import annotations
 
-from liver.shared.model import ModelSpec
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import msgspec
+
+from liver.bench.procs import run_procs
+from liver.shared.model import ModelRef, ModelSpec
+from liver.shared.plan import Plan
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 MODEL_DEFAULT = "tiny-gpt"
@@ -23,3 +30,64 @@ LARGE_MODEL = ModelSpec(
 FULL_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=32)
 QUICK_CONFIG = TrainConfig(global_batch_size=2, micro_batch_size=1, seq_length=16)
 LARGE_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=128, corpus_vocab_size=1024)
+
+
+class LiveSetup(msgspec.Struct, frozen=True, kw_only=True):
+    """What every process of a live benchmark's job gets: the job, the plan it moves by, where the
+    job's store listens, how long it trains before and after, and (fail-stop in a stream) the handoff
+    the lost process dies in."""
+
+    model: ModelRef
+    config: TrainConfig
+    plan: Plan
+    store_port: int
+    steps_before: int
+    steady_steps: int
+    timeout_s: float
+    handoff: Plan | None = None
+
+
+def run_live_job(
+    worker: Callable[..., Any],
+    size: int,
+    *,
+    model: ModelRef,
+    config: TrainConfig,
+    plan: Plan,
+    steps_before: int,
+    steady_steps: int,
+    timeout_s: float,
+    threads: int,
+    handoff: Plan | None = None,
+    may_die: Collection[int] = (),
+    read: Sequence[str] = (),
+) -> tuple[list[Any], dict[str, bytes]]:
+    """Run ``worker(rank, size, setup)`` in ``size`` processes around a store this process hosts; their
+    results in rank order, and the store's values under ``read`` (taken before the store goes)."""
+    from liver.worker_runtime.world import host_store
+
+    store = host_store()
+    setup = LiveSetup(
+        model=model,
+        config=config,
+        plan=plan,
+        store_port=store.port,
+        steps_before=steps_before,
+        steady_steps=steady_steps,
+        timeout_s=timeout_s,
+        handoff=handoff,
+    )
+    try:
+        results = run_procs(
+            worker,
+            size,
+            (setup,),
+            timeout_s=timeout_s,
+            threads=threads,
+            preload=["megatron.core", "liver.worker_runtime.megatron.job", worker.__module__],
+            may_die=may_die,
+        )
+        values = {key: store.get(key) for key in read}
+    finally:
+        del store
+    return results, values

@@ -45,13 +45,21 @@ import msgspec
 
 from liver.bench.copies import CopyCost, cost_checks, cost_lines, measure_copies
 from liver.bench.fail_stop import FailStopLive, LossMoment, devices_of, measure_fail_stop
-from liver.bench.jobs import FULL_CONFIG, LARGE_CONFIG, LARGE_MODEL, MODEL_DEFAULT, QUICK_CONFIG
-from liver.bench.procs import ProcsError, run_procs
+from liver.bench.jobs import (
+    FULL_CONFIG,
+    LARGE_CONFIG,
+    LARGE_MODEL,
+    MODEL_DEFAULT,
+    QUICK_CONFIG,
+    LiveSetup,
+    run_live_job,
+)
+from liver.bench.procs import ProcsError
 from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
 from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart, steady_step
 from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelError, ModelRef, ModelSpec, load_model
-from liver.shared.plan import Plan, WorldConfig
+from liver.shared.plan import WorldConfig
 from liver.shared.redundancy import redundancy
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
@@ -131,16 +139,6 @@ class ReconfigReport(msgspec.Struct, frozen=True, kw_only=True):
 # -- the live side: worker processes --------------------------------------------------------------------
 
 
-class _Setup(msgspec.Struct, frozen=True, kw_only=True):
-    model: ModelRef
-    config: TrainConfig
-    plan: Plan
-    store_port: int
-    steps_before: int
-    steady_steps: int
-    timeout_s: float
-
-
 class _LiveResult(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     in_new_world: bool
@@ -159,7 +157,7 @@ class _LiveResult(msgspec.Struct, frozen=True, kw_only=True):
     step_ends: list[float]  # the end of each step on the new world (wall clock), the first included
 
 
-def _live_worker(rank: int, size: int, setup: _Setup) -> _LiveResult:
+def _live_worker(rank: int, size: int, setup: LiveSetup) -> _LiveResult:
     """One process of the live job: train, hand in the resize, switch, one step on the new world."""
     from liver.shared.logs import configure_logging
     from liver.worker_runtime.megatron.job import MegatronJob
@@ -286,7 +284,6 @@ def measure_live(
 ) -> LiveDowntime:
     """Run the live transition ``old`` -> ``new`` in ``max(old, new)`` local processes and time it."""
     from liver.services.transfer.planner import plan_resize
-    from liver.worker_runtime.world import host_store
 
     spec = ModelRef.of(model)
     size = max(old.world_size, new.world_size)
@@ -297,27 +294,17 @@ def measure_live(
         new,
         devices[: new.world_size],
     ).plan
-    store = host_store()
-    setup = _Setup(
+    results, _ = run_live_job(
+        _live_worker,
+        size,
         model=spec,
         config=config,
         plan=plan,
-        store_port=store.port,
         steps_before=steps_before,
         steady_steps=steady_steps,
         timeout_s=timeout_s,
+        threads=threads,
     )
-    try:
-        results: list[_LiveResult] = run_procs(
-            _live_worker,
-            size,
-            (setup,),
-            timeout_s=timeout_s,
-            threads=threads,
-            preload=["megatron.core", "liver.worker_runtime.megatron.job", __name__],
-        )
-    finally:
-        del store
     return _downtime(results)
 
 
