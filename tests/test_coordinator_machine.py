@@ -19,6 +19,7 @@ from msgspec.structs import replace
 
 from liver.services.coordinator import (
     TRANSITIONS,
+    WAITS,
     Action,
     BusReconnected,
     Coordinator,
@@ -212,6 +213,8 @@ class Driver:
         return self._keep(self.core.handle(event, self.now))
 
     def _keep(self, out: list[Action]) -> list[Action]:
+        # Every test of this file checks the phase -> wait table after every input it feeds.
+        assert self.core.wait in WAITS[self.core.phase], f"{self.core.phase} waiting for {self.core.wait}"
         self.log.extend(out)
         self.pending.extend(
             a
@@ -2276,6 +2279,11 @@ class RandomEvents(RuleBasedStateMachine):
             job_id=JOB, generation=record.issued + 1, layout=LAYOUT, placement=Placement(WORLD)
         )
         self._broadcast(lambda d: d.feed(world))
+
+    @invariant()
+    def every_coordinator_waits_only_for_what_its_phase_allows(self) -> None:
+        for d in self.drivers:
+            assert d.core.wait in WAITS[d.core.phase], (d.core.phase, d.core.wait)
 
     @invariant()
     def one_outcome_per_generation(self) -> None:

@@ -21,7 +21,7 @@ from .actions import (
     WriteRecord,
 )
 from .config import CoordinatorConfig
-from .core import TRANSITIONS, Coordinator, CoordinatorError, GenerationPhase, IllegalTransition, Wait
+from .core import TRANSITIONS, WAITS, Coordinator, CoordinatorError, GenerationPhase, IllegalTransition, Wait
 from .events import (
     BusReconnected,
     Event,
@@ -38,6 +38,7 @@ from .record import GenerationRecord, Participant, PendingHandoff, Trigger
 
 __all__ = [
     "TRANSITIONS",
+    "WAITS",
     "Action",
     "BusReconnected",
     "Change",

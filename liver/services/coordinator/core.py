@@ -189,6 +189,25 @@ class Wait(enum.StrEnum):
     NO_CHANGE_WRITE = "no_change_write"
 
 
+WAITS: Final[dict[GenerationPhase, frozenset[Wait]]] = {
+    GenerationPhase.DOWN: frozenset({Wait.NOTHING, Wait.WORLD_WRITE}),
+    GenerationPhase.STABLE: frozenset({Wait.NOTHING, Wait.NO_CHANGE_WRITE}),
+    GenerationPhase.PREPARE: frozenset(
+        {Wait.BEGIN_WRITE, Wait.TOPOLOGY, Wait.TRANSFER, Wait.WORKERS, Wait.PREPARED}
+    ),
+    GenerationPhase.READY: frozenset({Wait.SWITCH_WRITE}),
+    GenerationPhase.SWITCH: frozenset({Wait.SWITCHED, Wait.COMMIT_WRITE}),
+    GenerationPhase.COMMITTED: frozenset({Wait.NOTHING}),
+    GenerationPhase.CLEANUP: frozenset({Wait.NOTHING}),
+    GenerationPhase.ABORTED: frozenset({Wait.ABORT_WRITE}),
+    GenerationPhase.STANDBY: frozenset({Wait.NOTHING}),
+}
+"""What each phase may wait for between two inputs (``Coordinator.handle`` and ``restore`` return with
+a pair from this table; COMMITTED, CLEANUP and ABORTED pass within one input). A prepare waits for its
+begin write, then the topology plan, the transfer plan, workers on every participant's device (only
+after a restart), and the prepared acks, in that order; the rest wait for one record write or none."""
+
+
 class IllegalTransition(LiverError, RuntimeError):
     """A phase change the table does not allow: a bug in the machine, never a consequence of input."""
 
