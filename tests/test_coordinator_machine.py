@@ -25,6 +25,7 @@ from liver.services.coordinator import (
     Coordinator,
     CoordinatorConfig,
     CoordinatorError,
+    ExpectTransfer,
     GenerationPhase,
     GenerationRecord,
     IllegalTransition,
@@ -38,7 +39,6 @@ from liver.services.coordinator import (
     RecordWritten,
     ReleasePlan,
     RequestTopology,
-    RequestTransfer,
     SendCommand,
     Settle,
     Tick,
@@ -219,7 +219,7 @@ class Driver:
         self.pending.extend(
             a
             for a in out
-            if isinstance(a, WriteRecord | RequestTopology | RequestTransfer | SendCommand | ProbeWorkers)
+            if isinstance(a, WriteRecord | RequestTopology | ExpectTransfer | SendCommand | ProbeWorkers)
         )
         return out
 
@@ -359,7 +359,7 @@ class Driver:
         return self.feed(planner(self.pop(RequestTopology).request))
 
     def transfer(self, **fields: Any) -> list[Action]:
-        return self.feed(plan_transfer(self.pop(RequestTransfer).topology, **fields))
+        return self.feed(plan_transfer(self.pop(ExpectTransfer).topology, **fields))
 
     def commands(self, kind: type) -> list[SendCommand]:
         found = [a for a in self.pending if isinstance(a, SendCommand) and isinstance(a.command, kind)]
@@ -420,7 +420,7 @@ class Driver:
             self.write()
         elif self.has(RequestTopology):
             self.topology()
-        elif self.has(RequestTransfer):
+        elif self.has(ExpectTransfer):
             self.transfer()
         elif any(isinstance(a, SendCommand) and isinstance(a.command, Prepare) for a in self.pending):
             self.ready()
@@ -687,7 +687,7 @@ def test_cleanup_releases_slice_entries_by_their_key_pattern_and_slice_objects_b
         kv_bucket="liver-slices",
         objects=(1,),
     )
-    while not d.has(RequestTransfer):
+    while not d.has(ExpectTransfer):
         d.write() if d.has(WriteRecord) else d.topology()
     d.transfer(slices=index)
     d.run()
@@ -841,7 +841,7 @@ def test_lost_world_worker_starts_a_handoff_that_falls_back_when_it_cannot_be_pl
     request = d.pop(RequestTopology).request
     assert request.lost == (WORLD[3],)
     d.feed(plan_topology(request))
-    d.pop(RequestTransfer)
+    d.pop(ExpectTransfer)
     d.feed(
         PlanningFailed(
             job_id=JOB, event_id=request.event_id, generation=1, stage="transfer", reason="no source"
@@ -1983,7 +1983,7 @@ def test_plan_made_from_a_world_that_is_no_longer_live_aborts(stage: str) -> Non
         d.feed(planned)
     else:
         d.feed(plan_topology(request))
-        d.pop(RequestTransfer)
+        d.pop(ExpectTransfer)
         d.feed(plan_transfer(planned))
     d.write()
     aborted = d.published(GenerationAborted)[-1]
@@ -2212,7 +2212,7 @@ class RandomEvents(RuleBasedStateMachine):
                     reason="random failure",
                 )
                 d.feed(failed)
-        elif d.has(RequestTransfer):
+        elif d.has(ExpectTransfer):
             d.transfer()
         elif prepares := d.commands(Prepare):
             takers = [(w, c.command.generation) for c in prepares for w in d.takers(c)]

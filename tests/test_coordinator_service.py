@@ -35,8 +35,8 @@ from liver.services.coordinator import (
     GenerationRecord,
     WriteRecord,
 )
-from liver.services.coordinator.adapter import with_device_memory
 from liver.services.coordinator.events import RecordConflict, RecordWritten
+from liver.services.coordinator.held import with_device_memory
 from liver.services.coordinator.kv import RecordStore
 from liver.services.coordinator.record import Participant, PendingHandoff, Trigger
 from liver.services.coordinator.service import (

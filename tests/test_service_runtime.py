@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from liver.cli import serve_cmd
 from liver.services import bus as b
 from liver.services.host import (
-    Bus,
+    BusConnection,
     ConnectionLost,
     ConsumingService,
     PullConsumer,
@@ -286,7 +286,7 @@ class Holding(ConsumingService):
         self.ack_wait_s = ack_wait_s
         self.batch = batch
 
-    async def start(self, bus: Bus) -> None:
+    async def start(self, bus: BusConnection) -> None:
         self._js = bus.js
         await b.ensure_stream(bus.js, s.STREAM_INGEST)
         config = b.pull_consumer_config(

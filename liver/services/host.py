@@ -64,7 +64,7 @@ the consumer's ack wait: nothing is lost, a stuck handler just cannot hold the p
 
 
 @dataclass(frozen=True)
-class Bus:
+class BusConnection:
     """The connection a service is started with."""
 
     nc: Client
@@ -84,7 +84,7 @@ class Service(Protocol):
     name: str
     description: str
 
-    async def start(self, bus: Bus) -> None: ...
+    async def start(self, bus: BusConnection) -> None: ...
 
     async def stop(self) -> None: ...
 
@@ -344,7 +344,7 @@ class DeadLetteringConsumer:
 
     def __init__(
         self,
-        bus: Bus,
+        bus: BusConnection,
         *,
         source: str,
         stream: str,
@@ -407,7 +407,7 @@ class ConsumingService(abc.ABC):
 
     async def _consume(
         self,
-        bus: Bus,
+        bus: BusConnection,
         *,
         stream: str,
         config: api.ConsumerConfig,
@@ -500,7 +500,7 @@ class Hosted:
     """A started service and what it is connected with."""
 
     service: Service
-    bus: Bus
+    bus: BusConnection
     micro: MicroService
     metrics_port: int | None = None
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -588,7 +588,7 @@ async def _hosted(
 
     nc = await connect(url, environ, name=name, on_lost=on_lost, on_reconnected=on_reconnected)
     try:
-        bus = Bus(
+        bus = BusConnection(
             nc=nc, js=nc.jetstream(), replicas=b.replicas_from(os.environ if environ is None else environ)
         )
         await service.start(bus)

@@ -43,9 +43,10 @@ class RequestTopology(Action):
     request: TopologyRequest
 
 
-class RequestTransfer(Action):
-    """Plan the transfer to this target (the adapter may leave it to a planner that reads the topology
-    stream, as long as plans for targets the coordinator dropped are never handed to workers)."""
+class ExpectTransfer(Action):
+    """The core now waits for the transfer plan of this topology. Nothing needs sending: the transfer
+    planner reads planned topologies from their stream itself, and the core ignores any plan whose
+    target it dropped. An adapter without such a planner would plan it here."""
 
     topology: TopologyPlanned
 

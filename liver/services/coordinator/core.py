@@ -90,13 +90,13 @@ from liver.shared.subjects import (
 
 from .actions import (
     Action,
+    ExpectTransfer,
     Note,
     NoteLevel,
     ProbeWorkers,
     Publish,
     ReleasePlan,
     RequestTopology,
-    RequestTransfer,
     SendCommand,
     Settle,
     SettleOutcome,
@@ -1059,7 +1059,7 @@ class Coordinator:
         if h.stop is not None or self._deferred is not None:
             return
         self._wait = Wait.TRANSFER
-        self._emit(RequestTransfer(topology=event))
+        self._emit(ExpectTransfer(topology=event))
 
     def _on_transfer(self, event: TransferPlanned) -> None:
         if self._wrong_job(event.job_id, "transfer_planned"):

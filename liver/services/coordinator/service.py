@@ -15,11 +15,11 @@ What feeds the core, all through one lock so that it sees one event at a time:
 
 What it does with the actions: :class:`WriteRecord` is a compare-and-set on the key (:mod:`.kv`);
 :class:`RequestTopology` publishes a ``TopologyRequest`` (with the smallest device memory the workers
-reported); :class:`RequestTransfer` needs nothing, because the transfer planner reads planned
+reported); :class:`ExpectTransfer` needs nothing, because the transfer planner reads planned
 topologies from the stream itself and the core ignores plans of targets it dropped; commands go to one
 worker's subject or the job's; outcomes are published with their dedup id; membership is put in
 ``liver-membership`` for the ingester; :class:`Settle` acknowledges the held resize requests
-(:mod:`.adapter`); :class:`ReleasePlan` deletes the generation's plan objects by name in the background;
+(:mod:`.held`); :class:`ReleasePlan` deletes the generation's plan objects by name in the background;
 notes are logged.
 
 On start the core is restored from the stored record (resuming or aborting a handoff a predecessor
@@ -49,7 +49,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.host import DEFAULT_ACK_WAIT_S, Bus, ConsumingService
+from liver.services.host import DEFAULT_ACK_WAIT_S, BusConnection, ConsumingService
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -67,22 +67,22 @@ from liver.shared.messages import (
 
 from .actions import (
     Action,
+    ExpectTransfer,
     Note,
     ProbeWorkers,
     Publish,
     ReleasePlan,
     RequestTopology,
-    RequestTransfer,
     SendCommand,
     Settle,
     SettleOutcome,
     WriteMembership,
     WriteRecord,
 )
-from .adapter import HeldEvents, with_device_memory
 from .config import CoordinatorConfig
 from .core import Coordinator, GenerationPhase
 from .events import BusReconnected, Event, RecordConflict, RecordWriteFailed, Tick, WorkersProbed
+from .held import HeldEvents, with_device_memory
 from .kv import BUS_FAILURES, RecordStore
 
 log = structlog.get_logger(__name__)
@@ -229,7 +229,7 @@ class CoordinatorService(ConsumingService):
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
-    async def start(self, bus: Bus) -> None:
+    async def start(self, bus: BusConnection) -> None:
         self._nc, js = bus.nc, bus.js
         self._js = js
         await b.ensure_streams(
@@ -527,7 +527,7 @@ class CoordinatorService(ConsumingService):
                     device_memory_bytes=request.device_memory_bytes,
                     deadline=request.deadline,
                 )
-            case RequestTransfer():
+            case ExpectTransfer():
                 # The transfer planner reads the topology stream itself; the core ignores any plan
                 # whose target it no longer wants.
                 log.debug("transfer_left_to_planner", generation=action.topology.generation)

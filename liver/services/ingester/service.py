@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from liver.services import bus as b
-from liver.services.host import DEFAULT_ACK_WAIT_S, Bus, ConsumingService
+from liver.services.host import DEFAULT_ACK_WAIT_S, BusConnection, ConsumingService
 from liver.services.ingester import core
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
@@ -82,7 +82,7 @@ class Ingester(ConsumingService):
         self._seen: KeyValue | None = None
         self._members: KeyValue | None = None
 
-    async def start(self, bus: Bus) -> None:
+    async def start(self, bus: BusConnection) -> None:
         js = self._js = bus.js
         await b.ensure_streams(
             js,

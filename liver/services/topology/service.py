@@ -22,7 +22,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from liver.services import bus as b
-from liver.services.host import Bus, ConsumingService, keep_in_progress
+from liver.services.host import BusConnection, ConsumingService, keep_in_progress
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message
@@ -46,7 +46,7 @@ class TopologyService(ConsumingService):
         super().__init__("planned", "failed")
         self.settings = settings
 
-    async def start(self, bus: Bus) -> None:
+    async def start(self, bus: BusConnection) -> None:
         js = self._js = bus.js
         await b.ensure_streams(
             js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS), replicas=bus.replicas

@@ -31,7 +31,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from liver.services import bus as b
-from liver.services.host import DEFAULT_ACK_WAIT_S, Bus, ConsumingService, keep_in_progress
+from liver.services.host import DEFAULT_ACK_WAIT_S, BusConnection, ConsumingService, keep_in_progress
 from liver.services.transfer import core, store
 from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s
@@ -114,7 +114,7 @@ class TransferService(ConsumingService):
         self._planner = planner
         self._writer: store.PlanWriter | None = None
 
-    async def start(self, bus: Bus) -> None:
+    async def start(self, bus: BusConnection) -> None:
         js = self._js = bus.js
         await b.ensure_streams(
             js, (s.STREAM_CONTROL, s.STREAM_ERRORS, s.STREAM_DEAD_LETTERS), replicas=bus.replicas
