@@ -1,6 +1,8 @@
-"""The layer-streaming executor, run for real: 2-4 processes, gloo on loopback, tiny models.
+"""The layer-streaming executor on tiny models: 2-4 ranks, each on a thread of this process over an
+in-process group (``p2p_local``), and for three scenarios and every failure, 2-4 processes with gloo
+on loopback.
 
-Each process builds the same synthetic training state (random global tensors from a seed), keeps only
+Each rank builds the same synthetic training state (random global tensors from a seed), keeps only
 its old shards per the view function, streams the plan, and checks its new shards against the global
 tensors bit for bit.
 """
@@ -18,6 +20,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from mp_helpers import World, run_world
+from p2p_local import run_ranks
 
 from liver.services.transfer.planner import build_plan
 from liver.shared.layout import Device, ParallelLayout, Placement
@@ -38,8 +41,6 @@ from liver.worker_runtime.stream.executor import (
     stream_plan,
 )
 from liver.worker_runtime.stream.schedule import Schedule, build_schedule
-
-pytestmark = pytest.mark.slow
 
 SEED = 1234
 KIB = 1024
@@ -219,10 +220,16 @@ def run_reshard(
     preallocate: bool = False,
     staging: bool = False,
     executor_allocates: bool = False,
+    *,
+    processes: bool = False,
 ) -> list[Report]:
+    """Every rank's report; its ranks on threads of this process, or with ``processes`` in processes of
+    their own over gloo."""
     size = len(devices_in_stream_order(plan))
     args = (plan, options, preallocate, staging, executor_allocates)
-    return [o.unwrap() for o in run_world(reshard, size, args, timeout_s=RUN_S)]
+    if processes:
+        return [o.unwrap() for o in run_world(reshard, size, args, timeout_s=RUN_S)]
+    return run_ranks(lambda rank, group: reshard(World(rank, size, group, None), *args), size, RUN_S)
 
 
 def assert_resharded(reports: list[Report]) -> None:
@@ -244,9 +251,10 @@ def assert_resharded(reports: list[Report]) -> None:
 # -- resharding scenarios ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tp_change_on_the_same_devices_is_bit_exact() -> None:
     plan = plan_for("tiny-gpt", world("2,1,2", range(4)), world("4,1,1", range(4)))
-    reports = run_reshard(plan)
+    reports = run_reshard(plan, processes=True)
     assert_resharded(reports)
     # TP2 -> TP4 cuts row-parallel slices out of the middle of their old shards: sent from copies.
     assert all(r.stats.peak_send_copy_bytes > 0 for r in reports)
@@ -286,9 +294,10 @@ def test_scale_in_processes_that_leave_send_and_receive_nothing() -> None:
     assert all(r.stats.bytes_sent > 0 and r.stats.bytes_received == 0 for r in leaving)
 
 
+@pytest.mark.slow
 def test_scale_out_processes_that_join_receive_their_whole_shards() -> None:
     plan = plan_for("tiny-llama", world("2,1,1", range(2)), world("4,1,1", range(4)))
-    reports = run_reshard(plan)
+    reports = run_reshard(plan, processes=True)
     assert_resharded(reports)
     joining = [r for r in reports if r.old_rank is None]
     assert len(joining) == 2
@@ -393,10 +402,11 @@ def test_preallocated_streams_that_send_from_copies_stay_bit_exact() -> None:
     assert any(r.stats.peak_send_copy_bytes > 0 for r in reports)
 
 
+@pytest.mark.slow
 def test_combined_change_tp_pp_dp_and_devices_is_bit_exact() -> None:
     # TP2 PP2 on devices 0-3 -> DP3 on devices 1-3: device 0 leaves, every dimension changes.
     plan = plan_for("tiny-llama", world("2,2,1", range(4)), world("1,1,3", range(1, 4)))
-    reports = run_reshard(plan)
+    reports = run_reshard(plan, processes=True)
     assert_resharded(reports)
     assert reports[0].new_rank is None and reports[0].stats.bytes_sent > 0
 
@@ -425,6 +435,7 @@ def keep_then_release(w: World, plan: Plan) -> tuple[StreamStats, StreamStats, i
     return stats[0], stats[1], len(old_state), exact
 
 
+@pytest.mark.slow
 def test_release_mode_frees_old_layers_and_lowers_the_footprint() -> None:
     plan = plan_for("tiny-gpt", world("2,1,1", range(2)), world("1,2,1", range(2)))
     for outcome in run_world(keep_then_release, 2, (plan,), timeout_s=RUN_S):
@@ -506,6 +517,7 @@ def stream_until_peer_fails(w: World, plan: Plan, victim: int, how: str) -> Fail
     return Failure(error, time.monotonic() - started[0], checksum(old_state) == before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_a_failed_peer_stops_the_stream_with_an_error_naming_it(how: str) -> None:
     # TP2 -> DP2 on two devices: in every layer each process needs half of its shard from the other.
@@ -527,6 +539,7 @@ def stream_with_a_killed_peer(w: World, plan: Plan, victim: int) -> Failure:
     return stream_until_peer_fails(w, plan, victim, "dies")
 
 
+@pytest.mark.slow
 def test_every_survivor_of_a_killed_process_fails_within_the_timeout() -> None:
     # TP4 -> TP2 x DP2: process 3 dies; some survivors depend on it directly, others on those.
     plan = plan_for("tiny-gpt", world("4,1,1", range(4)), world("2,1,2", range(4)))
