@@ -103,7 +103,7 @@ def _die_in_next_forward(trainer: Any, store: Any, runtime: Any) -> None:
     trainer.forward_step = dying
 
 
-def _worker(rank: int, size: int, setup: LiveSetup) -> _Result | None:
+def _worker(rank: int, size: int, setup: LiveSetup, store_port: int) -> _Result | None:
     """One process of the job: train; the last one dies in step ``steps_before + 1``; the others recover."""
     from datetime import timedelta
 
@@ -118,7 +118,7 @@ def _worker(rank: int, size: int, setup: LiveSetup) -> _Result | None:
     plan, handoff = setup.plan, setup.handoff
     devices = plan.old.placement.devices
     device, victim = devices[rank], devices[-1]
-    address = StoreAddress("127.0.0.1", setup.store_port)
+    address = StoreAddress("127.0.0.1", store_port)
     store = connect_store(address, timedelta(seconds=setup.timeout_s))
     recovery = 1 if handoff is None else 2  # the generation the survivors recover to
     lost_at: list[float] = []
@@ -266,19 +266,17 @@ def measure_fail_stop(
             raise ValueError("--steps-before: a loss in a handoff's stream needs at least 2 (build, cut)")
         handoff = reversal_plan(spec, old, config)
     size = old.world_size
-    outcomes, values = run_live_job(
-        _worker,
-        size,
+    setup = LiveSetup(
         model=spec,
         config=config,
         plan=plan,
         steps_before=steps_before,
         steady_steps=steady_steps,
         timeout_s=timeout_s,
-        threads=threads,
         handoff=handoff,
-        may_die=(size - 1,),
-        read=(KILLED_AT_KEY,),
+    )
+    outcomes, values = run_live_job(
+        _worker, size, setup, threads=threads, may_die=(size - 1,), read=(KILLED_AT_KEY,)
     )
     killed_at = float(values[KILLED_AT_KEY].decode())
     results: list[_Result] = [r for r in outcomes if r is not None]

@@ -33,14 +33,13 @@ LARGE_CONFIG = TrainConfig(global_batch_size=8, micro_batch_size=1, seq_length=1
 
 
 class LiveSetup(msgspec.Struct, frozen=True, kw_only=True):
-    """What every process of a live benchmark's job gets: the job, the plan it moves by, where the
-    job's store listens, how long it trains before and after, and (fail-stop in a stream) the handoff
-    the lost process dies in."""
+    """What every process of a live benchmark's job gets (with the port of the store the benchmark
+    hosts): the job, the plan it moves by, how long it trains before and after, and (fail-stop in a
+    stream) the handoff the lost process dies in."""
 
     model: ModelRef
     config: TrainConfig
     plan: Plan
-    store_port: int
     steps_before: int
     steady_steps: int
     timeout_s: float
@@ -48,41 +47,26 @@ class LiveSetup(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def run_live_job(
-    worker: Callable[..., Any],
+    worker: Callable[[int, int, LiveSetup, int], Any],
     size: int,
+    setup: LiveSetup,
     *,
-    model: ModelRef,
-    config: TrainConfig,
-    plan: Plan,
-    steps_before: int,
-    steady_steps: int,
-    timeout_s: float,
     threads: int,
-    handoff: Plan | None = None,
     may_die: Collection[int] = (),
     read: Sequence[str] = (),
 ) -> tuple[list[Any], dict[str, bytes]]:
-    """Run ``worker(rank, size, setup)`` in ``size`` processes around a store this process hosts; their
-    results in rank order, and the store's values under ``read`` (taken before the store goes)."""
+    """Run ``worker(rank, size, setup, store_port)`` in ``size`` processes around a store this process
+    hosts; their results in rank order, and the store's values under ``read`` (taken before the store
+    goes)."""
     from liver.worker_runtime.world import host_store
 
     store = host_store()
-    setup = LiveSetup(
-        model=model,
-        config=config,
-        plan=plan,
-        store_port=store.port,
-        steps_before=steps_before,
-        steady_steps=steady_steps,
-        timeout_s=timeout_s,
-        handoff=handoff,
-    )
     try:
         results = run_procs(
             worker,
             size,
-            (setup,),
-            timeout_s=timeout_s,
+            (setup, store.port),
+            timeout_s=setup.timeout_s,
             threads=threads,
             preload=["megatron.core", "liver.worker_runtime.megatron.job", worker.__module__],
             may_die=may_die,

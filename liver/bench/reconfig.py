@@ -157,7 +157,7 @@ class _LiveResult(msgspec.Struct, frozen=True, kw_only=True):
     step_ends: list[float]  # the end of each step on the new world (wall clock), the first included
 
 
-def _live_worker(rank: int, size: int, setup: LiveSetup) -> _LiveResult:
+def _live_worker(rank: int, size: int, setup: LiveSetup, store_port: int) -> _LiveResult:
     """One process of the live job: train, hand in the resize, switch, one step on the new world."""
     from liver.shared.logs import configure_logging
     from liver.worker_runtime.megatron.job import MegatronJob
@@ -168,7 +168,7 @@ def _live_worker(rank: int, size: int, setup: LiveSetup) -> _LiveResult:
     configure_logging(level="WARNING", stream=sys.stderr)
     plan = setup.plan
     device = grid_devices(1, size)[rank]
-    address = StoreAddress("127.0.0.1", setup.store_port)
+    address = StoreAddress("127.0.0.1", store_port)
     initial = WorldSpec(job=JOB, generation=0, layout=plan.old.layout, placement=plan.old.placement)
     runtime = LiveRuntime(
         MegatronJob(source_of(setup.model), setup.config),
@@ -294,17 +294,15 @@ def measure_live(
         new,
         devices[: new.world_size],
     ).plan
-    results, _ = run_live_job(
-        _live_worker,
-        size,
+    setup = LiveSetup(
         model=spec,
         config=config,
         plan=plan,
         steps_before=steps_before,
         steady_steps=steady_steps,
         timeout_s=timeout_s,
-        threads=threads,
     )
+    results, _ = run_live_job(_live_worker, size, setup, threads=threads)
     return _downtime(results)
 
 

@@ -35,7 +35,7 @@ TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,128}\Z"
 
 _TOKEN = re.compile(TOKEN_PATTERN)
 MAX_NODE_CHARS: Final = 253
-"""The longest node id a message takes (a DNS name's limit)."""
+"""The longest node id a device probe's subject carries (a DNS name's limit)."""
 
 
 def validate_token(value: str, what: str = "id") -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -233,25 +233,21 @@ class JobAbilities(Generic[T]):
         if not isinstance(factory, TrainerFactory):
             missing = ", ".join(name for name in _REQUIRED if not hasattr(factory, name))
             raise TypeError(f"`factory`: {type(factory).__name__} is no TrainerFactory: it lacks {missing}")
-        return cls(
-            stream_builds=factory if isinstance(factory, BuildsForStream) else None,
-            layout_checks=factory if isinstance(factory, ChecksLayouts) else None,
-            live_recovery=factory if isinstance(factory, RecoversLive) else None,
-            peer_copies=factory if isinstance(factory, FeedsPeerCopies) else None,
-            checkpointing=factory if isinstance(factory, Checkpoints) else None,
-        )
+        return cls(**{name: factory if isinstance(factory, p) else None for name, p in _OPTIONAL.items()})
 
     def names(self) -> list[str]:
         """The optional protocols found, by name (logged when the runtime starts)."""
-        found = {
-            "BuildsForStream": self.stream_builds,
-            "ChecksLayouts": self.layout_checks,
-            "RecoversLive": self.live_recovery,
-            "FeedsPeerCopies": self.peer_copies,
-            "Checkpoints": self.checkpointing,
-        }
-        return [name for name, impl in found.items() if impl is not None]
+        return [p.__name__ for name, p in _OPTIONAL.items() if getattr(self, name) is not None]
 
+
+_OPTIONAL: Final[dict[str, type]] = {
+    "stream_builds": BuildsForStream,
+    "layout_checks": ChecksLayouts,
+    "live_recovery": RecoversLive,
+    "peer_copies": FeedsPeerCopies,
+    "checkpointing": Checkpoints,
+}
+""":class:`JobAbilities`' fields and the protocol each holds."""
 
 _REQUIRED = (
     "model",

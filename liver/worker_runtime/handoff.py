@@ -423,6 +423,7 @@ def _stream(
 def prebuild(
     factory: TrainerFactory[T],
     *,
+    builds_for_stream: BuildsForStream[T] | None = None,
     new_world: World | None,
     old_world: World | None,
     stream: StreamGroup,
@@ -442,7 +443,9 @@ def prebuild(
     are as they were (invariant I4: training on the old world goes on exactly as if nothing was built).
     The new trainer's storage is then touched beside training (:attr:`Prebuilt.touching`). Given this
     process's transfer ``schedule``, one tiny message each way with every peer of the stream warms the
-    point-to-point paths too (NCCL connects each pair on its first send).
+    point-to-point paths too (NCCL connects each pair on its first send). ``builds_for_stream`` is the
+    factory again where it implements :class:`~.contract.BuildsForStream` (the runtime's
+    ``JobAbilities``): the build skips initialising values and every tensor it allocated is touched.
     """
     started = time.perf_counter()
     captured = factory.capture_rng() if old_world is not None else None
@@ -452,7 +455,7 @@ def prebuild(
         try:
             if new_world is not None:
                 new_world.adopt_as_default(timeout)
-                build = factory.build_for_stream if isinstance(factory, BuildsForStream) else factory.build
+                build = factory.build if builds_for_stream is None else builds_for_stream.build_for_stream
                 trainer = build(new_world)
                 into = factory.local_state(trainer)
             built = time.perf_counter()
@@ -473,7 +476,7 @@ def prebuild(
                 factory.restore_rng(captured)
     done = time.perf_counter()
     prebuilt = Prebuilt(trainer, into, built - started, done - built, iteration)
-    touch = _storage_of(factory, trainer, into) if trainer is not None else []
+    touch = _storage_of(builds_for_stream, trainer, into) if trainer is not None else []
     if schedule is not None:
         size = staging_bytes(schedule, preallocated=trainer is not None)
         if size:
@@ -526,10 +529,10 @@ def _staging_device(stream: StreamGroup, into: dict[int, LocalTensor] | None) ->
 
 
 def _storage_of(
-    factory: TrainerFactory[T], trainer: T, into: dict[int, LocalTensor] | None
+    builds_for_stream: BuildsForStream[T] | None, trainer: T, into: dict[int, LocalTensor] | None
 ) -> list[torch.Tensor]:
-    if isinstance(factory, BuildsForStream):
-        return list(factory.storage(trainer))
+    if builds_for_stream is not None:
+        return list(builds_for_stream.storage(trainer))
     return [piece for value in (into or {}).values() for piece in pieces_of(value)]
 
 

@@ -67,7 +67,7 @@ from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.plan import Plan, PlanSlice
-from liver.worker_runtime.contract import JobAbilities, KeptState, TrainerFactory
+from liver.worker_runtime.contract import Checkpoints, JobAbilities, KeptState, TrainerFactory
 from liver.worker_runtime.copies.keeper import KeptCopy
 from liver.worker_runtime.copies.manager import IN_REFRESH, CopyManager, CopyOptions
 from liver.worker_runtime.copies.peer import PeerCopies
@@ -689,8 +689,7 @@ class LiveRuntime(Generic[T]):
         checkpoint = self.options.checkpoint
         if checkpoint is None or not checkpoint.resume:
             return None
-        factory = self.abilities.checkpointing
-        assert factory is not None  # options.checkpoint was checked against it
+        factory = self._checkpoints()
         resumed = factory.resume_latest(world, checkpoint.root)
         if resumed is None:
             return None
@@ -714,6 +713,7 @@ class LiveRuntime(Generic[T]):
             assert prep.stream_build is not None
             prebuilt = prebuild(
                 self.factory,
+                builds_for_stream=self.abilities.stream_builds,
                 new_world=prep.world_build.result(timeout=0) if prep.world_build is not None else None,
                 old_world=self._world,
                 stream=prep.stream_build.result(),
@@ -924,6 +924,13 @@ class LiveRuntime(Generic[T]):
             return None
         abandoned = recovery.abandon(trainer, iteration, f"generation {failed.generation}: {failed}")
         return None if abandoned.torn else abandoned
+
+    def _checkpoints(self) -> Checkpoints[T]:
+        """The factory as it checkpoints (only called with ``options.checkpoint``, which the constructor
+        refuses for a factory that cannot)."""
+        checkpoints = self.abilities.checkpointing
+        assert checkpoints is not None
+        return checkpoints
 
     def _abandoned_step(self) -> StepAbandoned | None:
         """The trainer's abandoned step, when its last step met a lost peer (the factory's optional
@@ -1186,8 +1193,7 @@ class LiveRuntime(Generic[T]):
         if self._saved_at == iteration:
             return
         assert self._trainer is not None
-        factory = self.abilities.checkpointing
-        assert factory is not None  # options.checkpoint was checked against it
+        factory = self._checkpoints()
         started = time.perf_counter()
         path = factory.save_checkpoint(self._trainer, checkpoint.root, checkpoint.keep_last)
         self._saved_at = iteration
@@ -1337,8 +1343,7 @@ class LiveRuntime(Generic[T]):
             backend=self.options.backend,
             timeout=timedelta(seconds=self.options.build_timeout_s),
         )
-        factory = self.abilities.checkpointing
-        assert factory is not None  # options.checkpoint was checked against it
+        factory = self._checkpoints()
         try:
             world.adopt_as_default(timedelta(seconds=self.options.control_timeout_s))
             trainer, path = factory.fall_back(world, checkpoint.root, reached)
