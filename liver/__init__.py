@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 from liver.shared.errors import BusError, HandoffError, InputError, LiverError, PlanningError
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the same names load lazily
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.plan import Plan, WorldConfig
+    from liver.reshard.planner import plan_resize
     from liver.shared.geometry import ModelGeometry
     from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, grid_devices
     from liver.shared.logs import configure_logging
     from liver.shared.model import ModelError, ModelSpec, load_model
-    from liver.shared.plan import Plan, WorldConfig
     from liver.worker_runtime.companion.bridge import RuntimeBridge
     from liver.worker_runtime.companion.thread import Companion
     from liver.worker_runtime.contract import (
@@ -125,9 +125,9 @@ _LAZY: dict[str, str] = {
     "Device": "liver.shared.layout",
     "LayoutError": "liver.shared.layout",
     "grid_devices": "liver.shared.layout",
-    "Plan": "liver.shared.plan",
-    "WorldConfig": "liver.shared.plan",
-    "plan_resize": "liver.services.transfer.planner",
+    "Plan": "liver.reshard.plan",
+    "WorldConfig": "liver.reshard.plan",
+    "plan_resize": "liver.reshard.planner",
     "configure_logging": "liver.shared.logs",
 }
 

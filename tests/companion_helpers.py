@@ -11,15 +11,15 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.object_store import ObjectStore
 
+from liver.reshard.plan import Plan, PlanSlice, WorldConfig
+from liver.reshard.planner import build_plan
 from liver.services.bus import ensure_kv
 from liver.services.transfer.core import device_slices
-from liver.services.transfer.planner import build_plan
 from liver.services.transfer.store import PlanWriter
 from liver.shared import subjects as s
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import Abort, ObjectRef, Prepare, SliceIndex, Switch
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, PlanSlice, WorldConfig
 
 MODEL = PRESETS["tiny-gpt"]
 OLD_LAYOUT = ParallelLayout(tp=2, pp=2, dp=1)

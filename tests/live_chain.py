@@ -22,11 +22,11 @@ import numpy as np
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.reshard.holdings import holding, packed
+from liver.reshard.plan import Plan, WorldConfig
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import holding, packed
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
-from liver.shared.plan import Plan, WorldConfig
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 DEVICES = tuple(Device("n0", i) for i in range(6))
@@ -115,7 +115,7 @@ def _cut(runtime: Any) -> int:
 
 def make_plans(chain: Chain) -> dict[int, Plan]:
     """The planner's plans for the chain, as the transfer service would make them."""
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     old = WorldConfig(chain.start, Placement(tuple(DEVICES[p] for p in chain.start_processes)))
     plans = {}

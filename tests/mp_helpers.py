@@ -30,7 +30,7 @@ PRELOAD = [
     "torch",
     "torch.distributed",
     "liver.worker_runtime.stream.executor",
-    "liver.services.transfer.planner",
+    "liver.reshard.planner",
     # Megatron-core takes 7-25 s to import here; pay it once in the fork server, not per child.
     "megatron.core",
     "liver.worker_runtime.megatron.train",

@@ -13,7 +13,7 @@ import pytest
 
 from liver.bench import plan as plan_bench
 from liver.bench.dcp_baseline import build_workload, saved_metadata, time_load_planning
-from liver.services.transfer.planner import default_world
+from liver.reshard.planner import default_world
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS
 

@@ -21,8 +21,8 @@ from liver.bench.procs import ProcsError, run_procs
 from liver.bench.stream import bench as stream_bench
 from liver.bench.stream import workload
 from liver.bench.stream.report import StreamBenchReport
+from liver.reshard.views import tp_shard
 from liver.shared.geometry import ModelGeometry
-from liver.shared.views import tp_shard
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -305,7 +305,7 @@ def dist_report() -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_the_distributed_optimizers_pieces_arrive_bit_exact(dist_report: dict[str, Any]) -> None:
-    from liver.shared.holdings import holding, is_dp_sharded
+    from liver.reshard.holdings import holding, is_dp_sharded
     from liver.shared.layout import ParallelLayout
 
     model = msgspec.convert(dist_report["config"]["model"], ModelGeometry)

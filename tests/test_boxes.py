@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from liver.shared.boxes import contains, disjoint_cover, intersect, split, volume
+from liver.reshard.boxes import contains, disjoint_cover, intersect, split, volume
 
 
 def test_intersection_of_overlapping_boxes_is_their_common_part():

@@ -25,9 +25,9 @@ import torch
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.reshard.views import view
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.views import view
 
 # The processes' own limits (run_world's) end a stuck run; the test's limit is above them.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -416,9 +416,9 @@ def _auto_devices() -> Any:
 
 
 def _auto_plan() -> Any:
-    from liver.services.transfer.planner import build_plan
+    from liver.reshard.plan import WorldConfig
+    from liver.reshard.planner import build_plan
     from liver.shared.layout import Placement
-    from liver.shared.plan import WorldConfig
 
     devices = _auto_devices()
     old = WorldConfig(AUTO_LAYOUT, Placement((devices[STAY], devices[LEAVER])))

@@ -45,7 +45,7 @@ def test_a_malformed_layout_is_a_usage_error(capsys):
 
 
 def test_a_moe_preset_plans_an_expert_parallel_move_to_a_file(tmp_path, capsys):
-    from liver.shared.plan_file import read_plan
+    from liver.reshard.plan_file import read_plan
 
     out = tmp_path / "moe.json"
     args = [
@@ -71,7 +71,7 @@ def test_expert_parallelism_that_does_not_divide_the_experts_is_refused(capsys):
 
 
 def test_the_plan_file_is_written_and_reads_back(tmp_path):
-    from liver.shared.plan_file import read_plan
+    from liver.reshard.plan_file import read_plan
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "tiny-gpt", "--from", "2,1,1", "--to", "1,2,1", "--out", str(out)]) == 0
@@ -87,7 +87,7 @@ def test_help_lists_every_command_without_importing_them(capsys):
 
 
 def test_plan_with_a_lost_replica_reads_everything_from_the_survivor(tmp_path, capsys):
-    from liver.shared.plan_file import read_plan
+    from liver.reshard.plan_file import read_plan
 
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "tiny-gpt", "--from", "1,1,2", "--to", "1,1,1", "--per-node", "1"]
@@ -112,7 +112,7 @@ def test_plan_refuses_a_lost_device_outside_the_old_world(capsys):
 
 
 def test_a_distributed_optimizer_plan_is_written_with_its_ddp_settings(tmp_path, capsys):
-    from liver.shared.plan_file import read_plan
+    from liver.reshard.plan_file import read_plan
 
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "tiny-gpt", "--from", "1,1,2", "--to", "2,1,1", "--distributed-optimizer"]

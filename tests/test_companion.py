@@ -33,12 +33,12 @@ from companion_helpers import (
 )
 from nats.aio.client import Client
 
+from liver.reshard.plan import Plan
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.layout import Device
 from liver.shared.messages import Abort, ErrorEvent, Heartbeat, Hello, Message, WorkerStatus
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import AgentSettings, GenerationRank, WorkerIdentity
 from liver.worker_runtime.companion.thread import CommandBox, Companion, CompanionError, Prepared
 

@@ -16,12 +16,12 @@ from bus_helpers import WAIT_S, client
 from companion_helpers import DEVICES, NEW_LAYOUT, prepare, slices
 from nats.js import JetStreamContext
 
+from liver.reshard.plan import Plan
 from liver.services import bus as b
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError
 from liver.shared.layout import Device
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import Plan
 from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError, decode_slice, view_of
 
 PREPARE = prepare("job", 1)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from msgspec.structs import replace
 
+from liver.reshard.plan import slice_devices
 from liver.services.coordinator import (
     TRANSITIONS,
     WAITS,
@@ -72,7 +73,6 @@ from liver.shared.messages import (
     WorkerStatus,
 )
 from liver.shared.model import PRESETS
-from liver.shared.plan import slice_devices
 from liver.shared.subjects import plan_object_name
 
 NOW = datetime(2026, 1, 2, 12, 0, tzinfo=UTC)

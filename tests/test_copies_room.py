@@ -11,9 +11,9 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from liver.reshard.redundancy import own_copy_bytes, redundancy
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.redundancy import own_copy_bytes, redundancy
 from liver.worker_runtime.copies.manager import CopyManager, CopyOptions
 from liver.worker_runtime.copies.peer import PeerCopies
 from liver.worker_runtime.megatron.train_config import TrainConfig

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from liver.shared.holdings import holding
+from liver.reshard.holdings import holding
+from liver.reshard.redundancy import copied_tensors
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.redundancy import copied_tensors
 from liver.worker_runtime.copies.keeper import KeptCopy
 from liver.worker_runtime.copies.peer import unpack
 from liver.worker_runtime.copies.wire import CopyError, checksum

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from liver.services.transfer.planner import NoSurvivingSource, build_plan
-from liver.shared.dist_opt import owned_ranges, shard_group
+from liver.reshard.dist_opt import owned_ranges, shard_group
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import NoSurvivingSource, build_plan
+from liver.reshard.redundancy import NO_KEEPER, redundancy
+from liver.reshard.verifier import verify_plan
 from liver.shared.geometry import DdpSettings, GeometryError
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.redundancy import NO_KEEPER, redundancy
 
 GPT = PRESETS["tiny-gpt"].geometry()
 MOE = PRESETS["tiny-moe"].geometry()

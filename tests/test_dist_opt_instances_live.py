@@ -23,10 +23,10 @@ from live_chain import as_numpy, bit_identical, gather, next_trainer
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.redundancy import NO_KEEPER, redundancy
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.redundancy import NO_KEEPER, redundancy
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -56,7 +56,7 @@ CASES = {
 
 
 def recovery_plan(case: str) -> Plan:
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     model, layout = CASES[case]
     old = WorldConfig(layout, Placement(DEVICES))

@@ -1,4 +1,4 @@
-"""The planner's restatement of Megatron's distributed-optimizer layout (``liver.shared.dist_opt``)
+"""The planner's restatement of Megatron's distributed-optimizer layout (``liver.reshard.dist_opt``)
 equals what Megatron-core itself builds, and a flat range is a handful of boxes.
 
 Megatron's side: every rank of a layout is built in turn under torch's fake process group
@@ -18,8 +18,8 @@ import pytest
 from megatron.core import parallel_state
 from megatron_user_models import DIVISIBLE_BY, NUM_LAYERS, VOCAB_SIZE, UserModel
 
-from liver.shared.boxes import volume
-from liver.shared.dist_opt import buffer_layouts, flat_range_boxes, owned_ranges
+from liver.reshard.boxes import volume
+from liver.reshard.dist_opt import buffer_layouts, flat_range_boxes, owned_ranges
 from liver.shared.geometry import DdpSettings
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS
@@ -181,9 +181,9 @@ def test_every_ranks_buffers_and_owned_ranges_are_megatrons(
 def test_the_dp_ranks_owned_boxes_tile_every_tp_shard_exactly_once(
     model: str, layout: ParallelLayout, ddp: DdpSettings
 ) -> None:
-    from liver.shared.boxes import disjoint_cover
-    from liver.shared.dist_opt import owned_boxes, stage_parameters
-    from liver.shared.views import tp_shard
+    from liver.reshard.boxes import disjoint_cover
+    from liver.reshard.dist_opt import owned_boxes, stage_parameters
+    from liver.reshard.views import tp_shard
 
     geometry = PRESETS[model].geometry().with_ddp(ddp)
     for pp, tp in itertools.product(range(layout.pp), range(layout.tp)):

@@ -22,11 +22,11 @@ import torch
 from mp_helpers import World, run_world
 from p2p_local import run_ranks
 
-from liver.services.transfer.planner import build_plan
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.planner import build_plan
+from liver.reshard.views import view
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, TensorSpec
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.views import view
 from liver.worker_runtime.stream.executor import (
     TORCH_DTYPES,
     GroupRanks,

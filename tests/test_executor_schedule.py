@@ -10,11 +10,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from liver.services.transfer.planner import build_plan, default_world
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.planner import build_plan, default_world
+from liver.reshard.views import view
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.views import view
 from liver.worker_runtime.stream import executor
 from liver.worker_runtime.stream.executor import (
     GroupRanks,

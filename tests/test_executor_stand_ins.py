@@ -10,13 +10,13 @@ import pytest
 import torch
 from mp_helpers import World, run_world
 
-from liver.services.transfer.planner import build_plan
+from liver.reshard.holdings import holding, is_dp_sharded
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.planner import build_plan
+from liver.reshard.redundancy import redundancy
 from liver.shared.geometry import DdpSettings
-from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.redundancy import redundancy
 from liver.worker_runtime.stream.executor import StreamOptions, stream_plan
 from liver.worker_runtime.stream.schedule import GroupRanks, PlanMismatch, ranks_on_device
 

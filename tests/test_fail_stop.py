@@ -49,9 +49,9 @@ from live_chain import (
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.reshard.plan import Plan, WorldConfig
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, WorldConfig
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -80,7 +80,7 @@ JOINER = PROCESSES  # p4: in no world until the stream run's handoff, then in it
 
 
 def recovery_plan(when: str) -> Plan:
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
     survivors = [d for i, d in enumerate(DEVICES[:PROCESSES]) if i != VICTIM]
@@ -94,7 +94,7 @@ def recovery_plan(when: str) -> Plan:
 def handoff_plan(when: str) -> Plan:
     """The handoff p3 dies in (stream run: TP2,PP1,DP2 on p1-p4, p0 leaving, p4 joining), or dies before
     (prepared run: TP1,PP1,DP3 on p1-p3, p0 leaving, its new trainer built, its switch not allowed)."""
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     old = WorldConfig(OLD, Placement(DEVICES[:PROCESSES]))
     if when == "prepared":
@@ -407,7 +407,7 @@ def solo_process(proc: Proc) -> dict[str, Any]:
     from live_chain import _quiet
 
     _quiet()
-    from liver.services.transfer.planner import NoSurvivingSource, plan_resize
+    from liver.reshard.planner import NoSurvivingSource, plan_resize
     from liver.worker_runtime.megatron.job import MegatronJob
     from liver.worker_runtime.peers import StepAbandoned
     from liver.worker_runtime.runtime import (

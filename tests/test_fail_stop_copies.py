@@ -41,10 +41,10 @@ from live_chain import as_numpy, bit_identical, gather, next_trainer
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.reshard.plan import Plan, WorldConfig
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.plan import Plan, WorldConfig
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -113,7 +113,7 @@ def kept_at(case: Case, when: str, rank: int) -> int:
 
 
 def recovery_plan(case: Case) -> Plan:
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     old = WorldConfig(case.old, Placement(DEVICES))
     return plan_resize(
@@ -126,7 +126,7 @@ CORRUPT_AT = 100  # a byte of p3's copy (in its first copied tensor), flipped in
 
 
 def first_copied_tensor(case: Case) -> str:
-    from liver.shared.redundancy import copied_tensors
+    from liver.reshard.redundancy import copied_tensors
 
     geometry = case.geometry
     ti = copied_tensors(geometry, case.old, Placement(DEVICES), VICTIM)[0]

@@ -8,7 +8,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from liver.services.transfer.planner import build_plan, plan_stats
+from liver.reshard.plan import PLAN_SCHEMA_VERSION, WorldConfig
+from liver.reshard.plan_file import PlanFileError, decode_plan, encode_plan
+from liver.reshard.planner import build_plan, plan_stats
+from liver.reshard.verifier import verify_plan
+from liver.reshard.views import view
 from liver.shared.geometry import (
     GEOMETRY_SCHEMA_VERSION,
     MAX_EXPERTS,
@@ -20,10 +24,6 @@ from liver.shared.geometry import (
 )
 from liver.shared.layout import MAX_LAYERS, Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelError, ModelSpec
-from liver.shared.plan import PLAN_SCHEMA_VERSION, WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.plan_file import PlanFileError, decode_plan, encode_plan
-from liver.shared.views import view
 
 TINY = PRESETS["tiny-gpt"]
 
@@ -471,7 +471,7 @@ def test_an_expert_entry_outside_the_decoder_layers_must_live_on_the_last_stage(
 
 
 def test_with_mtp_the_final_norm_stays_with_the_last_decoder_layer_even_off_the_last_stage() -> None:
-    from liver.shared.views import holding_stages
+    from liver.reshard.views import holding_stages
 
     geometry = WITH_MTP.geometry()
     norm = next(t for t in geometry.tensors() if t.name == "decoder.final_layernorm.weight")

@@ -16,12 +16,12 @@ import pytest
 from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
 from mp_helpers import in_fresh_interpreter
 
-from liver.services.transfer.planner import build_plan
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import build_plan
+from liver.reshard.verifier import verify_plan
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHILD_S = 600.0

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_runtime import ToyFactory, ToyTrainer, plan_between
 
+from liver.reshard.plan import WorldConfig
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.plan import WorldConfig
 from liver.worker_runtime import preparation
 from liver.worker_runtime.generations import (
     ENDED,

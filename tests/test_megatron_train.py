@@ -78,7 +78,7 @@ def _trace(results: list[Any]) -> list[tuple[float, float, float]]:
 
 def _padding_magnitude(trainer: Any) -> float:
     """The largest absolute value in the vocabulary padding rows of the parameters and Adam moments."""
-    from liver.shared.views import view
+    from liver.reshard.views import view
     from liver.worker_runtime.megatron.state import local_state
 
     spec, layout, rank = trainer.geometry, trainer.layout, trainer.groups.rank

@@ -121,6 +121,30 @@ def test_shared_imports_nothing_above_it() -> None:
     assert above == []
 
 
+def test_reshard_imports_only_shared() -> None:
+    above = [
+        e
+        for e in _edges_from("liver.reshard", "liver.")
+        if not e.split(" -> ")[1].startswith(("liver.shared", "liver.reshard"))
+    ]
+    assert above == []
+
+
+def test_no_service_imports_another_service() -> None:
+    def service(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 3 and parts[1] == "services" else None
+
+    across = [
+        f"{a} -> {b}"
+        for a, targets in _graph().items()
+        for b in targets
+        if service(a) and service(b) and service(a) != service(b)
+    ]
+    assert "liver.services.coordinator" in {m.rpartition(".")[0] for m in _graph()}
+    assert across == []
+
+
 def test_services_and_the_worker_runtime_never_import_each_other() -> None:
     assert _edges_from("liver.services", "liver.worker_runtime") == []
     assert _edges_from("liver.worker_runtime", "liver.services") == []
@@ -162,8 +186,8 @@ _BUILTIN_BASES = {
 }
 _NOT_FAILURES = {
     "liver.worker_runtime.worker_main.WorkerStopped": "a BaseException that unwinds a worker on a signal",
-    "liver.shared.plan_check._Enough": "stops a search early; never leaves its function",
-    "liver.shared.plan_check._Unproved": "ends the class proof early; never leaves _prove_by_class",
+    "liver.reshard.verifier._Enough": "stops a search early; never leaves its function",
+    "liver.reshard.verifier._Unproved": "ends the class proof early; never leaves _prove_by_class",
 }
 
 

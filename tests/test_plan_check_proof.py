@@ -1,4 +1,4 @@
-"""The verifier's shortcut through a plan's classes (``plan_check._prove_by_class``) must never accept a
+"""The verifier's shortcut through a plan's classes (``verifier._prove_by_class``) must never accept a
 plan that the task-by-task check refuses: planner-made plans of several layouts are corrupted class by
 class (source maps, layers, bases, templates, slices, the budget) and verified, with and without lost
 devices, both ways."""
@@ -13,13 +13,13 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from liver.services.transfer.planner import build_plan
-from liver.shared.boxes import volume
+from liver.reshard.boxes import volume
+from liver.reshard.plan import LayerClass, Plan, TaskTemplate, WorldConfig
+from liver.reshard.planner import build_plan
+from liver.reshard.verifier import verify_plan
 from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import LayerClass, Plan, TaskTemplate, WorldConfig
-from liver.shared.plan_check import verify_plan
 
 # (model, distributed optimizer, old layout, old devices, new layout, new devices, budget or None)
 BASES = [

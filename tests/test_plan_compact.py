@@ -9,11 +9,11 @@ import msgspec
 import pytest
 
 from liver.bench.plan import FULL
-from liver.services.transfer.planner import build_plan, plan_resize, plan_stats
+from liver.reshard.plan import Plan, TransferTask, WorldConfig, slice_bytes
+from liver.reshard.planner import build_plan, plan_resize, plan_stats
+from liver.reshard.verifier import verify_plan
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices, parse_devices
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, TransferTask, WorldConfig, slice_bytes
-from liver.shared.plan_check import verify_plan
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 import msgspec
 import pytest
 
-from liver.services.transfer.planner import build_plan, default_world
+from liver.reshard.plan import WorldConfig
+from liver.reshard.plan_file import PlanFileError, decode_plan, encode_plan, read_plan, write_plan
+from liver.reshard.planner import build_plan, default_world
 from liver.shared.layout import ParallelLayout, Placement, default_devices
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_file import PlanFileError, decode_plan, encode_plan, read_plan, write_plan
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from liver.services.transfer.placement import DEFAULT_INTER_NODE_WEIGHT, bytes_moved, cost_matrix
-from liver.services.transfer.planner import (
+from liver.reshard.boxes import intersect, volume
+from liver.reshard.placement import DEFAULT_INTER_NODE_WEIGHT, bytes_moved, cost_matrix
+from liver.reshard.plan import Plan, TransferTask, WorldConfig
+from liver.reshard.planner import (
     NoSurvivingSource,
     build_plan,
     default_world,
     plan_resize,
     plan_stats,
 )
-from liver.shared.boxes import intersect, volume
+from liver.reshard.verifier import verify_plan
+from liver.reshard.views import view
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, default_devices
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.plan import Plan, TransferTask, WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.views import view
 
 
 @dataclasses.dataclass(frozen=True)

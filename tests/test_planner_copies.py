@@ -6,14 +6,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
+from liver.reshard.plan import WorldConfig
+from liver.reshard.plan_file import decode_plan, encode_plan
+from liver.reshard.planner import NoSurvivingSource, build_plan, plan_stats
+from liver.reshard.redundancy import redundancy
+from liver.reshard.verifier import verify_plan
 from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.plan_file import decode_plan, encode_plan
-from liver.shared.redundancy import redundancy
 
 GPT = PRESETS["tiny-gpt"].geometry()
 MOE = PRESETS["tiny-moe"].geometry()

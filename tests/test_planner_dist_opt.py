@@ -10,14 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_planner import PROPERTY, Scenario, scenarios
 
-from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_resize
-from liver.shared.boxes import volume
+from liver.reshard.boxes import volume
+from liver.reshard.holdings import holding, is_dp_sharded
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.planner import NoSurvivingSource, build_plan, plan_resize
+from liver.reshard.verifier import verify_plan
 from liver.shared.geometry import DdpSettings
-from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.plan_check import verify_plan
 
 DIST = DdpSettings(distributed_optimizer=True)
 

@@ -7,22 +7,22 @@ from __future__ import annotations
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from liver.services.transfer.placement import bytes_moved
-from liver.services.transfer.planner import (
+from liver.reshard.dist_opt import buffer_layouts, owned_ranges
+from liver.reshard.placement import bytes_moved
+from liver.reshard.plan import WorldConfig
+from liver.reshard.plan_file import decode_plan, encode_plan
+from liver.reshard.planner import (
     NoSurvivingSource,
     build_plan,
     default_world,
     plan_resize,
     plan_stats,
 )
-from liver.shared.dist_opt import buffer_layouts, owned_ranges
+from liver.reshard.verifier import verify_plan
+from liver.reshard.views import view
 from liver.shared.geometry import DdpSettings, GeometryError, ModelGeometry, ParamGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, grid_devices
 from liver.shared.model import PRESETS, ModelError, ModelSpec
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.plan_file import decode_plan, encode_plan
-from liver.shared.views import view
 
 MOE = PRESETS["tiny-moe"]  # 4 layers, 4 experts, hidden 64, expert FFN 96
 SWIGLU_MOE = ModelSpec(
@@ -301,7 +301,7 @@ def test_a_moe_plan_at_scale_verifies_ep8_to_ep16_with_a_scale_in() -> None:
 def test_a_routers_expert_bias_moves_as_state_without_optimizer_state_or_a_ddp_slot() -> None:
     import msgspec
 
-    from liver.shared.dist_opt import stage_parameters
+    from liver.reshard.dist_opt import stage_parameters
 
     spec = msgspec.structs.replace(MOE, name="tiny-moe-bias", moe_router_enable_expert_bias=True)
     g = spec.geometry().with_ddp(DIST)

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from liver.services.transfer.planner import orphaned_shards
+from liver.reshard.holdings import holding
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import orphaned_shards
+from liver.reshard.redundancy import NO_KEEPER, alike_holders, own_copy_bytes, redundancy
 from liver.shared.geometry import DdpSettings
-from liver.shared.holdings import holding
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.redundancy import NO_KEEPER, alike_holders, own_copy_bytes, redundancy
 
 GPT = PRESETS["tiny-gpt"].geometry()
 MOE = PRESETS["tiny-moe"].geometry()

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from mp_helpers import World as Proc
 from mp_helpers import run_world
 
+from liver.reshard.plan import Plan, PlanSlice, WorldConfig
+from liver.reshard.views import view
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.plan import Plan, PlanSlice, WorldConfig
-from liver.shared.views import view
 from liver.worker_runtime.generations import HandoffState
 from liver.worker_runtime.handoff import Handoff, Role
 from liver.worker_runtime.handoff import _stream as handoff_stream
@@ -54,7 +54,7 @@ def world_config(layout: ParallelLayout, *processes: int) -> WorldConfig:
 
 
 def plan_between(old: WorldConfig, new: WorldConfig, model: ModelSpec = SPEC, optimizer: bool = True) -> Plan:
-    from liver.services.transfer.planner import build_plan
+    from liver.reshard.planner import build_plan
 
     return build_plan(model, old, new, budget_bytes=1 << 20, optimizer=optimizer)
 

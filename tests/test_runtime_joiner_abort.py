@@ -26,7 +26,7 @@ from mp_helpers import World as Proc
 from mp_helpers import run_world
 from test_runtime import DEVICES, DP2, JOB, TP2, ToyFactory, ToyTrainer, plan_between, world_config
 
-from liver.shared.plan import Plan
+from liver.reshard.plan import Plan
 from liver.worker_runtime.runtime import ReshardPhase, RuntimeEvent, RuntimeOptions
 from liver.worker_runtime.world import GroupKind, StoreAddress, World, WorldSpec
 

@@ -8,9 +8,9 @@ import math
 import msgspec
 import pytest
 
+from liver.reshard.plan import WorldConfig
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.plan import WorldConfig
 from liver.sim.calibration import Calibration, load_calibration, with_overrides
 from liver.sim.engine import SimResult, simulate
 from liver.sim.models import GPT_14B

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from liver.services.transfer.planner import NoSurvivingSource, plan_resize
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import NoSurvivingSource, plan_resize
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.plan import WorldConfig
 from liver.sim.survival import REPLICATED, orphaned_shards, state_survives
 
 PER_NODE = 4

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from liver.services.transfer.planner import build_plan, plan_stats
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import build_plan, plan_stats
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
-from liver.shared.plan import WorldConfig
 from liver.sim.calibration import Calibration, load_calibration, with_overrides
 from liver.sim.models import GPT_14B
 from liver.sim.transitions import TransitionPlanner, streaming_seconds, topology_chooser

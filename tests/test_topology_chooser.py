@@ -6,6 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import build_plan, default_world
+from liver.reshard.verifier import verify_plan
 from liver.services.topology.chooser import (
     TopologyDecision,
     TopologyError,
@@ -15,12 +18,9 @@ from liver.services.topology.chooser import (
 )
 from liver.services.topology.memory import CPU_SMALL, H100_80GB, TrainingSetup, memory_estimate
 from liver.services.topology.placement import tp_groups_within_nodes
-from liver.services.transfer.planner import build_plan, default_world
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import TopologyPlanned
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
 
 LLAMA = PRESETS["tiny-llama"]  # 8 heads, 4 query groups, ffn 192, 4 layers
 GPT = PRESETS["tiny-gpt"]  # 4 heads, ffn 256, 4 layers
@@ -281,7 +281,7 @@ def _shrink_to_two_nodes(redundancy: str) -> tuple[ParallelLayout, Placement]:
 
 
 def test_without_redundancy_a_shrink_may_keep_no_replica_on_another_node() -> None:
-    from liver.services.transfer.planner import orphaned_shards
+    from liver.reshard.planner import orphaned_shards
 
     layout, placement = _shrink_to_two_nodes("none")
     world = WorldConfig(layout, placement)
@@ -290,7 +290,7 @@ def test_without_redundancy_a_shrink_may_keep_no_replica_on_another_node() -> No
 
 
 def test_with_node_redundancy_the_state_survives_the_loss_of_either_node() -> None:
-    from liver.services.transfer.planner import orphaned_shards
+    from liver.reshard.planner import orphaned_shards
 
     layout, placement = _shrink_to_two_nodes("node")
     world = WorldConfig(layout, placement)
@@ -326,9 +326,9 @@ def test_a_world_whose_replicas_span_nodes_survives_a_node_loss_from_them_at_no_
 def test_with_the_distributed_optimizer_a_node_loss_is_survived_from_peer_copies_whose_memory_is_said() -> (
     None
 ):
+    from liver.reshard.redundancy import redundancy
     from liver.services.topology.chooser import NodeLoss
     from liver.shared.geometry import DdpSettings
-    from liver.shared.redundancy import redundancy
 
     geometry = GPT.geometry().with_ddp(DdpSettings(distributed_optimizer=True))
     current = WorldConfig(ParallelLayout(tp=2, pp=1, dp=3), Placement(SIX))

@@ -8,6 +8,7 @@ import math
 import msgspec
 import pytest
 
+from liver.reshard.views import holding_stages
 from liver.services.topology.memory import (
     CPU_SMALL,
     H100_80GB,
@@ -22,7 +23,6 @@ from liver.services.topology.memory import (
 )
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.views import holding_stages
 
 # 2 layers, h=8, 2 heads of 4, ffn 16, vocabulary 10 padded to 16 at TP2, no biases, untied output.
 TINY = ModelSpec(
@@ -132,9 +132,9 @@ def test_hardware_profile_decodes_from_json_with_field_checks() -> None:
 
 
 def test_under_the_distributed_optimizer_a_rank_keeps_its_dp_share_of_the_optimizer_state() -> None:
-    from liver.shared.dist_opt import buffer_layouts
+    from liver.reshard.dist_opt import buffer_layouts
+    from liver.reshard.views import tp_shard
     from liver.shared.geometry import DdpSettings
-    from liver.shared.views import tp_shard
 
     plain = PRESETS["tiny-llama"].geometry()
     sharded = plain.with_ddp(DdpSettings(distributed_optimizer=True))

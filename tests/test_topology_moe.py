@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from liver.reshard.planner import default_world
 from liver.services.topology.chooser import choose_topology
 from liver.services.topology.cost import step_cost
 from liver.services.topology.memory import H100_80GB, TrainingSetup, stage_state_bytes
-from liver.services.transfer.planner import default_world
 from liver.shared.geometry import DdpSettings
 from liver.shared.layout import ParallelLayout, grid_devices
 from liver.shared.model import PRESETS

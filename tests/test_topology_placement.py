@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from liver.reshard.placement import bytes_moved, local_lower_bound, optimized_placement
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import build_plan, default_world, plan_stats
+from liver.reshard.verifier import verify_plan
 from liver.services.topology.placement import node_local_placement, tp_groups_within_nodes
-from liver.services.transfer.placement import bytes_moved, local_lower_bound, optimized_placement
-from liver.services.transfer.planner import build_plan, default_world, plan_stats
 from liver.shared.layout import LayoutError, ParallelLayout, grid_devices
 from liver.shared.model import PRESETS
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
 
 MODEL = PRESETS["tiny-llama"]
 

@@ -15,6 +15,9 @@ from bus_helpers import Collector, client, error_events, eventually, running, st
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import NoSurvivingSource
+from liver.reshard.verifier import verify_plan
 from liver.services.topology import choose_topology
 from liver.services.topology.core import answer, device_pool
 from liver.services.topology.memory import CPU_SMALL, HardwareProfile, TrainingSetup
@@ -30,7 +33,6 @@ from liver.services.topology.settings import (
     TopologySettings,
 )
 from liver.services.transfer.core import plan_transfer, planning_failed
-from liver.services.transfer.planner import NoSurvivingSource
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.geometry import ParamGeometry, TpDivisor
@@ -38,8 +40,6 @@ from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import PlanningFailed, TopologyPlanned, TopologyRequest
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
 
 MiB = 1 << 20
 MODEL = PRESETS["tiny-gpt"]

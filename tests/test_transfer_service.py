@@ -12,7 +12,10 @@ from bus_helpers import Collector, client, error_events, eventually, running, st
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from liver.services.transfer.planner import build_plan, plan_stats
+from liver.reshard.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_devices
+from liver.reshard.plan_file import decode_plan
+from liver.reshard.planner import build_plan, plan_stats
+from liver.reshard.verifier import verify_plan
 from liver.services.transfer.service import BUDGET_ENV, TransferService, TransferSettings
 from liver.shared import subjects as s
 from liver.shared.codec import decode, encode
@@ -20,9 +23,6 @@ from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.messages import Candidate, ObjectRef, PlanningFailed, TopologyPlanned, TransferPlanned
 from liver.shared.model import PRESETS, ModelSpec
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_devices
-from liver.shared.plan_check import verify_plan
-from liver.shared.plan_file import decode_plan
 
 JOB = "job-t"
 MODEL = PRESETS["tiny-gpt"]

@@ -2,9 +2,9 @@
 
 import pytest
 
+from liver.reshard.views import holding_stages, view, world_shards
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec
-from liver.shared.views import holding_stages, view, world_shards
 
 GPT = ModelSpec(
     num_layers=4,

@@ -32,10 +32,10 @@ from typing import Any, NamedTuple
 import pytest
 import torch.multiprocessing as mp
 
-from liver.shared.boxes import Box, disjoint_cover, full_box
+from liver.reshard.boxes import Box, disjoint_cover, full_box
+from liver.reshard.views import view
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import PRESETS, ModelSpec, TensorSpec
-from liver.shared.views import view
 
 # Two spawned interpreters import torch and Megatron (seconds each, more on a busy machine): the
 # children's own deadline (CHILDREN_S) ends a stuck run, and the test's limit is above it.

@@ -33,9 +33,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from liver.demo.procs import MARK_ENV, ProcessBook
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import build_plan
 from liver.services import bus as b
 from liver.services.transfer.core import device_slices
-from liver.services.transfer.planner import build_plan
 from liver.shared import subjects as s
 from liver.shared.codec import decode, encode
 from liver.shared.layout import Device, ParallelLayout, Placement
@@ -52,7 +53,6 @@ from liver.shared.messages import (
 )
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import WorldConfig
 from liver.worker_runtime.metrics import Aborted, Started, Step, Stopped, Switched, read_lines
 from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings
 

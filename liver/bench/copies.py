@@ -22,9 +22,9 @@ import msgspec
 from liver.bench.jobs import LARGE_CONFIG, LARGE_MODEL, QUICK_CONFIG
 from liver.bench.procs import run_procs
 from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
+from liver.reshard.redundancy import own_copy_bytes
 from liver.shared.layout import ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelRef, load_model
-from liver.shared.redundancy import own_copy_bytes
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 JOB = "bench-copies"

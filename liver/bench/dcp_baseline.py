@@ -42,10 +42,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from liver.shared.boxes import Box
+from liver.reshard.boxes import Box
+from liver.reshard.plan import WorldConfig
+from liver.reshard.views import view
 from liver.shared.model import ModelSpec, TensorSpec
-from liver.shared.plan import WorldConfig
-from liver.shared.views import view
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

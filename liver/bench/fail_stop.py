@@ -36,10 +36,10 @@ import msgspec
 
 from liver.bench.jobs import LiveSetup, run_live_job
 from liver.bench.restart import steady_step
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.redundancy import redundancy
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelRef, ModelSpec
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.redundancy import redundancy
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = ["FailStopLive", "LossMoment", "measure_fail_stop"]
@@ -212,7 +212,7 @@ def devices_of(layout: ParallelLayout) -> tuple[Device, ...]:
 def recovery_plan(model: ModelRef, old: ParallelLayout, new: ParallelLayout, config: TrainConfig) -> Plan:
     """The plan the transfer service would make: ``old`` on ``old.world_size`` devices, the last one
     lost, ``new`` on the first survivors, the lost state no survivor holds read from its peer copy."""
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     if new.world_size > old.world_size - 1:
         raise ValueError(
@@ -231,7 +231,7 @@ def recovery_plan(model: ModelRef, old: ParallelLayout, new: ParallelLayout, con
 
 def reversal_plan(model: ModelRef, old: ParallelLayout, config: TrainConfig) -> Plan:
     """A handoff that moves every byte: ``old`` on the same devices in reverse order."""
-    from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, build_plan
+    from liver.reshard.planner import DEFAULT_BUDGET_BYTES, build_plan
 
     devices = devices_of(old)
     return build_plan(

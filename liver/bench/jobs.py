@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 
 from liver.bench.procs import run_procs
+from liver.reshard.plan import Plan
 from liver.shared.model import ModelRef, ModelSpec
-from liver.shared.plan import Plan
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 MODEL_DEFAULT = "tiny-gpt"

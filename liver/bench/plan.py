@@ -39,13 +39,13 @@ import torch
 
 from liver.bench.dcp_baseline import build_workload, time_load_planning
 from liver.bench.report import Check, check_line, emit, load_average, machine, musts_passed, progress, size
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.planner import ResizePlan, plan_resize
+from liver.reshard.verifier import verify_plan
 from liver.services.transfer.core import plan_transfer
-from liver.services.transfer.planner import ResizePlan, plan_resize
 from liver.shared.layout import ParallelLayout, Placement, balanced_split, grid_devices, parse_devices
 from liver.shared.messages import Candidate, TopologyPlanned
 from liver.shared.model import PRESETS
-from liver.shared.plan import Plan, WorldConfig
-from liver.shared.plan_check import verify_plan
 
 WORKER_SAMPLES = 16
 """Devices whose own part of the plan is expanded and timed (evenly spread over the new ranks)."""

@@ -57,10 +57,10 @@ from liver.bench.jobs import (
 from liver.bench.procs import ProcsError
 from liver.bench.report import Check, check_line, emit, load_average, progress, utc_now
 from liver.bench.restart import RestartBreakdown, RestartError, check_fits, measure_restart, steady_step
+from liver.reshard.plan import WorldConfig
+from liver.reshard.redundancy import redundancy
 from liver.shared.layout import LayoutError, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelError, ModelRef, ModelSpec, load_model
-from liver.shared.plan import WorldConfig
-from liver.shared.redundancy import redundancy
 from liver.worker_runtime.megatron.train_config import TrainConfig
 
 __all__ = [
@@ -283,7 +283,7 @@ def measure_live(
     timeout_s: float = 600.0,
 ) -> LiveDowntime:
     """Run the live transition ``old`` -> ``new`` in ``max(old, new)`` local processes and time it."""
-    from liver.services.transfer.planner import plan_resize
+    from liver.reshard.planner import plan_resize
 
     spec = ModelRef.of(model)
     size = max(old.world_size, new.world_size)
@@ -563,7 +563,7 @@ def _run_fail_stop(
     steady: int,
 ) -> int:
     """``--fail-stop``: the live recovery, then a checkpoint restart of the same job (same run)."""
-    from liver.services.transfer.planner import NoSurvivingSource
+    from liver.reshard.planner import NoSurvivingSource
 
     load_before = load_average()
     at: LossMoment = args.fail_stop_at

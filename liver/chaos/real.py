@@ -45,12 +45,12 @@ from liver.chaos.run import (
     StepRecord,
 )
 from liver.chaos.schedule import Kill, Loss, Schedule, Step, Target
+from liver.reshard.plan import WorldConfig
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import AbortOutcome, GenerationAborted, GenerationCommitted
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import free_port
-from liver.shared.plan import WorldConfig
 
 log = structlog.get_logger(__name__)
 
@@ -372,7 +372,7 @@ class RealChaosRun(ChaosRun):
     def _survives(self, lost: tuple[Device, ...]) -> bool:
         """Whether a replica outside ``lost`` holds every piece of the current world's state (the
         transfer planner's own rule): only such a loss can be recovered live."""
-        from liver.services.transfer.planner import orphaned_shards
+        from liver.reshard.planner import orphaned_shards
 
         return not orphaned_shards(self.geometry, self.current, lost)
 

@@ -8,13 +8,13 @@ import time
 
 import msgspec
 
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, plan_resize
+from liver.reshard.plan import WorldConfig
+from liver.reshard.plan_file import write_plan
+from liver.reshard.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, plan_resize
+from liver.reshard.verifier import verify_plan
 from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Device, ParallelLayout, Placement, default_devices, parse_devices
 from liver.shared.model import as_geometry, load_model_or_geometry
-from liver.shared.plan import WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.plan_file import write_plan
 
 MIB = 1024 * 1024
 

@@ -164,7 +164,7 @@ class TpDivisor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_l
 
 class DdpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """How Megatron's DDP lays out gradients and, with ``distributed_optimizer``, shards the optimizer
-    state over DP (Megatron's ``DistributedDataParallelConfig``; :mod:`liver.shared.dist_opt`).
+    state over DP (Megatron's ``DistributedDataParallelConfig``; :mod:`liver.reshard.dist_opt`).
 
     ``bucket_size`` is in elements and only applies with ``overlap_grad_reduce``, as in Megatron
     (``None`` there means its default, ``max(40_000_000, 1_000_000 * dp)``).

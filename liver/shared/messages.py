@@ -471,7 +471,7 @@ class SliceLocation(NamedTuple):
 class SliceIndex(Part):
     """Where every device finds its plan slice, without one reference per device on the bus.
 
-    Device ``d``'s slice has index ``i``, ``d``'s position in :func:`liver.shared.plan.slice_devices`
+    Device ``d``'s slice has index ``i``, ``d``'s position in :func:`liver.reshard.plan.slice_devices`
     of the old and the new placement; ``count`` is the number of slices (every device of either world
     has one, empty or not). Slice ``i`` is the entry :meth:`key` ``(i)`` of the key-value bucket
     ``kv_bucket``, unless ``i`` is listed in ``objects`` (a slice too large for one message): that one,
@@ -706,7 +706,7 @@ class Prepare(Message, kw_only=True, tag="prepare"):
     The participants are the devices of either world except ``lost`` (old-world devices whose worker
     is gone): an old rank that leaves the job sends its state, a new one receives. A worker on any
     other device ignores the message. A participant reads its slice at ``slices.location(i)``, ``i``
-    its device's index in :func:`liver.shared.plan.slice_devices` ``(from_placement, placement)``.
+    its device's index in :func:`liver.reshard.plan.slice_devices` ``(from_placement, placement)``.
     Nothing of the active world may change (I4).
     """
 

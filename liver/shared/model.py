@@ -6,7 +6,7 @@ consume is its :meth:`ModelSpec.geometry` (:mod:`liver.shared.geometry`): every 
 state (parameters, fp32 master weights, Adam moments, the step counter) with Megatron-core's parameter
 names (local layer spec), the global shape, dtype, the pipeline position and the tensor-parallel
 sharding rule, exactly what Megatron's own ``sharded_state_dict()`` of the built model gives. The view
-function in :mod:`liver.shared.views` turns a rule into each rank's box.
+function in :mod:`liver.reshard.views` turns a rule into each rank's box.
 
 Logical shapes differ from Megatron's in two documented places:
 

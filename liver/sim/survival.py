@@ -2,13 +2,13 @@
 
 Data parallelism replicates: every rank of a tensor's pipeline stages with the same TP rank holds the
 same shard, whatever its DP index, and a tensor replicated over TP is held by every rank of its stages.
-The transfer planner (:func:`liver.services.transfer.planner.build_plan`) never reads from a lost
+The transfer planner (:func:`liver.reshard.planner.build_plan`) never reads from a lost
 device, so a live handoff around a loss exists exactly when every shard keeps a holder outside the lost
 devices; otherwise it raises ``NoSurvivingSource`` and the job must fall back to its checkpoint. In
 practice (every stage holds decoder layers, split over all TP ranks) the rule is: each ``(pp, tp)`` pair
 keeps one DP replica (and each expert's ``(pp, ep, etp)`` one expert-DP replica). The simulator asks
 the planner's own check
-(:func:`~liver.services.transfer.planner.orphaned_shards`) before it models a handoff around a lost
+(:func:`~liver.reshard.planner.orphaned_shards`) before it models a handoff around a lost
 node, at the cost of a scan of the tensors instead of a 1,024-device plan.
 """
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from liver.services.transfer.geometry import ANY
-from liver.services.transfer.planner import orphaned_shards as _orphaned
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import orphaned_shards as _orphaned
+from liver.reshard.templates import ANY
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
-from liver.shared.plan import WorldConfig
 
 REPLICATED = ANY
 """The TP rank of a shard that any TP rank of its stages holds."""

@@ -26,14 +26,14 @@ from collections.abc import Callable
 
 import msgspec
 
+from liver.reshard.plan import Plan, WorldConfig
+from liver.reshard.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.services.topology import choose_topology
 from liver.services.topology.cost import step_cost
 from liver.services.topology.memory import stage_state_bytes
 from liver.services.topology.placement import blocks_within_nodes, tp_groups_within_nodes
-from liver.services.transfer.planner import NoSurvivingSource, build_plan, plan_stats
 from liver.shared.layout import Device, ParallelLayout, Placement, grid_devices
 from liver.shared.model import ModelSpec
-from liver.shared.plan import Plan, WorldConfig
 
 from .calibration import Calibration
 

@@ -56,11 +56,11 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from liver.reshard.holdings import pieces_of
+from liver.reshard.plan import Plan
 from liver.shared.collector import collector_paused
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import pieces_of
-from liver.shared.plan import Plan
 from liver.worker_runtime.contract import BuildsForStream, KeptState, TrainerFactory
 from liver.worker_runtime.cut import enter_world
 from liver.worker_runtime.stream.executor import (

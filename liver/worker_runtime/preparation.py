@@ -21,10 +21,10 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from liver.reshard.plan import Plan
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 from liver.shared.model import ModelSpec, as_geometry
-from liver.shared.plan import Plan
 from liver.worker_runtime.cut import Readiness
 from liver.worker_runtime.generations import ENDED, HandoffState, check_move
 from liver.worker_runtime.handoff import Prebuilt, Role, handoff_schedule

@@ -16,7 +16,7 @@ boundary and returns the trainer of the new world. A process that the new world 
 
 :meth:`LiveRuntime.request_resize` (thread-safe: the bus companion calls it from its own thread) hands
 in the target: generation, layout, placement, the transfer plan (made by the planner outside this
-process; a :class:`~liver.shared.plan.PlanSlice` is enough), the store and a deadline. Preparation runs
+process; a :class:`~liver.reshard.plan.PlanSlice` is enough), the store and a deadline. Preparation runs
 in the background while training continues (I1): the shadow world's groups and the stream group are
 built on their own threads. Once every rank has them, one vote agrees on a boundary where every process
 of both worlds builds the new trainer and warms the new communicators (``BUILD``,
@@ -63,10 +63,10 @@ import msgspec
 import structlog
 import torch
 
+from liver.reshard.plan import Plan, PlanSlice
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.plan import Plan, PlanSlice
 from liver.worker_runtime.contract import Checkpoints, JobAbilities, KeptState, TrainerFactory
 from liver.worker_runtime.copies.keeper import KeptCopy
 from liver.worker_runtime.copies.manager import IN_REFRESH, CopyManager, CopyOptions

@@ -65,6 +65,7 @@ from liver.bench.bus.report import (
     stat,
 )
 from liver.bench.report import emit, load_average, machine, progress, utc_now
+from liver.reshard.plan import SliceFile
 from liver.services.coordinator.service import CONFIG_ENV as COORDINATOR_CONFIG_ENV
 from liver.services.coordinator.service import INSTANCE_ENV, JOB_ENV
 from liver.services.host import status_subject
@@ -88,7 +89,6 @@ from liver.shared.messages import (
 )
 from liver.shared.model import PRESETS
 from liver.shared.nats_server import NatsServer
-from liver.shared.plan import SliceFile
 from liver.worker_runtime.companion.simulated import SimSettings
 from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError, decode_slice
 

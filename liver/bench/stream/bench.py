@@ -61,11 +61,11 @@ from liver.bench.stream.workload import (
     state_bytes,
     synthetic_model,
 )
-from liver.services.transfer.planner import build_plan, plan_stats
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import build_plan, plan_stats
 from liver.shared.geometry import DdpSettings
 from liver.shared.layout import Placement
 from liver.shared.model import as_geometry, load_model_or_geometry
-from liver.shared.plan import WorldConfig
 from liver.worker_runtime.stream.executor import StreamOptions
 from liver.worker_runtime.world import host_store
 

@@ -18,8 +18,8 @@ import msgspec
 import torch
 
 from liver.bench.stream.workload import JOB, checksum
+from liver.reshard.plan import Plan
 from liver.shared.layout import Device
-from liver.shared.plan import Plan
 from liver.worker_runtime.world import (
     GroupKind,
     StoreAddress,

@@ -17,8 +17,8 @@ import torch
 
 from liver.bench.report import Check, musts_passed, size, utc_now
 from liver.bench.stream.worker import ProcessResult
+from liver.reshard.plan import Plan
 from liver.shared.geometry import ModelGeometry
-from liver.shared.plan import Plan
 from liver.worker_runtime.stream.executor import LayerStats, StreamStats
 
 AIM_FLOOR_RATIO = 0.9

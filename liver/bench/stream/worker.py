@@ -28,8 +28,8 @@ from liver.bench.stream.workload import (
     holding_content,
     state_digest,
 )
-from liver.shared.holdings import pieces_of
-from liver.shared.plan import Plan
+from liver.reshard.holdings import pieces_of
+from liver.reshard.plan import Plan
 from liver.worker_runtime.stream.executor import (
     TORCH_DTYPES,
     GroupRanks,

@@ -13,12 +13,12 @@ from collections import defaultdict
 
 import torch
 
+from liver.reshard.holdings import Holding, packed, pieces_of
+from liver.reshard.plan import Plan
+from liver.reshard.views import Shard
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import Holding, packed, pieces_of
 from liver.shared.layout import Device, ParallelLayout
 from liver.shared.model import ModelSpec, TensorSpec
-from liver.shared.plan import Plan
-from liver.shared.views import Shard
 from liver.worker_runtime.stream.executor import TORCH_DTYPES, GroupRanks, LocalTensor
 
 MIB = 1 << 20

@@ -59,6 +59,7 @@ from typing import Final
 
 from msgspec.structs import replace
 
+from liver.reshard.plan import slice_participants
 from liver.shared.errors import InputError, LiverError
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import (
@@ -80,7 +81,6 @@ from liver.shared.messages import (
     WorkerPhase,
     WorkerStatus,
 )
-from liver.shared.plan import slice_participants
 from liver.shared.subjects import (
     KV_PLAN_SLICES,
     generation_msg_id,

@@ -24,7 +24,7 @@ the job keeps by default: any world on two nodes or more), then the one whose pl
 fewest bytes (the current layout on unchanged devices moves none), then the current layout, then the
 faster: a lower bound ranks them so only a few are placed, and each placement's bytes are exact
 (:func:`.placement.bytes_moved`). The decision says how its world survives a node's loss
-(:class:`NodeLoss`) and the host memory its peer copies take (:mod:`liver.shared.redundancy`); a job
+(:class:`NodeLoss`) and the host memory its peer copies take (:mod:`liver.reshard.redundancy`); a job
 that keeps no copies (``copies=False``), or copies beyond the hardware profile's host-memory budget
 (``HardwareProfile.copies_budget_bytes``), survive only from replicas on other nodes.
 
@@ -49,20 +49,20 @@ from typing import Literal
 
 import msgspec
 
-from liver.services.transfer.placement import (
+from liver.reshard.placement import (
     DEFAULT_INTER_NODE_WEIGHT,
     bytes_moved,
     local_lower_bound,
     optimized_placement,
 )
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, orphaned_shards
+from liver.reshard.plan import WorldConfig
+from liver.reshard.planner import DEFAULT_BUDGET_BYTES, orphaned_shards
+from liver.reshard.redundancy import redundancy as copy_redundancy
 from liver.shared.errors import PlanningError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement, balanced_split
 from liver.shared.messages import Candidate
 from liver.shared.model import ModelSpec
-from liver.shared.plan import WorldConfig
-from liver.shared.redundancy import redundancy as copy_redundancy
 
 from .cost import StepCost, step_cost
 from .memory import HardwareProfile, SetupError, TrainingSetup, memory_estimate

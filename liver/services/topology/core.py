@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 from msgspec.structs import replace
 
+from liver.reshard.plan import WorldConfig
 from liver.shared.layout import Device
 from liver.shared.messages import PlanningFailed, PlanningStage, TopologyPlanned, TopologyRequest
-from liver.shared.plan import WorldConfig
 
 from .chooser import TopologyDecision, TopologyError, choose_topology
 from .memory import SetupError

@@ -28,13 +28,13 @@ from typing import Annotated, Literal, NamedTuple, get_args
 import msgspec
 from msgspec import Meta
 
-from liver.shared.dist_opt import buffer_layouts, shard_group
+from liver.reshard.dist_opt import buffer_layouts, shard_group
+from liver.reshard.holdings import is_dp_sharded
+from liver.reshard.views import home_stages, tp_shard
 from liver.shared.errors import InputError
 from liver.shared.geometry import Home, ModelGeometry
-from liver.shared.holdings import is_dp_sharded
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import DTYPE_BYTES, ModelSpec
-from liver.shared.views import home_stages, tp_shard
 
 GiB = 1024**3
 
@@ -198,7 +198,7 @@ class MemoryEstimate(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
 
 _HOMES: tuple[Home, ...] = tuple(h for h in get_args(Home) if h != "layer")
-"""Where state outside the decoder layers lives (:func:`liver.shared.views.home_stages`)."""
+"""Where state outside the decoder layers lives (:func:`liver.reshard.views.home_stages`)."""
 
 
 class _StateByHome(NamedTuple):

@@ -16,10 +16,10 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from liver.services.transfer.placement import DEFAULT_INTER_NODE_WEIGHT, cost_matrix
+from liver.reshard.placement import DEFAULT_INTER_NODE_WEIGHT, cost_matrix
+from liver.reshard.plan import WorldConfig
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
-from liver.shared.plan import WorldConfig
 
 
 def tp_groups_within_nodes(layout: ParallelLayout, placement: Placement) -> bool:

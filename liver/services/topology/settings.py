@@ -29,8 +29,8 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta
 
+from liver.reshard.planner import DEFAULT_BUDGET_BYTES
 from liver.services.host import DEFAULT_ACK_WAIT_S
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES
 from liver.shared.errors import InputError
 from liver.shared.model import PRESETS, ModelError, ModelSpec, load_model
 from liver.shared.subjects import SubjectError, validate_token

@@ -22,20 +22,20 @@ from typing import NamedTuple, Protocol
 
 import msgspec
 
-from liver.services.transfer.placement import local_lower_bound, rank_order_placement
-from liver.services.transfer.planner import (
+from liver.reshard.placement import local_lower_bound, rank_order_placement
+from liver.reshard.plan import Plan, PlanSlice, TransferTask, WorldConfig
+from liver.reshard.plan_file import encode_plan
+from liver.reshard.planner import (
     NoSurvivingSource,
     build_plan,
     plan_stats,
     rank_order_bytes_moved,
 )
+from liver.reshard.verifier import verify_plan
 from liver.shared.codec import MessageError
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout
 from liver.shared.messages import PlanningFailed, PlanningStage, PlanSummary, TopologyPlanned
-from liver.shared.plan import Plan, PlanSlice, TransferTask, WorldConfig
-from liver.shared.plan_check import verify_plan
-from liver.shared.plan_file import encode_plan
 
 
 class Planner(Protocol):
@@ -64,8 +64,8 @@ class PlannedTransfer(NamedTuple):
     plan_file: bytes
     """The plan in the plan-file format (``docs/plan-format.md``): the auditable whole."""
     slice_files: tuple[bytes, ...]
-    """``slices`` as :class:`~liver.shared.plan.SliceFile` JSON (no worlds), in the same order, which is
-    :func:`~liver.shared.plan.slice_devices`'s: what each device fetches."""
+    """``slices`` as :class:`~liver.reshard.plan.SliceFile` JSON (no worlds), in the same order, which is
+    :func:`~liver.reshard.plan.slice_devices`'s: what each device fetches."""
     verify_seconds: float
     encode_seconds: float
     """Writing the plan file lists every rank's shards: for a large job it costs more than planning."""

@@ -30,10 +30,10 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
+from liver.reshard.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.services import bus as b
 from liver.services.host import DEFAULT_ACK_WAIT_S, BusConnection, ConsumingService, keep_in_progress
 from liver.services.transfer import core, store
-from liver.services.transfer.planner import DEFAULT_BUDGET_BYTES, NoSurvivingSource, build_plan
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
 from liver.shared.logs import bind_message

@@ -43,6 +43,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from liver.reshard.plan import Plan
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode, error_event
 from liver.shared.layout import Device
@@ -59,7 +60,6 @@ from liver.shared.messages import (
     WorkerPhase,
     WorkerStatus,
 )
-from liver.shared.plan import Plan
 from liver.worker_runtime.companion.slices import (
     PlanFetcher,
     PlanFetchError,

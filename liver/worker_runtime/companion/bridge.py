@@ -45,9 +45,9 @@ from typing import Final, Protocol, Unpack
 
 import structlog
 
+from liver.reshard.plan import Plan
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import Abort, AckDetails, Prepare, Switch, WorkerPhase
-from liver.shared.plan import Plan
 from liver.worker_runtime.runtime import ReshardPhase, RuntimeEvent
 from liver.worker_runtime.world import StoreAddress
 

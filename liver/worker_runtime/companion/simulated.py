@@ -37,6 +37,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from liver.reshard.plan import Plan
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode, error_event
 from liver.shared.connection import connect_options
@@ -50,7 +51,6 @@ from liver.shared.messages import (
     WorkerPhase,
     WorldStarted,
 )
-from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
     SOURCE,
     AgentSettings,

@@ -3,7 +3,7 @@ bucket or the object store, checked, turned into a ``Plan``.
 
 The Prepare carries both worlds once for the whole job; :func:`view_of` derives from it, once per
 message (a simulated job hands the same Prepare to a thousand workers), whether a device takes part and
-the name of its slice. The slice (a :class:`~liver.shared.plan.SliceFile`: tasks without the worlds)
+the name of its slice. The slice (a :class:`~liver.reshard.plan.SliceFile`: tasks without the worlds)
 comes from another process through storage, and the executor trusts it: a task that names a rank
 outside the world, a box outside its tensor or a byte count that disagrees with its boxes would make
 the handoff send the wrong bytes or wait for bytes that never come. So the slice is decoded strictly and
@@ -36,12 +36,12 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
 )
 
+from liver.reshard.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_participants
 from liver.shared.codec import MessageError
 from liver.shared.errors import BusError
 from liver.shared.layout import Device, LayoutError
 from liver.shared.messages import ObjectRef, Prepare, SliceLocation
 from liver.shared.outage import is_outage
-from liver.shared.plan import SLICE_SCHEMA_VERSION, Plan, SliceFile, WorldConfig, slice_participants
 
 EXPECTED: Final = "SliceFile"
 _DECODER: Final = msgspec.json.Decoder(SliceFile)

@@ -40,11 +40,11 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 
+from liver.reshard.plan import Plan
 from liver.shared.connection import connect_options
 from liver.shared.errors import BusError
 from liver.shared.messages import Abort, AckDetails, Prepare, Switch, WorkerPhase, WorkerStatus
 from liver.shared.metrics_http import MetricsServer
-from liver.shared.plan import Plan
 from liver.worker_runtime.companion.agent import (
     AgentSettings,
     GenerationRank,

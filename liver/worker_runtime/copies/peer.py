@@ -6,7 +6,7 @@ so no process waits for one that waits for it. What it keeps must fit its host-m
 whose sources' copies do not fit keeps none (it publishes that it is unavailable, and its sources run
 without the protection, as when it cannot listen), and own copies that do not fit beside them are not
 kept (no going back a step). The bytes of a copy are the copied tensors'
-(:func:`~liver.shared.redundancy.copied_tensors`) local pieces in tensor order, each piece as its
+(:func:`~liver.reshard.redundancy.copied_tensors`) local pieces in tensor order, each piece as its
 holding lays it out; :func:`unpack` reads them back as a local state, without asking the sender.
 """
 
@@ -21,10 +21,10 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from liver.reshard.holdings import holding, is_dp_sharded, pieces_of
+from liver.reshard.redundancy import NO_KEEPER, Redundancy, copied_tensors, own_copy_bytes, redundancy
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout, Placement
-from liver.shared.redundancy import NO_KEEPER, Redundancy, copied_tensors, own_copy_bytes, redundancy
 from liver.worker_runtime.stream.executor import LocalTensor
 
 from .keeper import CopyKeeper, KeptCopy

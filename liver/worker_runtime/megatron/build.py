@@ -33,10 +33,10 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from liver.reshard.views import view
 from liver.shared.errors import HandoffError
 from liver.shared.layout import LayoutError, ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.shared.views import view
 from liver.worker_runtime.megatron.cpu_shim import apply_cpu_shim
 from liver.worker_runtime.megatron.layer_spec import gpt_layer_spec, local_mtp_block_spec
 

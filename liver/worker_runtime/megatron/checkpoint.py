@@ -74,13 +74,13 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import _get_scalar_dtype
 
-from liver.shared.dist_opt import shard_group
+from liver.reshard.dist_opt import shard_group
+from liver.reshard.holdings import SHARDED_ROLES, holding, is_dp_sharded, pieces_of
+from liver.reshard.views import grid_of
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import SHARDED_ROLES, holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
-from liver.shared.views import grid_of
 from liver.worker_runtime.megatron.state import (
     RngState,
     TrainingProgress,
@@ -344,7 +344,7 @@ def _owned_sharded_state(trainer: MegatronTrainer) -> dict[str, list[Any]]:
     Megatron's own formats for this optimizer either reshard DP only (``dp_reshardable``) or gather a
     stage's whole optimizer state on one rank and, in 0.16.1, corrupt a buffer of several buckets
     (``fully_reshardable``; the tied embedding of a pipelined model always has a bucket of its own).
-    Each piece a rank owns (:mod:`liver.shared.holdings`) is a box of its logical tensor, so it is saved
+    Each piece a rank owns (:mod:`liver.reshard.holdings`) is a box of its logical tensor, so it is saved
     as one irregular shard at its global offset (``axis_fragmentations=None``: DCP checks coverage) and
     a load at any layout reads the boxes it owns there. TP replicas of a replicated tensor and the tied
     embedding's copy on the last stage are saved by one rank only (replica ids); padding holds none.

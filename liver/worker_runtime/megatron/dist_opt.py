@@ -1,6 +1,6 @@
 """What Megatron's distributed optimizer really owns on this rank, read from its own data structures.
 
-:mod:`liver.shared.dist_opt` restates Megatron's buffer layout for the torch-free planner; this module
+:mod:`liver.reshard.dist_opt` restates Megatron's buffer layout for the torch-free planner; this module
 reads the real one (``_ParamAndGradBuffer.param_index_map`` / ``bucket_indices`` and the optimizer's
 ``gbuf_ranges``), so tests can compare the two and every rank can check its optimizer against the
 planner's prediction before it trusts a plan built on it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from liver.shared.dist_opt import BufferLayout, ParamSlot, buffer_layouts, owned_ranges
+from liver.reshard.dist_opt import BufferLayout, ParamSlot, buffer_layouts, owned_ranges
 from liver.shared.errors import HandoffError
 from liver.shared.geometry import DdpSettings
 from liver.worker_runtime.megatron.state import named_parameters
@@ -96,7 +96,7 @@ def megatron_owned_ranges(trainer: MegatronTrainer) -> dict[str, tuple[int, int]
 
 def check_owned_ranges(trainer: MegatronTrainer) -> None:
     """Raise :class:`DistributedOptimizerMismatch` naming the first parameter whose owned range differs
-    from :func:`liver.shared.dist_opt.owned_ranges` (the planner's), so no plan moves the wrong bytes."""
+    from :func:`liver.reshard.dist_opt.owned_ranges` (the planner's), so no plan moves the wrong bytes."""
     geometry = trainer.geometry
     if geometry.ddp != ddp_settings(trainer):
         raise DistributedOptimizerMismatch(

@@ -703,7 +703,7 @@ def model_geometry_mismatches(
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from liver.shared.views import view
+    from liver.reshard.views import view
 
     problems: list[str] = []
     tensors = {t.name: t for t in geometry.tensors(optimizer=False)}

@@ -18,8 +18,8 @@ import msgspec
 import structlog
 import torch
 
+from liver.reshard.holdings import pieces_of
 from liver.shared.geometry import ModelGeometry
-from liver.shared.holdings import pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import ModelSpec
 from liver.worker_runtime.contract import KeptState

@@ -38,10 +38,10 @@ import structlog
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from liver.shared.dist_opt import OwnedPiece, owned_pieces, owned_ranges
+from liver.reshard.dist_opt import OwnedPiece, owned_pieces, owned_ranges
+from liver.reshard.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.errors import InputError
 from liver.shared.geometry import MTP_PREFIX, ModelGeometry, TensorSpec
-from liver.shared.holdings import holding, is_dp_sharded, pieces_of
 from liver.shared.layout import ParallelLayout
 from liver.shared.model import as_geometry
 from liver.worker_runtime.stream.executor import LocalTensor
@@ -257,7 +257,7 @@ def local_state(trainer: MegatronTrainer) -> dict[int, LocalTensor]:
     """This rank's local state: views of the live parameters and Adam state, and the step as a copy.
 
     Under the distributed optimizer the master weights and moments are the pieces of the range this
-    rank owns (:func:`liver.shared.dist_opt.owned_pieces`): views into the optimizer's 1-D shards.
+    rank owns (:func:`liver.reshard.dist_opt.owned_pieces`): views into the optimizer's 1-D shards.
     Checked against the holdings before it is returned. Creating the view of a fresh optimizer creates
     its (zero) Adam state, exactly as its first step would.
     """

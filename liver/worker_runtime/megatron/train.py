@@ -182,7 +182,7 @@ def build_trainer(
 ) -> MegatronTrainer:
     """Build model, DDP, optimizer and schedule for this rank of ``layout``, and check that its state
     agrees with the view function (for the distributed optimizer: that it owns the ranges the planner
-    predicts, :mod:`liver.shared.dist_opt`).
+    predicts, :mod:`liver.reshard.dist_opt`).
 
     ``initialize=False`` leaves a preset's weights uninitialised: for a trainer whose every value is about
     to be overwritten (a live switch streams into it). Megatron's ``perform_initialization=False`` would

@@ -72,9 +72,9 @@ import msgspec
 import structlog
 import torch
 
+from liver.reshard.holdings import Holding, packed, pieces_of
+from liver.reshard.plan import Plan
 from liver.shared.errors import HandoffError
-from liver.shared.holdings import Holding, packed, pieces_of
-from liver.shared.plan import Plan
 from liver.worker_runtime.stream.memory import MemoryLedger
 from liver.worker_runtime.stream.schedule import (
     OWN,
@@ -269,7 +269,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
 class StreamResult(NamedTuple):
     new_state: dict[int, LocalTensor]
     """Tensor index -> this process's new shard (``local_shape`` of the new view, padding zeroed); a
-    tuple of its pieces for state DP ranks hold different pieces of (:mod:`liver.shared.holdings`)."""
+    tuple of its pieces for state DP ranks hold different pieces of (:mod:`liver.reshard.holdings`)."""
     stats: StreamStats
 
 

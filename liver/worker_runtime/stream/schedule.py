@@ -3,7 +3,7 @@
 Sender and receiver never exchange metadata: each side derives the same message sequence from the plan
 alone. For every task the slices go in the task's order; a slice that is contiguous in its source's
 local tensor is one message (sent straight from the old storage), a slice that is not is cut with
-:func:`liver.shared.boxes.split` into pieces of at most ``message_bytes`` so the sender's contiguous
+:func:`liver.reshard.boxes.split` into pieces of at most ``message_bytes`` so the sender's contiguous
 copies stay bounded (pieces are also at most half of the plan's budget). Both sides therefore must use
 the same ``message_bytes``.
 
@@ -26,14 +26,14 @@ from typing import Final, NamedTuple
 
 import msgspec
 
-from liver.shared.boxes import Box, contains, split, volume
+from liver.reshard.boxes import Box, contains, split, volume
+from liver.reshard.holdings import Holding, holding, is_dp_sharded
+from liver.reshard.plan import Plan, TransferTask
+from liver.reshard.redundancy import copied_tensors
+from liver.reshard.views import Shard
 from liver.shared.errors import InputError
-from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device
 from liver.shared.model import TensorSpec
-from liver.shared.plan import Plan, TransferTask
-from liver.shared.redundancy import copied_tensors
-from liver.shared.views import Shard
 
 Region = tuple[tuple[int, int], ...]
 """A box in a local tensor's own indices (0-based), as ``(lo, hi)`` per dimension."""
@@ -214,7 +214,7 @@ ViewKey = tuple[tuple[int, ...], str, str, int, int]
 
 
 def view_key(t: TensorSpec) -> ViewKey:
-    """Every field of a tensor that :func:`liver.shared.views.view` reads: tensors with one key have one
+    """Every field of a tensor that :func:`liver.reshard.views.view` reads: tensors with one key have one
     view in every layout. A parameter and its optimizer states share a key, so a schedule derives
     shards and regions once per parameter instead of once per tensor (a quarter of the work)."""
     return (t.shape, t.rule, t.home, t.layer, t.expert)

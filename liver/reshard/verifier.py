@@ -9,14 +9,14 @@ It recomputes every view from the model and layouts (it trusts nothing the plann
 5. no new rank receives more than the staging budget over the network in one streaming round;
 6. given the devices that are lost (gone before the handoff), no task sends from one or delivers to
    one: a plan that reads a lost device's memory would hang or fail mid-transfer; a lost rank's tasks
-   run on the keeper of its peer copy (:attr:`~liver.shared.plan.Plan.stand_ins`) only where that
-   keeper is the one :mod:`liver.shared.redundancy` names, survives, and its copy holds every tensor
+   run on the keeper of its peer copy (:attr:`~liver.reshard.plan.Plan.stand_ins`) only where that
+   keeper is the one :mod:`liver.reshard.redundancy` names, survives, and its copy holds every tensor
    the tasks send;
 7. one task at most per (layer, round, source, destination): the executor pairs one message per
    source and destination in a round.
 
 A plan stores one set of task templates per class of layers that move alike
-(:class:`~liver.shared.plan.LayerClass`). The check first tries to prove the plan class by class
+(:class:`~liver.reshard.plan.LayerClass`). The check first tries to prove the plan class by class
 (:func:`_prove_by_class`: it proves that the layers of a class are interchangeable for every view, then
 checks each template once per sender it has and each receiver's cover once per class), which costs the
 classes rather than the ~40,000 tasks of a 1,024-device plan; when that proof does not go through,
@@ -33,13 +33,13 @@ from collections.abc import Callable, Collection
 
 import msgspec
 
-from liver.shared.boxes import Box, contains, disjoint_cover, volume
+from liver.reshard.boxes import Box, contains, disjoint_cover, volume
+from liver.reshard.holdings import Holding, holding, is_dp_sharded
+from liver.reshard.plan import LayerClass, Plan, Slice, TransferTask
+from liver.reshard.redundancy import copied_set, redundancy
+from liver.reshard.views import expert_rank, holding_stages, world_shards
 from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.holdings import Holding, holding, is_dp_sharded
 from liver.shared.layout import Device, ParallelLayout
-from liver.shared.plan import LayerClass, Plan, Slice, TransferTask
-from liver.shared.redundancy import copied_set, redundancy
-from liver.shared.views import expert_rank, holding_stages, world_shards
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -51,8 +51,8 @@ class VerifyReport(msgspec.Struct, frozen=True):
 
 class _Views:
     """Every tensor's holding on every rank: the view function for the whole world
-    (:func:`~liver.shared.views.world_shards`, one computation per shard class), and, per rank, the
-    distributed optimizer's DP-sharded pieces (:mod:`liver.shared.holdings`)."""
+    (:func:`~liver.reshard.views.world_shards`, one computation per shard class), and, per rank, the
+    distributed optimizer's DP-sharded pieces (:mod:`liver.reshard.holdings`)."""
 
     def __init__(self, model: ModelGeometry, layout: ParallelLayout, tensors: tuple[TensorSpec, ...]) -> None:
         self.model = model

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from liver.shared.boxes import Box, intersect, volume
+from liver.reshard.boxes import Box, intersect, volume
+from liver.reshard.views import tp_shard
 from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.views import tp_shard
 
 ANY = -1
 """Candidate key of a piece that every old TP rank holds (a replicated tensor): any of them can send it."""

@@ -2,7 +2,7 @@
 
 Pure computation on metadata (no I/O). Layers that move alike (the same tensors by shape and sharding,
 held by the same stages and EP ranks in both worlds: a 96-layer model cut into 16 and then 12 stages has
-26 such classes) are planned once per class (:class:`~liver.shared.plan.LayerClass`). The steps:
+26 such classes) are planned once per class (:class:`~liver.reshard.plan.LayerClass`). The steps:
 
 1. For each class and each group of its tensors held by the same pipeline stages, and for each new TP
    rank, the pieces of the new shard with the old TP rank that holds each (``geometry``: once per
@@ -31,17 +31,12 @@ from typing import NamedTuple
 
 import msgspec
 
-from liver.shared.boxes import Box, intersect, split, volume
-from liver.shared.collector import collector_paused
-from liver.shared.dist_opt import owned_boxes, shard_group
-from liver.shared.errors import PlanningError
-from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.holdings import holding, is_dp_sharded
-from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
-from liver.shared.model import ModelSpec, as_geometry
-from liver.shared.plan import LayerClass, Plan, Slice, TaskTemplate, WorldConfig
-from liver.shared.redundancy import NO_KEEPER, alike_holders, copied_set, redundancy
-from liver.shared.views import (
+from liver.reshard.boxes import Box, intersect, split, volume
+from liver.reshard.dist_opt import owned_boxes, shard_group
+from liver.reshard.holdings import holding, is_dp_sharded
+from liver.reshard.plan import LayerClass, Plan, Slice, TaskTemplate, WorldConfig
+from liver.reshard.redundancy import NO_KEEPER, alike_holders, copied_set, redundancy
+from liver.reshard.views import (
     expert_rank,
     grid_of,
     holder_ranks,
@@ -50,8 +45,12 @@ from liver.shared.views import (
     stage_of_layers,
     tp_shard,
 )
+from liver.shared.collector import collector_paused
+from liver.shared.errors import PlanningError
+from liver.shared.geometry import ModelGeometry, TensorSpec
+from liver.shared.layout import Device, Grid, LayoutError, ParallelLayout, Placement
+from liver.shared.model import ModelSpec, as_geometry
 
-from .geometry import ANY, new_shard_pieces
 from .placement import (
     DEFAULT_INTER_NODE_WEIGHT,
     bytes_moved,
@@ -59,6 +58,7 @@ from .placement import (
     optimized_placement,
     rank_order_placement,
 )
+from .templates import ANY, new_shard_pieces
 
 DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
 LOST_DEVICES_NAMED = 8
@@ -114,7 +114,7 @@ def build_plan(
 ) -> Plan:
     """The plan that moves the training state of ``model`` from ``old`` to ``new``, taking nothing from
     the ``lost`` devices of ``old``; raises :class:`NoSurvivingSource` when some state survives nowhere.
-    With ``copies`` (the job keeps peer copies, :mod:`liver.shared.redundancy`) a lost rank's copied
+    With ``copies`` (the job keeps peer copies, :mod:`liver.reshard.redundancy`) a lost rank's copied
     state is taken from its keeper's copy: the rank stands in the plan as the source, run by its keeper
     (:attr:`Plan.stand_ins`).
 
@@ -833,7 +833,7 @@ def _materialise(
 
 class _Streamer:
     """Step 4: split each class's layer into rounds so no destination receives more than the budget per
-    round, as :class:`~liver.shared.plan.TaskTemplate` s.
+    round, as :class:`~liver.reshard.plan.TaskTemplate` s.
 
     Destinations whose incoming chunks are the same objects in the same order (DP replicas of one new
     stage, and the same stage's place in other classes) share one split; layers of the same shape share

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import msgspec
 
-from liver.shared.boxes import Box
+from liver.reshard.boxes import Box
+from liver.reshard.plan import PLAN_SCHEMA_VERSION, Plan, TransferTask, WorldConfig
+from liver.reshard.views import world_shards
 from liver.shared.errors import InputError
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.model import ModelSpec
-from liver.shared.plan import PLAN_SCHEMA_VERSION, Plan, TransferTask, WorldConfig
-from liver.shared.views import world_shards
 
 
 class PlanFileError(InputError):

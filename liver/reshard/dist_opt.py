@@ -40,10 +40,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
-from liver.shared.boxes import Box, intersect
+from liver.reshard.boxes import Box, intersect
+from liver.reshard.views import grid_of, holding_stages, tp_shard
 from liver.shared.geometry import DdpSettings, GeometryError, ModelGeometry, TensorSpec
 from liver.shared.layout import LayoutError, ParallelLayout
-from liver.shared.views import grid_of, holding_stages, tp_shard
 
 __all__ = [
     "BufferLayout",

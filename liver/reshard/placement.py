@@ -21,12 +21,12 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from liver.reshard.plan import WorldConfig
+from liver.reshard.views import expert_rank, holding_stages
 from liver.shared.geometry import ModelGeometry
 from liver.shared.layout import Device, LayoutError, ParallelLayout, Placement
-from liver.shared.plan import WorldConfig
-from liver.shared.views import expert_rank, holding_stages
 
-from .geometry import overlap_bytes, shard_bytes
+from .templates import overlap_bytes, shard_bytes
 
 DEFAULT_INTER_NODE_WEIGHT = 4.0
 

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Iterator
 
 import msgspec
 
-from liver.shared.boxes import Box, volume
+from liver.reshard.boxes import Box, volume
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import Device, ParallelLayout, Placement, check_placement
 

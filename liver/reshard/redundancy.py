@@ -25,11 +25,11 @@ import functools
 import math
 from typing import NamedTuple
 
-from liver.shared.dist_opt import owned_pieces, shard_group
+from liver.reshard.dist_opt import owned_pieces, shard_group
+from liver.reshard.holdings import holding, is_dp_sharded
+from liver.reshard.views import grid_of, holding_stages, view
 from liver.shared.geometry import ModelGeometry, TensorSpec
-from liver.shared.holdings import holding, is_dp_sharded
 from liver.shared.layout import ParallelLayout, Placement
-from liver.shared.views import grid_of, holding_stages, view
 
 NO_KEEPER = -1
 """In :attr:`Redundancy.keepers`: the rank has nothing to copy (every piece it holds survives elsewhere)."""

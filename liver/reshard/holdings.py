@@ -3,7 +3,7 @@ under Megatron's distributed optimizer, the boxes of the range its DP rank owns.
 
 Every consumer of a plan (the planner, the plan checker, the executor's schedule, a worker's state)
 asks here, so the plain and the distributed optimizer are one code path: a holding is a tuple of
-:class:`~liver.shared.views.Shard` s, each with a local tensor of its own (``local_shape``, the box at
+:class:`~liver.reshard.views.Shard` s, each with a local tensor of its own (``local_shape``, the box at
 local index 0). Plain tensors have one piece; a distributed optimizer state has up to
 ``2 * ndim - 1`` per rank, and DP ranks hold disjoint pieces instead of replicas.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from liver.shared.dist_opt import owned_pieces
+from liver.reshard.dist_opt import owned_pieces
+from liver.reshard.views import Shard, view
 from liver.shared.geometry import ModelGeometry, TensorSpec
 from liver.shared.layout import ParallelLayout
-from liver.shared.views import Shard, view
 
 __all__ = ["SHARDED_ROLES", "Holding", "holding", "is_dp_sharded", "packed", "pieces_of"]
 

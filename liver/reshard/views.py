@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from liver.shared.boxes import Box
+from liver.reshard.boxes import Box
 from liver.shared.geometry import Home, ModelGeometry, TensorSpec
 from liver.shared.layout import Grid, LayoutError, ParallelLayout
 
