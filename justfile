@@ -11,7 +11,7 @@ setup:
 test *args:
     {{venv}}/bin/pytest -q -n auto {{args}}
 
-# the fast tier: everything but the multi-process Megatron, benchmark and chaos tests
+# the fast tier: every test that starts no process (no nats-server, no workers, no CLI subprocess)
 test-fast *args:
     {{venv}}/bin/pytest -q -n auto -m "not slow" {{args}}
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import os
 import sys
 import threading
 import traceback
@@ -11,6 +13,12 @@ from collections.abc import Generator, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Python's bytecode cache stays on for the suite and every process it starts, even where the environment
+# turns it off (PYTHONDONTWRITEBYTECODE): without it each process compiles every LiveR and test module
+# again, and pytest's assertion rewriter alone takes about 7 s a process on a 2-core machine.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 from liver.shared.nats_server import NatsServer
 
@@ -44,6 +52,50 @@ def _fork_server(request: pytest.FixtureRequest) -> None:
         start_fork_server()
 
 
+# -- the fast tier starts no process ---------------------------------------------------------------------
+# ``pytest -m "not slow"`` is the tier a developer runs on every change: it must need nothing but the test
+# process. A test without the ``slow`` mark that starts a process (a nats-server, training processes, a
+# CLI in a subprocess) fails here, naming what it started, instead of quietly making the tier slow.
+
+
+class StartsAProcess(AssertionError):
+    """A test outside the slow tier started a process."""
+
+
+def _refuse(what: str) -> None:
+    raise StartsAProcess(f"this test starts {what}: mark it slow (the fast tier starts no process)")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_use_no_nats_server(request: pytest.FixtureRequest) -> None:
+    """The shared server may already run for an earlier slow test in this worker: using it is refused
+    all the same."""
+    if request.node.get_closest_marker("slow") is None and "nats_server" in request.fixturenames:
+        _refuse("the shared nats-server (the nats_server fixture)")
+
+
+@contextlib.contextmanager
+def _no_process(item: pytest.Item) -> Iterator[None]:
+    """Refuse a process for the whole of a fast test's protocol (see ``pytest_runtest_protocol``), so a
+    module- or session-scoped fixture that the test is the first to need is caught too."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def no_popen(self: object, args: object, *rest: object, **kwargs: object) -> None:
+        _refuse(f"a subprocess ({args!r:.120})")
+
+    def no_start(self: multiprocessing.process.BaseProcess) -> None:
+        _refuse(f"a process ({self.name})")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", no_popen)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", no_start)
+        yield
+
+
 # -- what a hung test was waiting for ----------------------------------------------------------------------
 # pytest-timeout prints the threads' stacks, which for an asyncio test show only the event loop waiting
 # in select(); the coroutine that never resumed is invisible. Shortly before it fires, print every
@@ -74,15 +126,16 @@ def pytest_runtest_protocol(
 ) -> Generator[None, object, object]:
     marker = item.get_closest_marker("timeout")
     limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
-    if limit <= DUMP_BEFORE_TIMEOUT_S:
-        return (yield)
-    timer = threading.Timer(limit - DUMP_BEFORE_TIMEOUT_S, _dump_pending_tasks, ("test", item.nodeid))
-    timer.daemon = True
-    timer.start()
-    try:
-        return (yield)
-    finally:
-        timer.cancel()
+    with _no_process(item):
+        if limit <= DUMP_BEFORE_TIMEOUT_S:
+            return (yield)
+        timer = threading.Timer(limit - DUMP_BEFORE_TIMEOUT_S, _dump_pending_tasks, ("test", item.nodeid))
+        timer.daemon = True
+        timer.start()
+        try:
+            return (yield)
+        finally:
+            timer.cancel()
 
 
 # -- the order the files run in ----------------------------------------------------------------------------

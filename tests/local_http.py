@@ -34,7 +34,8 @@ class LocalHttp:
 
 @contextmanager
 def serving(http: LocalHttp) -> Iterator[LocalHttp]:
-    thread = threading.Thread(target=http.server.serve_forever, daemon=True)
+    # serve_forever polls for shutdown every 0.5 s by default: each test would wait that long at its end
+    thread = threading.Thread(target=http.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield http

@@ -51,6 +51,7 @@ def _counted(size: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in size["records"] if not r["warmup"]]
 
 
+@pytest.mark.slow
 def test_json_mode_prints_exactly_one_object_and_exits_0(quick_run: tuple[int, str]) -> None:
     rc, stdout = quick_run
     lines = stdout.strip().splitlines()
@@ -58,6 +59,7 @@ def test_json_mode_prints_exactly_one_object_and_exits_0(quick_run: tuple[int, s
     assert isinstance(json.loads(lines[0]), dict)
 
 
+@pytest.mark.slow
 def test_report_has_every_field_of_its_schema(report: dict[str, Any]) -> None:
     assert set(report) == _fields(schema.BusBenchReport)
     for size in report["sizes"]:
@@ -68,6 +70,7 @@ def test_report_has_every_field_of_its_schema(report: dict[str, Any]) -> None:
             assert set(record) == _fields(schema.BusEventRecord)
 
 
+@pytest.mark.slow
 def test_every_event_of_every_size_committed(report: dict[str, Any]) -> None:
     assert report["ok"]
     assert [s["workers"] for s in report["sizes"]] == list(bus_bench.QUICK_WORKERS)
@@ -77,6 +80,7 @@ def test_every_event_of_every_size_committed(report: dict[str, Any]) -> None:
         assert size["all_committed"]
 
 
+@pytest.mark.slow
 def test_events_alternate_scale_in_and_scale_out_by_one_node(report: dict[str, Any]) -> None:
     for size in report["sizes"]:
         n, k = size["workers"], size["devices_per_node"]
@@ -85,6 +89,7 @@ def test_events_alternate_scale_in_and_scale_out_by_one_node(report: dict[str, A
         assert [r["generation"] for r in size["records"]] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_each_stage_arrives_in_order_and_the_switch_before_the_commit(report: dict[str, Any]) -> None:
     order = (
         "resize_requested",
@@ -101,6 +106,7 @@ def test_each_stage_arrives_in_order_and_the_switch_before_the_commit(report: di
             assert (record["switch_ms"], record["commit_ms"]) == (arrivals[-2], arrivals[-1])
 
 
+@pytest.mark.slow
 def test_bus_overhead_is_the_latency_less_planning_and_worker_cpu(report: dict[str, Any]) -> None:
     for size in report["sizes"]:
         for r in _counted(size):
@@ -113,6 +119,7 @@ def test_bus_overhead_is_the_latency_less_planning_and_worker_cpu(report: dict[s
         assert size["bus_overhead_commit_ms"]["n"] == bus_bench.QUICK_EVENTS
 
 
+@pytest.mark.slow
 def test_every_service_and_the_workers_spent_cpu_on_an_event(report: dict[str, Any]) -> None:
     for size in report["sizes"]:
         spent = size["process_cpu_ms"]
@@ -120,6 +127,7 @@ def test_every_service_and_the_workers_spent_cpu_on_an_event(report: dict[str, A
             assert spent[process]["max"] > 0, process
 
 
+@pytest.mark.slow
 def test_messages_per_event_cover_a_prepare_and_a_switch_per_worker(report: dict[str, Any]) -> None:
     for size in report["sizes"]:
         for r in _counted(size):
@@ -128,6 +136,7 @@ def test_messages_per_event_cover_a_prepare_and_a_switch_per_worker(report: dict
             assert r["bytes_out"] > 0 and r["slice_bytes_total"] >= r["slice_bytes_max"] > 0
 
 
+@pytest.mark.slow
 def test_the_prepare_is_one_broadcast_and_the_slice_carries_no_world(report: dict[str, Any]) -> None:
     for size in report["sizes"]:
         c = size["contract"]
@@ -138,6 +147,7 @@ def test_the_prepare_is_one_broadcast_and_the_slice_carries_no_world(report: dic
         assert c["slice_world_bytes"] == 0 < c["slice_bytes"] <= c["slice_bytes_per_event"]
 
 
+@pytest.mark.slow
 def test_checks_judge_every_size_once_each(report: dict[str, Any]) -> None:
     checks = report["checks"]
     assert [(c["workers"], c["level"]) for c in checks] == [

@@ -171,6 +171,7 @@ def test_kills_of_every_service_and_the_server_mid_handoff_leave_every_invariant
     assert summary(result)["committed"] >= 6
 
 
+@pytest.mark.slow
 def test_the_command_names_a_bad_number_before_starting_anything() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "liver.cli.main", "chaos", "--steps", "2", "--kills", "3"],
@@ -182,6 +183,7 @@ def test_the_command_names_a_bad_number_before_starting_anything() -> None:
     assert "--kills" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_command_refuses_a_real_workers_flag_without_real_workers() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "liver.cli.main", "chaos", "--unreplicated-loss"],

@@ -162,6 +162,7 @@ async def declare_ingest_stream(url: str) -> None:
         await b.ensure_stream(js, s.STREAM_INGEST)
 
 
+@pytest.mark.slow
 def test_a_published_warning_is_stored_once_however_often_it_is_sent(
     nats_server: NatsServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,6 +184,7 @@ def test_a_published_warning_is_stored_once_however_often_it_is_sent(
     assert (warning.event_id, warning.node, warning.notice_s) == ("e-1", "n1", 90.0)
 
 
+@pytest.mark.slow
 def test_a_server_without_the_ingest_stream_is_an_error_that_says_what_to_start(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -194,6 +196,7 @@ def test_a_server_without_the_ingest_stream_is_an_error_that_says_what_to_start(
     assert f"start the ingester once (it declares {s.STREAM_INGEST.name})" in err
 
 
+@pytest.mark.slow
 async def test_the_ingester_turns_a_published_warning_into_a_resize_request(nats_server: NatsServer) -> None:
     async with running(Ingester(), nats_server.url), client(nats_server.url) as (nc, js):
         await put_membership(js, "cli-ingest", (Device("n1", 0), Device("n2", 0)), generation=2)
@@ -272,6 +275,7 @@ async def watched(
     return reached, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow
 async def test_watch_prints_one_line_per_outcome_of_the_job_it_follows(nats_server: NatsServer) -> None:
     sends = [
         (s.GENERATION_COMMITTED, encode(committed("other-job"))),
@@ -286,6 +290,7 @@ async def test_watch_prints_one_line_per_outcome_of_the_job_it_follows(nats_serv
     assert "aborted    job watched  generation 2 (active 1)  in prepare: kept_old_world" in second
 
 
+@pytest.mark.slow
 async def test_watch_prints_an_outcome_published_again_under_its_message_id_once(
     nats_server: NatsServer,
 ) -> None:
@@ -301,6 +306,7 @@ async def test_watch_prints_an_outcome_published_again_under_its_message_id_once
     assert [line.split("generation ")[1][:1] for line in out.splitlines()] == ["4", "5"]
 
 
+@pytest.mark.slow
 async def test_watch_in_json_prints_decodable_messages(nats_server: NatsServer) -> None:
     sends = [(s.GENERATION_COMMITTED, encode(committed("json-job", generation=3)))]
     _, out, _ = await watched(nats_server.url, sends, job="json-job", count=1, as_json=True)
@@ -310,6 +316,7 @@ async def test_watch_in_json_prints_decodable_messages(nats_server: NatsServer) 
     assert decode(json.dumps(obj["message"]).encode(), GenerationCommitted) == committed("json-job", 3)
 
 
+@pytest.mark.slow
 async def test_watch_skips_an_invalid_message_with_a_note_and_carries_on(nats_server: NatsServer) -> None:
     sends = [
         (s.GENERATION_COMMITTED, b"not json"),
@@ -320,6 +327,7 @@ async def test_watch_skips_an_invalid_message_with_a_note_and_carries_on(nats_se
     assert "skipped an invalid message on generation.committed" in err
 
 
+@pytest.mark.slow
 async def test_watch_shows_rejected_input_only_when_asked(nats_server: NatsServer) -> None:
     sends = [
         (s.errors("ingester"), encode(rejection("err-job"))),
@@ -333,6 +341,7 @@ async def test_watch_shows_rejected_input_only_when_asked(nats_server: NatsServe
     assert "committed" in second
 
 
+@pytest.mark.slow
 async def test_watch_returns_at_its_timeout_and_says_whether_the_count_was_met(
     nats_server: NatsServer,
 ) -> None:
@@ -379,6 +388,7 @@ def record(job: str) -> GenerationRecord:
     )
 
 
+@pytest.mark.slow
 async def test_status_shows_the_services_that_answer_and_where_each_job_stands(
     nats_server: NatsServer,
 ) -> None:
@@ -399,6 +409,7 @@ async def test_status_shows_the_services_that_answer_and_where_each_job_stands(
     assert "generation record does not decode" in broken
 
 
+@pytest.mark.slow
 async def test_status_of_one_job_reads_only_that_job(nats_server: NatsServer) -> None:
     async with client(nats_server.url) as (nc, js):
         kv = await b.ensure_kv(js, s.KV_GENERATIONS, description="test")

@@ -142,6 +142,7 @@ async def prepared_companion(
 # -- presence ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_hello_names_the_node_device_address_and_memory(nats_server: NatsServer, job: str) -> None:
     async with client(nats_server.url) as (nc, _):
         hellos = await Collector.on(nc, s.worker_hello(job))
@@ -154,6 +155,7 @@ async def test_hello_names_the_node_device_address_and_memory(nats_server: NatsS
     assert (hello.generation, hello.rank) == (3, 2)
 
 
+@pytest.mark.slow
 async def test_the_companion_answers_a_probe_by_its_name_and_by_its_device_until_it_closes(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -169,6 +171,7 @@ async def test_the_companion_answers_a_probe_by_its_name_and_by_its_device_until
                 await nc.request(subject, b"", timeout=10.0)
 
 
+@pytest.mark.slow
 async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -190,6 +193,7 @@ async def test_heartbeats_count_up_and_carry_the_iteration_and_the_world(
     assert got[0].generation is None and got[0].iteration is None
 
 
+@pytest.mark.slow
 async def test_after_a_peer_lost_ack_heartbeats_say_the_world_broke(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -219,6 +223,7 @@ async def test_after_a_peer_lost_ack_heartbeats_say_the_world_broke(
 # -- commands ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_prepare_fetches_the_plan_slice_and_hands_the_runtime_a_plan(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -235,6 +240,7 @@ async def test_prepare_fetches_the_plan_slice_and_hands_the_runtime_a_plan(
     assert hooks.threads == {f"liver-companion-{identity(job).worker_id}"}
 
 
+@pytest.mark.slow
 async def test_an_ack_from_the_training_thread_is_published_as_worker_status(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -245,6 +251,7 @@ async def test_an_ack_from_the_training_thread_is_published_as_worker_status(
     assert (ack.worker_id, ack.generation, ack.phase) == (identity(job).worker_id, 1, "ready")
 
 
+@pytest.mark.slow
 async def test_a_repeated_switch_re_acks_switched_without_switching_again(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -264,6 +271,7 @@ async def test_a_repeated_switch_re_acks_switched_without_switching_again(
     assert len(hooks.named("switch")) == 1
 
 
+@pytest.mark.slow
 async def test_after_the_switch_heartbeats_speak_for_the_new_world(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
     me = identity(job, DEVICES[1])
@@ -288,6 +296,7 @@ async def test_after_the_switch_heartbeats_speak_for_the_new_world(nats_server: 
     assert (last.generation, last.rank) == (1, 1)  # node000:1 is rank 1 of the new placement
 
 
+@pytest.mark.slow
 async def test_abort_of_an_unknown_generation_is_a_no_op(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
     async with prepared_companion(nats_server.url, job, hooks) as (nc, companion, acks):
@@ -303,6 +312,7 @@ async def test_abort_of_an_unknown_generation_is_a_no_op(nats_server: NatsServer
     assert hooks.named("abort") == []
 
 
+@pytest.mark.slow
 async def test_a_fallback_abort_of_a_generation_never_prepared_still_reaches_the_runtime(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -317,6 +327,7 @@ async def test_a_fallback_abort_of_a_generation_never_prepared_still_reaches_the
     assert heard == fallback
 
 
+@pytest.mark.slow
 async def test_a_prepare_overtaken_by_its_abort_never_starts(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
     me = identity(job)
@@ -334,6 +345,7 @@ async def test_a_prepare_overtaken_by_its_abort_never_starts(nats_server: NatsSe
     assert acks.messages == []
 
 
+@pytest.mark.slow
 async def test_abort_of_a_prepared_generation_reaches_the_runtime_once(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -348,6 +360,7 @@ async def test_abort_of_a_prepared_generation_reaches_the_runtime_once(
     assert hooks.named("switch") == []
 
 
+@pytest.mark.slow
 async def test_a_newer_prepare_ends_an_unswitched_older_one_first(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
     async with prepared_companion(nats_server.url, job, hooks) as (nc, _, _):
@@ -364,6 +377,7 @@ async def test_a_newer_prepare_ends_an_unswitched_older_one_first(nats_server: N
 # -- bad input --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_bad_command_payloads_produce_error_events_naming_the_field(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -391,6 +405,7 @@ async def test_bad_command_payloads_produce_error_events_naming_the_field(
     assert hooks.calls == []
 
 
+@pytest.mark.slow
 async def test_a_plan_slice_for_another_device_is_refused_and_reported_failed(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -412,6 +427,7 @@ async def test_a_plan_slice_for_another_device_is_refused_and_reported_failed(
     assert hooks.calls == []
 
 
+@pytest.mark.slow
 async def test_prepare_reads_a_slice_stored_as_a_key_value_entry(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
     async with (
@@ -426,6 +442,7 @@ async def test_prepare_reads_a_slice_stored_as_a_key_value_entry(nats_server: Na
     assert isinstance(plan, Plan) and plan.tasks == slices()[DEVICES[0]].tasks
 
 
+@pytest.mark.slow
 async def test_a_missing_slice_entry_is_reported_failed_naming_its_key_after_the_fetch_timeout(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -446,6 +463,7 @@ async def test_a_missing_slice_entry_is_reported_failed_naming_its_key_after_the
     assert hooks.calls == []
 
 
+@pytest.mark.slow
 async def test_a_missing_plan_object_is_reported_failed(nats_server: NatsServer, job: str) -> None:
     hooks = RecordingHooks()
     me = identity(job)
@@ -461,6 +479,7 @@ async def test_a_missing_plan_object_is_reported_failed(nats_server: NatsServer,
     assert hooks.calls == []
 
 
+@pytest.mark.slow
 async def test_a_slice_of_another_generation_is_refused_and_reported_failed(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -475,6 +494,7 @@ async def test_a_slice_of_another_generation_is_refused_and_reported_failed(
     assert ack.phase == "failed" and ack.error is not None and "$.generation" in ack.error
 
 
+@pytest.mark.slow
 async def test_a_worker_in_neither_world_ignores_the_broadcast_prepare(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -490,6 +510,7 @@ async def test_a_worker_in_neither_world_ignores_the_broadcast_prepare(
     assert hooks.calls == [] and acks.messages == []
 
 
+@pytest.mark.slow
 async def test_a_lost_device_of_the_old_world_ignores_the_broadcast_prepare(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -504,6 +525,7 @@ async def test_a_lost_device_of_the_old_world_ignores_the_broadcast_prepare(
     assert hooks.calls == [] and acks.messages == []
 
 
+@pytest.mark.slow
 async def test_an_old_rank_leaving_the_job_takes_part_and_gets_what_it_sends(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -516,6 +538,7 @@ async def test_an_old_rank_leaving_the_job_takes_part_and_gets_what_it_sends(
     assert plan.tasks and all(plan.old.placement.devices[t.src] == DEVICES[3] for t in plan.tasks)
 
 
+@pytest.mark.slow
 async def test_a_hook_that_raises_is_reported_failed_and_the_companion_keeps_running(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -526,6 +549,7 @@ async def test_a_hook_that_raises_is_reported_failed_and_the_companion_keeps_run
     assert ack.phase == "failed" and ack.error is not None and "on_prepare raised RuntimeError" in ack.error
 
 
+@pytest.mark.slow
 def test_an_identity_the_bus_would_refuse_fails_at_construction(nats_server: NatsServer) -> None:
     with pytest.raises(MessageError) as caught:
         Companion(identity("job-x", worker_id="w.1"), RecordingHooks(), url=nats_server.url)
@@ -535,6 +559,7 @@ def test_an_identity_the_bus_would_refuse_fails_at_construction(nats_server: Nat
     assert caught.value.path == "$.address"
 
 
+@pytest.mark.slow
 def test_an_ack_that_is_not_a_valid_message_raises_in_the_caller(nats_server: NatsServer) -> None:
     with Companion(identity("job-y"), RecordingHooks(), url=nats_server.url) as companion:
         with pytest.raises(ValueError, match="`error`"):
@@ -546,6 +571,7 @@ def test_an_ack_that_is_not_a_valid_message_raises_in_the_caller(nats_server: Na
 # -- threads, stalls, reconnects ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_close_leaves_no_thread_behind(nats_server: NatsServer) -> None:
     before = companion_threads()
     companion = Companion(identity("job-z"), RecordingHooks(), url=nats_server.url).start(START_S)
@@ -556,6 +582,7 @@ def test_close_leaves_no_thread_behind(nats_server: NatsServer) -> None:
     assert not companion.connected
 
 
+@pytest.mark.slow
 async def test_acks_handed_over_just_before_close_are_still_published(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -596,6 +623,7 @@ def private_server() -> Iterator[NatsServer]:
         yield server
 
 
+@pytest.mark.slow
 async def test_a_stalled_bus_does_not_slow_the_training_loop(private_server: NatsServer, job: str) -> None:
     """The server is frozen (SIGSTOP) while the training loop reports: every call returns at once, and
     everything it handed over arrives once the server runs again."""
@@ -670,6 +698,7 @@ class Proxy:
             await self._server.wait_closed()
 
 
+@pytest.mark.slow
 async def test_after_a_reconnect_the_worker_says_hello_again_with_its_open_ack(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -698,6 +727,7 @@ async def test_after_a_reconnect_the_worker_says_hello_again_with_its_open_ack(
     assert first == again and again.phase == "ready"
 
 
+@pytest.mark.slow
 async def test_a_connection_the_server_closes_is_renewed_with_the_handoff_and_its_open_ack(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -746,6 +776,7 @@ def test_command_box_hands_commands_over_in_arrival_order() -> None:
     assert not box.pending and box.take() == []
 
 
+@pytest.mark.slow
 async def test_the_companion_serves_its_counters_progress_and_world_as_metrics(
     nats_server: NatsServer, job: str
 ) -> None:

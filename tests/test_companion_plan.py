@@ -233,6 +233,7 @@ async def js(server: NatsServer) -> AsyncIterator[JetStreamContext]:
         yield js
 
 
+@pytest.mark.slow
 async def test_a_missing_slice_entry_is_named_by_its_key_once_the_read_has_waited_its_time(
     js: JetStreamContext,
 ) -> None:
@@ -247,6 +248,7 @@ async def test_a_missing_slice_entry_is_named_by_its_key_once_the_read_has_waite
     assert "allowed 3 s" in text
 
 
+@pytest.mark.slow
 async def test_a_slice_entry_that_appears_while_the_worker_waits_is_read(js: JetStreamContext) -> None:
     kv = await js.key_value(s.KV_PLAN_SLICES)
     read = asyncio.create_task(PlanFetcher(js).fetch_entry(s.KV_PLAN_SLICES, "job.1.s1.00003", WAIT_S))
@@ -255,6 +257,7 @@ async def test_a_slice_entry_that_appears_while_the_worker_waits_is_read(js: Jet
     assert await read == b"late"
 
 
+@pytest.mark.slow
 async def test_a_deleted_slice_entry_fails_at_once_saying_the_plan_was_released(js: JetStreamContext) -> None:
     kv = await js.key_value(s.KV_PLAN_SLICES)
     await kv.put("job.1.s1.00004", b"gone soon")
@@ -266,6 +269,7 @@ async def test_a_deleted_slice_entry_fails_at_once_saying_the_plan_was_released(
     assert time.monotonic() - started < WAIT_S / 2
 
 
+@pytest.mark.slow
 async def test_a_slice_in_a_bucket_that_does_not_exist_is_refused_naming_the_bucket(
     js: JetStreamContext,
 ) -> None:

@@ -70,6 +70,7 @@ def network_bytes(device: Device) -> tuple[int, int]:
     return sent, received
 
 
+@pytest.mark.slow
 async def test_each_simulated_worker_says_hello_from_its_own_device_as_its_rank(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -82,6 +83,7 @@ async def test_each_simulated_worker_says_hello_from_its_own_device_as_its_rank(
     assert len({h.worker_id for h in got}) == 4
 
 
+@pytest.mark.slow
 async def test_spares_say_hello_in_no_world(nats_server: NatsServer, job: str) -> None:
     async with client(nats_server.url) as (nc, _):
         hellos = await Collector.on(nc, s.worker_hello(job))
@@ -91,6 +93,7 @@ async def test_spares_say_hello_in_no_world(nats_server: NatsServer, job: str) -
     assert {(h.device.node, h.generation, h.rank) for h in got} == {("spare-a", None, None)}
 
 
+@pytest.mark.slow
 async def test_heartbeats_report_the_advancing_iteration(nats_server: NatsServer, job: str) -> None:
     async with client(nats_server.url) as (nc, _):
         beats = await Collector.on(nc, s.worker_heartbeat(job))
@@ -101,6 +104,7 @@ async def test_heartbeats_report_the_advancing_iteration(nats_server: NatsServer
     assert iterations == sorted(iterations) and iterations[-1] > iterations[0]  # type: ignore[operator]
 
 
+@pytest.mark.slow
 async def test_workers_ack_prepare_then_switch_with_one_cut_and_their_bytes(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -122,6 +126,7 @@ async def test_workers_ack_prepare_then_switch_with_one_cut_and_their_bytes(
     assert sum(a.bytes_received or 0 for a in switched) > 0
 
 
+@pytest.mark.slow
 async def test_the_ack_delay_holds_each_ack_back(nats_server: NatsServer, job: str) -> None:
     async with client(nats_server.url) as (nc, _):
         status = await Collector.on(nc, s.worker_status(job))
@@ -133,6 +138,7 @@ async def test_the_ack_delay_holds_each_ack_back(nats_server: NatsServer, job: s
     assert waited >= 0.3
 
 
+@pytest.mark.slow
 async def test_a_worker_set_to_fail_at_prepare_acks_failed_and_the_others_ready(
     nats_server: NatsServer, job: str
 ) -> None:
@@ -149,6 +155,7 @@ async def test_a_worker_set_to_fail_at_prepare_acks_failed_and_the_others_ready(
     assert next(a for a in acks(status) if a.worker_id == failing).error == "simulated failure at prepare"
 
 
+@pytest.mark.slow
 async def test_a_worker_set_to_crash_at_switch_goes_silent(nats_server: NatsServer, job: str) -> None:
     config = settings(job, heartbeat_s=0.05, faults=(Fault.parse("crash", "switch:2"),))
     async with client(nats_server.url) as (nc, _):
@@ -173,6 +180,7 @@ async def test_a_worker_set_to_crash_at_switch_goes_silent(nats_server: NatsServ
     assert crashed not in after
 
 
+@pytest.mark.slow
 async def test_a_worker_outside_the_committed_world_leaves(nats_server: NatsServer, job: str) -> None:
     async with client(nats_server.url) as (nc, _):
         status = await Collector.on(nc, s.worker_status(job))
@@ -198,6 +206,7 @@ async def test_a_worker_outside_the_committed_world_leaves(nats_server: NatsServ
     assert sorted(w.identity.device for w in simulated.active) == list(NEW.placement.devices)
 
 
+@pytest.mark.slow
 async def test_a_job_with_a_layout_announces_its_starting_world(job: str) -> None:
     with NatsServer() as server:
         async with client(server.url) as (_, js):
@@ -252,6 +261,7 @@ def test_command_line_options_become_settings() -> None:
     )
 
 
+@pytest.mark.slow
 def test_liver_workers_simulate_runs_until_sigterm_and_exits_cleanly(
     nats_server: NatsServer, job: str
 ) -> None:

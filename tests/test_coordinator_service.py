@@ -464,6 +464,7 @@ def test_the_topology_request_carries_the_smallest_memory_the_remaining_workers_
     assert with_device_memory(silent, Coordinator("job-m", instance_id="c-2").membership) == silent
 
 
+@pytest.mark.slow
 async def test_a_record_write_lands_once_and_a_stale_one_conflicts_with_what_is_stored(
     server: NatsServer, job: str
 ) -> None:
@@ -487,6 +488,7 @@ async def test_a_record_write_lands_once_and_a_stale_one_conflicts_with_what_is_
 # -- the coordinator on the bus -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_started_world_is_recorded_and_its_workers_published_for_the_ingester(rig: Rig) -> None:
     async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
         await rig.start_world()
@@ -501,6 +503,7 @@ async def test_a_started_world_is_recorded_and_its_workers_published_for_the_ing
     assert {w.worker_id: w.device for w in membership.workers} == {worker_id(d): d for d in WORLD}
 
 
+@pytest.mark.slow
 async def test_a_spot_warning_runs_through_every_service_to_a_committed_scale_in(rig: Rig) -> None:
     async with (
         running(CoordinatorService(settings(rig.job)), rig.url),
@@ -525,6 +528,7 @@ async def test_a_spot_warning_runs_through_every_service_to_a_committed_scale_in
     assert not rig.outcomes(rig.aborted, GenerationAborted)
 
 
+@pytest.mark.slow
 async def test_the_metrics_move_as_a_handoff_commits(rig: Rig) -> None:
     async with (
         running(CoordinatorService(settings(rig.job)), rig.url, metrics_port=0) as coordinator,
@@ -558,6 +562,7 @@ async def test_the_metrics_move_as_a_handoff_commits(rig: Rig) -> None:
     assert ingested[("liver_service_stat", (("service", "ingester"), ("stat", "resized")))] == 1
 
 
+@pytest.mark.slow
 async def test_the_committed_generations_plan_objects_and_slice_entries_are_deleted(rig: Rig) -> None:
     planned = await Collector.on(rig.nc, s.transfer_planned(rig.job))
     async with (
@@ -599,6 +604,7 @@ async def test_the_committed_generations_plan_objects_and_slice_entries_are_dele
         await eventually(entries_released, what="generation 1's slice entries deleted")
 
 
+@pytest.mark.slow
 async def test_a_scale_request_adds_the_offered_node_to_the_world(rig: Rig) -> None:
     requests = await Collector.on(rig.nc, s.topology_request(rig.job))
     service = CoordinatorService(settings(rig.job))
@@ -633,6 +639,7 @@ async def test_a_scale_request_adds_the_offered_node_to_the_world(rig: Rig) -> N
     )
 
 
+@pytest.mark.slow
 async def test_a_stale_ack_from_an_old_generation_does_not_advance_the_handoff(rig: Rig) -> None:
     rig.workers.ready.clear()
     service = CoordinatorService(settings(rig.job))
@@ -658,6 +665,7 @@ async def test_a_stale_ack_from_an_old_generation_does_not_advance_the_handoff(r
     assert out.generation == 1
 
 
+@pytest.mark.slow
 async def test_a_resize_request_stays_unacknowledged_until_its_handoff_ends(rig: Rig) -> None:
     rig.workers.ready.clear()
     async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
@@ -673,6 +681,7 @@ async def test_a_resize_request_stays_unacknowledged_until_its_handoff_ends(rig:
         assert hosted.service.stats()["held"] == 0
 
 
+@pytest.mark.slow
 async def test_a_coordinator_that_sees_another_write_the_record_stands_by(rig: Rig) -> None:
     requests = await Collector.on(rig.nc, s.topology_request(rig.job))
     service = CoordinatorService(settings(rig.job))
@@ -699,6 +708,7 @@ async def test_a_coordinator_that_sees_another_write_the_record_stands_by(rig: R
     assert service.core.record == usurped
 
 
+@pytest.mark.slow
 async def test_a_handoff_that_cannot_finish_in_time_aborts_on_its_own_and_says_why(rig: Rig) -> None:
     rig.workers.ready.clear()
     async with running(CoordinatorService(settings(rig.job)), rig.url):
@@ -721,6 +731,7 @@ async def test_a_handoff_that_cannot_finish_in_time_aborts_on_its_own_and_says_w
     assert (await rig.record()).generation == 0
 
 
+@pytest.mark.slow
 async def test_the_same_event_twice_makes_one_handoff_and_both_copies_are_acknowledged(rig: Rig) -> None:
     async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
         await rig.start_world()
@@ -735,6 +746,7 @@ async def test_the_same_event_twice_makes_one_handoff_and_both_copies_are_acknow
     assert (await rig.record()).issued == 1
 
 
+@pytest.mark.slow
 async def test_a_copy_of_an_event_settled_by_a_predecessor_is_acknowledged_without_running_it(
     rig: Rig,
 ) -> None:
@@ -769,6 +781,7 @@ async def test_a_copy_of_an_event_settled_by_a_predecessor_is_acknowledged_witho
     assert [type(m).__name__ for m in await rig.stored_outcomes()].count("GenerationAborted") == 0
 
 
+@pytest.mark.slow
 async def test_bad_input_is_reported_and_the_coordinator_carries_on(rig: Rig) -> None:
     async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
         await rig.start_world()
@@ -799,6 +812,7 @@ async def test_bad_input_is_reported_and_the_coordinator_carries_on(rig: Rig) ->
     assert {seq, other} <= kept
 
 
+@pytest.mark.slow
 async def test_bad_worker_input_becomes_an_error_event_and_a_dead_letter(rig: Rig) -> None:
     beat = b'{"schema_version": 1, "kind": "worker_heartbeat"}'
     async with running(CoordinatorService(settings(rig.job)), rig.url) as hosted:
@@ -822,6 +836,7 @@ async def test_bad_worker_input_becomes_an_error_event_and_a_dead_letter(rig: Ri
     assert kept[s.worker_status(rig.job)] == b"not json"
 
 
+@pytest.mark.slow
 async def test_two_coordinators_racing_to_commit_let_exactly_one_win(rig: Rig) -> None:
     """Both find the same handoff in its switch phase, re-send the switch, and get every ack."""
     store = await RecordStore.open(rig.js, rig.job)
@@ -919,6 +934,7 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
     assert proc.wait(60) == -signal.SIGKILL
 
 
+@pytest.mark.slow
 async def test_a_coordinator_killed_while_preparing_is_succeeded_by_one_that_aborts_and_replans(
     rig: Rig, tmp_path: Path
 ) -> None:
@@ -949,6 +965,7 @@ async def test_a_coordinator_killed_while_preparing_is_succeeded_by_one_that_abo
     assert {w for w, _ in rig.workers.commands(Abort, 1)} == {worker_id(d) for d in WORLD}
 
 
+@pytest.mark.slow
 async def test_a_coordinator_killed_after_the_switch_is_succeeded_by_one_that_completes_it(
     rig: Rig, tmp_path: Path
 ) -> None:
@@ -977,6 +994,7 @@ async def test_a_coordinator_killed_after_the_switch_is_succeeded_by_one_that_co
     assert not rig.outcomes(rig.aborted, GenerationAborted)
 
 
+@pytest.mark.slow
 async def test_the_status_endpoint_reports_the_jobs_phase_and_generation(rig: Rig) -> None:
     async with running(CoordinatorService(settings(rig.job)), rig.url):
         await rig.start_world()

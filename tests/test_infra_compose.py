@@ -68,6 +68,7 @@ def test_jetstream_is_kept_on_a_named_volume() -> None:
     assert volume.split(":")[0] in load_compose()["volumes"]
 
 
+@pytest.mark.slow
 def test_compose_runs_the_nats_server_version_the_tests_run() -> None:
     tested = subprocess.run([str(find_binary()), "--version"], capture_output=True, text=True, timeout=120)
     (version,) = re.findall(r"v(\d+\.\d+\.\d+)", tested.stdout + tested.stderr)
@@ -95,6 +96,7 @@ def test_each_service_runs_its_own_command_as_its_own_nats_user(service: str) ->
     assert spec["init"] is True, "an init reaps children and forwards SIGTERM"
 
 
+@pytest.mark.slow
 def test_the_server_speaks_tls_with_the_certificate_make_tls_writes(tmp_path: Path) -> None:
     spec = services()["nats"]
     command = spec["command"]

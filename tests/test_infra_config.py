@@ -78,12 +78,14 @@ def stream_named(subject: str) -> str | None:
 # -- the server accepts it ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nats_server_accepts_the_config_with_the_passwords_make_env_writes(passwords: dict[str, str]) -> None:
     result = check_config(["-c", str(NATS_CONF)], passwords)
     assert result.returncode == 0, result.stderr
     assert "is valid" in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ROLES)
 def test_nats_server_refuses_to_start_without_a_users_password(passwords: dict[str, str], role: str) -> None:
     missing = {k: v for k, v in passwords.items() if k != password_var(role)}
@@ -92,6 +94,7 @@ def test_nats_server_refuses_to_start_without_a_users_password(passwords: dict[s
     assert password_var(role) in result.stderr
 
 
+@pytest.mark.slow
 def test_the_server_command_of_compose_is_accepted_with_the_mounted_config(passwords: dict[str, str]) -> None:
     nats = load_compose()["services"]["nats"]
     mounts = {}
@@ -160,6 +163,7 @@ def test_every_application_subject_the_config_names_is_one_liver_uses() -> None:
 # -- the passwords ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_make_env_writes_a_distinct_password_for_every_role_readable_by_the_owner_only(
     tmp_path: Path,
 ) -> None:
@@ -171,6 +175,7 @@ def test_make_env_writes_a_distinct_password_for_every_role_readable_by_the_owne
     assert stat.S_IMODE((tmp_path / ".env").stat().st_mode) == 0o600
 
 
+@pytest.mark.slow
 def test_make_env_never_overwrites_an_existing_file(tmp_path: Path) -> None:
     target = tmp_path / ".env"
     target.write_text("LIVER_NATS_PASSWORD_WORKER=pkeepme\n")

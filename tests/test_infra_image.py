@@ -122,6 +122,7 @@ def test_the_scripts_are_executable(script: Path) -> None:
     assert os.access(script, os.X_OK)
 
 
+@pytest.mark.slow
 def test_help_lists_every_command() -> None:
     result = run_entrypoint("help")
     assert result.returncode == 0
@@ -129,6 +130,7 @@ def test_help_lists_every_command() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [(), ("nonsense",), ("run",)], ids=["nothing", "unknown", "run-alone"])
 def test_a_missing_or_unknown_command_exits_2(args: tuple[str, ...]) -> None:
     result = run_entrypoint(*args)
@@ -136,6 +138,7 @@ def test_a_missing_or_unknown_command_exits_2(args: tuple[str, ...]) -> None:
     assert result.stderr
 
 
+@pytest.mark.slow
 def test_run_replaces_the_entrypoint_with_the_given_command() -> None:
     """exec: the command gets the container's signals (docker stop) directly."""
     proc = subprocess.Popen(
@@ -146,6 +149,7 @@ def test_run_replaces_the_entrypoint_with_the_given_command() -> None:
     assert int(out) == proc.pid
 
 
+@pytest.mark.slow
 def test_liver_passes_its_arguments_to_the_liver_command(tmp_path: Path) -> None:
     fake = tmp_path / "liver"
     fake.write_text('#!/bin/sh\necho "liver got: $*"\n')
@@ -155,18 +159,21 @@ def test_liver_passes_its_arguments_to_the_liver_command(tmp_path: Path) -> None
     assert result.stdout.strip() == "liver got: plan --model tiny-gpt"
 
 
+@pytest.mark.slow
 def test_a_service_command_reaches_liver_serve() -> None:
     result = run_entrypoint("ingester", "--help")
     assert result.returncode == 0, result.stderr
     assert "usage: liver serve" in result.stdout
 
 
+@pytest.mark.slow
 def test_worker_reaches_liver_worker() -> None:
     result = run_entrypoint("worker", "--help")
     assert result.returncode == 0, result.stderr
     assert "usage: liver worker " in result.stdout and "--placement" in result.stdout
 
 
+@pytest.mark.slow
 def test_simulate_reaches_liver_workers() -> None:
     result = run_entrypoint("simulate", "--help")
     assert result.returncode == 0, result.stderr
@@ -185,24 +192,28 @@ def run_healthcheck(*args: str, url: str | None) -> subprocess.CompletedProcess[
     )
 
 
+@pytest.mark.slow
 def test_the_health_check_of_an_unknown_service_is_a_usage_error() -> None:
     result = run_healthcheck("nonsense", url="nats://127.0.0.1:4222")
     assert result.returncode == 2
     assert "usage: healthcheck.py {coordinator,ingester,topology,transfer}" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_health_check_needs_the_server_url() -> None:
     result = run_healthcheck("ingester", url=None)
     assert result.returncode == 2
     assert URL_ENV in result.stderr
 
 
+@pytest.mark.slow
 def test_the_health_check_fails_when_no_service_answers(nats_server: NatsServer) -> None:
     result = run_healthcheck("coordinator", url=nats_server.url)
     assert result.returncode == 1
     assert "no liver-coordinator is answering discovery" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_health_check_fails_when_the_server_is_unreachable() -> None:
     result = run_healthcheck("ingester", url="nats://127.0.0.1:1")
     assert result.returncode == 1

@@ -129,6 +129,7 @@ def test_nats_runs_three_servers_with_a_volume_each() -> None:
     assert mounts[claim["metadata"]["name"]] == container["args"][container["args"].index("--store_dir") + 1]
 
 
+@pytest.mark.slow
 def test_each_pods_cluster_config_with_the_projects_auth_config_is_valid_for_nats_server(
     tmp_path: Path,
 ) -> None:

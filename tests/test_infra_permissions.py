@@ -34,6 +34,9 @@ from liver.shared.messages import GenerationCommitted, SpotWarning
 from liver.shared.nats_server import NatsServer
 from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError
 
+# Every test here starts a process (a nats-server, workers or a CLI): none is in the fast tier.
+pytestmark = pytest.mark.slow
+
 
 class Rig:
     def __init__(self, server: NatsServer, passwords: dict[str, str]) -> None:

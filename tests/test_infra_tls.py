@@ -52,6 +52,7 @@ def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tls(tmp_path_factory.mktemp("certs") / "tls")
 
 
+@pytest.mark.slow
 def test_a_plaintext_client_is_refused(rig: Rig) -> None:
     with socket.create_connection(rig.address, timeout=CLOSE_WAIT_S) as plain:
         info = plain.recv(65536)
@@ -72,6 +73,7 @@ def test_a_plaintext_client_is_refused(rig: Rig) -> None:
     assert b"PONG" not in received, "a plaintext client was served"
 
 
+@pytest.mark.slow
 async def test_a_client_that_trusts_the_local_ca_is_served(rig: Rig) -> None:
     user = "subscriber"
     password = rig.passwords[password_var(user)]
@@ -80,6 +82,7 @@ async def test_a_client_that_trusts_the_local_ca_is_served(rig: Rig) -> None:
         assert nc.is_connected and not errors
 
 
+@pytest.mark.slow
 async def test_a_client_that_does_not_trust_the_ca_is_refused(rig: Rig) -> None:
     user = "subscriber"
     password = rig.passwords[password_var(user)]
@@ -88,6 +91,7 @@ async def test_a_client_that_does_not_trust_the_ca_is_refused(rig: Rig) -> None:
             pass
 
 
+@pytest.mark.slow
 async def test_a_liver_process_verifies_the_server_with_the_ca_in_its_environment(rig: Rig) -> None:
     user = "subscriber"
     env = {
@@ -116,6 +120,7 @@ def test_a_tls_url_without_a_ca_verifies_against_the_system_trust_store() -> Non
     assert context.verify_mode is ssl.CERT_REQUIRED and context.check_hostname
 
 
+@pytest.mark.slow
 def test_the_ca_in_the_environment_is_the_one_trusted(tls_dir: Path) -> None:
     env = {TLS_CA_ENV: str(tls_dir / "ca.crt"), TLS_HOSTNAME_ENV: "nats"}
     options = connect_options("nats://127.0.0.1:4222", env, name="x")
@@ -125,6 +130,7 @@ def test_the_ca_in_the_environment_is_the_one_trusted(tls_dir: Path) -> None:
     assert options["tls_hostname"] == "nats"
 
 
+@pytest.mark.slow
 def test_a_client_certificate_and_its_key_are_loaded_together(tls_dir: Path) -> None:
     env = {TLS_CERT_ENV: str(tls_dir / "server.crt"), TLS_KEY_ENV: str(tls_dir / "server.key")}
     assert isinstance(connect_options("nats://h:4222", env, name="x")["tls"], ssl.SSLContext)
@@ -150,12 +156,14 @@ def test_a_ca_file_that_holds_no_certificate_is_refused_naming_it(tmp_path: Path
         connect_options("nats://h:4222", {TLS_CA_ENV: str(bogus)}, name="x")
 
 
+@pytest.mark.slow
 def test_a_certificate_with_a_key_that_is_not_its_own_is_refused(tls_dir: Path) -> None:
     env = {TLS_CERT_ENV: str(tls_dir / "server.crt"), TLS_KEY_ENV: str(tls_dir / "ca.key")}
     with pytest.raises(ConnectionConfigError, match=f"^{TLS_CERT_ENV}: .*not a certificate and its key"):
         connect_options("nats://h:4222", env, name="x")
 
 
+@pytest.mark.slow
 def test_make_tls_never_overwrites_a_ca(tls_dir: Path) -> None:
     before = (tls_dir / "ca.crt").read_bytes()
     with pytest.raises(Exception, match="returned non-zero exit status 1"):

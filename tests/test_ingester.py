@@ -26,6 +26,9 @@ from liver.shared.layout import Device
 from liver.shared.messages import Message, NodeDevices, ResizeRequested, ScaleRequest, SpotWarning
 from liver.shared.nats_server import NatsServer
 
+# Every test here starts a process (a nats-server, workers or a CLI): none is in the fast tier.
+pytestmark = pytest.mark.slow
+
 JOB = "job-1"
 DEVICES = (Device("node-a", 0), Device("node-a", 1), Device("node-b", 0), Device("node-b", 1))
 FAST = IngesterSettings(ack_wait_s=30.0, retry_delay_s=0.1, max_deliver=3)

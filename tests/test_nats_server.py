@@ -63,6 +63,7 @@ def test_a_binary_override_that_does_not_exist_is_reported(monkeypatch: pytest.M
         find_binary()
 
 
+@pytest.mark.slow
 def test_the_server_listens_on_loopback_and_reports_healthy(nats_server: NatsServer) -> None:
     assert nats_server.url.startswith("nats://127.0.0.1:")
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
@@ -71,6 +72,7 @@ def test_the_server_listens_on_loopback_and_reports_healthy(nats_server: NatsSer
         assert response.status == 200
 
 
+@pytest.mark.slow
 async def test_a_published_message_reaches_a_subscriber(nats_server: NatsServer) -> None:
     nc = await nats.connect(nats_server.url)
     try:
@@ -82,6 +84,7 @@ async def test_a_published_message_reaches_a_subscriber(nats_server: NatsServer)
         await nc.drain()
 
 
+@pytest.mark.slow
 async def test_jetstream_keeps_a_message_for_a_durable_consumer_and_drops_a_duplicate(
     nats_server: NatsServer,
 ) -> None:
@@ -102,6 +105,7 @@ async def test_jetstream_keeps_a_message_for_a_durable_consumer_and_drops_a_dupl
         await nc.drain()
 
 
+@pytest.mark.slow
 async def test_liver_streams_buckets_and_object_store_can_be_declared_and_capture_their_subjects() -> None:
     with NatsServer() as server:
         nc = await nats.connect(server.url)
@@ -137,6 +141,7 @@ async def test_liver_streams_buckets_and_object_store_can_be_declared_and_captur
             await nc.drain()
 
 
+@pytest.mark.slow
 async def test_jetstream_data_survives_a_restart_with_the_same_store_dir(tmp_path: Path) -> None:
     with NatsServer(store_dir=tmp_path / "js") as server:
         nc = await nats.connect(server.url)
@@ -153,6 +158,7 @@ async def test_jetstream_data_survives_a_restart_with_the_same_store_dir(tmp_pat
             await nc.drain()
 
 
+@pytest.mark.slow
 async def test_a_config_file_adds_users_that_clients_must_log_in_as(tmp_path: Path) -> None:
     config = tmp_path / "auth.conf"
     config.write_text('authorization { users = [ { user: "liver", password: "s3cret" } ] }\n')
@@ -164,6 +170,7 @@ async def test_a_config_file_adds_users_that_clients_must_log_in_as(tmp_path: Pa
         await nc.drain()
 
 
+@pytest.mark.slow
 def test_a_bad_config_file_fails_the_start_with_the_server_log(tmp_path: Path) -> None:
     config = tmp_path / "broken.conf"
     config.write_text("authorization { users = [ \n")
@@ -173,6 +180,7 @@ def test_a_bad_config_file_fails_the_start_with_the_server_log(tmp_path: Path) -
     assert not server.running
 
 
+@pytest.mark.slow
 def test_stop_ends_the_process_and_removes_the_temporary_store() -> None:
     server = NatsServer().start()
     pid, store = server.pid, server.store_dir
@@ -184,6 +192,7 @@ def test_stop_ends_the_process_and_removes_the_temporary_store() -> None:
         _ = server.url
 
 
+@pytest.mark.slow
 def test_the_server_dies_with_a_parent_that_is_killed_hard(tmp_path: Path) -> None:
     parent_code = textwrap.dedent(
         """
@@ -224,6 +233,7 @@ def test_an_external_url_in_the_environment_starts_no_server() -> None:
         assert url == "nats://nats.example:4222"
 
 
+@pytest.mark.slow
 async def test_without_an_external_url_a_local_server_serves_the_block() -> None:
     with nats_url({}) as url:
         nc = await nats.connect(url)

@@ -238,6 +238,7 @@ async def test_a_source_that_fails_does_not_stop_the_agent(imds: FakeImds) -> No
     assert await agent.poll_once() == PollOutcome.PUBLISHED
 
 
+@pytest.mark.slow
 async def test_a_restarted_agent_sends_the_notice_again_and_the_stream_keeps_one(
     imds: FakeImds, nats_server: NatsServer
 ) -> None:

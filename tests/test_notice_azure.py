@@ -172,6 +172,7 @@ async def test_a_commit_of_another_job_acknowledges_nothing(azure: FakeScheduled
     assert azure.started == []
 
 
+@pytest.mark.slow
 async def test_the_agent_acknowledges_when_the_commit_arrives_on_the_bus(
     azure: FakeScheduledEvents, nats_server: NatsServer
 ) -> None:

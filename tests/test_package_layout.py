@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 import liver
 from liver.shared.errors import BusError, HandoffError, InputError, LiverError, PlanningError
 
@@ -150,6 +152,7 @@ def test_services_and_the_worker_runtime_never_import_each_other() -> None:
     assert _edges_from("liver.worker_runtime", "liver.services") == []
 
 
+@pytest.mark.slow
 def test_importing_liver_loads_neither_torch_nor_megatron() -> None:
     probe = "import sys, liver; print(sorted(m for m in ('torch', 'megatron', 'nats') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

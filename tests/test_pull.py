@@ -28,6 +28,9 @@ from liver.services.host import PullConsumer, keep_in_progress
 from liver.services.pull import ContinuousPull
 from liver.shared.nats_server import NatsServer
 
+# Every test here starts a process (a nats-server, workers or a CLI): none is in the fast tier.
+pytestmark = pytest.mark.slow
+
 _names = itertools.count()
 
 

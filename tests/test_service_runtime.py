@@ -121,12 +121,14 @@ def password_server(tmp_path: Path) -> Iterator[NatsServer]:
         yield srv
 
 
+@pytest.mark.slow
 async def test_a_service_connects_with_the_password_in_its_environment(password_server: NatsServer) -> None:
     env = {USER_ENV: "svc", PASSWORD_ENV: "right"}
     async with hosted(Ingester(), password_server.url, env) as h:
         assert h.bus.nc.is_connected
 
 
+@pytest.mark.slow
 async def test_a_wrong_password_fails_to_connect(password_server: NatsServer) -> None:
     async def quiet(_: Exception) -> None:
         return None
@@ -142,6 +144,7 @@ async def test_a_wrong_password_fails_to_connect(password_server: NatsServer) ->
 # -- declarations -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_declaring_every_stream_twice_changes_nothing(server: NatsServer) -> None:
     async with client(server.url) as (_, js):
         await b.ensure_streams(js)
@@ -153,6 +156,7 @@ async def test_declaring_every_stream_twice_changes_nothing(server: NatsServer) 
     assert before == after
 
 
+@pytest.mark.slow
 async def test_a_stream_declared_with_an_outdated_config_is_brought_up_to_date(server: NatsServer) -> None:
     async with client(server.url) as (_, js):
         await js.add_stream(name=s.STREAM_INGEST.name, subjects=[s.SPOT_WARNING])
@@ -165,6 +169,7 @@ async def test_a_stream_declared_with_an_outdated_config_is_brought_up_to_date(s
 # -- discovery ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_running_service_answers_discovery_ping_info_and_stats(server: NatsServer) -> None:
     ingester = Ingester()
     async with running(ingester, server.url) as h, client(server.url) as (nc, _):
@@ -180,6 +185,7 @@ async def test_a_running_service_answers_discovery_ping_info_and_stats(server: N
         assert status == ingester.stats()
 
 
+@pytest.mark.slow
 async def test_a_stopped_service_no_longer_answers_ping(server: NatsServer) -> None:
     async with running(Ingester(), server.url):
         pass
@@ -211,6 +217,7 @@ class StuckOnStop:
         return {}
 
 
+@pytest.mark.slow
 async def test_a_service_that_cannot_settle_its_message_is_cut_off_after_the_stop_grace(
     server: NatsServer,
 ) -> None:
@@ -252,6 +259,7 @@ class Idle:
         return {}
 
 
+@pytest.mark.slow
 async def test_a_connection_the_server_closes_is_reported_as_lost(server: NatsServer) -> None:
     async with hosted(Idle(), server.url, {}) as h:
         await h.service._overflow()
@@ -259,12 +267,14 @@ async def test_a_connection_the_server_closes_is_reported_as_lost(server: NatsSe
         assert h.bus.nc.is_closed
 
 
+@pytest.mark.slow
 async def test_a_service_closing_its_own_connection_is_not_a_loss(server: NatsServer) -> None:
     async with hosted(Idle(), server.url, {}) as h:
         pass
     assert h.bus.nc.is_closed and not h.lost.is_set()
 
 
+@pytest.mark.slow
 async def test_a_host_whose_connection_is_lost_ends_with_an_error_instead_of_staying_deaf(
     server: NatsServer,
 ) -> None:
@@ -303,6 +313,7 @@ class Holding(ConsumingService):
         await msg.ack()
 
 
+@pytest.mark.slow
 async def test_the_queue_depth_of_a_services_consumer_is_a_metric(server: NatsServer) -> None:
     service = Holding()
     async with hosted(service, server.url, {}, metrics_port=0) as h, client(server.url) as (_, js):
@@ -321,6 +332,7 @@ async def test_the_queue_depth_of_a_services_consumer_is_a_metric(server: NatsSe
         service.release.set()
 
 
+@pytest.mark.slow
 async def test_messages_held_past_the_ack_wait_are_kept_in_progress_and_never_redelivered(
     server: NatsServer,
 ) -> None:
@@ -342,6 +354,7 @@ async def test_messages_held_past_the_ack_wait_are_kept_in_progress_and_never_re
     assert service.deliveries == [1, 1, 1]
 
 
+@pytest.mark.slow
 async def test_a_message_held_by_a_service_that_died_is_redelivered_after_the_short_ack_wait(
     server: NatsServer,
 ) -> None:
@@ -377,6 +390,7 @@ class Flaky:
         await msg.ack()
 
 
+@pytest.mark.slow
 async def test_a_handler_that_raises_neither_stops_the_consumer_nor_loses_the_message(
     server: NatsServer,
 ) -> None:
@@ -425,6 +439,7 @@ class UnreachableBus:
         await msg.ack()
 
 
+@pytest.mark.slow
 async def test_a_handler_failing_only_because_the_bus_is_unreachable_keeps_its_delivery(
     server: NatsServer,
 ) -> None:
@@ -450,6 +465,7 @@ async def test_a_handler_failing_only_because_the_bus_is_unreachable_keeps_its_d
             await consumer.stop()
 
 
+@pytest.mark.slow
 async def test_an_outage_longer_than_the_bound_counts_as_a_failed_delivery(server: NatsServer) -> None:
     async with client(server.url) as (_, js):
         await b.ensure_stream(js, s.STREAM_INGEST)
@@ -511,6 +527,7 @@ def test_an_error_raised_from_an_outage_is_an_outage() -> None:
         assert is_outage(exc)
 
 
+@pytest.mark.slow
 async def test_log_lines_carry_the_ids_of_the_message_being_handled_and_only_that_one(
     server: NatsServer,
 ) -> None:
@@ -599,6 +616,7 @@ class LogReader:
         raise AssertionError(f"no {event!r} log line; saw {self.seen[-10:]}")
 
 
+@pytest.mark.slow
 def test_liver_serve_drains_on_sigterm_exits_0_and_leaves_no_server_behind() -> None:
     env = {k: v for k, v in os.environ.items() if k not in (URL_ENV, USER_ENV, PASSWORD_ENV, TOKEN_ENV)}
     env["LIVER_LOG_FORMAT"] = "json"
@@ -652,6 +670,7 @@ def test_the_budget_option_is_refused_for_services_other_than_transfer(
     assert "--budget-bytes applies to the transfer service only" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_liver_serve_waiting_for_an_unreachable_server_exits_0_on_sigterm() -> None:
     env = {k: v for k, v in os.environ.items() if k not in (USER_ENV, PASSWORD_ENV, TOKEN_ENV)}
     env.update({"LIVER_LOG_FORMAT": "json", URL_ENV: "nats://127.0.0.1:1"})

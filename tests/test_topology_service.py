@@ -359,6 +359,7 @@ async def rig(server: NatsServer, job: str) -> AsyncIterator[Rig]:
         )
 
 
+@pytest.mark.slow
 async def test_a_request_is_answered_with_the_planned_topology_and_acknowledged(rig: Rig, job: str) -> None:
     await rig.publish(ask(job), job)
     out = await rig.planned.one(TopologyPlanned)
@@ -369,6 +370,7 @@ async def test_a_request_is_answered_with_the_planned_topology_and_acknowledged(
     assert rig.service.counts["planned"] == 1
 
 
+@pytest.mark.slow
 async def test_an_unplannable_request_is_answered_with_a_planning_failure(rig: Rig, job: str) -> None:
     await rig.publish(ask(job, device_memory_bytes=64 * 1024), job)
     out = await rig.failed.one(PlanningFailed)
@@ -377,6 +379,7 @@ async def test_an_unplannable_request_is_answered_with_a_planning_failure(rig: R
     assert not rig.planned.messages
 
 
+@pytest.mark.slow
 async def test_a_job_without_a_profile_gets_a_planning_failure_that_says_so(
     server: NatsServer, job: str
 ) -> None:
@@ -388,6 +391,7 @@ async def test_a_job_without_a_profile_gets_a_planning_failure_that_says_so(
     assert out.reason == f"the topology service has no model configured for job {job!r}"
 
 
+@pytest.mark.slow
 async def test_a_malformed_request_is_reported_by_field_kept_as_a_dead_letter_and_the_next_one_served(
     rig: Rig, job: str
 ) -> None:
@@ -402,6 +406,7 @@ async def test_a_malformed_request_is_reported_by_field_kept_as_a_dead_letter_an
     assert any(d.headers and d.headers[s.HEADER_ORIGINAL_SEQUENCE] == str(seq) for d in dead)
 
 
+@pytest.mark.slow
 async def test_a_request_on_another_jobs_subject_is_rejected_naming_the_job(rig: Rig, job: str) -> None:
     await rig.publish(ask("somebody-else"), job)
     await rig.errors.wait_for(1)

@@ -120,6 +120,7 @@ async def rig(conn: Conn) -> AsyncIterator[Rig]:
         yield await rig_for(conn, service)
 
 
+@pytest.mark.slow
 async def test_a_planned_topology_yields_a_stored_verified_plan_and_a_reference_per_device(rig: Rig) -> None:
     await rig.publish(SCALE_IN)
     out = await rig.planned.one(TransferPlanned)
@@ -139,6 +140,7 @@ async def test_a_planned_topology_yields_a_stored_verified_plan_and_a_reference_
     await eventually(rig.settled, what="the topology message is acknowledged")
 
 
+@pytest.mark.slow
 async def test_each_device_slice_holds_exactly_the_tasks_it_sends_or_receives(rig: Rig) -> None:
     await rig.publish(SCALE_IN)
     out = await rig.planned.one(TransferPlanned)
@@ -157,6 +159,7 @@ async def test_each_device_slice_holds_exactly_the_tasks_it_sends_or_receives(ri
             assert as_plan.tasks_of(rank_dst=dst) == plan.tasks_of(rank_dst=dst)
 
 
+@pytest.mark.slow
 async def test_every_slice_is_named_by_its_devices_index_in_both_worlds(rig: Rig) -> None:
     await rig.publish(SCALE_IN)
     out = await rig.planned.one(TransferPlanned)
@@ -168,6 +171,7 @@ async def test_every_slice_is_named_by_its_devices_index_in_both_worlds(rig: Rig
         assert worker.device == device and (worker.ref.bucket, worker.ref.name) == (where.bucket, where.name)
 
 
+@pytest.mark.slow
 async def test_a_slice_repeats_no_world(rig: Rig) -> None:
     await rig.publish(SCALE_IN)
     out = await rig.planned.one(TransferPlanned)
@@ -175,6 +179,7 @@ async def test_a_slice_repeats_no_world(rig: Rig) -> None:
     assert {"old", "new"}.isdisjoint(raw) and raw["schema_version"] == SLICE_SCHEMA_VERSION
 
 
+@pytest.mark.slow
 async def test_a_plan_larger_than_a_message_is_stored_whole(conn: Conn) -> None:
     # A tiny staging budget cuts the transfer into thousands of rounds: a plan file of about 1.5 MB.
     service = TransferService(msgspec.structs.replace(FAST, budget_bytes=256))
@@ -207,6 +212,7 @@ class DropsATask:
         return plan.with_tasks(plan.tasks[:-1])
 
 
+@pytest.mark.slow
 async def test_a_plan_that_fails_verification_is_reported_and_never_published(conn: Conn) -> None:
     service = TransferService(FAST, planner=DropsATask())
     async with running(service, conn.url):
@@ -234,6 +240,7 @@ def _with(msg: TopologyPlanned, **changes: object) -> bytes:
     return json.dumps(body).encode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
@@ -259,6 +266,7 @@ async def test_bad_input_is_reported_by_field_and_yields_no_plan(
     assert rig.service.stats()["rejected"] == 1
 
 
+@pytest.mark.slow
 async def test_a_topology_handled_again_is_stored_and_published_once(conn: Conn) -> None:
     planned = await Collector.on(conn.nc, s.TRANSFER_PLANNED_ANY)
     async with running(TransferService(FAST), conn.url):
@@ -294,6 +302,7 @@ COPY_LOST_TOO = (OLD_DEVICES[0], *BOTH_REPLICAS_LOST)
 TWO_SURVIVORS = topology(ParallelLayout(tp=1, pp=2, dp=1), OLD_DEVICES[1:3])
 
 
+@pytest.mark.slow
 async def test_a_lost_devices_state_comes_from_its_surviving_replica(rig: Rig) -> None:
     await rig.publish(msgspec.structs.replace(SCALE_IN, lost=REPLICA_LOST))
     out = await rig.planned.one(TransferPlanned)
@@ -304,6 +313,7 @@ async def test_a_lost_devices_state_comes_from_its_surviving_replica(rig: Rig) -
     assert OLD_DEVICES[6] in sources
 
 
+@pytest.mark.slow
 async def test_state_held_only_by_lost_devices_comes_from_its_peer_copy(rig: Rig) -> None:
     await rig.publish(msgspec.structs.replace(SCALE_IN, lost=BOTH_REPLICAS_LOST))
     out = await rig.planned.one(TransferPlanned)
@@ -312,6 +322,7 @@ async def test_state_held_only_by_lost_devices_comes_from_its_peer_copy(rig: Rig
     assert verify_plan(plan, lost=BOTH_REPLICAS_LOST).ok
 
 
+@pytest.mark.slow
 async def test_state_whose_holders_and_copy_are_lost_is_a_transfer_planning_failure(conn: Conn) -> None:
     failures = await Collector.on(conn.nc, s.planning_failed(JOB))
     service = TransferService(FAST)

@@ -77,6 +77,7 @@ def test_the_entry_limit_stays_at_half_the_servers_message_limit_or_below() -> N
     assert kv_limit(8 * 1024 * 1024, configured=1000) == 1000
 
 
+@pytest.mark.slow
 async def test_a_slice_that_fits_a_message_is_one_key_value_entry_and_reads_back(stores: Stores) -> None:
     data = b'{"slice": "small"}'
     index, (ref,) = await stores.writer(kv_max_bytes=1000).put_slices(PREFIX, [data])
@@ -87,6 +88,7 @@ async def test_a_slice_that_fits_a_message_is_one_key_value_entry_and_reads_back
     assert await PlanFetcher(stores.js).fetch_slice(index.location(0), WAIT_S) == data
 
 
+@pytest.mark.slow
 async def test_a_slice_over_the_limit_is_an_object_and_reads_back_identically(stores: Stores) -> None:
     small, big = b"s" * 100, os.urandom(3000)
     index, refs = await stores.writer(kv_max_bytes=1000).put_slices(PREFIX, [small, big, small])
@@ -98,6 +100,7 @@ async def test_a_slice_over_the_limit_is_an_object_and_reads_back_identically(st
     assert [await fetcher.fetch_slice(index.location(i), WAIT_S) for i in range(3)] == [small, big, small]
 
 
+@pytest.mark.slow
 async def test_a_slice_larger_than_a_message_goes_through_the_object_store(stores: Stores) -> None:
     huge = os.urandom(stores.max_payload + 4096)  # more than one message, more than one chunk
     limit = kv_limit(stores.max_payload)

@@ -78,8 +78,24 @@ def utc_now() -> str:
 
 
 def machine() -> str:
-    """The CPU architecture and processor (or system) name."""
-    return f"{platform.machine()} {platform.processor() or platform.system()}"
+    """The CPU architecture and model (or system) name.
+
+    Read from ``/proc/cpuinfo`` where there is one: ``platform.processor()`` runs ``uname -p`` in a
+    subprocess on Linux and answers only the architecture again.
+    """
+    return f"{platform.machine()} {_cpu_model() or platform.system()}"
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return None
 
 
 def size(n: float, digits: int = 1) -> str:
