@@ -21,7 +21,7 @@ from .actions import (
     WriteRecord,
 )
 from .config import CoordinatorConfig
-from .core import TRANSITIONS, WAITS, Coordinator, CoordinatorError, GenerationPhase, IllegalTransition, Wait
+from .core import Coordinator, CoordinatorError
 from .events import (
     BusReconnected,
     Event,
@@ -34,6 +34,7 @@ from .events import (
     WorkersProbed,
 )
 from .membership import Change, Expired, Member, Membership, MembershipError
+from .phases import TRANSITIONS, WAITS, GenerationPhase, IllegalTransition, Wait
 from .record import GenerationRecord, Participant, PendingHandoff, Trigger
 
 __all__ = [

@@ -8,7 +8,7 @@ in order and reports back the ones that have a result (a key-value write answers
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -126,3 +126,9 @@ class Note(Action):
     level: NoteLevel
     event: str
     fields: dict[str, Any] = {}
+
+
+class NoteFn(Protocol):
+    """How the core's parts log: ``note(level, event, **fields)`` adds a :class:`Note` to the actions."""
+
+    def __call__(self, level: NoteLevel, event: str, /, **fields: object) -> None: ...

@@ -11,6 +11,9 @@ After a coordinator restart the core knows devices it expects to hear from befor
 :meth:`Membership.expect` records them, and one that stays silent past the timeout is reported
 missing, like a worker whose heartbeats stopped.
 
+The live world's workers are also published for the ingester, which maps nodes to workers with them:
+:class:`PublishedMembership` makes that value, and says when it changed.
+
 Pure bookkeeping: ``now`` is always passed in.
 """
 
@@ -19,13 +22,16 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from liver.shared.errors import InputError
 from liver.shared.layout import Device
-from liver.shared.messages import Heartbeat, Hello
+from liver.shared.messages import Heartbeat, Hello, JobMembership, WorkerDevice
+
+if TYPE_CHECKING:
+    from .record import GenerationRecord
 
 ChangeKind = Literal["joined", "updated", "restarted", "replaced"]
 
@@ -286,3 +292,45 @@ class Membership:
         self._by_worker.pop(member.worker_id, None)
         if self._by_device.get(member.device) is member:
             del self._by_device[member.device]
+
+
+class PublishedMembership:
+    """The live world's workers as last published (``WriteMembership``): a new value only when the
+    record or the membership changed, and then only when the value differs."""
+
+    def __init__(self, job_id: str) -> None:
+        self._job_id = job_id
+        self._published: JobMembership | None = None
+        self._seen: tuple[int, int] | None = None
+        """The record's revision and the membership's version the last value was made from."""
+
+    def update(self, record: GenerationRecord, revision: int, membership: Membership) -> JobMembership | None:
+        """The value to publish for the live world of ``record``, or None when it is unchanged."""
+        key = (revision, membership.version)
+        if key == self._seen:
+            return None
+        self._seen = key
+        workers = []
+        for device in record.placement.devices:
+            member = membership.on_device(device)
+            if member is not None:
+                workers.append(WorkerDevice(worker_id=member.worker_id, device=device))
+        in_world = set(record.placement.devices)
+        standbys = sorted(
+            (
+                WorkerDevice(worker_id=m.worker_id, device=m.device)
+                for m in membership
+                if m.device not in in_world and m.generation is None
+            ),
+            key=lambda w: w.device,
+        )
+        current = JobMembership(
+            job_id=self._job_id,
+            generation=record.generation,
+            workers=tuple(workers),
+            standbys=tuple(standbys),
+        )
+        if current == self._published:
+            return None
+        self._published = current
+        return current

@@ -47,6 +47,7 @@ from liver.shared.messages import (
     Timestamp,
     Token,
     WorkerId,
+    WorldStarted,
 )
 
 
@@ -145,6 +146,16 @@ def bus_event_ids(triggers: Iterable[Trigger]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(t.event_id for t in triggers if t.kind != TriggerSource.WORKER_LOST))
 
 
+def removed_devices(triggers: Iterable[Trigger]) -> set[Device]:
+    """Every device the triggers take out of the world (announced to leave or lost)."""
+    return {d for t in triggers for d in t.remove}
+
+
+def lost_devices(triggers: Iterable[Trigger]) -> set[Device]:
+    """The devices whose worker the triggers report lost."""
+    return {d for t in triggers if t.kind == TriggerSource.WORKER_LOST for d in t.remove}
+
+
 class Participant(Part):
     """A worker that takes part in a handoff: a rank of the old world, the new world, or both."""
 
@@ -236,3 +247,23 @@ class GenerationRecord(Message, kw_only=True, tag="generation_record"):
     @property
     def devices(self) -> frozenset[Device]:
         return frozenset(self.placement.devices)
+
+
+def world_record(
+    job_id: str, event: WorldStarted, previous: GenerationRecord | None, writer: str
+) -> GenerationRecord:
+    """The record of a world the launcher reports live: it starts at the world's generation and carries
+    over what outlives a world (the last outcome, the model geometry when the report has none, the
+    settled events)."""
+    return GenerationRecord(
+        job_id=job_id,
+        writer=writer,
+        generation=event.generation,
+        layout=event.layout,
+        placement=event.placement,
+        issued=event.generation,
+        last_outcome=None if previous is None else previous.last_outcome,
+        geometry=event.geometry or (None if previous is None else previous.geometry),
+        peer_copies=event.peer_copies,
+        settled=() if previous is None else previous.settled,
+    )

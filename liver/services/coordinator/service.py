@@ -80,10 +80,11 @@ from .actions import (
     WriteRecord,
 )
 from .config import CoordinatorConfig
-from .core import Coordinator, GenerationPhase
+from .core import Coordinator
 from .events import BusReconnected, Event, RecordConflict, RecordWriteFailed, Tick, WorkersProbed
 from .held import HeldEvents, with_device_memory
 from .kv import BUS_FAILURES, RecordStore
+from .phases import GenerationPhase
 
 log = structlog.get_logger(__name__)
 
