@@ -11,9 +11,10 @@ setup:
 test *args:
     {{venv}}/bin/pytest -q -n auto {{args}}
 
-# the fast tier: every test that starts no process (no nats-server, no workers, no CLI subprocess)
+# the fast tier: every test that starts no process (no nats-server, no workers, no CLI subprocess);
+# one worker more than cores (some tests wait on sockets), tests dealt one by one
 test-fast *args:
-    {{venv}}/bin/pytest -q -n auto -m "not slow" {{args}}
+    {{venv}}/bin/pytest -q -n `echo $(( $(nproc) + 1 ))` --dist load -m "not slow" {{args}}
 
 # lint and check formatting
 lint:

@@ -23,7 +23,7 @@ stack all layers under ``decoder.layers.…`` with a leading layer axis (the loc
 ``input_layernorm``/``pre_mlp_layernorm`` under ``self_attention.linear_qkv.layer_norm_*`` and
 ``mlp.linear_fc1.layer_norm_*`` there). Half-precision models hold every parameter in ``params_dtype``,
 as after Megatron's ``Float16Module`` cast (the raw GPTModel creates norms and position embeddings in
-fp32). ``tests/test_views_megatron.py`` checks all of this against ``sharded_state_dict()``.
+fp32). ``tests/reshard/test_views_megatron.py`` checks all of this against ``sharded_state_dict()``.
 """
 
 from __future__ import annotations

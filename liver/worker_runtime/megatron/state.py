@@ -11,7 +11,7 @@ box at local index 0). :func:`local_state` gives exactly that for a live :class:
 
 It maps the live parameters (``named_parameters()``) rather than ``sharded_state_dict()``: the latter
 fragments SwiGLU's fc1 into copies, and with tied embeddings still consults ``parallel_state``.
-``tests/test_views_megatron.py`` checks that the two agree on every shard. The translations:
+``tests/reshard/test_views_megatron.py`` checks that the two agree on every shard. The translations:
 
 * a later stage numbers its layers from 0; the logical name carries the global index
   (``TransformerLayer.layer_number - 1``);

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from repo_paths import EXAMPLES
 
 from liver.cli.main import main
 from liver.worker_runtime.megatron.datasets import ByteTokenizer, CorpusError, MegatronCorpus, prepare_corpus
 
-CORPUS_TEXT = Path(__file__).parent.parent / "examples" / "data" / "corpus.txt"
+CORPUS_TEXT = EXAMPLES / "data" / "corpus.txt"
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 EXAMPLE = ROOT / "examples" / "your_own_job.py"
 CORPUS_TEXT = ROOT / "examples" / "data" / "corpus.txt"
 

@@ -4,7 +4,7 @@ A refused connection raises at connect. A refused publish raises nothing at the 
 the message and reports a permissions violation to the client's error callback, and the connection stays
 up; a refused subscription is reported the same way. Each test pairs a refusal with something the same
 user is allowed, so that a config refusing everything would fail too. (That the allow lists suffice for
-the real services is shown by tests/test_infra_deployment.py.)
+the real services is shown by tests/infra/test_infra_deployment.py.)
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import msgspec
 import pytest
+from repo_paths import TEST_DATA
 
 from liver.reshard.plan import PLAN_SCHEMA_VERSION, WorldConfig
 from liver.reshard.plan_file import PlanFileError, decode_plan, encode_plan
@@ -203,7 +203,7 @@ def test_a_model_no_modelspec_describes_is_planned_and_verified() -> None:
 def test_a_version_2_plan_file_written_before_experts_is_still_read_and_planned_alike_again() -> None:
     # Written by `liver plan --model tiny-llama --from 2,2,2 --to 1,2,4 --per-node 4
     # --distributed-optimizer --budget-mib 0.05 --out` at 689f531 (schema 2, before experts and CP).
-    data = (Path(__file__).parent / "data" / "plan-v2-tiny-llama-dist-opt.json").read_bytes()
+    data = (TEST_DATA / "plan-v2-tiny-llama-dist-opt.json").read_bytes()
     assert msgspec.json.decode(data)["schema_version"] == 2
     plan = decode_plan(data)
     assert plan.schema_version == PLAN_SCHEMA_VERSION and plan.model.distributed
@@ -223,7 +223,7 @@ def test_a_version_2_plan_file_written_before_experts_is_still_read_and_planned_
 def test_a_version_1_plan_file_written_before_the_geometry_is_still_read_and_moves_the_same_bytes() -> None:
     # Written by `liver plan --model tiny-gpt --from 2,1,1 --to 1,2,1 --per-node 2 --budget-mib 0.05 --out`
     # at c928365: a ModelSpec as the model, tensors in the order of that time (linear_qkv first).
-    data = (Path(__file__).parent / "data" / "plan-v1-tiny-gpt.json").read_bytes()
+    data = (TEST_DATA / "plan-v1-tiny-gpt.json").read_bytes()
     old = msgspec.json.decode(data)
     plan = decode_plan(data)
     assert plan.schema_version == PLAN_SCHEMA_VERSION and plan.model == TINY.geometry()

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from repo_paths import EXAMPLES
 
 from liver.shared.errors import InputError
 from liver.worker_runtime.megatron.job import MegatronJob, load_job
 from liver.worker_runtime.worker_main import InitialWorld, WorkerSettings
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py"
+EXAMPLE = EXAMPLES / "your_own_job.py"
 
 
 def _write(tmp_path: Path, body: str) -> str:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from repo_paths import EXAMPLES
 
 from liver.cli.main import main
 from liver.shared.geometry import ModelGeometry
 from liver.shared.model import PRESETS, ModelError, ModelSpec, load_model_or_geometry
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py"
+EXAMPLE = EXAMPLES / "your_own_job.py"
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ derived geometries, torch-free, as the services do.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from megatron_user_models import DIVISIBLE_BY, KINDS, NUM_LAYERS, VOCAB_SIZE, UserModel
 from mp_helpers import in_fresh_interpreter
+from repo_paths import EXAMPLES
 
 from liver.reshard.plan import WorldConfig
 from liver.reshard.planner import build_plan
@@ -54,8 +54,8 @@ def _emulated_mismatches(
     return out
 
 
-EXAMPLE_MOE = Path(__file__).resolve().parent.parent / "examples" / "your_own_moe.py"
-EXAMPLE_JOB = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py"
+EXAMPLE_MOE = EXAMPLES / "your_own_moe.py"
+EXAMPLE_JOB = EXAMPLES / "your_own_job.py"
 VPP_LAYOUTS = ("TP2,PP2,VPP2,DP1", "TP1,PP2,DP1:Et|tt|t|L")
 """A user's own DeepSeek-shaped provider (MLA, a dense first layer, MoE with a shared expert, MTP)."""
 MTP = PRESETS["tiny-deepseek"]

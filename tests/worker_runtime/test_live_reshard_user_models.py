@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -35,6 +34,7 @@ from megatron_user_models import (
     UserModel,
     user_forward_step,
 )
+from repo_paths import EXAMPLES
 
 from liver.shared.layout import ParallelLayout
 from liver.worker_runtime.megatron.train_config import TrainConfig
@@ -48,7 +48,7 @@ TRANSITIONS = {
     3: Transition("scale-out", ParallelLayout(tp=2, pp=1, dp=2), (0, 1, 4, 5)),
 }
 SWITCHED = tuple(TRANSITIONS)
-CORPUS_TEXT = Path(__file__).parent.parent / "examples" / "data" / "corpus.txt"
+CORPUS_TEXT = EXAMPLES / "data" / "corpus.txt"
 IDS = [TRANSITIONS[g].name for g in SWITCHED]
 
 

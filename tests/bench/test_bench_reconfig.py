@@ -10,10 +10,10 @@ import argparse
 import contextlib
 import io
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_paths import EXAMPLES
 
 from liver.bench import reconfig as reconfig_bench
 from liver.bench.restart import PHASES
@@ -155,7 +155,7 @@ def test_a_bad_option_is_refused_before_any_process_starts_naming_the_flag(
 @pytest.mark.slow
 def test_a_users_own_model_is_measured_the_same_way() -> None:
     """The user's provider (examples/your_own_job.py, a QK-layernorm GPT) on both sides."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "your_own_job.py"
+    example = EXAMPLES / "your_own_job.py"
     rc, out, err = _run(
         *("--provider", f"{example}:model_provider", "--num-layers", "4", "--vocab-size", "258"),
         *("--divisible-by", "16", "--max-seq", "64", "--quick", "--json"),

@@ -1,6 +1,6 @@
 """TLS on client connections: the server compose.yaml runs refuses plaintext clients and clients that do
 not trust its CA, and every LiveR process verifies the server from ``$NATS_TLS_*`` (the end-to-end flow
-over TLS is tests/test_infra_deployment.py's)."""
+over TLS is tests/infra/test_infra_deployment.py's)."""
 
 from __future__ import annotations
 

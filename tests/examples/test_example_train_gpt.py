@@ -7,11 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo_paths import EXAMPLES
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+EXAMPLE = EXAMPLES / "train_gpt.py"
 
 
 @pytest.mark.slow

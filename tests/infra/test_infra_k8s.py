@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from infra_helpers import INFRA, SERVICES, load_compose, make_tls
+from repo_paths import REPO
 
 from liver.cli import notice_cmd, serve_cmd, worker_cmd
 from liver.services import bus as b
@@ -269,7 +270,7 @@ def test_the_example_job_runs_a_users_own_job_on_the_corpus_its_init_container_w
     (init,) = pod["initContainers"]
     written = init["args"][init["args"].index("--output-prefix") + 1]
     assert settings.job_args == {"data": written}
-    image_root = Path(__file__).resolve().parent.parent  # /opt/liver in the image (infra/Dockerfile)
+    image_root = REPO  # /opt/liver in the image (infra/Dockerfile)
     local = settings.job_factory.replace("/opt/liver", str(image_root))
     make_job = load_callable(local, "--job-factory")
     inspect.signature(make_job).bind(**settings.job_args)

@@ -5,7 +5,7 @@ them, and the demo profile's simulated job as the worker user.
 
 Each process therefore connects as its own NATS user, so the end-to-end flow below passing with no
 permission violation in the server's log is what shows that the config's allow lists are sufficient
-(tests/test_infra_permissions.py shows that they refuse the rest). Every client, the services' health
+(tests/infra/test_infra_permissions.py shows that they refuse the rest). Every client, the services' health
 checks included, verifies the server against the local CA, as compose.yaml has them do.
 """
 
