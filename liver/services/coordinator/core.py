@@ -245,9 +245,9 @@ class Coordinator:
 
         Re-publishes the last outcome (its message id makes the copy harmless). A handoff found before
         its switch intent is aborted, keeping the old world, and its triggers are re-planned as a new
-        generation; one found after it is resumed: the switch command is sent again and the handoff
-        then commits or falls back. Either way it ends exactly once, because that end is a
-        compare-and-set from the revision read here.
+        generation; one found after it is resumed: the record is claimed (a compare-and-set), then the
+        switch command is sent again and the handoff commits or falls back. Either way it ends exactly
+        once, because that end is a compare-and-set from the revision read here.
         """
         if self._phase not in (GenerationPhase.DOWN, GenerationPhase.STANDBY) or self._writer.busy:
             raise CoordinatorError(f"restore needs an idle coordinator, this one is in {self._phase.value}")
@@ -355,6 +355,8 @@ class Coordinator:
                 self._begin_recorded()
             case Wait.SWITCH_WRITE:
                 self._switch_recorded()
+            case Wait.RESUME_WRITE:
+                self._resume_recorded()
             case Wait.COMMIT_WRITE:
                 self._commit_recorded()
             case Wait.ABORT_WRITE:
@@ -683,12 +685,26 @@ class Coordinator:
         self._wait = Wait.SWITCHED
 
     def _resume_switch(self, record: GenerationRecord, pending: PendingHandoff) -> None:
+        """Take over a handoff found after its switch intent. The coordinator that wrote the intent may
+        still run, its write's answer lost: it would then end the handoff as its own. So the record is
+        claimed by a compare-and-set first, and the switch is sent again only once the claim landed;
+        until then the switch counts as sent (the old coordinator may have sent it), so a stop falls
+        back instead of keeping the old world."""
         for t in pending.triggers:
             self._triggers.remember(t.event_id)
-        self._handoff = Handoff.from_pending(pending, record.generation, resumed=True)
+        h = self._handoff = Handoff.from_pending(pending, record.generation, resumed=True)
+        h.switch_sent = True
         for p in pending.participants:
             self.membership.expect(p.device, self.now)
-        self._send_switch(self._handoff)
+        self._move(GenerationPhase.SWITCH, "restored after the switch intent: claiming the record")
+        self._write(record, Wait.RESUME_WRITE)
+
+    def _resume_recorded(self) -> None:
+        h = self._handoff
+        assert h is not None
+        if self._run_deferred_stop():
+            return
+        self._send_switch(h)
 
     def _all_switched(self) -> None:
         h = self._handoff

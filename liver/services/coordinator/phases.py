@@ -90,6 +90,9 @@ class Wait(enum.StrEnum):
     """Some participant's device has no known worker yet (just after a restart)."""
     PREPARED = "prepared"
     SWITCH_WRITE = "switch_write"
+    RESUME_WRITE = "resume_write"
+    """A restored coordinator claims a handoff found after its switch intent before sending the switch
+    again: a coordinator whose own write's answer was lost then stands down instead of ending it too."""
     SWITCHED = "switched"
     COMMIT_WRITE = "commit_write"
     ABORT_WRITE = "abort_write"
@@ -103,7 +106,7 @@ WAITS: Final[dict[GenerationPhase, frozenset[Wait]]] = {
         {Wait.BEGIN_WRITE, Wait.TOPOLOGY, Wait.TRANSFER, Wait.WORKERS, Wait.PREPARED}
     ),
     GenerationPhase.READY: frozenset({Wait.SWITCH_WRITE}),
-    GenerationPhase.SWITCH: frozenset({Wait.SWITCHED, Wait.COMMIT_WRITE}),
+    GenerationPhase.SWITCH: frozenset({Wait.RESUME_WRITE, Wait.SWITCHED, Wait.COMMIT_WRITE}),
     GenerationPhase.COMMITTED: frozenset({Wait.NOTHING}),
     GenerationPhase.CLEANUP: frozenset({Wait.NOTHING}),
     GenerationPhase.ABORTED: frozenset({Wait.ABORT_WRITE}),
@@ -112,7 +115,8 @@ WAITS: Final[dict[GenerationPhase, frozenset[Wait]]] = {
 """What each phase may wait for between two inputs (``Coordinator.handle`` and ``restore`` return with
 a pair from this table; COMMITTED, CLEANUP and ABORTED pass within one input). A prepare waits for its
 begin write, then the topology plan, the transfer plan, workers on every participant's device (only
-after a restart), and the prepared acks, in that order; the rest wait for one record write or none."""
+after a restart), and the prepared acks, in that order; a switch resumed by a restored coordinator waits
+for its claim on the record first; the rest wait for one record write or none."""
 
 WAITS_FOR_NOTHING: Final = frozenset(
     {

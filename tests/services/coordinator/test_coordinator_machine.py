@@ -1570,6 +1570,7 @@ def test_restore_after_the_switch_intent_resumes_and_commits_once() -> None:
     d = started()
     switching(d)
     d.restart()
+    d.write()  # the claim on the record lands: only then is the switch sent again
     assert d.core.phase is GenerationPhase.SWITCH and len(d.sent(Switch)) == 2
     for dev in WORLD:
         d.beat(dev)
@@ -1580,10 +1581,58 @@ def test_restore_after_the_switch_intent_resumes_and_commits_once() -> None:
     assert [(m.generation, type(m).__name__) for m in d.published()] == [(1, "GenerationCommitted")]
 
 
+def _switch_intent_landed_unheard(kv: FakeKV) -> Driver:
+    """A coordinator whose switch intent reached the bucket while it heard only a timeout: it retries."""
+    d = started(kv=kv)
+    handoff_prepared(d)
+    d.ready()
+    kv.cas(d.pop(WriteRecord))
+    d.feed(RecordWriteFailed(error="timeout"))
+    assert d.has(WriteRecord) and not d.sent(Switch)
+    return d
+
+
+def test_a_coordinator_restored_after_the_switch_intent_claims_the_record_before_it_switches() -> None:
+    kv = FakeKV()
+    _switch_intent_landed_unheard(kv)
+    restored = Driver(kv=kv)
+    restored.restart()
+    assert restored.core.phase is GenerationPhase.SWITCH and restored.core.wait is Wait.RESUME_WRITE
+    assert restored.has(WriteRecord) and not restored.sent(Switch)
+    restored.write()
+    assert [c.command.generation for c in restored.sent(Switch)] == [1]
+
+
+@pytest.mark.parametrize("first", ["restored", "unheard"])
+def test_no_abort_keeps_the_old_world_of_a_switch_that_a_restored_coordinator_sent(first: str) -> None:
+    """Two coordinators both think they own a handoff past its switch intent, and the first one gets a
+    stop (a warning about a target device). Whichever next write lands first owns the job; the other
+    stands down, so a generation whose switch went out is never aborted as keeping the old world."""
+    kv = FakeKV()
+    unheard = _switch_intent_landed_unheard(kv)
+    restored = Driver(kv=kv)
+    restored.restart()
+    unheard.warn("evt-2", "node000")  # removes a target device: the stop waits for the switch write
+    if first == "restored":
+        restored.write()
+        unheard.write()  # its retry meets the restored coordinator's claim
+        assert unheard.core.phase is GenerationPhase.STANDBY and not unheard.published(GenerationAborted)
+        assert [c.command.generation for c in restored.sent(Switch)] == [1]
+    else:
+        unheard.write()  # its intent found landed; the deferred stop writes the abort
+        unheard.write()
+        (aborted,) = unheard.published(GenerationAborted)
+        assert aborted.generation == 1 and aborted.outcome == "kept_old_world"
+        restored.write()  # the claim meets the abort
+        assert restored.core.phase is GenerationPhase.STANDBY and not restored.sent(Switch)
+    assert not unheard.sent(Switch)
+
+
 def test_a_commit_resumed_after_a_restart_purges_the_generations_slice_entries_by_prefix() -> None:
     d = started()
     switching(d)
     d.restart()
+    d.write()  # the claim on the record lands: only then is the switch sent again
     for dev in WORLD:
         d.beat(dev)
     d.commands(Switch)
@@ -1599,6 +1648,7 @@ def test_restore_after_the_switch_with_a_silent_participant_falls_back() -> None
     d = started()
     switching(d)
     d.restart()
+    d.write()  # the claim on the record lands: only then is the switch sent again
     d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
     for rank, dev in enumerate(WORLD[:3]):
         d.beat(dev, generation=0, rank=rank)  # nobody is known to have switched: no commit is certain
@@ -2408,6 +2458,7 @@ def test_restore_after_the_switch_recovers_live_when_the_survivors_say_their_old
     d = started()
     switching(d)
     d.restart()
+    d.write()  # the claim on the record lands: only then is the switch sent again
     d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
     for rank, dev in enumerate(WORLD[:3]):
         d.beat(dev, generation=0, rank=rank, broken=True)  # they never committed: nobody did
@@ -2427,6 +2478,7 @@ def test_restore_after_the_switch_finds_the_silent_participant_gone_at_the_first
     d = started()
     switching(d)
     d.restart()
+    d.write()  # the claim on the record lands: only then is the switch sent again
     d.beat(WORLD[0], generation=0, rank=0, broken=True)
     (probe,) = [a for a in d.pending if isinstance(a, ProbeWorkers)]
     assert worker(WORLD[3]) in probe.worker_ids
@@ -2442,6 +2494,7 @@ def test_restore_after_the_switch_takes_a_peer_lost_from_the_old_world_as_no_com
     d = started()
     switching(d)
     d.restart()
+    d.write()  # the claim on the record lands: only then is the switch sent again
     d.status(WORLD[0], 0, "peer_lost")
     d.now += timedelta(seconds=CONFIG.heartbeat_timeout_s + 1)
     for rank, dev in enumerate(WORLD[:3]):
