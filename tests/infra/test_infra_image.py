@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -108,10 +109,22 @@ def test_the_entrypoint_is_the_copied_script_with_the_health_check_beside_it() -
     assert Path(link).parent == Path("/usr/local/bin"), "compose's health checks call it by name"
 
 
-def test_the_image_runs_as_an_unprivileged_user() -> None:
+def image_user() -> tuple[int, int]:
+    """The image's USER as (uid, gid): numbers, or Kubernetes cannot tell that it is not root."""
     (user,) = of("USER")
-    assert user not in ("root", "0")
-    assert any("useradd" in run and user in run for run in of("RUN"))
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and gid.isdigit(), f"USER {user}: not a numeric uid:gid"
+    return int(uid), int(gid)
+
+
+def test_the_image_runs_as_an_unprivileged_numeric_user_and_group_it_creates() -> None:
+    # runAsNonRoot refuses a named USER ("image has non-numeric user (liver), cannot verify user is
+    # non-root"): every LiveR pod would stay in CreateContainerConfigError.
+    uid, gid = image_user()
+    assert uid != 0 and gid != 0
+    runs = of("RUN")
+    assert any(re.search(rf"groupadd\b.*--gid {gid}\b", run) for run in runs), "the group, with that gid"
+    assert any(re.search(rf"useradd\b.*--uid {uid}\b.*--gid {gid}\b", run) for run in runs), "the user"
 
 
 # -- the entrypoint -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from infra_helpers import INFRA, SERVICES, load_compose, make_tls
+from infra_helpers import DOCKERFILE, INFRA, SERVICES, load_compose, make_tls
 from repo_paths import REPO
 
 from liver.cli import notice_cmd, serve_cmd, worker_cmd
@@ -82,6 +82,67 @@ def test_the_schema_check_refuses_a_misspelt_field() -> None:
 def test_the_kustomization_applies_every_manifest() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert sorted(kustomization["resources"]) == sorted(p.name for p in MANIFESTS)
+
+
+# -- users ----------------------------------------------------------------------------------------------
+
+
+def image_user() -> tuple[int, int]:
+    """LiveR's image's USER (infra/Dockerfile) as (uid, gid)."""
+    (user,) = [line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("USER ")]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and gid.isdigit(), f"USER {user}: the kubelet cannot tell a name is not root"
+    return int(uid), int(gid)
+
+
+def pods() -> list[tuple[str, dict[str, Any]]]:
+    """(kind/name, pod spec) of every workload."""
+    return [
+        (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
+        for d in kubernetes_documents()
+        if "template" in d.get("spec", {})
+    ]
+
+
+def effective(pod: dict[str, Any], container: dict[str, Any], field: str) -> Any:
+    """A securityContext field as the container gets it: its own, else the pod's."""
+    return container.get("securityContext", {}).get(field, pod.get("securityContext", {}).get(field))
+
+
+def test_every_container_that_must_not_run_as_root_runs_as_the_images_numeric_user() -> None:
+    # The kubelet refuses runAsNonRoot with a named USER and no runAsUser: CreateContainerConfigError.
+    uid, gid = image_user()
+    checked = []
+    for workload, pod in pods():
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            if not effective(pod, container, "runAsNonRoot"):
+                continue
+            where = f"{workload} {container['name']}"
+            user = effective(pod, container, "runAsUser")
+            assert isinstance(user, int) and user != 0, f"{where}: runAsNonRoot with no numeric runAsUser"
+            if container["image"].split(":")[0] == "liver":
+                assert (user, effective(pod, container, "runAsGroup")) == (uid, gid), where
+                checked.append(where)
+    assert len(checked) == len(SERVICES) + 3, "the services, the notice agent, the example job's two"
+
+
+def test_a_pod_that_writes_a_volume_owns_it_by_the_images_group() -> None:
+    _, gid = image_user()
+    read_only_sources = {"secret", "configMap", "projected", "downwardAPI"}
+    writers = []
+    for workload, pod in pods():
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        written = [
+            m["name"]
+            for c in pod.get("initContainers", []) + pod["containers"]
+            if c["image"].split(":")[0] == "liver"
+            for m in c.get("volumeMounts", [])
+            if not m.get("readOnly") and not read_only_sources & set(volumes.get(m["name"], {}))
+        ]
+        if written:
+            assert pod.get("securityContext", {}).get("fsGroup") == gid, f"{workload} writes {written}"
+            writers.append(workload)
+    assert writers == ["StatefulSet/liver-train"], "the example job's corpus"
 
 
 # -- the services -------------------------------------------------------------------------------------
