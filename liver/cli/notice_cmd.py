@@ -3,7 +3,8 @@
 It polls the platform's own signal about the node it runs on and publishes each new notice as a
 ``spot.warning`` for the job (:mod:`liver.notice.agent`). The job and node come from the flags or from
 ``$LIVER_JOB_ID`` / ``$LIVER_NODE`` (in Kubernetes, the downward API's ``spec.nodeName``); they are
-checked against the bus's rules before the first poll. ``--dry-run`` prints what it would publish.
+checked against the bus's rules before the first poll. ``--dry-run`` prints what it would publish
+(logged as ``notice.dry_run``, not ``notice.published``).
 SIGTERM or SIGINT stops it between two polls.
 """
 
@@ -125,7 +126,8 @@ async def _agent(args: argparse.Namespace, job: str, node: str, environ: Mapping
         async def show(event: IngestEvent) -> None:
             print(encode(event).decode(), flush=True)
 
-        return await _drive(NoticeAgent(source, job_id=job, node=node, publish=show), args)
+        agent = NoticeAgent(source, job_id=job, node=node, publish=show, dry_run=True)
+        return await _drive(agent, args)
     nc = await connect_once(
         server_url(args.url, environ), environ, name="liver-notice", keep_reconnecting=True
     )

@@ -40,6 +40,7 @@ class NoticeSource(Protocol):
 class PollOutcome(StrEnum):
     NONE = "none"  # nothing announced
     PUBLISHED = "published"
+    SHOWN = "shown"  # a dry run: handed to ``publish``, which only shows it
     ALREADY_PUBLISHED = "already_published"
     SOURCE_FAILED = "source_failed"
     PUBLISH_FAILED = "publish_failed"
@@ -51,11 +52,14 @@ Publish = Callable[[IngestEvent], Awaitable[object]]
 class NoticeAgent:
     """Turns ``source``'s notices about ``node`` into events for ``job_id``, handed to ``publish``."""
 
-    def __init__(self, source: NoticeSource, *, job_id: str, node: str, publish: Publish) -> None:
+    def __init__(
+        self, source: NoticeSource, *, job_id: str, node: str, publish: Publish, dry_run: bool = False
+    ) -> None:
         self.source = source
         self.job_id = job_id
         self.node = node
         self.publish = publish
+        self.dry_run = dry_run  # ``publish`` only shows the event (--dry-run): logged as notice.dry_run
         self.published: dict[str, Notice] = {}  # event id -> the notice it was made from
         self.acknowledged: set[str] = set()
         self.log = log.bind(job_id=job_id, node=node, provider=source.provider)
@@ -82,9 +86,11 @@ class NoticeAgent:
             self.log.warning("notice.publish_failed", event_id=event.event_id, error=str(exc))
             return PollOutcome.PUBLISH_FAILED
         self.published[event.event_id] = notice
-        self.log.info(
-            "notice.published", event_id=event.event_id, kind=notice.kind.value, deadline=str(notice.deadline)
-        )
+        fields = {"event_id": event.event_id, "kind": notice.kind.value, "deadline": str(notice.deadline)}
+        if self.dry_run:
+            self.log.info("notice.dry_run", published=False, **fields)
+            return PollOutcome.SHOWN
+        self.log.info("notice.published", **fields)
         return PollOutcome.PUBLISHED
 
     async def on_committed(self, committed: GenerationCommitted) -> int:

@@ -10,11 +10,20 @@ refuses one without it with ``403``):
   seconds later).
 - Each answer carries an ``ETag`` for its value; ``?wait_for_change=true&last_etag=E&timeout_sec=T``
   answers at once when the value's ETag is no longer ``E``, else when it changes or after ``T``
-  seconds: a long poll, so a preemption is seen the moment it is announced.
+  seconds: a long poll, so a preemption is seen the moment it is announced. Without ``last_etag`` it
+  waits for the value to change from what it is now, even when that is already ``TRUE``.
 
-The source long-polls ``preempted`` (up to ``wait_s``) and then reads ``maintenance-event``. A notice's
-key is the ETag of the value that announced it: the same announcement read again, or by a restarted
-agent, is the same event. Its deadline is the moment it was first seen plus the documented notice.
+The source first reads ``preempted`` plainly (answered at once: an agent started after the announcement
+sees it without waiting), then long-polls it (up to ``wait_s``) with the ETag of the value it last read;
+while ``preempted`` is ``FALSE`` it reads ``maintenance-event`` too. A notice's deadline is the moment
+the source first saw the announcement plus the documented notice.
+
+A notice's key is that deadline (to the microsecond): it stays the same however often the source reads
+the same announcement, and a later one (the flag cleared and set again, or a new VM under the same name
+preempted in turn) gets a new key. The ETag cannot be the key: it is the value's, so every ``TRUE`` may
+have the same one, and a second preemption of a reused node name would be dropped by the ingester as
+the first one again. An agent restarted during a notice sees it for the first time once more: a new
+event, with a deadline from that sighting (later than the first agent's).
 """
 
 from __future__ import annotations
@@ -45,35 +54,49 @@ class GcpNotices:
     ) -> None:
         self.endpoint = Endpoint(endpoint, timeout_s)
         self.wait_s = wait_s
+        self._read_once = False
         self._etag: str | None = None
-        self._first_seen: dict[str, datetime] = {}
+        self._preemption: Notice | None = None  # the announcement in force, as first seen
+        self._maintenance: Notice | None = None
 
     def poll(self) -> Notice | None:
-        """The announcement in force, or None; waits up to ``wait_s`` for ``preempted`` to change."""
-        query = {"wait_for_change": "true", "timeout_sec": str(max(1, int(self.wait_s)))}
-        if self._etag is not None:
-            query["last_etag"] = self._etag
-        preempted = self._read(PREEMPTED_PATH, query, timeout_s=self.wait_s + self.endpoint.timeout_s)
-        self._etag = preempted.headers.get("ETag") or preempted.headers.get("etag") or self._etag
+        """The announcement in force, or None; after the first read, waits up to ``wait_s`` for
+        ``preempted`` to change."""
+        if self._read_once:
+            query = {"wait_for_change": "true", "timeout_sec": str(max(1, int(self.wait_s)))}
+            if self._etag is not None:  # without one the server waits for a change: still no busy loop
+                query["last_etag"] = self._etag
+            preempted = self._read(PREEMPTED_PATH, query, timeout_s=self.wait_s + self.endpoint.timeout_s)
+        else:
+            preempted = self._read(PREEMPTED_PATH, {})  # answered at once: a notice already in force
+            self._read_once = True
+        self._etag = _etag(preempted) or self._etag
         value = preempted.body.decode("ascii", errors="replace").strip().upper()
         if value == "TRUE":
-            return self._notice(NoticeKind.TERMINATION, f"preempted-{self._etag}", PREEMPTION_NOTICE)
+            if self._preemption is None:
+                self._preemption = self._notice("preempted", PREEMPTION_NOTICE)
+            return self._preemption
         if value != "FALSE":
             raise NoticeSourceError(
                 f"{self.endpoint.where(PREEMPTED_PATH)}: not TRUE or FALSE: {value[:80]!r}"
             )
+        self._preemption = None
         maintenance = self._read(MAINTENANCE_PATH, {})
         event = maintenance.body.decode("ascii", errors="replace").strip().upper()
         if event == "TERMINATE_ON_HOST_MAINTENANCE":
-            etag = maintenance.headers.get("ETag") or maintenance.headers.get("etag") or "unknown"
-            return self._notice(NoticeKind.TERMINATION, f"maintenance-{etag}", TERMINATION_NOTICE)
+            if self._maintenance is None:
+                self._maintenance = self._notice("maintenance", TERMINATION_NOTICE)
+            return self._maintenance
         if event in ("NONE", "MIGRATE_ON_HOST_MAINTENANCE") or event.startswith("MIGRATE"):
+            self._maintenance = None
             return None
         raise NoticeSourceError(f"{self.endpoint.where(MAINTENANCE_PATH)}: unknown event {event[:80]!r}")
 
-    def _notice(self, kind: NoticeKind, key: str, notice: timedelta) -> Notice:
-        seen = self._first_seen.setdefault(key, datetime.now(UTC))
-        return Notice(provider=self.provider, kind=kind, deadline=seen + notice, key=key)
+    def _notice(self, what: str, notice: timedelta) -> Notice:
+        """A termination first seen now: its deadline, and a key made from it."""
+        deadline = datetime.now(UTC) + notice
+        key = f"{what}-{deadline.strftime('%Y%m%dT%H%M%S%fZ')}"
+        return Notice(provider=self.provider, kind=NoticeKind.TERMINATION, deadline=deadline, key=key)
 
     def _read(self, path: str, query: dict[str, str], timeout_s: float | None = None) -> Response:
         answer = self.endpoint.send(
@@ -82,3 +105,7 @@ class GcpNotices:
         if answer.status != 200:
             raise NoticeSourceError(f"{self.endpoint.where(path)}: HTTP {answer.status}")
         return answer
+
+
+def _etag(answer: Response) -> str | None:
+    return next((v for k, v in answer.headers.items() if k.lower() == "etag" and v), None)

@@ -4,7 +4,10 @@ derived from the job and event id, so a repeat is stored once.
 
 It only publishes: the ``publisher`` role of ``infra/nats.conf`` may do nothing else. The stream that
 keeps events until the ingester takes them is the ingester's to declare; a server without it is an
-error that says so, since an event published there would be lost.
+error that says so, since an event published there would be lost. That shows as "no responders", or,
+when a plain subscriber of the subject takes the event instead, as a publish that is never
+acknowledged: the role cannot ask JetStream which it is, so a timeout names the missing stream and its
+fix as the likely cause.
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ PUBLISH_TIMEOUT_S: Final = 10.0
 
 class NotStored(BusError):
     """The server has no stream for the event's subject: nothing would keep it for the ingester."""
+
+
+class NotAcknowledged(BusError):
+    """JetStream did not acknowledge the event in time: most often no stream keeps its subject and a
+    plain subscriber of the subject took it instead (the server then sends no "no responders")."""
+
+
+def _start_the_ingester(subject: str) -> str:
+    return (
+        f"no stream keeps {subject} on this server: start the ingester once (it declares "
+        f"{s.STREAM_INGEST.name}), then publish again"
+    )
 
 
 def subject_of(event: IngestEvent) -> str:
@@ -54,8 +69,10 @@ async def publish_event(nc: Client, event: IngestEvent) -> tuple[int, bool]:
             timeout=PUBLISH_TIMEOUT_S,
         )
     except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-        raise NotStored(
-            f"no stream keeps {subject} on this server: start the ingester once (it declares "
-            f"{s.STREAM_INGEST.name}), then publish again"
+        raise NotStored(_start_the_ingester(subject)) from None
+    except TimeoutError:  # nats.errors.TimeoutError too
+        raise NotAcknowledged(
+            f"no acknowledgement of {subject} within {PUBLISH_TIMEOUT_S:g} s; most likely "
+            f"{_start_the_ingester(subject)} (else the server is slow or the connection is down)"
         ) from None
     return ack.seq, bool(ack.duplicate)
