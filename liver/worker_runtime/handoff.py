@@ -259,76 +259,162 @@ def switch(handoff: Handoff[T], cut_at: float | None = None) -> tuple[T | None, 
         return _switch(handoff, cut_at)
 
 
+class _Mark(StrEnum):
+    """The points in time of one switch that its report's spans run between."""
+
+    CUT = "cut"  # this process learned the cut (a joiner: enter_world returned)
+    ENTERED = "entered"  # in the new world, the progress shared
+    BUILT = "built"  # the new trainer is there
+    STREAMED = "streamed"  # the state is in it
+    LOADED = "loaded"  # step, progress and random streams too
+    COMMITTED = "committed"  # every process said it succeeded
+    DONE = "done"  # the old world released
+
+
+class _PhaseTimer:
+    """Named marks on ``time.perf_counter()``: a span of the report is the difference of two marks,
+    not of hand-kept variables that are easy to mix up."""
+
+    def __init__(self, cut_at: float | None) -> None:
+        self._at: dict[_Mark, float] = {}
+        if cut_at is not None:
+            self._at[_Mark.CUT] = cut_at
+
+    def mark(self, name: _Mark) -> None:
+        self._at[name] = time.perf_counter()
+
+    def has(self, name: _Mark) -> bool:
+        return name in self._at
+
+    def span(self, start: _Mark, end: _Mark) -> float:
+        return self._at[end] - self._at[start]
+
+
+class _SwitchRun(Generic[T]):
+    """One process's switch up to its commit: the step it is at (what a failure is reported at), the
+    marks of its pause and what the steps made so far (the new trainer, the stream's result)."""
+
+    def __init__(
+        self, h: Handoff[T], role: Role, old_rank: int | None, new_rank: int | None, cut_at: float | None
+    ) -> None:
+        self.h = h
+        self.role = role
+        self.old_rank = old_rank
+        self.new_rank = new_rank
+        self.clock = _PhaseTimer(cut_at)
+        self.stage = HandoffStage.ENTER
+        self.iteration: int | None = None
+        self.new_trainer: T | None = None
+        self.into: dict[int, LocalTensor] | None = None
+        self.result: StreamResult | None = None
+        self.stood_in: tuple[int, ...] = ()
+
+    def to_commit(self) -> None:
+        """Steps 1 to 6 of the module docstring; raises at the first that fails (``stage`` names it)."""
+        self.iteration = self.h.iteration
+        self._at_cut()
+        progress = self._enter()
+        self._build()
+        self._stream_state()
+        self._load(progress)
+        self.stage = HandoffStage.COMMIT
+        _commit(self.h.stream, self.h.control_timeout)
+        self.clock.mark(_Mark.COMMITTED)
+
+    def _at_cut(self) -> None:
+        h = self.h
+        if h.on_cut is not None and h.old_trainer is not None and not h.broken:
+            # The user's hook at the cut: the old world is still the default one, nothing has moved.
+            self.stage = HandoffStage.CUT
+            h.on_cut(h.generation, h.old_trainer)
+            self.stage = HandoffStage.ENTER
+
+    def _enter(self) -> bytes:
+        """Enter and adopt the new world, then share the training progress; returns it."""
+        h = self.h
+        if h.new_world is not None:
+            timeout = h.join_timeout if self.role is Role.JOIN else h.control_timeout
+            self.iteration = enter_world(h.new_world, h.iteration, timeout=timeout)
+            if not self.clock.has(_Mark.CUT):
+                self.clock.mark(_Mark.CUT)
+            h.new_world.adopt_as_default(h.control_timeout)
+        assert self.clock.has(_Mark.CUT) and self.iteration is not None
+        self.stage = HandoffStage.PROGRESS
+        mine = h.factory.progress(h.old_trainer) if h.old_trainer is not None else None
+        if h.kept is not None:
+            mine = h.kept.progress
+        progress = _broadcast_bytes(h.stream, mine, h.control_timeout)
+        self.clock.mark(_Mark.ENTERED)
+        return progress
+
+    def _build(self) -> None:
+        h = self.h
+        self.stage = HandoffStage.BUILD
+        if h.prebuilt is not None:
+            h.prebuilt.wait_touched()
+            self.new_trainer, self.into = h.prebuilt.trainer, h.prebuilt.into
+        elif h.new_world is not None:
+            self.new_trainer = h.factory.build(h.new_world)
+            self.into = h.factory.local_state(self.new_trainer)
+        self.clock.mark(_Mark.BUILT)
+
+    def _stream_state(self) -> None:
+        h = self.h
+        self.stage = HandoffStage.STREAM
+        if h.kept is not None and h.kept.copy_failure is not None:
+            raise RecoveredStateInvalid(h.kept.copy_failure)
+        self.stood_in = tuple(sorted(h.kept.stand_ins)) if h.kept is not None else ()
+        self.result = _stream(h, self.old_rank, self.new_rank, self.into)
+        self.clock.mark(_Mark.STREAMED)
+        if h.broken or h.lost:
+            self.stage = HandoffStage.CHECK
+            check_finite(h.plan.model, self.result.new_state)
+
+    def _load(self, progress: bytes) -> None:
+        assert self.result is not None
+        self.stage = HandoffStage.LOAD
+        if self.new_trainer is not None:
+            self.h.factory.resume(self.new_trainer, self.result.new_state, progress)
+        self.clock.mark(_Mark.LOADED)
+
+
 def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, SwitchReport]:
     h = handoff
     role = h.role
     old_rank, new_rank = ranks_on_device(h.plan, h.device)
     bound = log.bind(generation=h.generation, role=str(role), old_rank=old_rank, new_rank=new_rank)
     captured_rng = h.factory.capture_rng() if h.old_world is not None else None
-    stage = HandoffStage.ENTER
+    run = _SwitchRun(h, role, old_rank, new_rank, cut_at)
     failure: str | None = None
-    new_trainer: T | None = None
-    into: dict[int, LocalTensor] | None = None
-    t_enter = t_commit = t_built = t_stream = t_loaded = 0.0
     try:
-        iteration = h.iteration
-        if h.on_cut is not None and h.old_trainer is not None and not h.broken:
-            # The user's hook at the cut: the old world is still the default one, nothing has moved.
-            stage = HandoffStage.CUT
-            h.on_cut(h.generation, h.old_trainer)
-            stage = HandoffStage.ENTER
-        if h.new_world is not None:
-            timeout = h.join_timeout if role is Role.JOIN else h.control_timeout
-            iteration = enter_world(h.new_world, h.iteration, timeout=timeout)
-            if cut_at is None:
-                cut_at = time.perf_counter()
-            h.new_world.adopt_as_default(h.control_timeout)
-        assert cut_at is not None and iteration is not None
-        stage = HandoffStage.PROGRESS
-        mine = h.factory.progress(h.old_trainer) if h.old_trainer is not None else None
-        if h.kept is not None:
-            mine = h.kept.progress
-        progress = _broadcast_bytes(h.stream, mine, h.control_timeout)
-        t_enter = time.perf_counter()
-
-        stage = HandoffStage.BUILD
-        if h.prebuilt is not None:
-            h.prebuilt.wait_touched()
-            new_trainer, into = h.prebuilt.trainer, h.prebuilt.into
-        elif h.new_world is not None:
-            new_trainer = h.factory.build(h.new_world)
-            into = h.factory.local_state(new_trainer)
-        t_built = time.perf_counter()
-
-        stage = HandoffStage.STREAM
-        if h.kept is not None and h.kept.copy_failure is not None:
-            raise RecoveredStateInvalid(h.kept.copy_failure)
-        stood_in = tuple(sorted(h.kept.stand_ins)) if h.kept is not None else ()
-        result = _stream(h, old_rank, new_rank, into)
-        t_stream = time.perf_counter()
-        if h.broken or h.lost:
-            stage = HandoffStage.CHECK
-            check_finite(h.plan.model, result.new_state)
-
-        stage = HandoffStage.LOAD
-        if new_trainer is not None:
-            h.factory.resume(new_trainer, result.new_state, progress)
-        t_loaded = time.perf_counter()
-
-        stage = HandoffStage.COMMIT
-        _commit(h.stream, h.control_timeout)
-        t_commit = time.perf_counter()
+        run.to_commit()
     except Exception as error:
-        bound.warning("handoff.failed", stage=stage, error=repr(error))
+        bound.warning("handoff.failed", stage=run.stage, error=repr(error))
         failure = _first_line(error)
     if failure is not None:
         # Outside the except block, so that the traceback (whose frames hold the stream group) is gone:
         # the groups must really be destroyed for the peers to notice.
-        new_trainer = into = None
-        _roll_back(h, captured_rng, stage, failure)
-        raise HandoffAborted(h.generation, stage, failure)
+        run.new_trainer = run.into = None
+        _roll_back(h, captured_rng, run.stage, failure)
+        raise HandoffAborted(h.generation, run.stage, failure)
 
     # Committed: from here on the new world is the job's. Release the old one.
+    _release_old(h)
+    run.clock.mark(_Mark.DONE)
+    report = _report(run)
+    bound.info(
+        "handoff.committed",
+        iteration=report.iteration,
+        pause_s=round(report.pause_s, 4),
+        switch_s=round(report.switch_s, 4),
+        transfer_s=round(report.transfer_s, 4),
+        rebuild_s=round(report.rebuild_s, 4),
+    )
+    return run.new_trainer, report
+
+
+def _release_old(h: Handoff[T]) -> None:
+    """After the commit: free the old trainer (or the kept state), the old world and the stream group."""
     old_trainer, h.old_trainer = h.old_trainer, None
     if old_trainer is not None:
         h.factory.dispose(old_trainer)
@@ -339,22 +425,33 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
     if h.old_world is not None:
         h.old_world.release()
     h.stream.release()
-    done = time.perf_counter()
-    stats = result.stats
-    report = SwitchReport(
+
+
+def _report(run: _SwitchRun[T]) -> SwitchReport:
+    """The committed switch's report: where its pause went (module docstring) and the stream's bytes."""
+    h, span = run.h, run.clock.span
+    assert run.result is not None and run.iteration is not None
+    stats = run.result.stats
+    enter = span(_Mark.CUT, _Mark.ENTERED)
+    build = span(_Mark.ENTERED, _Mark.BUILT)
+    transfer = span(_Mark.BUILT, _Mark.STREAMED)
+    load = span(_Mark.STREAMED, _Mark.LOADED)
+    commit = span(_Mark.LOADED, _Mark.COMMITTED)
+    release = span(_Mark.COMMITTED, _Mark.DONE)
+    return SwitchReport(
         generation=h.generation,
         from_generation=h.from_generation,
-        role=role,
-        iteration=int(iteration),
-        old_rank=old_rank,
-        new_rank=new_rank,
-        pause_s=done - cut_at,
-        switch_s=(t_enter - cut_at) + (t_commit - t_loaded),
-        transfer_s=t_stream - t_built,
-        rebuild_s=(t_built - t_enter) + (t_loaded - t_stream) + (done - t_commit),
-        commit_s=t_commit - t_loaded,
-        build_s=t_built - t_enter,
-        load_s=t_loaded - t_stream,
+        role=run.role,
+        iteration=int(run.iteration),
+        old_rank=run.old_rank,
+        new_rank=run.new_rank,
+        pause_s=span(_Mark.CUT, _Mark.DONE),
+        switch_s=enter + commit,
+        transfer_s=transfer,
+        rebuild_s=build + load + release,
+        commit_s=commit,
+        build_s=build,
+        load_s=load,
         bytes_sent=stats.bytes_sent,
         bytes_received=stats.bytes_received,
         bytes_local=stats.bytes_local,
@@ -363,17 +460,8 @@ def _switch(handoff: Handoff[T], cut_at: float | None) -> tuple[T | None, Switch
         schedule_s=stats.schedule_seconds,
         prebuild_s=None if h.prebuilt is None else h.prebuilt.seconds,
         prebuild_iteration=None if h.prebuilt is None else h.prebuilt.iteration,
-        stood_in=stood_in,
+        stood_in=run.stood_in,
     )
-    bound.info(
-        "handoff.committed",
-        iteration=report.iteration,
-        pause_s=round(report.pause_s, 4),
-        switch_s=round(report.switch_s, 4),
-        transfer_s=round(report.transfer_s, 4),
-        rebuild_s=round(report.rebuild_s, 4),
-    )
-    return new_trainer, report
 
 
 def check_finite(model: ModelGeometry, state: Mapping[int, LocalTensor]) -> None:

@@ -89,53 +89,10 @@ def check_request(
     check_placement(layout, placement)
     model.check_layout(layout)
     job_model = as_geometry(model)
-    if plan.model != job_model:
-        if plan.model.with_ddp(job_model.ddp) == job_model:
-            raise ValueError(
-                f"`plan.model.ddp`: the plan shards the optimizer state as {plan.model.ddp}, this job as "
-                f"{job_model.ddp}; plan with the job's geometry (MegatronJob.model)"
-            )
-        raise ValueError(
-            f"`plan.model`: the plan is for {plan.model.name} ({plan.model.digest()}), this job trains "
-            f"{model.name} ({job_model.digest()})"
-        )
-    if plan.tensors != model.tensors(optimizer=True):
-        raise ValueError("`plan.tensors`: the plan must move the whole training state (optimizer included)")
-    if plan.new.layout != layout or plan.new.placement != placement:
-        raise ValueError(
-            f"`plan.new`: the plan moves to {plan.new.layout.describe()} on its own placement, the request "
-            f"to {layout.describe()} on another"
-        )
-    if active is not None:
-        if from_generation is not None and from_generation != active.generation:
-            raise ValueError(
-                f"`from_generation`: {from_generation}, but this process is in generation {active.generation}"
-            )
-        if plan.old.layout != active.layout or plan.old.placement != active.placement:
-            raise ValueError(
-                f"`plan.old`: the plan starts from {plan.old.layout.describe()} on its own placement, this "
-                f"process's world is {active.layout.describe()} on another"
-            )
-        from_generation = active.generation
-    elif from_generation is None:
-        from_generation = generation - 1
-    if not 0 <= from_generation < generation:
-        raise ValueError(f"`from_generation`: {from_generation} is not a generation before {generation}")
-    in_old = active is not None
-    in_new = device in placement.devices
-    if not in_old and not in_new:
-        raise ValueError(f"`placement`: device {device} has no place in generation {generation}")
-    if not in_old and device in plan.old.placement.devices:
-        raise ValueError(f"`plan.old`: device {device} is in the old world, but this process is in no world")
-    role = Role.STAY if in_old and in_new else Role.LEAVE if in_old else Role.JOIN
-    lost_devices = tuple(dict.fromkeys(lost))
-    for gone in lost_devices:
-        if gone not in plan.old.placement.devices:
-            raise ValueError(f"`lost`: device {gone} is not in the old world")
-        if gone in placement.devices:
-            raise ValueError(f"`lost`: device {gone} is lost, but the new world runs on it")
-    if device in lost_devices:
-        raise ValueError(f"`lost`: names this process's own device {device}")
+    _check_plan_target(model, job_model, plan, layout, placement)
+    from_generation = _from_generation(active, plan, generation, from_generation)
+    role = _role(device, active, plan, placement, generation)
+    lost_devices = _lost_devices(lost, device, plan, placement)
     k = job_model.ddp.instances  # the groups of a distributed optimizer's instances are the world's
     old = WorldSpec(
         job=job, generation=from_generation, layout=plan.old.layout, placement=plan.old.placement, instances=k
@@ -153,6 +110,87 @@ def check_request(
         lost=lost_devices,
     )
     return request, role, old, new
+
+
+def _check_plan_target(
+    model: ModelSpec | ModelGeometry,
+    job_model: ModelGeometry,
+    plan: Plan,
+    layout: ParallelLayout,
+    placement: Placement,
+) -> None:
+    """The plan moves this job's whole training state, with its optimizer sharding, to the requested
+    layout and placement: a plan made for anything else would stream the wrong bytes."""
+    if plan.model != job_model:
+        if plan.model.with_ddp(job_model.ddp) == job_model:
+            raise ValueError(
+                f"`plan.model.ddp`: the plan shards the optimizer state as {plan.model.ddp}, this job as "
+                f"{job_model.ddp}; plan with the job's geometry (MegatronJob.model)"
+            )
+        raise ValueError(
+            f"`plan.model`: the plan is for {plan.model.name} ({plan.model.digest()}), this job trains "
+            f"{model.name} ({job_model.digest()})"
+        )
+    if plan.tensors != model.tensors(optimizer=True):
+        raise ValueError("`plan.tensors`: the plan must move the whole training state (optimizer included)")
+    if plan.new.layout != layout or plan.new.placement != placement:
+        raise ValueError(
+            f"`plan.new`: the plan moves to {plan.new.layout.describe()} on its own placement, the request "
+            f"to {layout.describe()} on another"
+        )
+
+
+def _from_generation(
+    active: WorldSpec | None, plan: Plan, generation: int, from_generation: int | None
+) -> int:
+    """The generation the move starts from: the active world's, which the plan must start from too (a
+    process in no world only names the stream group's old side: ``generation - 1`` unless given)."""
+    if active is not None:
+        if from_generation is not None and from_generation != active.generation:
+            raise ValueError(
+                f"`from_generation`: {from_generation}, but this process is in generation {active.generation}"
+            )
+        if plan.old.layout != active.layout or plan.old.placement != active.placement:
+            raise ValueError(
+                f"`plan.old`: the plan starts from {plan.old.layout.describe()} on its own placement, this "
+                f"process's world is {active.layout.describe()} on another"
+            )
+        from_generation = active.generation
+    elif from_generation is None:
+        from_generation = generation - 1
+    if not 0 <= from_generation < generation:
+        raise ValueError(f"`from_generation`: {from_generation} is not a generation before {generation}")
+    return from_generation
+
+
+def _role(
+    device: Device, active: WorldSpec | None, plan: Plan, placement: Placement, generation: int
+) -> Role:
+    """This process's part in the move. A process in no world can only join: the new world must take
+    it in, and the plan's old world must not count on it."""
+    in_old = active is not None
+    in_new = device in placement.devices
+    if not in_old and not in_new:
+        raise ValueError(f"`placement`: device {device} has no place in generation {generation}")
+    if not in_old and device in plan.old.placement.devices:
+        raise ValueError(f"`plan.old`: device {device} is in the old world, but this process is in no world")
+    return Role.STAY if in_old and in_new else Role.LEAVE if in_old else Role.JOIN
+
+
+def _lost_devices(
+    lost: Collection[Device], device: Device, plan: Plan, placement: Placement
+) -> tuple[Device, ...]:
+    """``lost`` once each, in order: old-world devices the new world does not run on, and never this
+    process's own (it is here to ask)."""
+    lost_devices = tuple(dict.fromkeys(lost))
+    for gone in lost_devices:
+        if gone not in plan.old.placement.devices:
+            raise ValueError(f"`lost`: device {gone} is not in the old world")
+        if gone in placement.devices:
+            raise ValueError(f"`lost`: device {gone} is lost, but the new world runs on it")
+    if device in lost_devices:
+        raise ValueError(f"`lost`: names this process's own device {device}")
+    return lost_devices
 
 
 class _Background(Generic[R]):

@@ -55,6 +55,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Final, Generic, TypeVar
@@ -226,6 +227,23 @@ class RuntimeEvent(msgspec.Struct, frozen=True, kw_only=True):
     report: SwitchReport | None = None
     abort: AbortReport | None = None
     fallback: FallbackReport | None = None
+
+
+@dataclass
+class _Recovery(Generic[T]):
+    """A live recovery between its attempts (:meth:`LiveRuntime._recover`): what it recovers from, the
+    iteration it resumes from (agreeing on the cut may take it back one) and how its latest attempt
+    went, which the except clause that catches a failed attempt reads."""
+
+    abandoned: StepAbandoned  # the step given up when the peer was lost
+    broken: WorldSpec  # the world that lost it
+    kept: KeptState | None  # the trainer's state, kept apart from its groups (None: the factory keeps none)
+    lost_at: float  # when this process met the loss (perf_counter): the recovery's pause starts there
+    at: int  # the iteration of the state this process holds
+    handoff: Handoff[T] | None = None  # the latest attempt's
+    entered: bool = False  # the latest attempt reached its switch
+    switched: tuple[T | None, SwitchReport] | None = None  # the new trainer and its report, once committed
+    failure: tuple[HandoffStage, str] | None = None  # where and why the last attempt failed for good
 
 
 # -- the runtime --------------------------------------------------------------------------------------------
@@ -404,33 +422,10 @@ class LiveRuntime(Generic[T]):
         ``lost`` names old-world devices whose processes are gone (the plan reads nothing from them): the
         groups are built without them, and a process whose world lost a peer recovers with this request.
         """
-        if isinstance(plan, PlanSlice):
-            if plan.device != self.device:
-                raise ValueError(
-                    f"`plan.device`: the slice is for {plan.device}, this process runs on {self.device}"
-                )
-            plan = plan.to_plan()
-        if not isinstance(plan, Plan):
-            raise ValueError(f"`plan`: expected a Plan or PlanSlice, got {type(plan).__name__}")
-        if not isinstance(store, StoreAddress):
-            raise ValueError(f"`store`: expected a StoreAddress, got {type(store).__name__}")
-        if deadline is not None and deadline.tzinfo is None:
-            raise ValueError("`deadline`: must carry a timezone")
-        superseded: Preparation | None = None
+        plan = self._whole_plan(plan)
+        _check_store_and_deadline(store, deadline)
         with self._cond:
-            if self._left or self._closed:
-                raise ResizeRejected(f"generation {generation}: this process has left the job")
-            current = self._pending
-            if current is not None and not current.supersedable:
-                raise ResizeRejected(
-                    f"generation {generation}: generation {current.generation} has the coordinator's "
-                    f"Switch ({current.state.value}); only an abort can end it now"
-                )
-            if self._broken is not None and not lost:
-                raise ResizeRejected(
-                    f"generation {generation}: this process's world (generation {self._broken.generation}) "
-                    "lost a peer; only a recovery that names the lost devices can follow"
-                )
+            current = self._admissible(generation, lost)
             request, role, old, new = check_request(
                 job=self.job,
                 device=self.device,
@@ -449,19 +444,7 @@ class LiveRuntime(Generic[T]):
             )
             prep = Preparation(request, role, old, new, queued=current is not None)
             self._newest_generation = generation
-            if current is None:
-                self._pending = prep
-                if role is not Role.JOIN and (self._world is not None or self._broken is not None):
-                    self._start_preparation(prep)
-            else:
-                # A newer request supersedes the pending one: it is given up at the next boundary (by the
-                # vote, where every rank built it) and this one starts then. Never two shadow worlds.
-                current.request_abort(f"superseded by generation {generation}")
-                superseded, self._queued = self._queued, prep
-                if superseded is not None:  # queued and never started: nothing to let go of
-                    why = f"superseded by generation {generation}"
-                    superseded.request_abort(why)
-                    superseded.release(f"aborted by request: {why}", by_request=True)
+            superseded = self._accept(prep, current, generation)
             self._cond.notify_all()
         self._log.info(
             "runtime.resize_requested",
@@ -474,6 +457,54 @@ class LiveRuntime(Generic[T]):
             self._ended(superseded, HandoffStage.PREPARE, None)
         self._emit(RuntimeEvent(generation=generation, phase=ReshardPhase.PREPARING))
         return role
+
+    def _whole_plan(self, plan: Plan | PlanSlice) -> Plan:
+        """The plan a request hands in, whole: a slice must be this process's own."""
+        if isinstance(plan, PlanSlice):
+            if plan.device != self.device:
+                raise ValueError(
+                    f"`plan.device`: the slice is for {plan.device}, this process runs on {self.device}"
+                )
+            plan = plan.to_plan()
+        if not isinstance(plan, Plan):
+            raise ValueError(f"`plan`: expected a Plan or PlanSlice, got {type(plan).__name__}")
+        return plan
+
+    def _admissible(self, generation: int, lost: Collection[Device]) -> Preparation | None:
+        """Whether a request for ``generation`` may come now (the caller holds the lock): the pending
+        handoff it would supersede, if any; :class:`ResizeRejected` when it may not."""
+        if self._left or self._closed:
+            raise ResizeRejected(f"generation {generation}: this process has left the job")
+        current = self._pending
+        if current is not None and not current.supersedable:
+            raise ResizeRejected(
+                f"generation {generation}: generation {current.generation} has the coordinator's "
+                f"Switch ({current.state.value}); only an abort can end it now"
+            )
+        if self._broken is not None and not lost:
+            raise ResizeRejected(
+                f"generation {generation}: this process's world (generation {self._broken.generation}) "
+                "lost a peer; only a recovery that names the lost devices can follow"
+            )
+        return current
+
+    def _accept(self, prep: Preparation, current: Preparation | None, generation: int) -> Preparation | None:
+        """Make ``prep`` the pending handoff, or queue it behind ``current`` (the caller holds the lock);
+        returns the request it pushed out of the queue, for the caller to report once the lock is let go."""
+        if current is None:
+            self._pending = prep
+            if prep.role is not Role.JOIN and (self._world is not None or self._broken is not None):
+                self._start_preparation(prep)
+            return None
+        # A newer request supersedes the pending one: it is given up at the next boundary (by the
+        # vote, where every rank built it) and this one starts then. Never two shadow worlds.
+        current.request_abort(f"superseded by generation {generation}")
+        superseded, self._queued = self._queued, prep
+        if superseded is not None:  # queued and never started: nothing to let go of
+            why = f"superseded by generation {generation}"
+            superseded.request_abort(why)
+            superseded.release(f"aborted by request: {why}", by_request=True)
+        return superseded
 
     def _active_spec(self) -> WorldSpec | None:
         """The world this process is in, for a request's check: the one it trains in, the one it lost a
@@ -954,6 +985,29 @@ class LiveRuntime(Generic[T]):
         assert self._world is not None and self._trainer is not None
         lost_at = time.perf_counter()
         broken = self._world.spec
+        abandoned = self._leave_broken_world(abandoned, broken)
+        self._drop_stale_handoff(broken, abandoned.iteration)
+        kept = self._keep_state(abandoned)
+        self._emit(
+            RuntimeEvent(
+                generation=broken.generation, phase=ReshardPhase.PEER_LOST, iteration=abandoned.iteration
+            )
+        )
+        if abandoned.torn and kept is None:
+            raise abandoned
+        rec: _Recovery[T] = _Recovery(abandoned, broken, kept, lost_at, at=abandoned.iteration)
+        prep = self._recovery_attempts(rec)
+        if rec.failure is not None:
+            return self._recovery_failed(rec, prep, rec.failure)
+        assert rec.handoff is not None and rec.switched is not None
+        self._broken = None
+        new_trainer, report = rec.switched
+        return self._committed(prep, report, rec.handoff.new_world, new_trainer)
+
+    def _leave_broken_world(self, abandoned: StepAbandoned, broken: WorldSpec) -> StepAbandoned:
+        """Mark the trainer's step abandoned (when the vote or a checkpoint found the loss, not the step)
+        and release the broken world, so that its peers waiting in a collective fail now."""
+        assert self._world is not None and self._trainer is not None
         recovery = self.abilities.live_recovery
         if recovery is not None and self._abandoned_step() is None:  # the vote or a checkpoint found it
             abandoned = recovery.abandon(self._trainer, abandoned.iteration, abandoned.reason)
@@ -966,23 +1020,31 @@ class LiveRuntime(Generic[T]):
         )
         self._world.release()
         self._world = None
-        # A handoff prepared before the loss cannot happen any more. It ends here without an abort of
-        # its own (an abort would read as this worker failing it): the coordinator, told of the loss by
-        # PEER_LOST, plans it again around the lost devices. Its groups and prebuilt trainer go with the
-        # collection below, so that its joiners, waiting to enter its world, fail at once.
+        return abandoned
+
+    def _drop_stale_handoff(self, broken: WorldSpec, iteration: int) -> None:
+        """Record the broken world, and drop a handoff prepared before the loss: it cannot happen any more.
+
+        It ends here without an abort of its own (an abort would read as this worker failing it): the
+        coordinator, told of the loss by PEER_LOST, plans it again around the lost devices. Its groups
+        and prebuilt trainer go with the collection in :meth:`_keep_state`, so that its joiners, waiting
+        to enter its world, fail at once."""
         with self._cond:
             self._broken = broken
             stale = self._pending if self._pending is not None and not self._pending.request.lost else None
-        if stale is not None:
-            self._tell_joiners(stale, broken, abandoned.iteration)
-            self._forget(stale, "the world lost a peer")
-            self._log.warning(
-                "runtime.handoff_dropped", generation=stale.generation, why="the world lost a peer"
-            )
-            del stale
-        # Keep only the state: the trainer's objects hold the broken world's groups, whose connections
-        # close (and wake the peers waiting in them) only once nothing refers to them. For the same
-        # reason this runs outside any except block: a caught failure's frames hold them too.
+        if stale is None:
+            return
+        self._tell_joiners(stale, broken, iteration)
+        self._forget(stale, "the world lost a peer")
+        self._log.warning("runtime.handoff_dropped", generation=stale.generation, why="the world lost a peer")
+
+    def _keep_state(self, abandoned: StepAbandoned) -> KeptState | None:
+        """The trainer's state to recover from, or None when it is torn and no copy mends it.
+
+        Keep only the state: the trainer's objects hold the broken world's groups, whose connections
+        close (and wake the peers waiting in them) only once nothing refers to them. For the same reason
+        this runs outside any except block: a caught failure's frames hold them too."""
+        recovery = self.abilities.live_recovery
         kept: KeptState | None = None
         # A torn state (a loss after the update began) is whole again from this process's own copy of
         # the iteration it completed, where the copies keep one (CopyOptions.go_back).
@@ -995,77 +1057,87 @@ class LiveRuntime(Generic[T]):
             # The sender may still be reading the last refresh from the kept tensors, which the
             # recovery frees once it commits (a send to a lost keeper fails at once).
             self._copies.settle()
-        self._emit(
-            RuntimeEvent(
-                generation=broken.generation, phase=ReshardPhase.PEER_LOST, iteration=abandoned.iteration
-            )
-        )
-        if abandoned.torn and kept is None:
-            raise abandoned
+        return kept
+
+    def _recovery_attempts(self, rec: _Recovery[T]) -> Preparation:
+        """Try recovery requests until one switches or fails for good (``rec.switched`` or
+        ``rec.failure``); returns the last one. A request the coordinator gives up before its switch
+        touched nothing of the kept state: the next one is waited for."""
         give_up_at = time.monotonic() + self.options.recover_timeout_s
-        at = abandoned.iteration  # the iteration of the state this process holds
         while True:
-            prep = self._wait_for_recovery(abandoned, give_up_at)
+            prep = self._wait_for_recovery(rec.abandoned, give_up_at)
             if not prep.started:
                 self._start_preparation(prep)
-            handoff: Handoff[T] | None = None
-            entered = False
+            rec.handoff, rec.entered = None, False
             try:
-                prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
-                self._prebuild(prep, None)
-                if self._copies is not None and kept is None:  # nothing to go back with or send from
-                    try:
-                        self._agree_on_cut(prep, broken, {at})
-                    except CopyError as error:
-                        raise WorldError(str(error)) from None
-                elif self._copies is not None:
-                    assert kept is not None
-                    kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
-                    try:
-                        at = self._recover_copies(prep, broken, at, kept, torn=abandoned.torn)
-                    except CopyError as error:
-                        # Failed in the switch, where the peers fail with it at once (not here, where
-                        # they would wait for this process's sends until their timeout).
-                        kept.copy_failure = str(error)
-                        self._log.error("runtime.copy_unusable", reason=kept.copy_failure)
-                self._await_allowed(prep)
-                new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
-                handoff = self._handoff(prep, new_world, at, self.options.control_timeout_s, kept=kept)
-                entered = True
-                new_trainer, report = switch(handoff, lost_at)
+                rec.switched = self._recovery_attempt(prep, rec)
             except (HandoffAborted, WorldError, TimeoutError, RuntimeError) as error:
                 stage = error.stage if isinstance(error, HandoffAborted) else HandoffStage.PREPARE
                 reason = error.reason if isinstance(error, HandoffAborted) else _first_line(error)
-                if not entered and prep.abort_requested is not None and self._no_recovery_for() is None:
+                if not rec.entered and prep.abort_requested is not None and self._no_recovery_for() is None:
                     # The coordinator gave this recovery up before its switch (it found another member
                     # of the world lost, say): nothing touched the kept state; wait for the next one.
-                    handoff = None
+                    rec.handoff = None
                     self._give_up(prep, stage, reason, None)
                     continue
-                failure: tuple[HandoffStage, str] | None = (stage, reason)
+                rec.failure = (stage, reason)
             else:
-                failure = None
-            break
-        if failure is not None:
-            stage, reason = failure
-            lost_peer = f"generation {broken.generation} lost a peer ({abandoned.reason})"
-            failed = HandoffFailed(prep.generation, stage, reason, lost_peer)
-            verdict = OutcomeVerdict.LOST if self.options.checkpoint is None else OutcomeVerdict.FALLBACK
-            self._post_outcome(
-                prep,
-                HandoffOutcome(verdict=verdict, reached_iteration=abandoned.iteration, reason=str(failed)),
-            )
-            old_trainer, self._trainer, self._broken = self._trainer, None, None
-            handoff = None
-            if kept is not None:
-                kept.dispose()
-            elif old_trainer is not None:
-                self.factory.dispose(old_trainer)
-            del old_trainer
-            return self._fail_stop(prep, failed, abandoned.iteration, time.perf_counter())
-        assert handoff is not None
-        self._broken = None
-        return self._committed(prep, report, handoff.new_world, new_trainer)
+                rec.failure = None
+            return prep
+
+    def _recovery_attempt(self, prep: Preparation, rec: _Recovery[T]) -> tuple[T | None, SwitchReport]:
+        """One recovery request, from its groups to its switch's commit; raises where it fails."""
+        prep.wait_built(prep.seconds_left(self.options.build_timeout_s))
+        self._prebuild(prep, None)
+        self._settle_recovery_cut(prep, rec)
+        self._await_allowed(prep)
+        new_world = prep.world_build.result(timeout=0) if prep.world_build is not None else None
+        rec.handoff = self._handoff(prep, new_world, rec.at, self.options.control_timeout_s, kept=rec.kept)
+        rec.entered = True
+        return switch(rec.handoff, rec.lost_at)
+
+    def _settle_recovery_cut(self, prep: Preparation, rec: _Recovery[T]) -> None:
+        """With peer copies, agree with the other survivors on the iteration to resume from (``rec.at``)
+        and take the kept state to it; a copy that cannot be used fails in the switch, not here."""
+        if self._copies is None:
+            return
+        kept = rec.kept
+        if kept is None:  # nothing to go back with or send from
+            try:
+                self._agree_on_cut(prep, rec.broken, {rec.at})
+            except CopyError as error:
+                raise WorldError(str(error)) from None
+            return
+        kept.stand_ins, kept.copy_failure = {}, None  # this attempt's plan decides
+        try:
+            rec.at = self._recover_copies(prep, rec.broken, rec.at, kept, torn=rec.abandoned.torn)
+        except CopyError as error:
+            # Failed in the switch, where the peers fail with it at once (not here, where
+            # they would wait for this process's sends until their timeout).
+            kept.copy_failure = str(error)
+            self._log.error("runtime.copy_unusable", reason=kept.copy_failure)
+
+    def _recovery_failed(
+        self, rec: _Recovery[T], prep: Preparation, failure: tuple[HandoffStage, str]
+    ) -> T | None:
+        """A recovery that failed for good: say so through the recovery's store, let the kept state go
+        and fall back to the checkpoint (or raise, without one)."""
+        stage, reason = failure
+        lost_peer = f"generation {rec.broken.generation} lost a peer ({rec.abandoned.reason})"
+        failed = HandoffFailed(prep.generation, stage, reason, lost_peer)
+        verdict = OutcomeVerdict.LOST if self.options.checkpoint is None else OutcomeVerdict.FALLBACK
+        self._post_outcome(
+            prep,
+            HandoffOutcome(verdict=verdict, reached_iteration=rec.abandoned.iteration, reason=str(failed)),
+        )
+        old_trainer, self._trainer, self._broken = self._trainer, None, None
+        rec.handoff = None
+        if rec.kept is not None:
+            rec.kept.dispose()
+        elif old_trainer is not None:
+            self.factory.dispose(old_trainer)
+        del old_trainer
+        return self._fail_stop(prep, failed, rec.abandoned.iteration, time.perf_counter())
 
     def _recover_copies(
         self, prep: Preparation, broken: WorldSpec, at: int, kept: KeptState, *, torn: bool = False
@@ -1542,6 +1614,15 @@ class LiveRuntime(Generic[T]):
             self._on_event(event)
         except Exception as error:  # a listener must never break training
             self._log.warning("runtime.listener_failed", phase=str(event.phase), error=repr(error))
+
+
+def _check_store_and_deadline(store: StoreAddress, deadline: datetime | None) -> None:
+    """A request's store must be an address and its deadline a moment: a naive time means a different
+    moment on every host."""
+    if not isinstance(store, StoreAddress):
+        raise ValueError(f"`store`: expected a StoreAddress, got {type(store).__name__}")
+    if deadline is not None and deadline.tzinfo is None:
+        raise ValueError("`deadline`: must carry a timezone")
 
 
 def _first_line(error: BaseException) -> str:

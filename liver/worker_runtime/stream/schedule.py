@@ -329,180 +329,23 @@ def build_schedule(
     """The messages, copies, staging offsets and buffer size of one process; raises
     :class:`PlanMismatch`. ``copy_budget`` caps the send copies alive at once (default two pieces)."""
     _check_identity(plan, old_rank, new_rank, ranks, group_rank, group_size)
-    if message_bytes < 8:
-        raise PlanMismatch(f"message_bytes must be at least 8 (one element), got {message_bytes}")
-    # Pieces of at most half of B, so a piece and a step's staged bytes fit in B together unless the
-    # step stages more than half of it; both sides derive the same size from the plan.
-    message_bytes = min(message_bytes, max(ALIGN, plan.budget_bytes // 2 // ALIGN * ALIGN))
-    tensors = plan.tensors
+    message_bytes = _piece_bytes(plan, message_bytes)
     views = _Views(plan)
     old_shards = views.shards(old_rank, old=True)
     new_shards = views.shards(new_rank, old=False)
     # The lost ranks whose sends this process runs from the peer copies it keeps.
     standing = [r for r, k in plan.stand_ins if old_rank is not None and k == old_rank]
     stand_in_shards = {r: _copied_shards(plan, views, r) for r in standing}
-    served = {old_rank, *standing} if old_rank is not None else set()
-
-    def where(task: TransferTask, ti: int, box: Box) -> _Placed:
-        t = tensors[ti]
-        s_pieces, d_pieces = views(ti, task.src, old=True), views(ti, task.dst, old=False)
-        sk, dk = _containing(s_pieces, box), _containing(d_pieces, box)
-        if sk < 0:
-            raise PlanMismatch(
-                f"task layer {task.layer} round {task.round}: old rank {task.src} does not hold {t.name}{box}"
-            )
-        if dk < 0:
-            raise PlanMismatch(
-                f"task layer {task.layer} round {task.round}: new rank {task.dst} does not need {t.name}{box}"
-            )
-        assert s_pieces is not None and d_pieces is not None
-        s, d = s_pieces[sk], d_pieces[dk]
-        assert s.box is not None and d.box is not None
-        src, dst = _local(box, s.box), _local(box, d.box)
-        return _Placed(
-            s,
-            d,
-            src,
-            dst,
-            volume(box),
-            region_is_contiguous(src, s.local_shape),
-            region_is_contiguous(dst, d.local_shape),
-            sk,
-            dk,
-        )
-
-    placed: dict[tuple[ViewKey, int, int, Box], _Placed] = {}
-    received: dict[int, int] = defaultdict(int)
-    last_read: dict[int, tuple[int, int]] = {}
-    by_step: dict[tuple[int, int], tuple[list[PeerMessage], list[PeerMessage], list[LocalCopy]]] = {}
+    walk = _TaskWalk(plan, views, ranks, old_rank, new_rank, stand_in_shards, message_bytes, direct_receive)
     for task in plan.tasks:
-        sending = task.src in served
-        receiving = task.dst == new_rank
-        if not (sending or receiving):
-            continue
-        if not 0 <= task.src < len(ranks.old) or not 0 <= task.dst < len(ranks.new):
-            raise PlanMismatch(f"task layer {task.layer}: ranks {task.src}->{task.dst} outside the worlds")
-        src_g, dst_g = ranks.old[task.src], ranks.new[task.dst]
-        if src_g == LOST_RANK:
-            raise PlanMismatch(f"task layer {task.layer} {task.src}->{task.dst} reads from a lost old rank")
-        if task.local != (src_g == dst_g):
-            raise PlanMismatch(
-                f"task layer {task.layer} {task.src}->{task.dst}: the plan says local={task.local}, "
-                f"but group_ranks put them in processes {src_g} and {dst_g}"
-            )
-        recvs, sends, copies = by_step.setdefault((task.layer, task.round), ([], [], []))
-        source = OWN if task.src == old_rank else task.src
-        if sending and source == OWN:  # the peer copies are kept whole until the stream ends
-            for ti, _box in task.slices:
-                last_read[ti] = (task.layer, task.round)
-        if sending and source != OWN and any(ti not in stand_in_shards[source] for ti, _ in task.slices):
-            raise PlanMismatch(
-                f"task layer {task.layer} {task.src}->{task.dst}: the peer copy of old rank {task.src} "
-                "does not hold every tensor it sends"
-            )
-        for ti, box in task.slices:
-            t = tensors[ti]
-            k = (views.keys[ti], task.src, task.dst, box)
-            p = placed.get(k)
-            if p is None:
-                p = placed[k] = where(task, ti, box)
-            if receiving:
-                received[ti] += p.elements
-            if task.local:
-                copies.append(
-                    LocalCopy(ti, p.src, p.dst, p.elements * t.itemsize, p.src_piece, p.dst_piece, source)
-                )
-                continue
-            if p.src_contiguous:  # one message, straight from the old storage
-                nbytes = p.elements * t.itemsize
-                if sending:
-                    sends.append(
-                        PeerMessage(dst_g, task.dst, ti, box, nbytes, p.src, False, -1, p.src_piece, source)
-                    )
-                else:
-                    staged = not (direct_receive and p.dst_contiguous)
-                    recvs.append(
-                        PeerMessage(
-                            src_g, task.src, ti, box, nbytes, p.dst, False, 0 if staged else -1, p.dst_piece
-                        )
-                    )
-                continue
-            s, d = p.src_shard, p.dst_shard
-            assert s.box is not None and d.box is not None
-            for piece in split(box, max(1, message_bytes // t.itemsize)):
-                nbytes = volume(piece) * t.itemsize
-                if sending:
-                    src_region = _local(piece, s.box)
-                    copy = not region_is_contiguous(src_region, s.local_shape)
-                    sends.append(
-                        PeerMessage(
-                            dst_g, task.dst, ti, piece, nbytes, src_region, copy, -1, p.src_piece, source
-                        )
-                    )
-                else:
-                    dst_region = _local(piece, d.box)
-                    staged = not (direct_receive and region_is_contiguous(dst_region, d.local_shape))
-                    recvs.append(
-                        PeerMessage(
-                            src_g,
-                            task.src,
-                            ti,
-                            piece,
-                            nbytes,
-                            dst_region,
-                            False,
-                            0 if staged else -1,
-                            p.dst_piece,
-                        )
-                    )
-    for ti, pieces in new_shards.items():
-        need = holding_elements(pieces)
-        if received[ti] != need:
-            raise PlanMismatch(
-                f"new rank {new_rank} receives {received[ti]} of the {need} elements of "
-                f"{tensors[ti].name}: the plan does not cover its shard"
-            )
-    release: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for ti, key in last_read.items():
-        release[key].append(ti)
-    unread = tuple(ti for ti in old_shards if ti not in last_read)
-
-    new_by_layer: dict[int, list[int]] = defaultdict(list)
-    for ti in new_shards:
-        new_by_layer[tensors[ti].layer].append(ti)
-    steps_by_layer: dict[int, list[StreamStep]] = defaultdict(list)
-    staging_max = 0
-    for (layer, rnd), (recvs, sends, copies) in sorted(by_step.items()):
-        recvs_placed, need = _place_staging(recvs, tensors)
-        if need > plan.budget_bytes:
-            raise PlanMismatch(
-                f"layer {layer} round {rnd}: new rank {new_rank} stages {need} bytes, over the plan's "
-                f"budget of {plan.budget_bytes}"
-            )
-        staging_max = max(staging_max, need)
-        recvs_placed.sort(key=lambda m: m.peer_rank)
-        sends.sort(key=lambda m: m.peer_rank)
-        copied = [align(m.nbytes) for m in sends if m.copy]
-        steps_by_layer[layer].append(
-            StreamStep(
-                layer,
-                rnd,
-                step_tag(layer, rnd),
-                tuple(recvs_placed),
-                tuple(sends),
-                tuple(copies),
-                need,
-                tuple(release[(layer, rnd)]),
-                sum(copied),
-                max(copied, default=0),
-            )
-        )
-    layers = []
-    for layer in sorted(set(new_by_layer) | set(steps_by_layer)):
-        idx = tuple(new_by_layer.get(layer, ()))
-        nbytes = sum(holding_bytes(new_shards[ti], tensors[ti].itemsize) for ti in idx)
-        layers.append(LayerWork(layer, idx, nbytes, tuple(steps_by_layer.get(layer, ()))))
+        walk.add(task)
+    _check_coverage(plan, new_shards, walk.received, new_rank)
+    release = _releases(walk.last_read)
+    unread = tuple(ti for ti in old_shards if ti not in walk.last_read)
+    steps_by_layer = _steps_by_layer(plan, walk.by_step, release, new_rank)
+    layers = _layer_work(plan, new_shards, steps_by_layer)
     every_step = [st for lw in layers for st in lw.steps]
+    staging_max = max((st.staging_bytes for st in every_step), default=0)
     cap = 2 * message_bytes if copy_budget is None else copy_budget
     buffer = buffer_bytes(every_step, plan.budget_bytes, cap, old_rank, new_rank)
     return Schedule(
@@ -518,6 +361,300 @@ def build_schedule(
         buffer,
         cap,
     )
+
+
+def _piece_bytes(plan: Plan, message_bytes: int) -> int:
+    """The largest piece a non-contiguous slice is cut into: ``message_bytes``, but at most half of the
+    plan's budget, so a piece and a step's staged bytes fit in B together unless the step stages more
+    than half of it; both sides derive the same size from the plan."""
+    if message_bytes < 8:
+        raise PlanMismatch(f"message_bytes must be at least 8 (one element), got {message_bytes}")
+    return min(message_bytes, max(ALIGN, plan.budget_bytes // 2 // ALIGN * ALIGN))
+
+
+def _place(plan: Plan, views: _Views, task: TransferTask, ti: int, box: Box) -> _Placed:
+    """Where slice ``box`` of tensor ``ti`` sits in the task's source and destination holdings."""
+    t = plan.tensors[ti]
+    s_pieces, d_pieces = views(ti, task.src, old=True), views(ti, task.dst, old=False)
+    sk, dk = _containing(s_pieces, box), _containing(d_pieces, box)
+    if sk < 0:
+        raise PlanMismatch(
+            f"task layer {task.layer} round {task.round}: old rank {task.src} does not hold {t.name}{box}"
+        )
+    if dk < 0:
+        raise PlanMismatch(
+            f"task layer {task.layer} round {task.round}: new rank {task.dst} does not need {t.name}{box}"
+        )
+    assert s_pieces is not None and d_pieces is not None
+    s, d = s_pieces[sk], d_pieces[dk]
+    assert s.box is not None and d.box is not None
+    src, dst = _local(box, s.box), _local(box, d.box)
+    return _Placed(
+        s,
+        d,
+        src,
+        dst,
+        volume(box),
+        region_is_contiguous(src, s.local_shape),
+        region_is_contiguous(dst, d.local_shape),
+        sk,
+        dk,
+    )
+
+
+class _StepMessages(NamedTuple):
+    """What one step ``(layer, round)`` of this process gathers while the tasks are walked."""
+
+    recvs: list[PeerMessage]
+    sends: list[PeerMessage]
+    copies: list[LocalCopy]
+
+
+class _Route(NamedTuple):
+    """One task as this process takes part in it."""
+
+    task: TransferTask
+    sending: bool  # its old rank, or a lost one it stands in for, is the task's source
+    receiving: bool  # its new rank is the task's destination
+    source: int  # OWN, or the lost old rank whose peer copy the task reads
+    src_g: int  # the group ranks of the sending and the receiving process
+    dst_g: int
+    out: _StepMessages  # the task's step
+
+
+class _TaskWalk:
+    """The tasks of a plan, walked once in plan order, turned into this process's messages and local
+    copies per step, together with what the checks after the walk need: the elements each new tensor
+    receives and the step each own old tensor is read for the last time in. Slices are placed once per
+    parameter (:func:`view_key`), source and destination."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        views: _Views,
+        ranks: GroupRanks,
+        old_rank: int | None,
+        new_rank: int | None,
+        stand_in_shards: dict[int, dict[int, Holding]],
+        message_bytes: int,
+        direct_receive: bool,
+    ) -> None:
+        self.plan = plan
+        self.views = views
+        self.ranks = ranks
+        self.old_rank = old_rank
+        self.new_rank = new_rank
+        self.stand_in_shards = stand_in_shards
+        self.served = {old_rank, *stand_in_shards} if old_rank is not None else set()
+        self.message_bytes = message_bytes
+        self.direct_receive = direct_receive
+        self.placed: dict[tuple[ViewKey, int, int, Box], _Placed] = {}
+        self.received: dict[int, int] = defaultdict(int)
+        self.last_read: dict[int, tuple[int, int]] = {}
+        self.by_step: dict[tuple[int, int], _StepMessages] = {}
+
+    def add(self, task: TransferTask) -> None:
+        """This process's share of ``task`` (nothing when it neither sends nor receives it)."""
+        route = self._route(task)
+        if route is None:
+            return
+        if route.sending:
+            self._note_reads(route)
+        for ti, box in task.slices:
+            self._add_slice(route, ti, box)
+
+    def _route(self, task: TransferTask) -> _Route | None:
+        """How this process takes part in ``task`` (None: not at all), once the plan's ranks, locality
+        and the group's numbering are checked to agree on it."""
+        sending = task.src in self.served
+        receiving = task.dst == self.new_rank
+        if not (sending or receiving):
+            return None
+        ranks = self.ranks
+        if not 0 <= task.src < len(ranks.old) or not 0 <= task.dst < len(ranks.new):
+            raise PlanMismatch(f"task layer {task.layer}: ranks {task.src}->{task.dst} outside the worlds")
+        src_g, dst_g = ranks.old[task.src], ranks.new[task.dst]
+        if src_g == LOST_RANK:
+            raise PlanMismatch(f"task layer {task.layer} {task.src}->{task.dst} reads from a lost old rank")
+        if task.local != (src_g == dst_g):
+            raise PlanMismatch(
+                f"task layer {task.layer} {task.src}->{task.dst}: the plan says local={task.local}, "
+                f"but group_ranks put them in processes {src_g} and {dst_g}"
+            )
+        out = self.by_step.setdefault((task.layer, task.round), _StepMessages([], [], []))
+        source = OWN if task.src == self.old_rank else task.src
+        return _Route(task, sending, receiving, source, src_g, dst_g, out)
+
+    def _note_reads(self, route: _Route) -> None:
+        """Record when this process's own old tensors are read last; check that a peer copy it sends
+        from holds what the task reads."""
+        task = route.task
+        if route.source == OWN:  # the peer copies are kept whole until the stream ends
+            for ti, _box in task.slices:
+                self.last_read[ti] = (task.layer, task.round)
+        elif any(ti not in self.stand_in_shards[route.source] for ti, _ in task.slices):
+            raise PlanMismatch(
+                f"task layer {task.layer} {task.src}->{task.dst}: the peer copy of old rank {task.src} "
+                "does not hold every tensor it sends"
+            )
+
+    def _add_slice(self, route: _Route, ti: int, box: Box) -> None:
+        """One slice of the task: a local copy, one message, or pieces, as its placement allows."""
+        task = route.task
+        k = (self.views.keys[ti], task.src, task.dst, box)
+        p = self.placed.get(k)
+        if p is None:
+            p = self.placed[k] = _place(self.plan, self.views, task, ti, box)
+        if route.receiving:
+            self.received[ti] += p.elements
+        if task.local:
+            nbytes = p.elements * self.plan.tensors[ti].itemsize
+            route.out.copies.append(
+                LocalCopy(ti, p.src, p.dst, nbytes, p.src_piece, p.dst_piece, route.source)
+            )
+        elif p.src_contiguous:  # one message, straight from the old storage
+            self._add_whole(route, ti, box, p)
+        else:
+            self._add_pieces(route, ti, box, p)
+
+    def _add_whole(self, route: _Route, ti: int, box: Box, p: _Placed) -> None:
+        """The slice as one message: its source region is contiguous."""
+        task = route.task
+        nbytes = p.elements * self.plan.tensors[ti].itemsize
+        if route.sending:
+            route.out.sends.append(
+                PeerMessage(
+                    route.dst_g, task.dst, ti, box, nbytes, p.src, False, -1, p.src_piece, route.source
+                )
+            )
+        else:
+            staged = not (self.direct_receive and p.dst_contiguous)
+            route.out.recvs.append(
+                PeerMessage(
+                    route.src_g, task.src, ti, box, nbytes, p.dst, False, 0 if staged else -1, p.dst_piece
+                )
+            )
+
+    def _add_pieces(self, route: _Route, ti: int, box: Box, p: _Placed) -> None:
+        """The slice cut into pieces of at most ``message_bytes``: its source region is not contiguous,
+        so each piece is sent from a contiguous copy where its own region is not contiguous either."""
+        task = route.task
+        itemsize = self.plan.tensors[ti].itemsize
+        s, d = p.src_shard, p.dst_shard
+        assert s.box is not None and d.box is not None
+        for piece in split(box, max(1, self.message_bytes // itemsize)):
+            nbytes = volume(piece) * itemsize
+            if route.sending:
+                src_region = _local(piece, s.box)
+                copy = not region_is_contiguous(src_region, s.local_shape)
+                route.out.sends.append(
+                    PeerMessage(
+                        route.dst_g,
+                        task.dst,
+                        ti,
+                        piece,
+                        nbytes,
+                        src_region,
+                        copy,
+                        -1,
+                        p.src_piece,
+                        route.source,
+                    )
+                )
+            else:
+                dst_region = _local(piece, d.box)
+                staged = not (self.direct_receive and region_is_contiguous(dst_region, d.local_shape))
+                route.out.recvs.append(
+                    PeerMessage(
+                        route.src_g,
+                        task.src,
+                        ti,
+                        piece,
+                        nbytes,
+                        dst_region,
+                        False,
+                        0 if staged else -1,
+                        p.dst_piece,
+                    )
+                )
+
+
+def _check_coverage(
+    plan: Plan, new_shards: dict[int, Holding], received: dict[int, int], new_rank: int | None
+) -> None:
+    """Every element of every new shard arrives: a plan that leaves a hole would train on garbage."""
+    for ti, pieces in new_shards.items():
+        need = holding_elements(pieces)
+        if received[ti] != need:
+            raise PlanMismatch(
+                f"new rank {new_rank} receives {received[ti]} of the {need} elements of "
+                f"{plan.tensors[ti].name}: the plan does not cover its shard"
+            )
+
+
+def _releases(last_read: dict[int, tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """The old tensors each step reads for the last time, so the executor may free them after it."""
+    release: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for ti, key in last_read.items():
+        release[key].append(ti)
+    return release
+
+
+def _steps_by_layer(
+    plan: Plan,
+    by_step: dict[tuple[int, int], _StepMessages],
+    release: dict[tuple[int, int], list[int]],
+    new_rank: int | None,
+) -> dict[int, list[StreamStep]]:
+    """The steps, in ``(layer, round)`` order, grouped by layer."""
+    steps: dict[int, list[StreamStep]] = defaultdict(list)
+    for (layer, rnd), messages in sorted(by_step.items()):
+        steps[layer].append(_stream_step(plan, layer, rnd, messages, release[(layer, rnd)], new_rank))
+    return steps
+
+
+def _stream_step(
+    plan: Plan, layer: int, rnd: int, messages: _StepMessages, release: list[int], new_rank: int | None
+) -> StreamStep:
+    """One step with its staging offsets, its messages in the order the other side posts them and its
+    send copies' sizes; a step that stages more than the plan's budget is refused."""
+    recvs, sends, copies = messages
+    recvs_placed, need = _place_staging(recvs, plan.tensors)
+    if need > plan.budget_bytes:
+        raise PlanMismatch(
+            f"layer {layer} round {rnd}: new rank {new_rank} stages {need} bytes, over the plan's "
+            f"budget of {plan.budget_bytes}"
+        )
+    recvs_placed.sort(key=lambda m: m.peer_rank)
+    sends.sort(key=lambda m: m.peer_rank)
+    copied = [align(m.nbytes) for m in sends if m.copy]
+    return StreamStep(
+        layer,
+        rnd,
+        step_tag(layer, rnd),
+        tuple(recvs_placed),
+        tuple(sends),
+        tuple(copies),
+        need,
+        tuple(release),
+        sum(copied),
+        max(copied, default=0),
+    )
+
+
+def _layer_work(
+    plan: Plan, new_shards: dict[int, Holding], steps_by_layer: dict[int, list[StreamStep]]
+) -> list[LayerWork]:
+    """Every layer that has new shards or steps, in order: its new shards are allocated when it starts."""
+    new_by_layer: dict[int, list[int]] = defaultdict(list)
+    for ti in new_shards:
+        new_by_layer[plan.tensors[ti].layer].append(ti)
+    layers = []
+    for layer in sorted(set(new_by_layer) | set(steps_by_layer)):
+        idx = tuple(new_by_layer.get(layer, ()))
+        nbytes = sum(holding_bytes(new_shards[ti], plan.tensors[ti].itemsize) for ti in idx)
+        layers.append(LayerWork(layer, idx, nbytes, tuple(steps_by_layer.get(layer, ()))))
+    return layers
 
 
 def _copied_shards(plan: Plan, views: _Views, rank: int) -> dict[int, Holding]:
