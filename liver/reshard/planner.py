@@ -552,87 +552,136 @@ def _choose_sources(
     merged to the common ones, so one source never sends one destination two messages. Only then, layer
     by layer, each slot takes the candidate that has sent the fewest bytes so far: DP replicas still take
     turns across the layers of a class."""
-    ol, nl = old.layout, new.layout
     sources = _Sources(old, lost, stand)
-    new_dev = new.placement.devices
     # Where each old rank's sends run: a lost rank that stands in sends from its keeper's device.
     old_dev = list(old.placement.devices)
     for r, keeper in stand.keepers.items():
         old_dev[r] = old_dev[keeper]
-    templates: dict[tuple, list] = {}
-    chunk_cache: dict[tuple, list[tuple[int, _Chunk]]] = {}
-    sent = sources.sent
+    wants = _Wants(model, tensors, old.layout, new, sources, old_dev)
     out = []
-    for layers, bases, groups, owned in _layer_classes(model, optimizer, ol, nl):
-        base = bases[0]
+    for layers, bases, groups, owned in _layer_classes(model, optimizer, old.layout, new.layout):
         wanted: dict[int, dict[tuple[int, ...], list[_Chunk]]] = {}  # dst -> candidates -> chunks
         for g in groups:
-            expert = g.expert
-            og, ng = ol.grid(expert), nl.grid(expert)
-            offs = g.offsets
-            rel = templates.get(g.signature)
-            if rel is None:
-                idxs = [base + o for o in offs]
-                rel = templates[g.signature] = _relative_templates(model, tensors, idxs, og.tp, ng.tp)
-            for q in range(ng.tp):
-                # Chunks name tensors relative to the layer's base: the same objects serve every class
-                # with these tensors at these offsets, so the streaming step's caches see them again.
-                ckey = (g.signature, offs, q)
-                chunks = chunk_cache.get(ckey)
-                if chunks is None:
-                    chunks = chunk_cache[ckey] = [
-                        (key, _Chunk(tuple((offs[off], box) for off, box in sl), sizes, sum(sizes)))
-                        for key, sl, sizes in rel[q]
-                    ]
-                fallback_tp = q % og.tp
-                for sp in g.stages_new:
-                    for replica in range(ng.replicas):
-                        dst = ng.rank(q, g.ep_new, replica, sp)
-                        dev = new_dev[dst]
-                        mine = wanted.setdefault(dst, {})
-                        first: tuple[int, ...] | None = None  # this group's first sent (not copied) slot
-                        riders: list[_Chunk] = []
-                        for key, chunk in chunks:
-                            probe = base + chunk.slices[0][0]
-                            cands = sources.candidates(
-                                expert, g.ep_old, key, g.stages_old, dev, fallback_tp, probe
-                            )
-                            copied = _copies(cands, old_dev, dev)
-                            if key == ANY and not copied:
-                                riders.append(chunk)
-                                rider_cands = cands
-                                continue
-                            if first is None and not copied:
-                                first = cands
-                            mine.setdefault(cands, []).append(chunk)
-                        if riders:
-                            mine.setdefault(rider_cands if first is None else first, []).extend(riders)
+            wants.gather(wanted, g, bases[0])
         if owned:
             for (src, dst), chunk in _owned_chunks(model, tensors, owned, old, new, lost, stand).items():
                 wanted.setdefault(dst, {}).setdefault((src,), []).append(chunk)
-        pairs: dict[tuple[int, int], list[_Chunk]] = {}
-        specs: list[tuple[tuple[int, ...], int, bool]] = []  # per slot: candidates, bytes, sent or copied
-        local: set[int] = set()
-        for dst, by_cands in wanted.items():
-            for cands, chunks in _disjoint(by_cands):
-                slot = len(specs)
-                copied = _copies(cands, old_dev, new_dev[dst])
-                if copied:
-                    local.add(slot)
-                pairs[(slot, dst)] = chunks
-                specs.append((cands, sum(c.nbytes for c in chunks), not copied))
-        table = []
-        by_sent = sent.__getitem__
-        for _ in layers:
-            row = []
-            for cands, nbytes, remote in specs:
-                src = cands[0] if len(cands) == 1 else min(cands, key=by_sent)
-                if remote:
-                    sent[src] += nbytes
-                row.append(src)
-            table.append(tuple(row))
-        out.append(_ClassWork(tuple(layers), tuple(bases), pairs, frozenset(local), tuple(table)))
+        pairs, specs, local = _slots(wanted, old_dev, new.placement.devices)
+        table = _senders(len(layers), specs, sources.sent)
+        out.append(_ClassWork(tuple(layers), tuple(bases), pairs, frozenset(local), table))
     return out
+
+
+class _Wants:
+    """Steps 1-2 for the state replicated over DP: the chunks each new rank needs of a group, by their
+    candidate senders. The pieces' templates and chunks are kept across classes, by what decides them:
+    every class with the same tensors at the same offsets reuses the same objects."""
+
+    def __init__(
+        self,
+        model: ModelGeometry,
+        tensors: tuple[TensorSpec, ...],
+        old_layout: ParallelLayout,
+        new: WorldConfig,
+        sources: _Sources,
+        old_dev: Sequence[Device],
+    ) -> None:
+        self.model = model
+        self.tensors = tensors
+        self.ol, self.nl = old_layout, new.layout
+        self.new_dev = new.placement.devices
+        self.sources = sources
+        self.old_dev = old_dev
+        self.templates: dict[tuple, list] = {}
+        self.chunk_cache: dict[tuple, list[tuple[int, _Chunk]]] = {}
+
+    def gather(self, wanted: dict[int, dict[tuple[int, ...], list[_Chunk]]], g: _Group, base: int) -> None:
+        """Add to ``wanted`` (destination -> candidates -> chunks) the chunks every new rank that
+        holds group ``g`` needs, in a class whose first layer's tensors start at ``base``."""
+        expert = g.expert
+        og, ng = self.ol.grid(expert), self.nl.grid(expert)
+        offs = g.offsets
+        rel = self.templates.get(g.signature)
+        if rel is None:
+            idxs = [base + o for o in offs]
+            rel = self.templates[g.signature] = _relative_templates(
+                self.model, self.tensors, idxs, og.tp, ng.tp
+            )
+        new_dev, old_dev, sources = self.new_dev, self.old_dev, self.sources
+        for q in range(ng.tp):
+            # Chunks name tensors relative to the layer's base: the same objects serve every class
+            # with these tensors at these offsets, so the streaming step's caches see them again.
+            ckey = (g.signature, offs, q)
+            chunks = self.chunk_cache.get(ckey)
+            if chunks is None:
+                chunks = self.chunk_cache[ckey] = [
+                    (key, _Chunk(tuple((offs[off], box) for off, box in sl), sizes, sum(sizes)))
+                    for key, sl, sizes in rel[q]
+                ]
+            fallback_tp = q % og.tp
+            for sp in g.stages_new:
+                for replica in range(ng.replicas):
+                    dst = ng.rank(q, g.ep_new, replica, sp)
+                    dev = new_dev[dst]
+                    mine = wanted.setdefault(dst, {})
+                    first: tuple[int, ...] | None = None  # this group's first sent (not copied) slot
+                    riders: list[_Chunk] = []
+                    for key, chunk in chunks:
+                        probe = base + chunk.slices[0][0]
+                        cands = sources.candidates(
+                            expert, g.ep_old, key, g.stages_old, dev, fallback_tp, probe
+                        )
+                        copied = _copies(cands, old_dev, dev)
+                        if key == ANY and not copied:
+                            riders.append(chunk)
+                            rider_cands = cands
+                            continue
+                        if first is None and not copied:
+                            first = cands
+                        mine.setdefault(cands, []).append(chunk)
+                    if riders:
+                        mine.setdefault(rider_cands if first is None else first, []).extend(riders)
+
+
+def _slots(
+    wanted: dict[int, dict[tuple[int, ...], list[_Chunk]]],
+    old_dev: Sequence[Device],
+    new_dev: Sequence[Device],
+) -> tuple[dict[tuple[int, int], list[_Chunk]], list[tuple[tuple[int, ...], int, bool]], set[int]]:
+    """Step 3's source slots of one class: ``(slot, dst) -> chunks``, per slot its candidates, bytes
+    and whether it is sent (not copied), and the copied slots. Overlapping candidates are merged first
+    (:func:`_disjoint`), so no two slots of a destination can pick the same sender."""
+    pairs: dict[tuple[int, int], list[_Chunk]] = {}
+    specs: list[tuple[tuple[int, ...], int, bool]] = []  # per slot: candidates, bytes, sent or copied
+    local: set[int] = set()
+    for dst, by_cands in wanted.items():
+        for cands, chunks in _disjoint(by_cands):
+            slot = len(specs)
+            copied = _copies(cands, old_dev, new_dev[dst])
+            if copied:
+                local.add(slot)
+            pairs[(slot, dst)] = chunks
+            specs.append((cands, sum(c.nbytes for c in chunks), not copied))
+    return pairs, specs, local
+
+
+def _senders(
+    layers: int, specs: list[tuple[tuple[int, ...], int, bool]], sent: list[int]
+) -> tuple[tuple[int, ...], ...]:
+    """Per layer of a class of ``layers``, the old rank each slot of ``specs`` takes: its candidate
+    that has sent the fewest bytes so far (``sent``, by old rank, counts the slot's bytes when sent),
+    so DP replicas take turns across the layers."""
+    table = []
+    by_sent = sent.__getitem__
+    for _ in range(layers):
+        row = []
+        for cands, nbytes, remote in specs:
+            src = cands[0] if len(cands) == 1 else min(cands, key=by_sent)
+            if remote:
+                sent[src] += nbytes
+            row.append(src)
+        table.append(tuple(row))
+    return tuple(table)
 
 
 def _disjoint(

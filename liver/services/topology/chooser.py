@@ -199,6 +199,11 @@ class _Scored:
     devices: tuple[Device, ...] = ()
 
 
+def _rejected(layout: ParallelLayout, rule: Rule, reason: str) -> _Scored:
+    """``layout`` refused by ``rule``, for ``reason``: no scores, no devices."""
+    return _Scored(CandidateScore(layout=layout, devices=layout.world_size, rule=rule, reason=reason))
+
+
 class _Chooser:
     """One planning call: its inputs and the caches its candidates share."""
 
@@ -277,13 +282,25 @@ class _Chooser:
         return out
 
     def evaluate(self, layout: ParallelLayout) -> _Scored:
+        """``layout`` judged by the rules of validity (module docstring) in their fixed order, then
+        scored on the devices it would take: the first rule it breaks is the one its score names."""
+        broken = self.broken_rule(layout)
+        if broken is not None:
+            return _rejected(layout, *broken)
+        devices, within = self.devices_for(layout)
+        if devices is None:
+            sizes = sorted({len(v) for v in self.nodes.values()})
+            reason = (
+                f"TP groups of {layout.tp} cannot stay within nodes of {'/'.join(map(str, sizes))} devices"
+            )
+            return _rejected(layout, "tp_across_nodes", reason)
+        return self.score(layout, devices, within)
+
+    def broken_rule(self, layout: ParallelLayout) -> tuple[Rule, str] | None:
+        """The first rule ``layout`` breaks that needs no devices (TP divisibility, the job's own
+        model, stages per layer, the batch, the sequence) with its reason, or ``None``."""
         model, setup = self.model, self.setup
         tp, pp, dp = layout.tp, layout.pp, layout.dp
-        n = layout.world_size
-
-        def reject(rule: Rule, reason: str) -> _Scored:
-            return _Scored(CandidateScore(layout=layout, devices=n, rule=rule, reason=reason))
-
         for what, value, size, name in (
             ("num_attention_heads", model.num_attention_heads, tp, "tp"),
             ("num_query_groups", model.query_groups, tp, "tp"),
@@ -292,21 +309,21 @@ class _Chooser:
             else ("moe_ffn_hidden_size", model.expert_ffn, layout.expert_tp, "etp"),
         ):
             if value % size:
-                return reject("tp_divisibility", f"{what} ({value}) is not divisible by {name}={size}")
+                return "tp_divisibility", f"{what} ({value}) is not divisible by {name}={size}"
         if self.geometry is not None:
             try:
                 self.geometry.check_layout(layout)
             except LayoutError as exc:
                 rule: Rule = "pp_layers" if f"pp={pp}" in str(exc) else "tp_divisibility"
-                return reject(rule, f"the job's model: {str(exc).partition(': ')[2] or exc}")
+                return rule, f"the job's model: {str(exc).partition(': ')[2] or exc}"
         if pp > model.num_layers:
-            return reject("pp_layers", f"pp={pp} exceeds the {model.num_layers} layers")
+            return "pp_layers", f"pp={pp} exceeds the {model.num_layers} layers"
         try:
             layout.layers_per_stage(model.num_layers)
         except LayoutError as exc:
-            return reject("pp_layers", str(exc))
+            return "pp_layers", str(exc)
         if setup.global_batch_size % (dp * setup.micro_batch_size):
-            return reject(
+            return (
                 "batch",
                 f"global batch {setup.global_batch_size} is not a multiple of "
                 f"dp * micro_batch = {dp} * {setup.micro_batch_size}",
@@ -314,41 +331,49 @@ class _Chooser:
         try:
             layout.check_micro_batches(setup.global_batch_size // (dp * setup.micro_batch_size))
         except LayoutError as exc:
-            return reject("batch", str(exc))
+            return "batch", str(exc)
         if setup.sequence_length % (2 * layout.cp):
             # Context parallelism gives each rank two chunks of the sequence (load balance under the
             # causal mask), so 2 * CP must divide it.
-            return reject(
+            return (
                 "sequence",
                 f"sequence length {setup.sequence_length} is not a multiple of 2 * cp = {2 * layout.cp}",
             )
-        devices = self.select(n, tp)
-        within = devices is not None
-        if devices is None:
-            sizes = sorted({len(v) for v in self.nodes.values()})
-            reason = f"TP groups of {tp} cannot stay within nodes of {'/'.join(map(str, sizes))} devices"
-            if not self.tp_across_nodes:
-                return reject("tp_across_nodes", reason)
-            devices = self.select(n, 1)
-            assert devices is not None  # n <= len(self.devices)
+        return None
+
+    def devices_for(self, layout: ParallelLayout) -> tuple[tuple[Device, ...] | None, bool]:
+        """The devices ``layout``'s ranks would take and whether its TP groups stay within nodes; no
+        devices when they cannot and TP may not span nodes."""
+        n = layout.world_size
+        devices = self.select(n, layout.tp)
+        if devices is not None:
+            return devices, True
+        if not self.tp_across_nodes:
+            return None, False
+        devices = self.select(n, 1)
+        assert devices is not None  # n <= len(self.devices)
+        return devices, False
+
+    def score(self, layout: ParallelLayout, devices: tuple[Device, ...], within: bool) -> _Scored:
+        """``layout`` on ``devices`` (TP groups ``within`` nodes or not) scored by the cost model, and
+        refused by the memory rule when its peak does not fit (its scores kept: a near miss)."""
+        n = layout.world_size
         single_node = len({d.node for d in devices}) == 1
         per_node = min(len(v) for v in self.nodes.values())
-
-        def fits_node(group: int) -> bool:
-            # Before placing: a block of ranks can stay on a node when every node holds whole blocks
-            # (the simulator scores its transitions on the actual placement).
-            return within and per_node % group == 0
-
-        mem = memory_estimate(model, setup, self.hardware, layout, self.staging_bytes, self.geometry)
+        # Before placing: a block of ranks can stay on a node when every node holds whole blocks (the
+        # simulator scores its transitions on the actual placement).
+        mem = memory_estimate(
+            self.model, self.setup, self.hardware, layout, self.staging_bytes, self.geometry
+        )
         cost = step_cost(
-            model,
-            setup,
+            self.model,
+            self.setup,
             self.hardware,
             layout,
             tp_within_node=within or single_node,
             single_node=single_node,
-            ep_within_node=fits_node(layout.expert_tp * layout.ep),
-            cp_within_node=fits_node(tp * layout.cp),
+            ep_within_node=within and per_node % (layout.expert_tp * layout.ep) == 0,
+            cp_within_node=within and per_node % (layout.tp * layout.cp) == 0,
         )
         peak = mem.peak
         fields = {
@@ -479,61 +504,123 @@ def choose_topology(
         geometry,
         copies,
     )
+    everything, scored = _largest_feasible_count(chooser)
+    feasible = sorted(
+        (s for s in scored if s.score.feasible),
+        key=lambda s: (-s.score.tokens_per_s, s.score.layout.tp, s.score.layout.pp),
+    )
+    contest = _Contest(chooser)
+    if redundancy == "node":
+        feasible = contest.node_survivors(feasible) or feasible
+    best = feasible[0].score.tokens_per_s
+    near = [s for s in feasible if s.score.tokens_per_s >= best * (1 - tolerance)]
+    winner = contest.winner(near)
+    return _decision(contest, winner, feasible, scored, everything, top, tolerance, started)
+
+
+def _largest_feasible_count(chooser: _Chooser) -> tuple[list[_Scored], list[_Scored]]:
+    """Every layout of all the devices scored, and those of the largest device count that has a
+    feasible layout (the same list when all the devices have one). Raises :class:`TopologyError` when
+    no count has one."""
+    devices = chooser.devices
     everything = chooser.evaluate_count(len(devices))
     scored = everything
     count = len(devices)
     while not any(s.score.feasible for s in scored):
         count -= 1
         if count == 0:
-            raise TopologyError(_nothing_fits(model, devices, everything), tuple(s.score for s in everything))
+            raise TopologyError(
+                _nothing_fits(chooser.model, devices, everything), tuple(s.score for s in everything)
+            )
         scored = chooser.evaluate_count(count)
+    return everything, scored
 
-    feasible = sorted(
-        (s for s in scored if s.score.feasible),
-        key=lambda s: (-s.score.tokens_per_s, s.score.layout.tp, s.score.layout.pp),
-    )
-    placed: dict[int, tuple[Placement, int]] = {}
-    if redundancy == "node":
+
+class _Contest:
+    """The candidates' placements, each computed once when first needed (placing is the costly step,
+    so the bytes bound decides which are placed at all), and the preference among those placed."""
+
+    def __init__(self, chooser: _Chooser) -> None:
+        self.chooser = chooser
+        self._placed: dict[int, tuple[Placement, int]] = {}  # by id(): _Scored compares by identity
+
+    def place(self, s: _Scored) -> tuple[Placement, int]:
+        """The placement of ``s`` and the bytes it moves, placing it now when it is not yet."""
+        done = self._placed.get(id(s))
+        if done is None:
+            done = self._placed[id(s)] = self.chooser.place(s)
+        return done
+
+    def placed(self, s: _Scored) -> tuple[Placement, int] | None:
+        """The placement of ``s`` and the bytes it moves when it is placed already, else ``None``."""
+        return self._placed.get(id(s))
+
+    def node_survivors(self, feasible: list[_Scored]) -> list[_Scored]:
+        """Those of ``feasible`` (all placed now, in order) whose state survives a node's loss live."""
         for s in feasible:
-            placed[id(s)] = chooser.place(s)
-        surviving = [s for s in feasible if chooser.survives_node_loss(s.score.layout, placed[id(s)][0])]
-        feasible = surviving or feasible
-    best = feasible[0].score.tokens_per_s
-    near = [s for s in feasible if s.score.tokens_per_s >= best * (1 - tolerance)]
-    bounded = sorted(((chooser.lower_bound(s), i) for i, s in enumerate(near)))
-    fewest = math.inf
-    for bound, i in bounded:
-        if bound > fewest:
-            break  # sorted by bound: no later candidate can move fewer bytes
-        if id(near[i]) not in placed:
-            placed[id(near[i])] = chooser.place(near[i])
-        fewest = min(fewest, placed[id(near[i])][1])
+            self.place(s)
+        return [s for s in feasible if self.chooser.survives_node_loss(s.score.layout, self.place(s)[0])]
 
-    def preference(s: _Scored) -> tuple:
+    def preference(self, s: _Scored) -> tuple:
+        """Lower is better: survives a node's loss live, moves fewer bytes, keeps the current layout,
+        faster, then smaller TP and PP. ``s`` must be placed."""
         lay = s.score.layout
-        lost_to_checkpoint = chooser.lost_to_checkpoint(lay, placed[id(s)][0])
-        moved = placed[id(s)][1]
-        return (lost_to_checkpoint, moved, lay != current.layout, -s.score.tokens_per_s, lay.tp, lay.pp)
+        placement, moved = self._placed[id(s)]
+        lost_to_checkpoint = self.chooser.lost_to_checkpoint(lay, placement)
+        return (
+            lost_to_checkpoint,
+            moved,
+            lay != self.chooser.current.layout,
+            -s.score.tokens_per_s,
+            lay.tp,
+            lay.pp,
+        )
 
-    winner = min((s for s in near if id(s) in placed), key=preference)
-    if preference(winner)[0] and len(chooser.nodes) > 1:
-        # The bytes bound left some candidates unplaced; one of them may survive a node's loss.
-        for _bound, i in bounded:
-            if id(near[i]) not in placed:
-                placed[id(near[i])] = chooser.place(near[i])
-        winner = min(near, key=preference)
+    def winner(self, near: list[_Scored]) -> _Scored:
+        """The preferred of ``near`` (the candidates within the tolerance of the fastest). Only those
+        whose lower bound on the bytes moved could beat the fewest found are placed, unless the preferred
+        of those leaves a node's loss only the checkpoint on a set of several nodes: then all of them."""
+        chooser = self.chooser
+        bounded = sorted(((chooser.lower_bound(s), i) for i, s in enumerate(near)))
+        fewest = math.inf
+        for bound, i in bounded:
+            if bound > fewest:
+                break  # sorted by bound: no later candidate can move fewer bytes
+            fewest = min(fewest, self.place(near[i])[1])
+        winner = min((s for s in near if id(s) in self._placed), key=self.preference)
+        if self.preference(winner)[0] and len(chooser.nodes) > 1:
+            # The bytes bound left some candidates unplaced; one of them may survive a node's loss.
+            for _bound, i in bounded:
+                self.place(near[i])
+            winner = min(near, key=self.preference)
+        return winner
+
+
+def _decision(
+    contest: _Contest,
+    winner: _Scored,
+    feasible: list[_Scored],
+    scored: list[_Scored],
+    everything: list[_Scored],
+    top: int,
+    tolerance: float,
+    started: float,
+) -> TopologyDecision:
+    """The decision for ``winner``: the ``top`` fastest candidates (``winner`` among them) with their
+    exact bytes, the most instructive rejections, how its world survives a node's loss, and why."""
+    chooser = contest.chooser
     shown = feasible[:top] if any(s is winner for s in feasible[:top]) else [*feasible[: top - 1], winner]
     for s in shown:
-        if id(s) not in placed:
-            placed[id(s)] = chooser.place(s)
-    shown_scores = [msgspec.structs.replace(s.score, bytes_moved=placed[id(s)][1]) for s in shown]
+        contest.place(s)
+    shown_scores = [msgspec.structs.replace(s.score, bytes_moved=contest.place(s)[1]) for s in shown]
     rejected = _most_instructive(scored, top)
-    placement, moved = placed[id(winner)]
+    placement, moved = contest.place(winner)
     node_loss, copies_bytes = chooser.node_loss(winner.score.layout, placement)
     chosen = msgspec.structs.replace(winner.score, bytes_moved=moved)
     used = set(placement.devices)
-    idle = tuple(d for d in devices if d not in used)
-    fastest_bytes = placed[id(feasible[0])][1] if id(feasible[0]) in placed else None
+    idle = tuple(d for d in chooser.devices if d not in used)
+    fastest = contest.placed(feasible[0])
+    fastest_bytes = fastest[1] if fastest is not None else None
     explanation = _explain(
         chooser, chosen, feasible[0].score, fastest_bytes, shown_scores, everything, scored, idle, tolerance
     ) + _survival_words(chooser, node_loss, placement, copies_bytes)

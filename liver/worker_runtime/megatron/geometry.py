@@ -456,6 +456,36 @@ def derive_geometry(
     Megatron. Raises :class:`GeometryDerivationError` naming the parameter Megatron describes in a
     way LiveR cannot follow.
     """
+    _check_arguments(name, num_layers, vocab_size, make_vocab_size_divisible_by)
+    base = _probe(provider, ParallelLayout(tp=1, pp=1, dp=1), 0, device)
+    experts = _check_base(base, num_layers, vocab_size, make_vocab_size_divisible_by)
+    if len(experts) > 1 and len(experts) % 2 == 0:
+        _check_expert_split(provider, base, len(experts), device)
+    tp2 = _tp2_probes(provider, name, device)
+    stages = _stage_probes(provider, num_layers, device)
+    with_last_layer = _with_last_layer(provider, base, num_layers, device)
+    vocab = _vocab(vocab_size, make_vocab_size_divisible_by)
+    out = _parameters(base, tp2, stages, with_last_layer, vocab, num_layers)
+    geometry = ModelGeometry(
+        name=name,
+        num_layers=num_layers,
+        parameters=tuple(out),
+        vocab_size=vocab_size if any(p.rule == "vocab" for p in out) else None,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tp_divisible=_tp_divisors(base.config) if tp2 is not None else (TpDivisor("tensor parallelism", 1),),
+        num_experts=len(experts),
+        mtp_num_layers=getattr(base.config, "mtp_num_layers", None) or 0,
+    )
+    geometry = msgspec.convert(msgspec.to_builtins(geometry), ModelGeometry)  # the wire's field limits too
+    log.info("geometry.derived", model=name, parameters=len(out), digest=geometry.digest())
+    return geometry
+
+
+def _check_arguments(
+    name: str, num_layers: int, vocab_size: int | None, make_vocab_size_divisible_by: int
+) -> None:
+    """Refuse :func:`derive_geometry`'s arguments before any probe is built, and a process whose
+    ``torch.distributed`` has a default world already (the probes make worlds of their own)."""
     if dist.is_initialized():
         raise GeometryDerivationError(
             "derive_geometry builds probe worlds of its own; this process already has a default world "
@@ -472,13 +502,28 @@ def derive_geometry(
     if not name:
         raise GeometryDerivationError("name: give the model a name")
 
-    def padded(tp: int) -> int | None:
-        if vocab_size is None:
-            return None
-        multiple = make_vocab_size_divisible_by * tp
-        return -(-vocab_size // multiple) * multiple
 
-    base = _probe(provider, ParallelLayout(tp=1, pp=1, dp=1), 0, device)
+def _padded_vocab(vocab_size: int | None, make_vocab_size_divisible_by: int, tp: int) -> int | None:
+    """The vocabulary as Megatron pads it at TP ``tp`` (``None`` without one)."""
+    if vocab_size is None:
+        return None
+    multiple = make_vocab_size_divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _vocab(vocab_size: int | None, make_vocab_size_divisible_by: int) -> tuple[int, int, int] | None:
+    """The real vocabulary and its padded rows at TP1 and TP2, as :func:`_rule` reads them."""
+    if vocab_size is None:
+        return None
+    padded = [_padded_vocab(vocab_size, make_vocab_size_divisible_by, tp) for tp in (1, 2)]
+    return (vocab_size, padded[0] or 0, padded[1] or 0)
+
+
+def _check_base(
+    base: _Probe, num_layers: int, vocab_size: int | None, make_vocab_size_divisible_by: int
+) -> list[int]:
+    """The experts the TP1 probe numbers (``[]`` for a dense model), once it agrees with the arguments:
+    the layers built and stacked, the vocabulary's padded rows, experts numbered from 0."""
     built_layers = getattr(base.config, "num_layers", None)
     stacked = {p.layer for p in base.params if p.layer is not None}
     if isinstance(built_layers, int) and built_layers != num_layers:
@@ -495,59 +540,75 @@ def derive_geometry(
             f"vocab_size: the model has a vocabulary ({base.vocab_rows} padded rows at TP1); give the "
             "tokenizer's real size (--vocab-size), which Megatron does not know"
         )
-    if base.vocab_rows is not None and padded(1) is not None and base.vocab_rows != padded(1):
+    padded = _padded_vocab(vocab_size, make_vocab_size_divisible_by, 1)
+    if base.vocab_rows is not None and padded is not None and base.vocab_rows != padded:
         raise GeometryDerivationError(
             f"the model's vocabulary is {base.vocab_rows} rows at TP1, but vocab_size={vocab_size} padded "
-            f"to a multiple of {make_vocab_size_divisible_by} is {padded(1)}"
+            f"to a multiple of {make_vocab_size_divisible_by} is {padded}"
         )
     experts = sorted({p.expert for p in base.params if p.expert is not None})
     if experts and experts != list(range(len(experts))):
         raise GeometryDerivationError(f"Megatron numbers the experts {experts[0]}..{experts[-1]}, not from 0")
-    if len(experts) > 1 and len(experts) % 2 == 0:
-        _check_expert_split(provider, base, len(experts), device)
+    return experts
+
+
+def _tp2_probes(
+    provider: Provider, name: str, device: str
+) -> list[dict[tuple[str, int | None, int | None], _Param]] | None:
+    """What TP ranks 0 and 1 of TP2 hold, by parameter; ``None`` when the model cannot be built at
+    TP2 (e.g. one query group: Megatron allows no tensor parallelism at all), so every layout has TP1."""
     try:
-        tp2: list[dict[tuple[str, int | None, int | None], _Param]] | None = [
-            _probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)
-        ]
-    except ProbeBuildError as exc:  # e.g. one query group: Megatron allows no tensor parallelism at all
+        return [_probe(provider, ParallelLayout(tp=2, pp=1, dp=1), r, device).by_ident() for r in (0, 1)]
+    except ProbeBuildError as exc:
         log.info("geometry.tp1_only", model=name, reason=str(exc))
-        tp2 = None
+        return None
+
+
+def _stage_probes(
+    provider: Provider, num_layers: int, device: str
+) -> list[set[tuple[str, int | None, int | None]]]:
+    """Per stage of the homes probe (:func:`_homes_probe`), the parameters outside the decoder layers it
+    holds; none for a one-layer model."""
     stages: list[set[tuple[str, int | None, int | None]]] = []
     homes_layout = _homes_probe(num_layers)
     if homes_layout is not None:
         for stage in range(homes_layout.pp):
             probe = _probe(provider, homes_layout, stage, device)
             stages.append({p.ident for p in probe.params if p.layer is None})
-    with_last_layer: set[tuple[str, int | None, int | None]] = set()
-    if getattr(base.config, "mtp_num_layers", None) and num_layers > 0:
-        # With multi-token prediction Megatron keeps some of the last stage's state (the final norm)
-        # with the last decoder layer instead: a pipeline whose last stage holds only the MTP layers
-        # shows which.
-        apart = ParallelLayout(tp=1, pp=2, dp=1, stage_layers=(num_layers, 0))
-        probe = _probe(provider, apart, 0, device)
-        with_last_layer = {p.ident for p in probe.params if p.layer is None}
-    vocab = None if vocab_size is None else (vocab_size, padded(1) or 0, padded(2) or 0)
+    return stages
 
+
+def _with_last_layer(
+    provider: Provider, base: _Probe, num_layers: int, device: str
+) -> set[tuple[str, int | None, int | None]]:
+    """The last stage's parameters outside the decoder layers that Megatron keeps with the last decoder
+    layer instead (with multi-token prediction: the final norm); none without it."""
+    if not (getattr(base.config, "mtp_num_layers", None) and num_layers > 0):
+        return set()
+    # A pipeline whose last stage holds only the MTP layers shows which.
+    apart = ParallelLayout(tp=1, pp=2, dp=1, stage_layers=(num_layers, 0))
+    probe = _probe(provider, apart, 0, device)
+    return {p.ident for p in probe.params if p.layer is None}
+
+
+def _parameters(
+    base: _Probe,
+    tp2: list[dict[tuple[str, int | None, int | None], _Param]] | None,
+    stages: list[set[tuple[str, int | None, int | None]]],
+    with_last_layer: set[tuple[str, int | None, int | None]],
+    vocab: tuple[int, int, int] | None,
+    num_layers: int,
+) -> list[ParamGeometry]:
+    """The geometry's parameters in module order: those outside the decoder layers before or after
+    them (as the probes place them), and the decoder layers' as runs of alike layers (:func:`layer_runs`),
+    each expert's once."""
     head: list[ParamGeometry] = []  # outside the decoder layers, before them in module order
     tail: list[ParamGeometry] = []
     layers: list[list[LayerParam]] = [[] for _ in range(num_layers)]
     for p in base.params:
-        if tp2 is None:
-            rule, shape = _tp1_rule(p, vocab)
-        else:
-            pair = tuple(r.get(p.ident) for r in tp2)
-            if None in pair:
-                raise GeometryDerivationError(f"{p.name}: not on both TP ranks of TP2")
-            rule, shape = _rule(p, pair, vocab if p.layer is None else None)  # type: ignore[arg-type]
+        rule, shape = _tp_rule(p, tp2, vocab)
         if p.layer is not None:
-            match = _LAYER_NAME.match(p.name)
-            if match is None or int(match.group(1)) != p.layer:
-                raise GeometryDerivationError(
-                    f"{p.name}: Megatron checkpoints it as decoder layer {p.layer}; LiveR expects the name "
-                    f"decoder.layers.{p.layer}.<...>"
-                )
-            suffix = match.group(2) if p.expert is None else _expert_suffix(p, match.group(2))
-            entry = LayerParam(suffix, shape, p.dtype, rule, p.expert is not None, p.buffer)  # type: ignore[arg-type]
+            entry = _layer_param(p, rule, shape)
             if entry not in layers[p.layer]:  # another expert of a layer already counted
                 layers[p.layer].append(entry)
             continue
@@ -568,20 +629,34 @@ def derive_geometry(
             expert=p.expert is not None,
         )
         side.append(param)
-    out = [*head, *layer_runs(layers), *tail]
-    geometry = ModelGeometry(
-        name=name,
-        num_layers=num_layers,
-        parameters=tuple(out),
-        vocab_size=vocab_size if any(p.rule == "vocab" for p in out) else None,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        tp_divisible=_tp_divisors(base.config) if tp2 is not None else (TpDivisor("tensor parallelism", 1),),
-        num_experts=len(experts),
-        mtp_num_layers=getattr(base.config, "mtp_num_layers", None) or 0,
-    )
-    geometry = msgspec.convert(msgspec.to_builtins(geometry), ModelGeometry)  # the wire's field limits too
-    log.info("geometry.derived", model=name, parameters=len(out), digest=geometry.digest())
-    return geometry
+    return [*head, *layer_runs(layers), *tail]
+
+
+def _tp_rule(
+    p: _Param,
+    tp2: list[dict[tuple[str, int | None, int | None], _Param]] | None,
+    vocab: tuple[int, int, int] | None,
+) -> tuple[Rule, tuple[int, ...]]:
+    """``p``'s tensor-parallel rule and logical shape: from the TP2 probes, or the TP1-only rule."""
+    if tp2 is None:
+        return _tp1_rule(p, vocab)
+    pair = tuple(r.get(p.ident) for r in tp2)
+    if None in pair:
+        raise GeometryDerivationError(f"{p.name}: not on both TP ranks of TP2")
+    return _rule(p, pair, vocab if p.layer is None else None)  # type: ignore[arg-type]
+
+
+def _layer_param(p: _Param, rule: Rule, shape: tuple[int, ...]) -> LayerParam:
+    """A decoder layer's parameter as every layer of its kind has it, once its name is checked to be
+    ``decoder.layers.<its layer>.<...>``."""
+    match = _LAYER_NAME.match(p.name)
+    if match is None or int(match.group(1)) != p.layer:
+        raise GeometryDerivationError(
+            f"{p.name}: Megatron checkpoints it as decoder layer {p.layer}; LiveR expects the name "
+            f"decoder.layers.{p.layer}.<...>"
+        )
+    suffix = match.group(2) if p.expert is None else _expert_suffix(p, match.group(2))
+    return LayerParam(suffix, shape, p.dtype, rule, p.expert is not None, p.buffer)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- in a fresh interpreter

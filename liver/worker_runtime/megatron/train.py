@@ -210,6 +210,48 @@ def _build_trainer(
     hooks: TrainerHooks,
     initialize: bool = True,
 ) -> MegatronTrainer:
+    """:func:`build_trainer` with ``parallel_state`` answering for ``groups``: model chunks, DDP,
+    optimizer, schedule, the schedule's hooks on the model's config, the corpus, then the start-up
+    check of the state against the views."""
+    chunks = _build_chunks(source, layout, config, groups, initialize)
+    gpt = chunks[0]
+    collection = groups.collection()
+    models = _wrap_in_ddp(chunks, config, collection)
+    opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
+    _check_optimizer_config(opt_config, gpt, config)
+    optimizer = get_megatron_optimizer(
+        opt_config, models, use_gloo_process_groups=False, pg_collection=collection
+    )
+    scheduler = hooks.scheduler(optimizer) if hooks.scheduler is not None else _scheduler(optimizer, config)
+    _wire_schedule(gpt.config, layout, config, models, optimizer)
+    trainer = MegatronTrainer(
+        source,
+        layout,
+        config,
+        groups,
+        models,
+        optimizer,
+        scheduler,
+        _corpus(corpus, source, config),
+        forward_step=hooks.forward_step or gpt_forward_step,
+        loss_key=hooks.loss_key,
+    )
+    trainer.filled_by_stream = not initialize
+    if config.use_distributed_optimizer:
+        # Start-up check: the optimizer owns exactly the ranges the planner predicts for this rank.
+        check_owned_ranges(trainer)
+    else:
+        # Start-up check: every parameter and Adam state maps to the logical tensor the views give this
+        # rank, with the view's local shape (raises StateMismatch naming the first that does not).
+        local_state(trainer)
+    return trainer
+
+
+def _build_chunks(
+    source: ModelSource, layout: ParallelLayout, config: TrainConfig, groups: ParallelGroups, initialize: bool
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual stage), built from ``config.seed`` once the layout and
+    sequence suit the config, their vocabulary padding zeroed and masked (see the module docstring)."""
     layout.check_micro_batches(config.micro_batches_per_rank(layout.dp))
     if config.seq_length > source.max_sequence_length:
         raise ValueError(
@@ -229,8 +271,13 @@ def _build_trainer(
     for gpt in chunks:
         zero_vocab_padding(gpt, source.geometry, groups)
         mask_vocab_padding(gpt, source.geometry, groups)
-    gpt = chunks[0]
-    collection = groups.collection()
+    return chunks
+
+
+def _wrap_in_ddp(
+    chunks: list[torch.nn.Module], config: TrainConfig, collection: Any
+) -> list[DistributedDataParallel]:
+    """As Megatron-LM's ``get_model``: a DDP per model chunk, the buckets of the first chunk's only."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=config.overlap_grad_reduce,
@@ -239,8 +286,7 @@ def _build_trainer(
         bucket_size=config.bucket_size,
         num_distributed_optimizer_instances=config.num_distributed_optimizer_instances,
     )
-    # As Megatron-LM's get_model: a DDP per model chunk, the buckets of the first chunk's only.
-    models = [
+    return [
         DistributedDataParallel(
             config=chunk.config,
             ddp_config=ddp_config,
@@ -250,7 +296,11 @@ def _build_trainer(
         )
         for v, chunk in enumerate(chunks)
     ]
-    opt_config = hooks.optimizer_config or _optimizer_config(gpt, config)
+
+
+def _check_optimizer_config(opt_config: OptimizerConfig, gpt: torch.nn.Module, config: TrainConfig) -> None:
+    """Refuse an optimizer config (the user's) that disagrees with the gradient buffers' layout or the
+    model's precision."""
     if opt_config.use_distributed_optimizer != config.use_distributed_optimizer:
         raise ValueError(
             "optimizer_config.use_distributed_optimizer must match the TrainConfig's (the gradient "
@@ -261,29 +311,36 @@ def _build_trainer(
             f"optimizer_config: bf16={opt_config.bf16}, fp16={opt_config.fp16}, but the model is built "
             f"with bf16={gpt.config.bf16}, fp16={gpt.config.fp16}"
         )
-    optimizer = get_megatron_optimizer(
-        opt_config, models, use_gloo_process_groups=False, pg_collection=collection
+
+
+def _scheduler(optimizer: Any, config: TrainConfig) -> OptimizerParamScheduler:
+    """The :class:`TrainConfig`'s learning-rate and weight-decay schedule, counted in samples."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_iters * config.global_batch_size,
+        lr_decay_steps=config.lr_decay_iters * config.global_batch_size,
+        lr_decay_style=config.lr_decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=config.lr_decay_iters * config.global_batch_size,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
     )
-    scheduler = (
-        hooks.scheduler(optimizer)
-        if hooks.scheduler is not None
-        else OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0,
-            max_lr=config.lr,
-            min_lr=config.min_lr,
-            lr_warmup_steps=config.lr_warmup_iters * config.global_batch_size,
-            lr_decay_steps=config.lr_decay_iters * config.global_batch_size,
-            lr_decay_style=config.lr_decay_style,
-            start_wd=config.weight_decay,
-            end_wd=config.weight_decay,
-            wd_incr_steps=config.lr_decay_iters * config.global_batch_size,
-            wd_incr_style="constant",
-            use_checkpoint_opt_param_scheduler=False,
-            override_opt_param_scheduler=False,
-        )
-    )
-    tconfig = gpt.config
+
+
+def _wire_schedule(
+    tconfig: Any,
+    layout: ParallelLayout,
+    config: TrainConfig,
+    models: list[DistributedDataParallel],
+    optimizer: Any,
+) -> None:
+    """Set on the model's ``TransformerConfig`` what Megatron's schedule reads from it: the loss scale,
+    the p2p mode, DDP's no-sync and grad-sync functions and the grads' finalisation."""
     if layout.vpp > 1 and tconfig.virtual_pipeline_model_parallel_size != layout.vpp:
         raise MegatronBuildError(
             f"{layout.describe()}: the model's TransformerConfig has virtual_pipeline_model_parallel_size="
@@ -302,32 +359,17 @@ def _build_trainer(
     tconfig.finalize_model_grads_func = finalize_model_grads
     if config.overlap_grad_reduce:
         tconfig.grad_sync_func = [m.start_grad_sync for m in models] if chunked else models[0].start_grad_sync
+
+
+def _corpus(corpus: Corpus | None, source: ModelSource, config: TrainConfig) -> Corpus:
+    """The user's corpus once it fits the model's vocabulary and the config's sequence, else the
+    synthetic one of the config."""
     if corpus is None:
         vocab = min(config.corpus_vocab_size, source.vocab_size)
-        corpus = SyntheticCorpus(CorpusSpec(vocab_size=vocab, seed=config.corpus_seed), config.seq_length)
-    elif corpus.vocab_size > source.vocab_size or corpus.seq_length != config.seq_length:
+        return SyntheticCorpus(CorpusSpec(vocab_size=vocab, seed=config.corpus_seed), config.seq_length)
+    if corpus.vocab_size > source.vocab_size or corpus.seq_length != config.seq_length:
         raise ValueError(
             f"corpus: vocabulary {corpus.vocab_size} / seq_length {corpus.seq_length} do not fit "
             f"the model ({source.vocab_size}) and the config ({config.seq_length})"
         )
-    trainer = MegatronTrainer(
-        source,
-        layout,
-        config,
-        groups,
-        models,
-        optimizer,
-        scheduler,
-        corpus,
-        forward_step=hooks.forward_step or gpt_forward_step,
-        loss_key=hooks.loss_key,
-    )
-    trainer.filled_by_stream = not initialize
-    if config.use_distributed_optimizer:
-        # Start-up check: the optimizer owns exactly the ranges the planner predicts for this rank.
-        check_owned_ranges(trainer)
-    else:
-        # Start-up check: every parameter and Adam state maps to the logical tensor the views give this
-        # rank, with the view's local shape (raises StateMismatch naming the first that does not).
-        local_state(trainer)
-    return trainer
+    return corpus
