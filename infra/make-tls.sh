@@ -5,7 +5,8 @@
 #   infra/make-tls.sh [DIR] [NAME ...]
 #
 # The server's certificate is valid for `nats` (its compose service name), `localhost` and 127.0.0.1,
-# plus each NAME given (a DNS name, or an IPv4 address). It never overwrites: remove the folder first to
+# plus each NAME given (a DNS name, or an IPv4 address), as a server and as a client: NATS servers in a
+# cluster present it to each other on their routes (mutual TLS, as infra/k8s's cluster does). It never overwrites: remove the folder first to
 # make a new CA and certificate (then restart the stack). On Kubernetes, cert-manager makes them instead
 # (infra/k8s/tls.yaml).
 set -eu
@@ -40,7 +41,7 @@ openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:P-256 -sha256 -sub
 cat > "$work/server.ext" <<EXT
 basicConstraints = critical, CA:FALSE
 keyUsage = critical, digitalSignature, keyEncipherment
-extendedKeyUsage = serverAuth
+extendedKeyUsage = serverAuth, clientAuth
 subjectKeyIdentifier = hash
 authorityKeyIdentifier = keyid:always
 subjectAltName = $names

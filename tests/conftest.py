@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Generator, Iterator
 
 import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 # Python's bytecode cache stays on for the suite and every process it starts, even where the environment
@@ -40,6 +41,16 @@ def nats_server() -> Iterator[NatsServer]:
     """
     with NatsServer(startup_timeout_s=60.0) as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A test that runs a CLI command configures structlog for the whole process (a level filter, a
+    renderer): restore the configuration after it, so that a later test in the same worker captures
+    the logs it expects."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session", autouse=True)

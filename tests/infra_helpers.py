@@ -35,7 +35,7 @@ MAKE_ENV: Final = INFRA / "make-env.sh"
 MAKE_TLS: Final = INFRA / "make-tls.sh"
 
 SERVICES: Final = ("ingester", "topology", "transfer", "coordinator")
-ROLES: Final = (*SERVICES, "worker", "publisher", "subscriber")
+ROLES: Final = (*SERVICES, "worker", "publisher", "subscriber", "operator")
 """Every user of infra/nats.conf."""
 
 

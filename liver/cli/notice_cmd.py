@@ -23,7 +23,7 @@ from typing import Final
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from liver.cli.bus_access import connect_once, job_flag, server_url
+from liver.cli.bus_access import connect_once, guarded, job_flag, server_url
 from liver.notice import aws, azure, gcp
 from liver.notice.agent import NoticeAgent, NoticeSource, PollOutcome
 from liver.notice.aws import AwsSpotNotices
@@ -31,7 +31,7 @@ from liver.notice.azure import AzureScheduledEvents
 from liver.notice.detect import detect
 from liver.notice.gcp import GcpNotices
 from liver.notice.kubernetes import DEFAULT_GRACE_S, KubernetesNotices
-from liver.notice.publish import publish_event
+from liver.notice.publish import PUBLISH_TIMEOUT_S, publish_event
 from liver.services.ingester.core import IngestEvent
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode, encode
@@ -137,9 +137,14 @@ async def _agent(args: argparse.Namespace, job: str, node: str, environ: Mapping
             await publish_event(nc, event)
 
         agent = NoticeAgent(source, job_id=job, node=node, publish=send)
-        if hasattr(source, "acknowledge") and not args.once:
-            await _acknowledge_on_commit(nc, agent)
-        return await _drive(agent, args)
+
+        async def drive() -> int:
+            if hasattr(source, "acknowledge") and not args.once:
+                await _acknowledge_on_commit(nc, agent)
+            return await _drive(agent, args)
+
+        # A refused publish or subscription ends the agent with one line: no retry would be allowed.
+        return await guarded(nc, drive(), needs="the publisher role", timeout_s=PUBLISH_TIMEOUT_S)
     finally:
         await nc.drain()
 

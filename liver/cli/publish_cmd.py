@@ -22,8 +22,8 @@ from typing import Any, Final
 
 import msgspec
 
-from liver.cli.bus_access import connect_once, server_url
-from liver.notice.publish import publish_event
+from liver.cli.bus_access import connect_once, guarded, server_url
+from liver.notice.publish import PUBLISH_TIMEOUT_S, publish_event
 from liver.services.ingester.core import IngestEvent, parse
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError
@@ -167,7 +167,9 @@ async def publish(url: str, environ: Mapping[str, str], event: IngestEvent) -> t
     """Publish ``event``; returns its stream sequence and whether JetStream had it already."""
     nc = await connect_once(url, environ, name="liver-publish")
     try:
-        return await publish_event(nc, event)
+        return await guarded(
+            nc, publish_event(nc, event), needs="the publisher role", timeout_s=PUBLISH_TIMEOUT_S
+        )
     finally:
         await nc.drain()
 

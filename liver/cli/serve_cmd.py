@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this port (default $LIVER_METRICS_PORT; unset: none)",
+        help="serve Prometheus /metrics and the health check /healthz on this port (default "
+        "$LIVER_METRICS_PORT; unset: none)",
     )
 
 

@@ -7,8 +7,10 @@ service each answer). Jobs are read from the coordinator's own records: the gene
 outcome) and the membership in ``liver-membership`` (the current world's workers). A record that does
 not decode is shown as such, never skipped silently: it is what an operator needs to see.
 
-It reads JetStream's API and ``$SRV``, which the ``publisher`` and ``subscriber`` roles of
-``infra/nats.conf`` may not: run it as a service's or an operator's user.
+It pings ``$SRV.PING`` and reads the two buckets through JetStream's API: of the users of
+``infra/nats.conf`` only ``operator`` may do both (a service may ping only itself, ``publisher`` and
+``subscriber`` neither). Any other user gets one line naming the subject it was refused, never a wait for
+the timeout.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from liver.cli.bus_access import connect_once, job_flag, server_url, utc_text
+from liver.cli.bus_access import connect_once, guarded, job_flag, server_url, utc_text
 from liver.services.coordinator.record import GenerationRecord
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode
 from liver.shared.errors import InputError
-from liver.shared.messages import GenerationAborted, GenerationCommitted, JobMembership
+from liver.shared.messages import AbortOutcome, GenerationAborted, GenerationCommitted, JobMembership
 
 REQUEST_TIMEOUT_S: Final = 10.0
+NEEDS: Final = "the operator role"
+"""What a user refused a subject of ``liver status`` lacks (infra/nats.conf)."""
 M = TypeVar("M", GenerationRecord, JobMembership)
 
 
@@ -80,7 +84,7 @@ async def services(nc: Client, wait_s: float) -> list[ServiceSeen]:
     sub = await nc.subscribe(inbox, cb=collect)
     try:
         await nc.publish("$SRV.PING", b"", reply=inbox)
-        await nc.flush()
+        await nc.flush(timeout=int(REQUEST_TIMEOUT_S))
         await asyncio.sleep(wait_s)
     finally:
         await sub.unsubscribe()
@@ -176,11 +180,25 @@ def render(st: Status) -> str:
     return "\n".join(lines)
 
 
+def _not_live(r: GenerationRecord) -> str:
+    """Why the job has no live world, from what the record holds: a checkpoint fallback's abort names
+    the checkpoint the job restarts from, or none when the job has none configured."""
+    o = r.last_outcome
+    if not isinstance(o, GenerationAborted) or o.outcome is not AbortOutcome.CHECKPOINT_FALLBACK:
+        return "not live (waiting for the job's launcher to report its world)"
+    if o.checkpoint is not None:
+        return f"not live (generation {o.generation} fell back; restarting from checkpoint {o.checkpoint})"
+    return (
+        f"not live (generation {o.generation} fell back and the job has no checkpoint configured: "
+        "it trains again once its launcher starts a new world)"
+    )
+
+
 def _job_lines(j: JobStatus) -> list[str]:
     out = []
     r = j.record
     if r is not None:
-        state = "live" if r.live else "not live (restarting from a checkpoint)"
+        state = "live" if r.live else _not_live(r)
         out.append(
             f"generation {r.generation} (issued {r.issued}): {r.layout.describe()} on "
             f"{len(r.placement)} devices, {state}; written by {r.writer}"
@@ -231,7 +249,7 @@ def _job_lines(j: JobStatus) -> list[str]:
 async def _run(args: argparse.Namespace, url: str, environ: Mapping[str, str]) -> Status:
     nc = await connect_once(url, environ, name="liver-status")
     try:
-        return await status(nc, args.job, args.wait)
+        return await guarded(nc, status(nc, args.job, args.wait), needs=NEEDS, timeout_s=REQUEST_TIMEOUT_S)
     finally:
         await nc.close()
 

@@ -10,6 +10,16 @@ An outcome is stored once in the generations stream, but a plain subscription ca
 coordinator that restarts, or whose publish timed out when the server failed, publishes it again under
 the same ``Nats-Msg-Id``. The watcher prints the first copy and drops the others by that header, so a
 script counting commits counts each once.
+
+A watch follows outcomes from its start: a restarted coordinator publishes its last outcome again (same
+message id, same ``committed_at``/``aborted_at``), and a watch started since then must not count that
+copy, or ``--count 1`` returns at once with a stale outcome. The stream drops such a copy only within
+its two-minute duplicate window, and the watch uses plain subscriptions (all the ``subscriber`` role may
+do), so the outcome's own time is compared with the watch's start: older is a copy. That assumes the
+coordinator's clock and this host's agree (NTP).
+
+The ``subscriber`` role may receive the outcomes only; ``--errors`` (every service's rejected input,
+with its payload) needs the ``operator`` role. A refused subscription is one line naming it.
 """
 
 from __future__ import annotations
@@ -21,13 +31,14 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Final, TextIO
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from liver.cli.bus_access import connect_once, job_flag, server_url, utc_text
+from liver.cli.bus_access import connect_once, guarded, job_flag, server_url, utc_text
 from liver.shared import subjects as s
 from liver.shared.codec import MessageError, decode
 from liver.shared.errors import InputError
@@ -36,6 +47,8 @@ from liver.shared.messages import ErrorEvent, GenerationAborted, GenerationCommi
 OUTCOMES: Final = GenerationCommitted | GenerationAborted
 _REMEMBERED: Final = 4096
 """Outcome ids the watcher remembers to drop a copy by (a copy comes seconds after the first)."""
+SUBSCRIBE_TIMEOUT_S: Final = 10
+"""How long the server may take to confirm the subscriptions."""
 
 
 class WatchError(InputError):
@@ -91,6 +104,15 @@ def parse(subject: str, data: bytes) -> GenerationCommitted | GenerationAborted 
     return decode(data, ErrorEvent)
 
 
+def before(message: GenerationCommitted | GenerationAborted | ErrorEvent, since: datetime) -> bool:
+    """Whether ``message`` is an outcome from before ``since``: a copy published again, not a new one."""
+    if isinstance(message, GenerationCommitted):
+        return message.committed_at < since
+    if isinstance(message, GenerationAborted):
+        return message.aborted_at < since
+    return False
+
+
 async def watch(
     nc: Client,
     *,
@@ -102,16 +124,19 @@ async def watch(
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
     ready: asyncio.Event | None = None,
+    since: datetime | None = None,
 ) -> bool:
     """Print matching messages until ``count`` of them or ``timeout_s``; whether ``count`` was reached
-    (True without one). ``ready`` is set once the subscriptions are on the server."""
+    (True without one). ``ready`` is set once the subscriptions are on the server. Outcomes from before
+    ``since`` (default: now, the watch's start) are copies published again and are skipped."""
+    since = datetime.now(UTC) if since is None else since
     inbox: asyncio.Queue[Msg] = asyncio.Queue()
 
     async def on_message(msg: Msg) -> None:
         inbox.put_nowait(msg)
 
     subs = [await nc.subscribe(subject, cb=on_message) for subject in subjects(errors)]
-    await nc.flush()
+    await nc.flush(timeout=SUBSCRIBE_TIMEOUT_S)
     if ready is not None:
         ready.set()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -134,6 +159,8 @@ async def watch(
                 continue
             if job is not None and getattr(message, "job_id", None) != job:
                 continue
+            if before(message, since):
+                continue  # an outcome from before the watch, published again (module docstring)
             msg_id = (msg.headers or {}).get(s.HEADER_MSG_ID)
             if msg_id is not None:
                 if msg_id in printed:
@@ -151,15 +178,12 @@ async def watch(
 
 async def _run(args: argparse.Namespace, url: str, environ: Mapping[str, str]) -> bool:
     nc = await connect_once(url, environ, name="liver-watch", keep_reconnecting=True)
+    following = watch(
+        nc, job=args.job, errors=args.errors, as_json=args.json, count=args.count, timeout_s=args.timeout
+    )
+    needs = "the operator role" if args.errors else "the subscriber or operator role"
     try:
-        return await watch(
-            nc,
-            job=args.job,
-            errors=args.errors,
-            as_json=args.json,
-            count=args.count,
-            timeout_s=args.timeout,
-        )
+        return await guarded(nc, following, needs=needs, timeout_s=SUBSCRIBE_TIMEOUT_S)
     finally:
         await nc.close()
 

@@ -5,7 +5,10 @@ A service (:class:`Service`) only declares what it needs and handles messages. T
 - connects to ``$NATS_URL`` with the credentials in the environment (:func:`connect_options`), or, when
   ``NATS_URL`` is unset, starts an embedded nats-server for the life of the process (:func:`serve`);
 - registers a NATS micro service ``liver-<name>``: ``$SRV.PING|INFO|STATS`` answer while the process
-  can serve, which makes them the health check, and STATS carries the service's own counters;
+  can serve, and STATS carries the service's own counters;
+- with a metrics port, serves ``/metrics`` and ``/healthz`` there (:class:`ServiceHealth`: 200 while the
+  service is started, connected, its server answering and its consumer running, which is what answering
+  discovery meant; 503 otherwise), the container's probe;
 - runs durable pull consumers (:class:`PullConsumer`) that hand each message to the service and turn
   anything the service raises into a delayed redelivery, so that no message can crash the process;
 - on SIGTERM or SIGINT stops fetching, lets the message in hand finish, and drains the connection
@@ -44,7 +47,7 @@ from liver.shared.codec import MessageError
 from liver.shared.connection import connect_options
 from liver.shared.errors import BusError, InputError
 from liver.shared.logs import bind_message
-from liver.shared.metrics_http import MetricsServer
+from liver.shared.metrics_http import Health, MetricsServer
 from liver.shared.nats_server import nats_url
 from liver.shared.outage import is_outage
 from liver.shared.subjects import validate_token
@@ -278,6 +281,18 @@ class PullConsumer:
         """What the last failed attempt at stream ``sequence`` raised, if it failed here."""
         return self._errors.get(sequence)
 
+    def problem(self) -> str | None:
+        """Why this consumer no longer consumes although nobody stopped it (its task ended: cancelled,
+        or a ``BaseException`` its catch-all lets through), or None. One never started, or stopped on
+        purpose (a standby coordinator), has none."""
+        if self._stopping:
+            return None
+        for task in (self._task, self._keeping):
+            if task is not None and task.done():
+                why = "cancelled" if task.cancelled() else repr(task.exception())
+                return f"its consumer of {self.stream}/{self.durable} stopped ({task.get_name()}: {why})"
+        return None
+
     async def _run(self) -> None:
         while not self._stopping:
             self._idle = True
@@ -378,6 +393,9 @@ class DeadLetteringConsumer:
     def stats(self) -> dict[str, int]:
         return {"failed_attempts": self.consumer.failed, "dead_lettered": self.watch.copied}
 
+    def problem(self) -> str | None:
+        return self.consumer.problem()
+
 
 def job_of(subject: str) -> str:
     """The job token that ends a per-job subject (``liver.topology.request.<job>``)."""
@@ -446,6 +464,12 @@ class ConsumingService(abc.ABC):
             out.update(self._consumer.stats())
         return out
 
+    def health_problem(self) -> str | None:
+        """Why this started service cannot do its work, or None (read by :class:`ServiceHealth`)."""
+        if self._consumer is None:
+            return f"{self.name} has no consumer"
+        return self._consumer.problem()
+
     async def _reject(self, msg: Msg, error: MessageError) -> None:
         assert self._js is not None
         await b.reject(self._js, self.name, msg, error)
@@ -508,6 +532,116 @@ class Hosted:
     anything, so its host must end the process (non-zero) for a supervisor to restart it."""
 
 
+HEALTH_TIMEOUT_S: Final = 3.0
+"""How long ``/healthz`` waits for the service's event loop to read its state (and for the server's answer
+to a ping, within that): a loop that does not answer is stuck, as the exec probe's discovery ping, which
+waited as long, found. The manifests' probes wait longer (``timeoutSeconds``)."""
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """What :func:`decide_health` needs, read in one go on the service's event loop."""
+
+    started: bool
+    """The service's ``start`` returned (streams, consumers declared; consuming) and it is announced."""
+    stopping: bool
+    lost: bool
+    """The server closed the connection for good (the process is about to exit 1)."""
+    connected: bool
+    server_answered: bool
+    """The server answered a ping just now (a connection can look up and be dead)."""
+    problem: str | None = None
+    """The service's own reason it cannot work (``health_problem()``: its consumer's task ended)."""
+
+
+def decide_health(state: ServiceState) -> Health:
+    """Healthy while the service is started, connected, its server answers and it has no problem: what
+    the exec probe's discovery ping checked (a service answers it only then)."""
+    if state.lost:
+        return Health(False, "the server closed the connection for good; the process ends to be restarted")
+    if state.stopping:
+        return Health(False, "stopping")
+    if not state.started:
+        return Health(False, "starting: connecting to NATS, declaring its streams and consumers")
+    if not state.connected:
+        return Health(False, "disconnected from NATS, reconnecting")
+    if not state.server_answered:
+        return Health(False, "no answer from the NATS server to a ping")
+    if state.problem is not None:
+        return Health(False, state.problem)
+    return Health(True, "ok")
+
+
+class ServiceHealth:
+    """The health check ``/healthz`` runs for one hosted service (:class:`MetricsServer`'s ``health``).
+
+    Called on the HTTP server's thread; it reads the state on the service's event loop, within
+    ``timeout_s``, so that a loop that no longer runs is unhealthy (the HTTP thread alone would answer
+    for it). :meth:`started` and :meth:`stopping` are called by :func:`hosted`, on the loop.
+    """
+
+    def __init__(self, service: Service, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        self.service = service
+        self.timeout_s = timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hosted: Hosted | None = None
+        self._stopping = False
+
+    def started(self, hosted: Hosted) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._hosted = hosted
+
+    def stopping(self) -> None:
+        self._stopping = True
+
+    async def state(self) -> ServiceState:
+        """The state now (on the service's loop): one ping to the server when connected."""
+        h = self._hosted
+        if h is None:
+            return ServiceState(
+                started=False, stopping=self._stopping, lost=False, connected=False, server_answered=False
+            )
+        nc = h.bus.nc
+        connected = bool(nc.is_connected)
+        answered = False
+        if connected:
+            try:
+                await nc.flush(timeout=0.8 * self.timeout_s)
+                answered = True
+            except (TimeoutError, nats.errors.Error):
+                answered = False
+        problem_of = getattr(self.service, "health_problem", None)
+        return ServiceState(
+            started=True,
+            stopping=self._stopping,
+            lost=h.lost.is_set(),
+            connected=connected,
+            server_answered=answered,
+            problem=problem_of() if problem_of is not None else None,
+        )
+
+    def __call__(self) -> Health:
+        loop = self._loop
+        if loop is None:
+            return decide_health(
+                ServiceState(
+                    started=False, stopping=self._stopping, lost=False, connected=False, server_answered=False
+                )
+            )
+        reading = self.state()
+        try:
+            future = asyncio.run_coroutine_threadsafe(reading, loop)
+        except RuntimeError:  # the loop is closed: the service is gone
+            reading.close()
+            return Health(False, "stopped")
+        try:
+            return decide_health(future.result(self.timeout_s))
+        except TimeoutError:
+            # Left to run when the loop comes back (cancelling it before it starts would leave the
+            # coroutine never awaited): one ping more.
+            return Health(False, f"the service's event loop did not answer within {self.timeout_s:g} s")
+
+
 class ConnectionLost(BusError):
     """The server closed the service's connection for good; the process exits 1 to be restarted."""
 
@@ -533,10 +667,11 @@ async def hosted(
     if not isinstance(metrics, ServiceMetrics):
         metrics = ServiceMetrics()
     metrics.watch_stats(service.name, service.stats)
-    metrics_server = MetricsServer(metrics.registry, metrics_port)
+    health = ServiceHealth(service)
+    metrics_server = MetricsServer(metrics.registry, metrics_port, health=health)
     log.info("metrics_serving", service=service.name, port=metrics_server.port)
     try:
-        async with _hosted(service, url, environ, name, stop_grace_s) as h:
+        async with _hosted(service, url, environ, name, stop_grace_s, health) as h:
             h.metrics_port = metrics_server.port
             refreshing = asyncio.create_task(_refresh_queue(service, metrics), name="metrics-queue")
             try:
@@ -571,7 +706,12 @@ async def _refresh_queue(service: Service, metrics: ServiceMetrics, every_s: flo
 
 @contextlib.asynccontextmanager
 async def _hosted(
-    service: Service, url: str, environ: Mapping[str, str] | None, name: str, stop_grace_s: float
+    service: Service,
+    url: str,
+    environ: Mapping[str, str] | None,
+    name: str,
+    stop_grace_s: float,
+    health: ServiceHealth | None = None,
 ) -> AsyncIterator[Hosted]:
     lost = asyncio.Event()
     closing = False
@@ -595,9 +735,14 @@ async def _hosted(
         try:
             micro = await _announce(nc, service, name)
             log.info("service_started", service=service.name, micro_service=name, id=micro.id)
-            yield Hosted(service=service, bus=bus, micro=micro, lost=lost)
+            h = Hosted(service=service, bus=bus, micro=micro, lost=lost)
+            if health is not None:
+                health.started(h)
+            yield h
         finally:
             closing = True
+            if health is not None:
+                health.stopping()
             log.info("service_stopping", service=service.name)
             try:
                 await asyncio.wait_for(service.stop(), stop_grace_s)

@@ -13,7 +13,8 @@ the tests and in ``liver demo``; each keeps its own series). Three kinds of seri
   time per planner.
 
 Off by default in the library; ``liver serve --metrics-port`` (``$LIVER_METRICS_PORT``, set in the
-images) serves ``/metrics`` on that port (:class:`~liver.shared.metrics_http.MetricsServer`).
+images) serves ``/metrics`` on that port (:class:`~liver.shared.metrics_http.MetricsServer`), and the
+service's ``/healthz`` beside it (:class:`~liver.services.host.ServiceHealth`).
 """
 
 from __future__ import annotations

@@ -6,16 +6,18 @@ import asyncio
 import io
 import json
 import socket
-from datetime import UTC, datetime
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from bus_helpers import WAIT_S, Collector, client, put_membership, running, stored
 
-from liver.cli import publish_cmd
+from liver.cli import publish_cmd, status_cmd
 from liver.cli.bus_access import BusUnreachable, connect_once
 from liver.cli.main import build_parser, main
-from liver.cli.status_cmd import render, status
+from liver.cli.status_cmd import JobStatus, Status, render, status
 from liver.cli.watch_cmd import watch
 from liver.services import bus as b
 from liver.services.coordinator.record import (
@@ -30,9 +32,11 @@ from liver.shared import subjects as s
 from liver.shared.codec import decode, encode
 from liver.shared.layout import Device, ParallelLayout, Placement
 from liver.shared.messages import (
+    AbortOutcome,
     ErrorEvent,
     GenerationAborted,
     GenerationCommitted,
+    HandoffPhase,
     ResizeRequested,
     ScaleRequest,
     SpotWarning,
@@ -214,7 +218,7 @@ async def test_the_ingester_turns_a_published_warning_into_a_resize_request(nats
 # -- watching --------------------------------------------------------------------------------------------
 
 
-def committed(job: str, generation: int = 1) -> GenerationCommitted:
+def committed(job: str, generation: int = 1, at: datetime = NOW) -> GenerationCommitted:
     layout = ParallelLayout(tp=1, pp=1, dp=2)
     return GenerationCommitted(
         job_id=job,
@@ -226,7 +230,7 @@ def committed(job: str, generation: int = 1) -> GenerationCommitted:
         started_at_iteration=40,
         downtime_s=0.25,
         bytes_moved=2 * 10**8,
-        committed_at=NOW,
+        committed_at=at,
     )
 
 
@@ -265,6 +269,7 @@ async def watched(
     return what it printed."""
     out, err = io.StringIO(), io.StringIO()
     ready = asyncio.Event()
+    options.setdefault("since", NOW)  # the outcomes here are all at NOW
     async with client(url) as (nc, _):
         task = asyncio.create_task(watch(nc, out=out, err=err, ready=ready, **options))
         await asyncio.wait_for(ready.wait(), WAIT_S)
@@ -304,6 +309,27 @@ async def test_watch_prints_an_outcome_published_again_under_its_message_id_once
     reached, out, _ = await watched(nats_server.url, sends, job="again", count=2)
     assert reached
     assert [line.split("generation ")[1][:1] for line in out.splitlines()] == ["4", "5"]
+
+
+@pytest.mark.slow
+async def test_watch_does_not_count_an_outcome_from_before_its_start_published_again(
+    nats_server: NatsServer,
+) -> None:
+    """A restarted coordinator publishes its last outcome again, message id and time unchanged: a watch
+    started since then waits for the next outcome instead of returning that copy."""
+    earlier = committed("restart", generation=6, at=datetime.now(UTC) - timedelta(minutes=5))
+    out, err, ready = io.StringIO(), io.StringIO(), asyncio.Event()
+    async with client(nats_server.url) as (nc, _):
+        task = asyncio.create_task(watch(nc, job="restart", count=1, out=out, err=err, ready=ready))
+        await asyncio.wait_for(ready.wait(), WAIT_S)
+        later = committed("restart", generation=7, at=datetime.now(UTC))
+        again = {s.HEADER_MSG_ID: s.generation_msg_id("restart", 6)}
+        await nc.publish(s.GENERATION_COMMITTED, encode(earlier), headers=again)
+        await nc.publish(s.GENERATION_COMMITTED, encode(later))
+        await nc.flush()
+        assert await asyncio.wait_for(task, WAIT_S)
+    (line,) = out.getvalue().splitlines()
+    assert "job restart  generation 7" in line, line
 
 
 @pytest.mark.slow
@@ -419,6 +445,92 @@ async def test_status_of_one_job_reads_only_that_job(nats_server: NatsServer) ->
     assert [j.job_id for j in st.jobs] == ["st-one"]
     assert st.jobs[0].record == record("st-one")
     assert "no generation record (no coordinator has started this job)" in render(unknown)
+
+
+def fallback(job: str, checkpoint: str | None) -> GenerationRecord:
+    """The record after generation 3's handoff failed with the old world gone."""
+    lost = GenerationAborted(
+        job_id=job,
+        event_id="e-9",
+        generation=3,
+        active_generation=2,
+        phase=HandoffPhase.SWITCH,
+        reason="worker w1 on n2:0 failed: the old world is gone",
+        outcome=AbortOutcome.CHECKPOINT_FALLBACK,
+        aborted_at=NOW,
+        checkpoint=checkpoint,
+    )
+    layout = ParallelLayout(tp=1, pp=1, dp=2)
+    placement = Placement((Device("n1", 0), Device("n2", 0)))
+    return GenerationRecord(
+        job_id=job,
+        writer="coord-a",
+        generation=2,
+        layout=layout,
+        placement=placement,
+        issued=3,
+        live=False,
+        last_outcome=lost,
+    )
+
+
+def test_status_after_a_fallback_without_a_checkpoint_says_the_job_has_none() -> None:
+    text = render(Status(services=[], jobs=[JobStatus(job_id="fb", record=fallback("fb", None))]))
+    assert "restarting from a checkpoint" not in text
+    assert "not live (generation 3 fell back and the job has no checkpoint configured" in text
+    with_one = render(Status(services=[], jobs=[JobStatus(job_id="fb", record=fallback("fb", "/ckpt/40"))]))
+    assert "not live (generation 3 fell back; restarting from checkpoint /ckpt/40)" in with_one
+
+
+class SilentServer:
+    """Speaks just enough NATS to be connected to (its INFO, a PONG to each PING) and answers nothing
+    else: every request to it goes unanswered."""
+
+    INFO = (
+        b'INFO {"server_id":"silent","version":"2.11.0","proto":1,"max_payload":1048576,"headers":true}\r\n'
+    )
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"nats://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.sendall(self.INFO)
+            pending = b""
+            while data := conn.recv(65536):
+                *lines, pending = (pending + data).split(b"\r\n")
+                for line in lines:
+                    if line == b"PING":
+                        conn.sendall(b"PONG\r\n")
+
+
+@pytest.fixture
+def silent_server() -> Iterator[SilentServer]:
+    server = SilentServer()
+    try:
+        yield server
+    finally:
+        server.sock.close()
+
+
+@pytest.mark.slow
+def test_status_against_a_server_that_does_not_answer_is_one_line_naming_the_wait(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, silent_server: SilentServer
+) -> None:
+    monkeypatch.setattr(status_cmd, "REQUEST_TIMEOUT_S", 1.0)
+    code, out, err = cli(capsys, "status", "--wait", "0.1", "--url", silent_server.url)
+    assert (code, out) == (1, "")
+    assert err == "liver status: error: no answer from the server within 1 s\n"
 
 
 @pytest.mark.parametrize(("argv", "flag"), [(("--wait", "0"), "--wait"), (("--job", "a b"), "--job")])

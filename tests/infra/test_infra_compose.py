@@ -26,7 +26,9 @@ from infra_helpers import (
 from liver.cli import serve_cmd, workers_cmd
 from liver.shared.nats_server import find_binary
 
-VARIABLES = {password_var(role): f"p{role}" for role in (*SERVICES, "worker", "publisher", "subscriber")}
+VARIABLES = {
+    password_var(role): f"p{role}" for role in (*SERVICES, "worker", "publisher", "subscriber", "operator")
+}
 """What infra/make-env.sh would put in infra/.env (values do not matter here)."""
 
 

@@ -151,6 +151,8 @@ def test_every_application_subject_the_config_names_is_one_liver_uses() -> None:
         *(f"$SRV.*.{micro_name(service)}" for service in SERVICES),
         *(f"$SRV.*.{micro_name(service)}.*" for service in SERVICES),
         "$SRV.*",
+        "$SRV.PING",  # the operator's discovery of every service (liver status)
+        s.ERRORS_ANY,  # the operator's watch of every service's rejected input (liver watch --errors)
         "_INBOX.>",
         ">",
     }
@@ -168,8 +170,9 @@ def test_make_env_writes_a_distinct_password_for_every_role_readable_by_the_owne
     tmp_path: Path,
 ) -> None:
     written = make_env(tmp_path / ".env")
-    assert sorted(written) == sorted(password_var(role) for role in ROLES)
-    assert len(set(written.values())) == len(ROLES)
+    # Every user's, and the route password of the Kubernetes NATS cluster (test_infra_cluster.py).
+    assert sorted(written) == sorted([*(password_var(role) for role in ROLES), "LIVER_NATS_ROUTE_PASSWORD"])
+    assert len(set(written.values())) == len(written)
     for value in written.values():
         assert re.fullmatch(r"p[0-9a-f]{48}", value), "a letter first, so nats-server reads a string"
     assert stat.S_IMODE((tmp_path / ".env").stat().st_mode) == 0o600

@@ -18,6 +18,8 @@ from repo_paths import REPO
 
 from liver.cli import notice_cmd, serve_cmd, worker_cmd
 from liver.services import bus as b
+from liver.services.host import HEALTH_TIMEOUT_S
+from liver.shared.metrics_http import HEALTH_PATH
 from liver.shared.nats_server import find_binary
 
 K8S = INFRA / "k8s"
@@ -158,10 +160,54 @@ def test_each_service_runs_as_in_compose_and_is_ready_when_it_answers(service: s
         "name": "liver-nats-passwords",
         "key": f"LIVER_NATS_PASSWORD_{service.upper()}",
     }
-    assert container["readinessProbe"]["exec"]["command"] == ["liver-entrypoint", "health", service]
+    assert container["readinessProbe"]["httpGet"]["path"] == HEALTH_PATH
     compose = load_compose()["services"][service]["environment"]
     assert env["LIVER_METRICS_PORT"] == compose["LIVER_METRICS_PORT"]
     assert {p["containerPort"] for p in container["ports"]} == {int(env["LIVER_METRICS_PORT"])}
+
+
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def liver_containers() -> list[tuple[str, dict[str, Any]]]:
+    """(workload container, spec) of every container that runs LiveR's image."""
+    return [
+        (f"{workload} {container['name']}", container)
+        for workload, pod in pods()
+        for container in pod.get("initContainers", []) + pod["containers"]
+        if container["image"].split(":")[0] == "liver"
+    ]
+
+
+def test_no_liver_container_probes_by_starting_a_process() -> None:
+    # An exec probe starts a Python interpreter in the container every period: about 120m of CPU per
+    # service, above its request (issue 34). The services answer /healthz on their metrics port instead.
+    execs = [
+        f"{where} {kind}" for where, c in liver_containers() for kind in PROBES if "exec" in c.get(kind, {})
+    ]
+    assert execs == []
+
+
+def test_every_http_probe_asks_the_metrics_server_of_the_container_for_its_health() -> None:
+    probed = []
+    for where, container in liver_containers():
+        declared = {p["containerPort"]: p for p in container.get("ports", [])}
+        by_name = {p["name"]: p["containerPort"] for p in declared.values() if "name" in p}
+        for kind in PROBES:
+            get = container.get(kind, {}).get("httpGet")
+            if get is None:
+                continue
+            port = by_name.get(get["port"], get["port"])
+            assert port in declared, f"{where} {kind}: port {get['port']!r} is not one the container declares"
+            metrics = env_of(container).get("LIVER_METRICS_PORT")
+            assert metrics is not None and int(metrics) == port, f"{where} {kind}: not its metrics port"
+            assert container["args"][0] in SERVICES, f"{where}: only `liver serve` answers {HEALTH_PATH}"
+            assert get["path"] == HEALTH_PATH and get.get("scheme", "HTTP") == "HTTP", f"{where} {kind}"
+            assert container[kind].get("timeoutSeconds", 1) > HEALTH_TIMEOUT_S, (
+                f"{where} {kind}: the probe must outwait the service's own check of its loop"
+            )
+            probed.append((container["args"][0], kind))
+    assert sorted(probed) == sorted((s, k) for s in SERVICES for k in ("readinessProbe", "livenessProbe"))
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -196,26 +242,38 @@ def test_each_pods_cluster_config_with_the_projects_auth_config_is_valid_for_nat
     tmp_path: Path,
 ) -> None:
     config = find("ConfigMap", "liver-nats-cluster")["data"]["cluster.conf"]
-    # The certificate cert-manager keeps in liver-nats-tls, as the pod sees it (make-tls.sh's here).
+    # The certificates cert-manager keeps in liver-nats-tls and liver-nats-routes-tls, as the pod sees
+    # them (make-tls.sh's here).
     tls = make_tls(tmp_path / "made")
-    (tmp_path / "tls").mkdir()
-    (tmp_path / "tls" / "tls.crt").write_bytes((tls / "server.crt").read_bytes())
-    (tmp_path / "tls" / "tls.key").write_bytes((tls / "server.key").read_bytes())
+    for folder in ("tls", "routes"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "tls.crt").write_bytes((tls / "server.crt").read_bytes())
+        (tmp_path / folder / "tls.key").write_bytes((tls / "server.key").read_bytes())
+    (tmp_path / "routes" / "ca.crt").write_bytes((tls / "ca.crt").read_bytes())
     assert "/etc/nats/tls/tls.crt" in config and "/etc/nats/tls/tls.key" in config
-    (tmp_path / "cluster.conf").write_text(config.replace("/etc/nats/tls/", f"{tmp_path}/tls/"))
+    config = config.replace("/etc/nats/tls/", f"{tmp_path}/tls/").replace(
+        "/etc/nats/routes/", f"{tmp_path}/routes/"
+    )
+    (tmp_path / "cluster.conf").write_text(config)
     (tmp_path / "nats.conf").write_text((INFRA / "nats.conf").read_text())  # the liver-nats-auth Secret
-    roles = (*SERVICES, "worker", "publisher", "subscriber")
-    env = {f"LIVER_NATS_PASSWORD_{r.upper()}": f"p{r}" for r in roles} | {"SERVER_NAME": "liver-nats-1"}
+    roles = (*SERVICES, "worker", "publisher", "subscriber", "operator")
+    env = {f"LIVER_NATS_PASSWORD_{r.upper()}": f"p{r}" for r in roles} | {
+        "SERVER_NAME": "liver-nats-1",
+        "LIVER_NATS_ROUTE_PASSWORD": "proute",
+    }
+    # The pod's arguments, with the route password put in as the kubelet does ($(VAR) from the env).
+    (container,) = find("StatefulSet", "liver-nats")["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(LIVER_NATS_ROUTE_PASSWORD)", "proute") for a in container["args"]]
+    args = [str(tmp_path / "cluster.conf") if a == "/etc/nats/cluster.conf" else a for a in args]
+    args = [str(tmp_path / "data") if a == "/data" else a for a in args]
     result = subprocess.run(
-        [str(find_binary()), "--config", str(tmp_path / "cluster.conf"), "-t"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [str(find_binary()), *args, "-t"], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    routes = [line.strip() for line in config.splitlines() if line.strip().startswith("nats://")]
-    assert routes == [f"nats://liver-nats-{i}.liver-nats-cluster.liver.svc:6222" for i in range(3)]
+    routes = args[args.index("--routes") + 1].split(",")
+    assert routes == [
+        f"nats://route:proute@liver-nats-{i}.liver-nats-cluster.liver.svc:6222" for i in range(3)
+    ]
 
 
 # -- TLS ----------------------------------------------------------------------------------------------

@@ -10,28 +10,47 @@ the real services is shown by tests/infra/test_infra_deployment.py.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 
 import nats
 import nats.errors
 import pytest
 from bus_helpers import REQUEST_TIMEOUT_S, WAIT_S, Collector, drained, eventually
-from infra_helpers import ROLES, Errors, connected, make_env, password_var, secured_server
+from infra_helpers import (
+    REPO,
+    ROLES,
+    SERVICES,
+    Errors,
+    connected,
+    make_env,
+    password_var,
+    secured_server,
+    service_environment,
+    violations,
+    without_nats_settings,
+)
 from nats.aio.client import Client
 
-from liver.cli import publish_cmd
+from liver.cli import publish_cmd, serve_cmd
 from liver.cli.bus_access import connect_once
+from liver.cli.main import main
 from liver.cli.watch_cmd import watch
 from liver.services import bus as b
+from liver.services.coordinator.record import GenerationRecord
+from liver.services.host import hosted
 from liver.shared import subjects as s
 from liver.shared.codec import encode
-from liver.shared.connection import PASSWORD_ENV, USER_ENV
+from liver.shared.connection import PASSWORD_ENV, TLS_CA_ENV, USER_ENV
 from liver.shared.layout import Device, ParallelLayout, Placement
-from liver.shared.messages import GenerationCommitted, SpotWarning
-from liver.shared.nats_server import NatsServer
+from liver.shared.messages import ErrorEvent, GenerationCommitted, JobMembership, SpotWarning, WorkerDevice
+from liver.shared.nats_server import URL_ENV, NatsServer
 from liver.worker_runtime.companion.slices import PlanFetcher, PlanFetchError
 
 # Every test here starts a process (a nats-server, workers or a CLI): none is in the fast tier.
@@ -193,6 +212,9 @@ CROSSINGS = [
     ("coordinator", s.GENERATION_COMMITTED, s.SPOT_WARNING),
     ("worker", s.worker_status("job-p"), s.worker_command("job-p", "w2")),
     ("worker", s.worker_hello("job-p"), s.GENERATION_COMMITTED),
+    ("operator", "$SRV.PING", s.SPOT_WARNING),
+    ("operator", "$SRV.PING", s.worker_command("job-p", "w1")),
+    ("operator", "$SRV.PING", f"$KV.{s.KV_GENERATIONS}.job-p"),
 ]
 """A user, a subject it publishes, and another role's subject it must not."""
 
@@ -290,18 +312,6 @@ async def test_liver_publish_and_liver_watch_need_no_more_than_the_publisher_and
     rig: Rig,
 ) -> None:
     await ingest_stream(rig)
-    outcome = GenerationCommitted(
-        job_id="job-cli",
-        event_id="cli-1",
-        previous_generation=0,
-        generation=1,
-        layout=ParallelLayout(tp=1, pp=1, dp=1),
-        placement=Placement((Device("n1", 0),)),
-        started_at_iteration=3,
-        downtime_s=0.1,
-        bytes_moved=1,
-        committed_at=datetime.now(UTC),
-    )
     publisher = {USER_ENV: "publisher", PASSWORD_ENV: rig.passwords[password_var("publisher")]}
     subscriber = {USER_ENV: "subscriber", PASSWORD_ENV: rig.passwords[password_var("subscriber")]}
     event = SpotWarning(job_id="job-cli", event_id="cli-1", node="n1", provider="aws", notice_s=30.0)
@@ -312,6 +322,19 @@ async def test_liver_publish_and_liver_watch_need_no_more_than_the_publisher_and
         out, err, ready = io.StringIO(), io.StringIO(), asyncio.Event()
         task = asyncio.create_task(watch(watcher, job="job-cli", count=1, out=out, err=err, ready=ready))
         await asyncio.wait_for(ready.wait(), WAIT_S)
+        # Committed once the watch runs: a watch skips outcomes from before its start (published again).
+        outcome = GenerationCommitted(
+            job_id="job-cli",
+            event_id="cli-1",
+            previous_generation=0,
+            generation=1,
+            layout=ParallelLayout(tp=1, pp=1, dp=1),
+            placement=Placement((Device("n1", 0),)),
+            started_at_iteration=3,
+            downtime_s=0.1,
+            bytes_moved=1,
+            committed_at=datetime.now(UTC),
+        )
         async with connected(rig.url, *rig.login("coordinator")) as (coordinator, errors):
             await coordinator.publish(s.GENERATION_COMMITTED, encode(outcome))
             await coordinator.flush()
@@ -320,3 +343,173 @@ async def test_liver_publish_and_liver_watch_need_no_more_than_the_publisher_and
     finally:
         await watcher.close()
     assert "committed  job job-cli  generation 1" in out.getvalue()
+
+
+# -- the operator: liver status and liver watch --errors -------------------------------------------------
+
+CLI_TIMEOUT_S = 120.0
+"""A `liver` process importing LiveR on a busy two-core machine, plus its own waits."""
+
+
+def cli_environment(rig: Rig, role: str, password: str | None = None) -> dict[str, str]:
+    """What a person logged in as ``role`` has in the environment of a `liver` command."""
+    return without_nats_settings(os.environ) | {
+        URL_ENV: rig.url,
+        USER_ENV: role,
+        PASSWORD_ENV: rig.passwords[password_var(role)] if password is None else password,
+    }
+
+
+async def liver(environ: dict[str, str], *argv: str) -> tuple[int, str, str]:
+    """``liver ARGV`` in a process of its own, as a person runs it: exit code, stdout, stderr."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "liver.cli.main",
+        *argv,
+        env=environ | {"PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), CLI_TIMEOUT_S)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def in_process(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch, *argv: str) -> int:
+    """``liver ARGV`` run here (:func:`main`) with ``environ``'s NATS settings."""
+    for name in (URL_ENV, USER_ENV, PASSWORD_ENV):
+        monkeypatch.setenv(name, environ[name])
+    for name in ("NATS_TOKEN", "NATS_CREDS", TLS_CA_ENV):
+        monkeypatch.delenv(name, raising=False)
+    return main(list(argv))
+
+
+@contextlib.asynccontextmanager
+async def the_four_services(rig: Rig) -> AsyncIterator[None]:
+    """The ingester, topology and transfer planners and coordinator, each as its own user with the
+    settings compose gives it (hosted here, on this loop)."""
+    async with contextlib.AsyncExitStack() as stack:
+        for service in SERVICES:
+            compose = service_environment(service, rig.passwords)
+            environ = {
+                k: v for k, v in compose.items() if not k.startswith(("NATS_", "LIVER_METRICS", "LIVER_LOG"))
+            }
+            environ |= {USER_ENV: service, PASSWORD_ENV: rig.passwords[password_var(service)]}
+            created = serve_cmd.find(service).create_service(environ)
+            await stack.enter_async_context(hosted(created, rig.url, environ))
+        yield
+
+
+def job_record(job: str) -> tuple[GenerationRecord, JobMembership]:
+    layout, placement = ParallelLayout(tp=1, pp=1, dp=2), Placement((Device("n1", 0), Device("n2", 0)))
+    record = GenerationRecord(
+        job_id=job, writer="coord-p", generation=2, layout=layout, placement=placement, issued=2
+    )
+    workers = tuple(WorkerDevice(worker_id=f"w{i}", device=d) for i, d in enumerate(placement.devices))
+    return record, JobMembership(job_id=job, generation=2, workers=workers)
+
+
+def operator_refusals(rig: Rig, after: int) -> list[str]:
+    """The server's refusals of the operator user among its violations after the first ``after``."""
+    return [line for line in violations(rig.server.log_file)[after:] if '"$G/user:operator"' in line]
+
+
+async def test_liver_status_as_the_operator_shows_the_four_services_and_the_jobs_records(rig: Rig) -> None:
+    before = len(violations(rig.server.log_file))
+    async with the_four_services(rig):
+        record, membership = job_record("job-status")
+        async with connected(rig.url, *rig.login("coordinator")) as (coordinator, errors):
+            js = coordinator.jetstream(timeout=REQUEST_TIMEOUT_S)
+            await (await js.key_value(s.KV_GENERATIONS)).put("job-status", encode(record))
+            await (await js.key_value(s.KV_MEMBERSHIP)).put("job-status", encode(membership))
+            assert errors == []
+        code, out, err = await liver(cli_environment(rig, "operator"), "status", "--wait", "3")
+    assert (code, err) == (0, ""), err
+    assert out.startswith("services: "), out
+    for service in SERVICES:
+        assert f"liver-{service} x1" in out, out
+    job = out[out.index("job job-status") :]
+    assert "generation 2 (issued 2): TP1,PP1,DP2 on 2 devices, live; written by coord-p" in job
+    assert "workers: 2 in generation 2, on 2 nodes" in job
+    assert operator_refusals(rig, before) == []
+
+
+async def test_liver_status_as_the_subscriber_is_one_line_naming_the_permission(rig: Rig) -> None:
+    code, out, err = await liver(cli_environment(rig, "subscriber"), "status")
+    assert (code, out) == (1, "")
+    assert err == (
+        "liver status: error: the NATS user 'subscriber' may not publish to $SRV.PING "
+        "(needs the operator role)\n"
+    ), err
+
+
+def test_liver_status_as_a_service_is_one_line_naming_the_permission(
+    rig: Rig, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service may ping only itself: its user is not enough for liver status."""
+    assert in_process(cli_environment(rig, "coordinator"), monkeypatch, "status") == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "liver status: error: the NATS user 'coordinator' may not publish to $SRV.PING "
+        "(needs the operator role)\n"
+    )
+
+
+def test_a_wrong_password_reads_as_refused_credentials(
+    rig: Rig, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert in_process(cli_environment(rig, "operator", password="pwrong"), monkeypatch, "status") == 1
+    _, err = capsys.readouterr()
+    assert err.startswith(
+        f"liver status: error: the server at {rig.url} refused the credentials of the NATS user 'operator' "
+        "(authorization violation)"
+    ), err
+    assert "no servers available" not in err
+
+
+def test_liver_watch_errors_as_the_subscriber_is_one_line_naming_the_permission(
+    rig: Rig, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The subscriber role receives generation outcomes (nats.conf); rejected input is the operator's."""
+    environ = cli_environment(rig, "subscriber")
+    assert in_process(environ, monkeypatch, "watch", "--errors", "--count", "1", "--timeout", "5") == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "liver watch: error: the NATS user 'subscriber' may not subscribe to liver.errors.* "
+        "(needs the operator role)\n"
+    )
+
+
+async def test_the_operator_watches_every_services_rejected_input(rig: Rig) -> None:
+    before = len(violations(rig.server.log_file))
+    operator = cli_environment(rig, "operator")
+    watcher = await connect_once(rig.url, operator, name="liver-watch")
+    try:
+        out, err, ready = io.StringIO(), io.StringIO(), asyncio.Event()
+        task = asyncio.create_task(watch(watcher, errors=True, count=1, out=out, err=err, ready=ready))
+        await asyncio.wait_for(ready.wait(), WAIT_S)
+        rejected = ErrorEvent(
+            source="ingester",
+            subject=s.SPOT_WARNING,
+            field="$.node",
+            message="bad node",
+            payload="{}",
+            payload_encoding="utf-8",
+            payload_size=2,
+            payload_truncated=False,
+            at=datetime.now(UTC),
+            job_id="job-op",
+        )
+        async with connected(rig.url, *rig.login("ingester")) as (ingester, errors):
+            await ingester.publish(s.errors("ingester"), encode(rejected))
+            await ingester.flush()
+            assert await asyncio.wait_for(task, WAIT_S)
+            assert errors == []
+    finally:
+        await watcher.close()
+    assert "rejected   by ingester on spot.warning  job job-op  $.node: bad node" in out.getvalue()
+    assert operator_refusals(rig, before) == []

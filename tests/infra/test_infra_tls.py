@@ -5,15 +5,27 @@ over TLS is tests/infra/test_infra_deployment.py's)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 import pytest
-from infra_helpers import client_tls, connected, make_env, make_tls, password_var, secured_server
+from infra_helpers import (
+    REPO,
+    client_tls,
+    connected,
+    make_env,
+    make_tls,
+    password_var,
+    secured_server,
+    without_nats_settings,
+)
 
 from liver.shared.connection import (
     TLS_CA_ENV,
@@ -106,6 +118,30 @@ async def test_a_liver_process_verifies_the_server_with_the_ca_in_its_environmen
         await nc.flush(timeout=CLOSE_WAIT_S)
     finally:
         await nc.close()
+
+
+@pytest.mark.slow
+def test_a_liver_command_over_tls_prints_what_it_found_and_nothing_else(rig: Rig) -> None:
+    """nats-py's TLS upgrade made asyncio warn "returning true from eof_received() has no effect when
+    using ssl" on stderr at every command's end (see liver/cli/bus_access.py)."""
+    user = "operator"
+    env = without_nats_settings(os.environ) | {
+        "NATS_URL": rig.server.url,
+        "NATS_USER": user,
+        "NATS_PASSWORD": rig.passwords[password_var(user)],
+        TLS_CA_ENV: str(rig.tls_dir / "ca.crt"),
+        "PYTHONPATH": str(REPO),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "liver.cli.main", "status", "--wait", "0.5"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.startswith("services: none answered\n")
 
 
 # -- the settings (no server) ---------------------------------------------------------------------------
