@@ -181,16 +181,17 @@ def render(st: Status) -> str:
 
 
 def _not_live(r: GenerationRecord) -> str:
-    """Why the job has no live world, from what the record holds: a checkpoint fallback's abort names
-    the checkpoint the job restarts from, or none when the job has none configured."""
+    """Why the job has no live world, from what the record holds. A checkpoint fallback's abort names
+    the checkpoint when it is known; the coordinator does not learn whether the job keeps checkpoints,
+    so without one the line claims neither a restart from a checkpoint nor its absence."""
     o = r.last_outcome
     if not isinstance(o, GenerationAborted) or o.outcome is not AbortOutcome.CHECKPOINT_FALLBACK:
         return "not live (waiting for the job's launcher to report its world)"
     if o.checkpoint is not None:
         return f"not live (generation {o.generation} fell back; restarting from checkpoint {o.checkpoint})"
     return (
-        f"not live (generation {o.generation} fell back and the job has no checkpoint configured: "
-        "it trains again once its launcher starts a new world)"
+        f"not live (generation {o.generation} fell back: its workers restart from their latest "
+        "checkpoint if they keep one; it trains again once its launcher reports a new world)"
     )
 
 

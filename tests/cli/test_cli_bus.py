@@ -474,10 +474,10 @@ def fallback(job: str, checkpoint: str | None) -> GenerationRecord:
     )
 
 
-def test_status_after_a_fallback_without_a_checkpoint_says_the_job_has_none() -> None:
+def test_status_after_a_fallback_claims_no_checkpoint_it_was_not_told_of() -> None:
     text = render(Status(services=[], jobs=[JobStatus(job_id="fb", record=fallback("fb", None))]))
     assert "restarting from a checkpoint" not in text
-    assert "not live (generation 3 fell back and the job has no checkpoint configured" in text
+    assert "generation 3 fell back: its workers restart from their latest checkpoint if they keep one" in text
     with_one = render(Status(services=[], jobs=[JobStatus(job_id="fb", record=fallback("fb", "/ckpt/40"))]))
     assert "not live (generation 3 fell back; restarting from checkpoint /ckpt/40)" in with_one
 
