@@ -84,6 +84,9 @@ async def test_a_dry_run_logs_that_it_did_not_publish(
 
     monkeypatch.setattr(notice_cmd, "source_of", lambda *_: Preempted())
     args = argparse.Namespace(source="gcp", interval=1.0, once=True, dry_run=True, url=None)
+    # Whatever level an earlier test of this worker left configured, every event is captured (conftest
+    # restores the configuration afterwards).
+    structlog.reset_defaults()
     with structlog.testing.capture_logs() as logged:
         assert await notice_cmd._agent(args, "j", "vm-1", {}) == 0
     assert "notice.published" not in [e["event"] for e in logged]
