@@ -93,6 +93,10 @@ class Service(Protocol):
 
     def stats(self) -> Mapping[str, int | float | str]: ...
 
+    def health_problem(self) -> str | None:
+        """Why this started service cannot do its work (its consumer ended), or None: ``/healthz``."""
+        ...
+
 
 # -- connection ---------------------------------------------------------------------------------------
 
@@ -598,9 +602,7 @@ class ServiceHealth:
         """The state now (on the service's loop): one ping to the server when connected."""
         h = self._hosted
         if h is None:
-            return ServiceState(
-                started=False, stopping=self._stopping, lost=False, connected=False, server_answered=False
-            )
+            return self._unstarted()
         nc = h.bus.nc
         connected = bool(nc.is_connected)
         answered = False
@@ -610,24 +612,24 @@ class ServiceHealth:
                 answered = True
             except (TimeoutError, nats.errors.Error):
                 answered = False
-        problem_of = getattr(self.service, "health_problem", None)
         return ServiceState(
             started=True,
             stopping=self._stopping,
             lost=h.lost.is_set(),
             connected=connected,
             server_answered=answered,
-            problem=problem_of() if problem_of is not None else None,
+            problem=self.service.health_problem(),
+        )
+
+    def _unstarted(self) -> ServiceState:
+        return ServiceState(
+            started=False, stopping=self._stopping, lost=False, connected=False, server_answered=False
         )
 
     def __call__(self) -> Health:
         loop = self._loop
         if loop is None:
-            return decide_health(
-                ServiceState(
-                    started=False, stopping=self._stopping, lost=False, connected=False, server_answered=False
-                )
-            )
+            return decide_health(self._unstarted())
         reading = self.state()
         try:
             future = asyncio.run_coroutine_threadsafe(reading, loop)

@@ -216,6 +216,9 @@ class StuckOnStop:
     def stats(self) -> Mapping[str, int]:
         return {}
 
+    def health_problem(self) -> str | None:
+        return None
+
 
 @pytest.mark.slow
 async def test_a_service_that_cannot_settle_its_message_is_cut_off_after_the_stop_grace(
@@ -257,6 +260,9 @@ class Idle:
 
     def stats(self) -> Mapping[str, int]:
         return {}
+
+    def health_problem(self) -> str | None:
+        return None
 
 
 @pytest.mark.slow
